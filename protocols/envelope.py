@@ -1,0 +1,194 @@
+"""One envelope for every message on the wire, and the framing that carries it.
+
+Frame (RPC lane)::
+
+    +----------------+---------------------------------------------------------------+
+    | length: u32 BE | msgpack array [version, kind, request_id, flags, payload]       |
+    +----------------+---------------------------------------------------------------+
+
+* ``version`` must equal :data:`PROTOCOL_VERSION`; anything else is answered with ``WRONG_VERSION``.
+* ``kind`` names the payload type (``"dht.find_node"``); each kind is registered once with its
+  :class:`Message` subclass and a per-kind size limit.
+* ``request_id`` pairs a response with its request; ids are chosen by the requester and are unique per
+  direction of one connection.
+* ``flags`` is a :class:`Flags` value: request, response, error reply, or one-way notification.
+* ``payload`` is the msgpack encoding of the message struct, decoded only after the header has been
+  validated, so a huge or unknown payload is rejected before any work is spent on it.
+
+Decoding validates everything (types, lengths, patterns, ``__post_init__`` checks) and raises
+:class:`~protocols.errors.ProtocolError` naming what was wrong. There is no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+
+from .codes import ErrorCode
+from .errors import ProtocolError
+
+__all__ = [
+    "FRAME_HEADER",
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Envelope",
+    "ErrorReply",
+    "Flags",
+    "Message",
+    "Request",
+    "decode_envelope",
+    "decode_message",
+    "encode_frame",
+    "register",
+    "registered_kinds",
+]
+
+PROTOCOL_VERSION = 1
+#: Hard ceiling on any frame of the RPC lane; per-kind limits are lower. Bulk bytes do not use frames.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+DEFAULT_MESSAGE_BYTES = 64 * 1024
+FRAME_HEADER = struct.Struct("!I")
+
+M = TypeVar("M", bound="Message")
+
+
+class Flags(enum.IntEnum):
+    REQUEST = 0
+    RESPONSE = 1
+    ERROR = 2
+    NOTIFY = 3
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every payload. Subclasses set ``kind`` and may lower or raise ``max_bytes``."""
+
+    kind: ClassVar[str] = ""
+    max_bytes: ClassVar[int] = DEFAULT_MESSAGE_BYTES
+
+
+class Request(Message, frozen=True, kw_only=True):
+    """A message that expects exactly one reply of type ``response`` (or an :class:`ErrorReply`)."""
+
+    response: ClassVar[type[Message]]
+
+
+class Envelope(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    kind: str
+    request_id: int
+    flags: int
+    payload: msgspec.Raw
+
+
+class ErrorReply(Message, frozen=True, kw_only=True):
+    """Sent instead of a response when a request fails; ``code`` says why."""
+
+    kind: ClassVar[str] = "error"
+    code: int
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.message) > 1024:
+            raise ValueError("error message longer than 1024 characters")
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+_DECODERS: dict[type[Message], msgspec.msgpack.Decoder[Any]] = {}
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def register(cls: type[M]) -> type[M]:
+    """Class decorator: make ``cls`` decodable under ``cls.kind``. Each kind is registered once."""
+    if not cls.kind:
+        raise ValueError(f"{cls.__name__} has no kind")
+    existing = _REGISTRY.get(cls.kind)
+    if existing is not None and existing is not cls:
+        raise ValueError(f"kind {cls.kind!r} is already registered to {existing.__name__}")
+    _REGISTRY[cls.kind] = cls
+    _DECODERS[cls] = msgspec.msgpack.Decoder(cls)
+    return cls
+
+
+def registered_kinds() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)
+
+
+register(ErrorReply)
+
+
+def encode_frame(message: Message, request_id: int, flags: Flags) -> bytes:
+    """Encode ``message`` in an envelope, with the length prefix.
+
+    Raises:
+        ProtocolError: the encoded message exceeds its kind's size limit.
+    """
+    payload = _ENCODER.encode(message)
+    if len(payload) > type(message).max_bytes:
+        raise ProtocolError(
+            f"{message.kind} payload of {len(payload)} bytes exceeds its limit of {type(message).max_bytes}",
+            ErrorCode.TOO_LARGE,
+        )
+    body = _ENCODER.encode(
+        Envelope(PROTOCOL_VERSION, message.kind, request_id, int(flags), msgspec.Raw(payload))
+    )
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def decode_envelope(body: bytes | memoryview) -> Envelope:
+    """Decode and check an envelope's header fields (not its payload).
+
+    Raises:
+        ProtocolError: garbage, wrong version (code ``WRONG_VERSION``), unknown kind (``UNKNOWN_KIND``),
+            payload too large for its kind (``TOO_LARGE``), bad flags or request id.
+    """
+    try:
+        envelope = _ENVELOPE_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed envelope: {exc}") from exc
+    if envelope.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {envelope.version} is not supported (this peer speaks {PROTOCOL_VERSION})",
+            ErrorCode.WRONG_VERSION,
+        )
+    if not 0 <= envelope.request_id < 2**63:
+        raise ProtocolError(f"request id {envelope.request_id} out of range")
+    if envelope.flags not in _FLAG_VALUES:
+        raise ProtocolError(f"unknown envelope flags {envelope.flags}")
+    cls = _REGISTRY.get(envelope.kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {envelope.kind[:64]!r}", ErrorCode.UNKNOWN_KIND)
+    if len(envelope.payload) > cls.max_bytes:
+        raise ProtocolError(
+            f"{envelope.kind} payload of {len(envelope.payload)} bytes exceeds its limit of {cls.max_bytes}",
+            ErrorCode.TOO_LARGE,
+        )
+    return envelope
+
+
+def decode_message(envelope: Envelope, expected: type[M] | None = None) -> Message:
+    """Decode the payload of a checked envelope into its registered type.
+
+    Args:
+        envelope: from :func:`decode_envelope`.
+        expected: if given, the payload must be of this kind (or an :class:`ErrorReply`).
+
+    Raises:
+        ProtocolError: the payload does not match its kind's schema or the expected kind.
+    """
+    cls = _REGISTRY[envelope.kind]
+    if expected is not None and cls is not expected and cls is not ErrorReply:
+        raise ProtocolError(f"expected a {expected.kind} message, got {envelope.kind}")
+    try:
+        message: Message = _DECODERS[cls].decode(envelope.payload)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid {envelope.kind} message: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed {envelope.kind} payload: {exc}") from exc
+    return message
+
+
+_FLAG_VALUES = frozenset(int(f) for f in Flags)

@@ -1,0 +1,98 @@
+"""The project's exception hierarchy, in one place.
+
+::
+
+    ProjectError                    (protocols.errors; root of everything raised on purpose)
+    ├── ConfigError                 bad user input: flags, files, addresses, data dirs
+    ├── ProtocolError               (protocols.errors) a frame or message violates the wire protocol
+    ├── RemoteError                 the peer answered with an error code
+    │   └── Overloaded              ... code OVERLOADED: retry later
+    ├── PeerUnavailable             could not reach the peer, or the connection broke / timed out
+    ├── HandshakeError              TLS or identity handshake failed
+    │   ├── PeerIdMismatch          the certificate's key is not the peer id we dialed
+    │   ├── BadIdentityProof        the dialer's in-band proof did not verify
+    │   └── WrongRun                the peer belongs to another training run
+    ├── RecordRejected              a DHT record failed validation (signature, expiry, validator)
+    └── DiscoveryError              no backbone for the run could be found
+
+Rules: translate foreign exceptions at one boundary with ``raise … from exc``; never swallow
+``trio.Cancelled``; "peer did not answer" is :class:`PeerUnavailable`, which callers must handle.
+"""
+
+from __future__ import annotations
+
+from protocols.codes import ErrorCode
+from protocols.errors import ProjectError, ProtocolError
+
+__all__ = [
+    "BadIdentityProof",
+    "ConfigError",
+    "DiscoveryError",
+    "HandshakeError",
+    "Overloaded",
+    "PeerIdMismatch",
+    "PeerUnavailable",
+    "ProjectError",
+    "ProtocolError",
+    "RecordRejected",
+    "RemoteError",
+    "WrongRun",
+    "remote_error",
+]
+
+
+class ConfigError(ProjectError):
+    """The user gave something unusable: a bad flag value, address, or data file. The message says which."""
+
+
+class RemoteError(ProjectError):
+    """The peer understood the request and answered with an error ``code`` (see ``protocols.codes``)."""
+
+    def __init__(self, code: ErrorCode | int, message: str) -> None:
+        try:
+            self.code: ErrorCode | int = ErrorCode(code)
+        except ValueError:
+            self.code = code
+        name = self.code.name if isinstance(self.code, ErrorCode) else str(code)
+        super().__init__(f"{name}: {message}" if message else name)
+        self.remote_message = message
+
+
+class Overloaded(RemoteError):
+    """The peer has too many of our requests in flight (``OVERLOADED``); back off and retry."""
+
+
+class PeerUnavailable(ProjectError):
+    """The peer could not be dialed, the connection broke, or it did not answer before the deadline."""
+
+
+class HandshakeError(ProjectError):
+    """The TLS or identity handshake with a peer failed; no connection was established."""
+
+
+class PeerIdMismatch(HandshakeError):
+    """The listener's certificate carries a key whose peer id differs from the one we dialed."""
+
+
+class BadIdentityProof(HandshakeError):
+    """The dialer's in-band identity proof did not verify against the key it presented."""
+
+
+class WrongRun(HandshakeError):
+    """The peer serves another training run than ours."""
+
+
+class RecordRejected(ProjectError):
+    """A DHT record failed validation: bad signature, expiry in the past or too far ahead, or a validator
+    refused it."""
+
+
+class DiscoveryError(ProjectError):
+    """No backbone serving the requested run could be found (mDNS or initial peers)."""
+
+
+def remote_error(code: int, message: str) -> RemoteError:
+    """Map a wire error code to the most specific exception class."""
+    if code == ErrorCode.OVERLOADED:
+        return Overloaded(code, message)
+    return RemoteError(code, message)

@@ -1,0 +1,107 @@
+"""Multiaddrs as this engine uses them: ``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>[/p2p/<peer-id>]``.
+
+Parsing happens once, at the edge (CLI flags, DHT contact records); the rest of the engine passes
+:class:`PeerAddress` values around.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import ifaddr
+import multiaddr
+import multiaddr.exceptions
+
+from protocols.peer_id import PeerId, validate_peer_id
+
+from ..errors import ConfigError
+
+__all__ = ["PeerAddress", "expand_unspecified", "format_multiaddr", "parse_multiaddr"]
+
+_HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where to dial: a TCP endpoint and, if known, the peer id expected there."""
+
+    host: str
+    port: int
+    peer_id: PeerId | None = None
+    proto: str = "ip4"
+
+    def with_peer(self, peer_id: PeerId) -> PeerAddress:
+        return PeerAddress(self.host, self.port, peer_id, self.proto)
+
+    def __str__(self) -> str:
+        return format_multiaddr(self.host, self.port, self.peer_id, self.proto)
+
+
+def parse_multiaddr(text: str) -> PeerAddress:
+    """Parse a TCP multiaddr, with or without a trailing ``/p2p/<peer-id>``.
+
+    Raises:
+        ConfigError: not a multiaddr, not TCP, or a malformed peer id; the message quotes the input.
+    """
+    try:
+        ma = multiaddr.Multiaddr(text)
+        names = [p.name for p in ma.protocols()]
+    except (multiaddr.exceptions.Error, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{text!r} is not a valid multiaddr ({exc})") from exc
+    if len(names) not in (2, 3) or names[0] not in _HOST_PROTOCOLS or names[1] != "tcp":
+        raise ConfigError(f"{text!r} is not a TCP multiaddr like /ip4/203.0.113.7/tcp/4001/p2p/12D3KooW…")
+    if len(names) == 3 and names[2] != "p2p":
+        raise ConfigError(f"{text!r}: only /p2p/<peer-id> may follow /tcp/<port>")
+    host = ma.value_for_protocol(names[0])
+    port = int(ma.value_for_protocol("tcp"))
+    peer_id: PeerId | None = None
+    if len(names) == 3:
+        try:
+            peer_id = validate_peer_id(ma.value_for_protocol("p2p"))
+        except ValueError as exc:
+            raise ConfigError(f"{text!r}: {exc}") from exc
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{text!r}: port {port} out of range")
+    return PeerAddress(host, port, peer_id, names[0])
+
+
+def format_multiaddr(host: str, port: int, peer_id: str | None = None, proto: str | None = None) -> str:
+    if proto is None:
+        try:
+            proto = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+        except ValueError:
+            proto = "dns"
+    text = f"/{proto}/{host}/tcp/{port}"
+    return f"{text}/p2p/{peer_id}" if peer_id else text
+
+
+def expand_unspecified(host: str) -> list[str]:
+    """The concrete addresses a listener on ``host`` can be reached at.
+
+    ``0.0.0.0`` / ``::`` become every configured interface address of that family (loopback included,
+    listed last); any other host is returned as is.
+    """
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return [host]
+    if not ip.is_unspecified:
+        return [host]
+    found: list[str] = []
+    for adapter in ifaddr.get_adapters():
+        for entry in adapter.ips:
+            value = entry.ip if isinstance(entry.ip, str) else entry.ip[0]
+            try:
+                candidate = ipaddress.ip_address(value.split("%")[0])
+            except ValueError:
+                continue
+            if candidate.version == ip.version and not candidate.is_link_local:
+                found.append(str(candidate))
+    return _loopback_last(dict.fromkeys(found))
+
+
+def _loopback_last(hosts: Iterable[str]) -> list[str]:
+    ordered = sorted(hosts, key=lambda h: ipaddress.ip_address(h).is_loopback)
+    return ordered or ["127.0.0.1"]

@@ -1,0 +1,140 @@
+"""The bulk data plane: big byte transfers through the C-level TLS socket in worker threads.
+
+See :mod:`protocols.bulk` for the wire exchange. The sender holds a bulk connection exclusively for one
+transfer; the bytes move in a worker thread (``BULK_THREADS``) with the socket in blocking mode, so the
+trio loop stays free and encryption runs in parallel on other cores (the GIL is released inside
+OpenSSL). Cancellation shuts the socket down, which makes the thread fail promptly; the file descriptor
+is closed only once the thread has let go of it, so it can never be reused under the thread's feet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from protocols.bulk import BulkAck, BulkHeader
+from protocols.codes import ErrorCode
+from protocols.envelope import ErrorReply, Flags
+from protocols.errors import ProtocolError
+
+from ..errors import PeerUnavailable, RemoteError
+from .connection import SecureConnection
+from .rpc import RequestContext
+
+__all__ = ["BULK_THREADS", "BulkHandler", "BulkReader", "send_bulk", "serve_bulk_lane"]
+
+logger = logging.getLogger(__name__)
+
+#: Worker threads moving bulk bytes, process-wide.
+BULK_THREADS = trio.CapacityLimiter(32)
+
+
+async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(*args)`` (which uses ``conn``'s socket) in a bulk thread; on cancel, abort the socket."""
+    lock = threading.Lock()
+    state = {"done": False, "aborted": False}
+    tls = conn.tls
+
+    def work() -> None:
+        try:
+            fn(*args)
+        finally:
+            with lock:
+                state["done"] = True
+                if state["aborted"]:
+                    tls.close_from_thread()
+
+    try:
+        await trio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=BULK_THREADS)
+    except trio.Cancelled:
+        with lock:
+            state["aborted"] = True
+            if state["done"]:
+                tls.close()
+            else:
+                tls.shutdown()
+        raise
+
+
+async def send_bulk(conn: SecureConnection, topic: str, data: memoryview, meta: bytes, stall: float) -> bytes:
+    """Send ``data`` on the bulk connection ``conn`` and return the receiver's ack meta.
+
+    Raises:
+        PeerUnavailable: the connection broke or stalled for ``stall`` seconds.
+        RemoteError: the receiver refused the transfer.
+    """
+    flat = data.cast("B") if data.ndim != 1 or data.format != "B" else data
+    await conn.send_message(BulkHeader(topic=topic, nbytes=flat.nbytes, meta=meta), flags=Flags.REQUEST)
+    if flat.nbytes:
+        await _in_thread(conn, conn.tls.send_all_blocking, flat, stall)
+    ack = await conn.receive_message(BulkAck)
+    return ack.meta
+
+
+class BulkReader:
+    """Gives a bulk handler the transfer's bytes; the handler must read exactly ``remaining`` bytes."""
+
+    def __init__(self, conn: SecureConnection, nbytes: int, stall: float) -> None:
+        self._conn = conn
+        self.remaining = nbytes
+        self._stall = stall
+
+    async def read_into(self, buffer: memoryview) -> None:
+        """Fill all of ``buffer`` (a writable byte view) with the next bytes of the transfer."""
+        view = buffer.cast("B") if buffer.ndim != 1 or buffer.format != "B" else buffer
+        if view.nbytes > self.remaining:
+            raise ValueError(f"asked for {view.nbytes} bytes, only {self.remaining} remain in the transfer")
+        head = self._conn.receiver.take_buffered(view.nbytes)
+        view[: len(head)] = head
+        rest = view[len(head) :]
+        if rest.nbytes:
+            await _in_thread(self._conn, self._conn.tls.recv_into_blocking, rest, self._stall)
+        self.remaining -= view.nbytes
+
+    async def discard(self) -> None:
+        """Read and drop whatever the handler did not consume."""
+        scratch = bytearray(min(self.remaining, 1 << 20))
+        while self.remaining:
+            chunk = memoryview(scratch)[: min(self.remaining, len(scratch))]
+            await self.read_into(chunk)
+
+
+BulkHandler = Callable[[RequestContext, BulkHeader, BulkReader], Awaitable[bytes]]
+
+
+async def serve_bulk_lane(conn: SecureConnection, handlers: dict[str, BulkHandler], stall: float) -> None:
+    """Serve transfers on an accepted bulk connection until the peer closes it."""
+    context = RequestContext(conn.remote_peer, conn.remote_addrs)
+    try:
+        while True:
+            try:
+                header = await conn.receive_message(BulkHeader)
+            except (EOFError, PeerUnavailable):
+                return
+            reader = BulkReader(conn, header.nbytes, stall)
+            handler = handlers.get(header.topic)
+            try:
+                if handler is None:
+                    raise ProtocolError(f"no bulk handler for topic {header.topic!r}", ErrorCode.UNKNOWN_KIND)
+                meta = await handler(context, header, reader)
+            except (ProtocolError, RemoteError) as exc:
+                code = exc.code if isinstance(exc, ProtocolError) else int(exc.code)
+                logger.warning("refused bulk %s from %s: %s", header.topic, conn.remote_peer, exc)
+                with trio.move_on_after(1):
+                    await conn.send_message(
+                        ErrorReply(code=int(code), message=str(exc)[:1024]), flags=Flags.ERROR
+                    )
+                return  # the unread bytes make the lane unusable: close it
+            if reader.remaining:
+                await reader.discard()
+            await conn.send_message(BulkAck(meta=meta), flags=Flags.RESPONSE)
+    except ProtocolError as exc:
+        logger.warning("closing bulk lane from %s: %s", conn.remote_peer, exc)
+    except PeerUnavailable as exc:
+        logger.debug("bulk lane from %s lost: %s", conn.remote_peer, exc)
+    finally:
+        conn.close()

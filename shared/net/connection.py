@@ -1,0 +1,198 @@
+"""Authenticated connections: TLS 1.3 plus the in-band identity proof (:mod:`protocols.handshake`).
+
+:func:`dial` and :func:`accept` return a :class:`SecureConnection` whose ``remote_peer`` is proven:
+the listener's by its certificate key, the dialer's by its signature over the listener's certificate
+and nonce. Both refuse peers of another run. Deadlines are the caller's cancel scopes.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import msgspec
+import trio
+
+from protocols.codes import ErrorCode
+from protocols.envelope import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    ErrorReply,
+    Flags,
+    Message,
+    decode_envelope,
+    decode_message,
+    encode_frame,
+)
+from protocols.errors import ProtocolError
+from protocols.handshake import ClientProof, Lane, ServerHello, Welcome, proof_payload
+from protocols.peer_id import PeerId, peer_id_from_public_key
+
+from ..auth.keys import Identity, verify
+from ..errors import BadIdentityProof, PeerIdMismatch, PeerUnavailable, WrongRun, remote_error
+from .addresses import PeerAddress
+from .tls import client_context, peer_id_from_certificate, server_context
+from .tls_socket import BufferedReceiver, TlsSocket, connect_tcp
+
+__all__ = ["LocalEndpoint", "SecureConnection", "accept", "dial"]
+
+logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+AGENT = "dedloc/0.1"
+
+
+@dataclass
+class LocalEndpoint:
+    """What this node presents in every handshake."""
+
+    identity: Identity
+    run_id: str
+    listen_addrs: list[str] = field(default_factory=list)
+    agent: str = AGENT
+
+    def __post_init__(self) -> None:
+        self.server_ctx, self.cert_der = server_context(self.identity)
+        self.client_ctx = client_context()
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self.identity.peer_id
+
+
+class SecureConnection:
+    """A TLS connection to a proven peer, carrying length-prefixed envelope frames."""
+
+    def __init__(
+        self,
+        tls: TlsSocket,
+        receiver: BufferedReceiver,
+        remote_peer: PeerId,
+        remote_addrs: tuple[str, ...],
+        lane: Lane,
+        initiator: bool,
+    ) -> None:
+        self.tls = tls
+        self.receiver = receiver
+        self.remote_peer = remote_peer
+        self.remote_addrs = remote_addrs
+        self.lane = lane
+        self.initiator = initiator
+        self._write_lock = trio.StrictFIFOLock()
+
+    async def send_frame(self, frame: bytes) -> None:
+        async with self._write_lock:
+            await self.tls.send_all(frame)
+
+    async def send_message(self, message: Message, request_id: int = 0, flags: Flags = Flags.NOTIFY) -> None:
+        await self.send_frame(encode_frame(message, request_id, flags))
+
+    async def receive_frame(self, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+        """The next frame's body.
+
+        Raises:
+            EOFError: clean close between frames.
+            ProtocolError: the announced length exceeds ``max_bytes`` (code ``TOO_LARGE``); the stream
+                cannot be resynchronised, so the caller must close the connection.
+            PeerUnavailable: the connection broke.
+        """
+        (length,) = FRAME_HEADER.unpack(await self.receiver.read_exactly(FRAME_HEADER.size))
+        if length > max_bytes:
+            raise ProtocolError(
+                f"frame of {length} bytes exceeds the limit of {max_bytes}", ErrorCode.TOO_LARGE
+            )
+        return await self.receiver.read_exactly(length)
+
+    async def receive_message(self, expected: type[M]) -> M:
+        """Receive one message that must be ``expected``; an :class:`ErrorReply` raises its error."""
+        try:
+            body = await self.receive_frame()
+        except EOFError as exc:
+            raise PeerUnavailable(f"{self.tls.peer} closed the connection") from exc
+        message = decode_message(decode_envelope(body), expected)
+        if isinstance(message, ErrorReply):
+            raise remote_error(message.code, message.message)
+        if not isinstance(message, expected):
+            raise ProtocolError(f"expected {expected.kind}, got {message.kind}")
+        return message
+
+    def close(self) -> None:
+        self.tls.close()
+
+
+async def dial(endpoint: LocalEndpoint, address: PeerAddress, lane: Lane) -> SecureConnection:
+    """Connect to ``address`` and authenticate both ends.
+
+    Raises:
+        PeerUnavailable: nobody answered, or the connection broke during the handshake.
+        PeerIdMismatch: the listener is not ``address.peer_id`` (when one is given).
+        WrongRun: the listener serves another run.
+        RemoteError: the listener refused our proof (``BAD_IDENTITY``, ``WRONG_RUN``).
+        ProtocolError: the listener sent garbage.
+    """
+    peer = f"{address.host}:{address.port}"
+    raw = await connect_tcp(address.host, address.port)
+    tls = await TlsSocket.handshake(raw, endpoint.client_ctx, server_side=False, peer=peer)
+    try:
+        cert = tls.peer_certificate()
+        remote = peer_id_from_certificate(cert)
+        if address.peer_id is not None and remote != address.peer_id:
+            raise PeerIdMismatch(f"{peer} is {remote}, not the {address.peer_id} we dialed")
+        conn = SecureConnection(
+            tls, BufferedReceiver(tls), remote, (str(address.with_peer(remote)),), lane, True
+        )
+        hello = await conn.receive_message(ServerHello)
+        if hello.run_id != endpoint.run_id:
+            raise WrongRun(f"{peer} serves run {hello.run_id!r}, not {endpoint.run_id!r}")
+        unsigned = ClientProof(
+            run_id=endpoint.run_id,
+            lane=lane,
+            public_key=endpoint.identity.public_key_bytes,
+            listen_addrs=endpoint.listen_addrs[:16],
+            agent=endpoint.agent,
+            signature=b"\0" * 64,
+        )
+        assert cert is not None  # peer_id_from_certificate raised otherwise
+        signature = endpoint.identity.sign(proof_payload(cert, hello.nonce, unsigned))
+        await conn.send_message(msgspec.structs.replace(unsigned, signature=signature))
+        await conn.receive_message(Welcome)
+    except BaseException:
+        tls.close()
+        raise
+    return conn
+
+
+async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> SecureConnection:
+    """Authenticate an accepted TCP socket ``raw`` (see :func:`dial` for the errors).
+
+    Raises:
+        BadIdentityProof: the dialer's signature did not verify (it was told ``BAD_IDENTITY``).
+        WrongRun: the dialer belongs to another run (it was told ``WRONG_RUN``).
+    """
+    tls = await TlsSocket.handshake(raw, endpoint.server_ctx, server_side=True, peer=peer)
+    try:
+        receiver = BufferedReceiver(tls)
+        nonce = secrets.token_bytes(32)
+        pending = SecureConnection(tls, receiver, PeerId(""), (), "rpc", False)
+        await pending.send_message(ServerHello(run_id=endpoint.run_id, nonce=nonce, agent=endpoint.agent))
+        proof = await pending.receive_message(ClientProof)
+        if proof.run_id != endpoint.run_id:
+            await _refuse(pending, ErrorCode.WRONG_RUN, f"this node serves run {endpoint.run_id!r}")
+            raise WrongRun(f"{peer} belongs to run {proof.run_id!r}, not {endpoint.run_id!r}")
+        if not verify(proof.public_key, proof.signature, proof_payload(endpoint.cert_der, nonce, proof)):
+            await _refuse(pending, ErrorCode.BAD_IDENTITY, "identity proof does not verify")
+            raise BadIdentityProof(f"{peer} sent an identity proof that does not verify")
+        remote = peer_id_from_public_key(proof.public_key)
+        conn = SecureConnection(tls, receiver, remote, tuple(proof.listen_addrs), proof.lane, False)
+        await conn.send_message(Welcome())
+    except BaseException:
+        tls.close()
+        raise
+    return conn
+
+
+async def _refuse(conn: SecureConnection, code: ErrorCode, message: str) -> None:
+    with trio.move_on_after(1):
+        await conn.send_message(ErrorReply(code=int(code), message=message), flags=Flags.ERROR)

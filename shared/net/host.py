@@ -1,0 +1,362 @@
+"""The node's network presence: listeners, a connection pool, RPC dispatch and the bulk data plane.
+
+One :class:`Host` per node. It owns every connection task in its own nursery (started by :meth:`run`),
+so leaving the ``run`` scope closes every connection; nothing outlives it.
+
+Pooling: at most one RPC connection per peer is used for outgoing calls (either direction's: a
+connection the peer opened to us is reused for our calls to it). Concurrent calls to a peer we are not
+connected to share one dial. Bulk connections are pooled separately per peer and checked out by one
+transfer at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from protocols.envelope import Message, Request
+from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
+
+from ..auth.keys import Identity
+from ..errors import ConfigError, HandshakeError, PeerUnavailable, RemoteError
+from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_multiaddr
+from .bulk import BulkHandler, send_bulk, serve_bulk_lane
+from .connection import LocalEndpoint, SecureConnection, accept, dial
+from .rpc import HandlerRegistry, RpcChannel
+
+__all__ = ["Host", "HostConfig", "HostStatistics"]
+
+logger = logging.getLogger(__name__)
+
+#: accept() errors that mean "the system is overloaded", not "the listener is broken" (as in trio).
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Tunables of the network engine. The defaults suit the Internet; tests may shorten them."""
+
+    dial_deadline: float = 5.0  # TCP connect + TLS + identity proof, outgoing
+    accept_deadline: float = 5.0  # the same, incoming (a silent dialer is dropped after this)
+    max_inflight: int = 128  # requests served concurrently per connection before OVERLOADED
+    handler_deadline: float = 30.0  # a handler running longer is answered INTERNAL
+    bulk_stall: float = 30.0  # a bulk transfer making no progress this long fails
+    max_idle_bulk: int = 8  # idle bulk connections kept per peer
+
+
+@dataclass(frozen=True)
+class HostStatistics:
+    peers_connected: int
+    rpc_connections: int
+    idle_bulk_connections: int
+    calls_sent: int
+    calls_failed: int
+    requests_served: int
+    bytes_sent: int
+    bytes_received: int
+
+
+class Host:
+    """A node's endpoint on the network. Call :meth:`run` (via ``nursery.start``) before anything else."""
+
+    def __init__(self, identity: Identity, run_id: str, config: HostConfig | None = None) -> None:
+        self.endpoint = LocalEndpoint(identity, run_id)
+        self.config = config or HostConfig()
+        self.registry = HandlerRegistry()
+        self.bulk_handlers: dict[str, BulkHandler] = {}
+        self.listen_addrs: list[str] = []
+        self._channels: dict[PeerId, RpcChannel] = {}
+        self._all_channels: set[RpcChannel] = set()
+        self._by_address: dict[tuple[str, int], PeerId] = {}
+        self._dial_locks: dict[object, trio.Lock] = {}
+        self._idle_bulk: dict[PeerId, list[SecureConnection]] = {}
+        self._nursery: trio.Nursery | None = None
+        self._closed_stats = [0, 0, 0, 0, 0]
+
+    @property
+    def peer_id(self) -> PeerId:
+        return self.endpoint.peer_id
+
+    @property
+    def run_id(self) -> str:
+        return self.endpoint.run_id
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(
+        self,
+        listen: Sequence[PeerAddress | str] = ("/ip4/127.0.0.1/tcp/0",),
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on ``listen`` (none: a client-mode node) and serve until cancelled.
+
+        Raises:
+            ConfigError: an address cannot be listened on (in use, not local, malformed).
+        """
+        listeners = []
+        try:
+            for item in listen:
+                address = parse_multiaddr(item) if isinstance(item, str) else item
+                listeners.append(_bind(address))
+            for sock, address in listeners:
+                port = sock.getsockname()[1]
+                for host in expand_unspecified(address.host):
+                    self.listen_addrs.append(format_multiaddr(host, port, self.peer_id))
+            self.endpoint.listen_addrs[:] = self.listen_addrs
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for sock, _ in listeners:
+                    nursery.start_soon(self._accept_loop, sock)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            for sock, _ in listeners:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+            for channel in list(self._all_channels):
+                channel.conn.close()
+            for lanes in self._idle_bulk.values():
+                for lane in lanes:
+                    lane.close()
+            self._idle_bulk.clear()
+
+    def _require_running(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise RuntimeError("Host.run() is not running")
+        return self._nursery
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        nursery = self._require_running()
+        while True:
+            await trio.lowlevel.wait_readable(listener)
+            try:
+                raw, addr = listener.accept()
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                    logger.error("accept() failed (%s); retrying in 0.1 s", exc.strerror)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            nursery.start_soon(self._serve_incoming, raw, f"{addr[0]}:{addr[1]}")
+
+    async def _serve_incoming(self, raw: socket.socket, peer: str) -> None:
+        try:
+            with trio.fail_after(self.config.accept_deadline):
+                conn = await accept(self.endpoint, raw, peer)
+        except trio.TooSlowError:
+            logger.info(
+                "dropped connection from %s: no complete handshake within %.0f s",
+                peer,
+                self.config.accept_deadline,
+            )
+            raw.close()
+            return
+        except (HandshakeError, ProtocolError, RemoteError, PeerUnavailable) as exc:
+            logger.warning("rejected connection from %s: %s", peer, exc)
+            return
+        if conn.lane == "bulk":
+            await serve_bulk_lane(conn, self.bulk_handlers, self.config.bulk_stall)
+        else:
+            await self._run_channel(self._adopt(conn))
+
+    # ---------------------------------------------------------------- RPC
+
+    def _adopt(self, conn: SecureConnection) -> RpcChannel:
+        channel = RpcChannel(
+            conn,
+            self.registry,
+            max_inflight=self.config.max_inflight,
+            handler_deadline=self.config.handler_deadline,
+        )
+        self._all_channels.add(channel)
+        current = self._channels.get(channel.peer_id)
+        if current is None or current.closed:
+            self._channels[channel.peer_id] = channel
+        return channel
+
+    async def _run_channel(self, channel: RpcChannel) -> None:
+        try:
+            await channel.run()
+        finally:
+            self._all_channels.discard(channel)
+            if self._channels.get(channel.peer_id) is channel:
+                del self._channels[channel.peer_id]
+            stats = channel.statistics()
+            for i, value in enumerate(
+                (
+                    stats.calls_sent,
+                    stats.calls_failed,
+                    stats.requests_served,
+                    stats.bytes_sent,
+                    stats.bytes_received,
+                )
+            ):
+                self._closed_stats[i] += value
+
+    async def connect(self, target: PeerAddress | str) -> PeerId:
+        """Make sure an RPC connection to ``target`` exists; return the peer id it proved.
+
+        Raises:
+            ConfigError: ``target`` is a malformed multiaddr.
+            PeerUnavailable, HandshakeError, RemoteError: see :func:`shared.net.connection.dial`.
+        """
+        address = parse_multiaddr(target) if isinstance(target, str) else target
+        return (await self.channel_to(address)).peer_id
+
+    async def channel_to(self, address: PeerAddress) -> RpcChannel:
+        """A live RPC channel to ``address``'s peer: a pooled one, else one dial shared by all callers."""
+        key: object = address.peer_id or (address.host, address.port)
+        existing = self._live_channel(address)
+        if existing is not None:
+            return existing
+        lock = self._dial_locks.setdefault(key, trio.Lock())
+        try:
+            async with lock:
+                existing = self._live_channel(address)
+                if existing is not None:
+                    return existing
+                with trio.fail_after(self.config.dial_deadline):
+                    conn = await dial(self.endpoint, address, "rpc")
+                self._by_address[(address.host, address.port)] = conn.remote_peer
+                channel = self._adopt(conn)
+                self._require_running().start_soon(self._run_channel, channel)
+                return channel
+        except trio.TooSlowError as exc:
+            raise PeerUnavailable(
+                f"{address} did not complete a handshake within {self.config.dial_deadline} s"
+            ) from exc
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._dial_locks.pop(key, None)
+
+    def _live_channel(self, address: PeerAddress) -> RpcChannel | None:
+        peer = address.peer_id or self._by_address.get((address.host, address.port))
+        channel = self._channels.get(peer) if peer else None
+        return channel if channel is not None and not channel.closed else None
+
+    async def call(self, address: PeerAddress, request: Request) -> Message:
+        """Send ``request`` to the peer at ``address`` and return its reply.
+
+        Raises:
+            PeerUnavailable: the peer cannot be reached or the connection broke.
+            RemoteError: the peer answered with an error code.
+            HandshakeError: the peer at that address is not who ``address`` says.
+            ProtocolError: the reply is malformed.
+        """
+        channel = await self.channel_to(address)
+        return await channel.call(request)
+
+    async def notify(self, address: PeerAddress, message: Message) -> None:
+        channel = await self.channel_to(address)
+        await channel.notify(message)
+
+    def connected_peers(self) -> list[PeerId]:
+        return [peer for peer, channel in self._channels.items() if not channel.closed]
+
+    def channel_for(self, peer_id: PeerId) -> RpcChannel | None:
+        channel = self._channels.get(peer_id)
+        return channel if channel is not None and not channel.closed else None
+
+    def disconnect(self, peer_id: PeerId) -> None:
+        """Close every connection to ``peer_id`` (used when it is known to be gone)."""
+        for channel in list(self._all_channels):
+            if channel.peer_id == peer_id:
+                channel.conn.close()
+        for lane in self._idle_bulk.pop(peer_id, []):
+            lane.close()
+
+    # ---------------------------------------------------------------- bulk
+
+    async def send_bulk(
+        self, address: PeerAddress, topic: str, data: memoryview | bytes, meta: bytes = b""
+    ) -> bytes:
+        """Send ``data`` to the bulk handler for ``topic`` at ``address``; return its ack meta.
+
+        Raises:
+            PeerUnavailable, HandshakeError, RemoteError: as for :meth:`call`.
+        """
+        conn = await self._checkout_bulk(address)
+        ok = False
+        try:
+            ack = await send_bulk(conn, topic, memoryview(data), meta, self.config.bulk_stall)
+            ok = True
+            return ack
+        finally:
+            idle = self._idle_bulk.setdefault(conn.remote_peer, [])
+            if (
+                ok
+                and not conn.tls.closed
+                and len(idle) < self.config.max_idle_bulk
+                and self._nursery is not None
+            ):
+                idle.append(conn)
+            else:
+                conn.close()
+
+    async def _checkout_bulk(self, address: PeerAddress) -> SecureConnection:
+        peer = address.peer_id or self._by_address.get((address.host, address.port))
+        idle = self._idle_bulk.get(peer, []) if peer else []
+        while idle:
+            conn = idle.pop()
+            if not conn.tls.closed:
+                return conn
+        self._require_running()
+        try:
+            with trio.fail_after(self.config.dial_deadline):
+                conn = await dial(self.endpoint, address, "bulk")
+        except trio.TooSlowError as exc:
+            raise PeerUnavailable(
+                f"{address} did not complete a handshake within {self.config.dial_deadline} s"
+            ) from exc
+        self._by_address[(address.host, address.port)] = conn.remote_peer
+        return conn
+
+    # ---------------------------------------------------------------- metrics
+
+    def statistics(self) -> HostStatistics:
+        totals = list(self._closed_stats)
+        for channel in self._all_channels:
+            s = channel.statistics()
+            for i, value in enumerate(
+                (s.calls_sent, s.calls_failed, s.requests_served, s.bytes_sent, s.bytes_received)
+            ):
+                totals[i] += value
+        return HostStatistics(
+            peers_connected=len(self.connected_peers()),
+            rpc_connections=len(self._all_channels),
+            idle_bulk_connections=sum(len(v) for v in self._idle_bulk.values()),
+            calls_sent=totals[0],
+            calls_failed=totals[1],
+            requests_served=totals[2],
+            bytes_sent=totals[3],
+            bytes_received=totals[4],
+        )
+
+
+def _bind(address: PeerAddress) -> tuple[socket.socket, PeerAddress]:
+    try:
+        ip = ipaddress.ip_address(address.host)
+    except ValueError as exc:
+        raise ConfigError(f"cannot listen on {address}: give an IP address, not a host name") from exc
+    sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address.host, address.port))
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise ConfigError(f"cannot listen on {address}: {reason}") from exc
+    return sock, address

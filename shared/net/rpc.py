@@ -1,0 +1,322 @@
+"""Typed request/response over one :class:`SecureConnection`, in both directions at once.
+
+Either end may send requests on a connection (so a peer that accepts no inbound connections can still
+be called back over the one it opened). Each request carries an id chosen by its sender; the reply uses
+the same id with the ``RESPONSE`` or ``ERROR`` flag.
+
+Handlers are registered explicitly by request type in a :class:`HandlerRegistry`.
+
+Back-pressure, without unbounded buffers:
+
+* the reader never stops draining the socket; a request that arrives while ``max_inflight`` of the
+  peer's requests are being handled is answered ``OVERLOADED`` at once (the caller sees
+  :class:`~shared.errors.Overloaded`);
+* writes go through one FIFO lock straight into the kernel's socket buffer; a peer that stops reading
+  blocks our writers (and only them), never our memory.
+
+Errors: a frame that cannot be decoded is answered with an :class:`ErrorReply` (request id 0 when even
+the envelope is unreadable) and the connection keeps serving; an oversized frame closes the connection,
+because the stream cannot be resynchronised. Handler exceptions map to codes: ``ProtocolError`` to its
+code, ``RemoteError`` to its code, anything else to ``INTERNAL`` (logged with its traceback, not sent).
+Per-call deadlines are the caller's cancel scopes; a cancelled call forgets its id and a late reply is
+dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+
+from protocols.codes import ErrorCode
+from protocols.envelope import (
+    Envelope,
+    ErrorReply,
+    Flags,
+    Message,
+    Request,
+    decode_envelope,
+    decode_message,
+    encode_frame,
+)
+from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
+
+from ..errors import PeerUnavailable, RemoteError, remote_error
+from .connection import SecureConnection
+
+__all__ = ["HandlerRegistry", "RequestContext", "RpcChannel", "RpcStatistics"]
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R", bound=Request)
+N = TypeVar("N", bound=Message)
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who sent a request: a proven peer id and the addresses it says it listens on."""
+
+    peer_id: PeerId
+    listen_addrs: tuple[str, ...]
+
+
+Handler = Callable[[RequestContext, Any], Awaitable[Message]]
+NotifyHandler = Callable[[RequestContext, Any], Awaitable[None]]
+
+
+class HandlerRegistry:
+    """Explicit map from request (or notification) type to its async handler."""
+
+    def __init__(self) -> None:
+        self.requests: dict[type[Request], Handler] = {}
+        self.notifications: dict[type[Message], NotifyHandler] = {}
+
+    def add(self, request_type: type[R], handler: Callable[[RequestContext, R], Awaitable[Message]]) -> None:
+        if request_type in self.requests:
+            raise ValueError(f"a handler for {request_type.kind} is already registered")
+        self.requests[request_type] = handler
+
+    def add_notification(
+        self, message_type: type[N], handler: Callable[[RequestContext, N], Awaitable[None]]
+    ) -> None:
+        if message_type in self.notifications:
+            raise ValueError(f"a handler for {message_type.kind} is already registered")
+        self.notifications[message_type] = handler
+
+
+@dataclass(frozen=True)
+class RpcStatistics:
+    calls_sent: int
+    calls_failed: int
+    requests_served: int
+    requests_rejected: int
+    bytes_sent: int
+    bytes_received: int
+
+
+class _Pending:
+    __slots__ = ("done", "expected", "outcome")
+
+    def __init__(self, expected: type[Message]) -> None:
+        self.expected = expected
+        self.done = trio.Event()
+        self.outcome: Message | BaseException | None = None
+
+
+class RpcChannel:
+    """Serves and issues RPCs over one connection; :meth:`run` must be running for either."""
+
+    def __init__(
+        self,
+        conn: SecureConnection,
+        registry: HandlerRegistry,
+        *,
+        max_inflight: int = 128,
+        handler_deadline: float = 30.0,
+    ) -> None:
+        self.conn = conn
+        self.peer_id = conn.remote_peer
+        self._registry = registry
+        self._context = RequestContext(conn.remote_peer, conn.remote_addrs)
+        self._max_inflight = max_inflight
+        self._handler_deadline = handler_deadline
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._inflight = 0
+        self._closed = trio.Event()
+        self._calls_sent = self._calls_failed = self._served = self._rejected = 0
+        self.last_rtt: float = math.nan
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def statistics(self) -> RpcStatistics:
+        return RpcStatistics(
+            self._calls_sent,
+            self._calls_failed,
+            self._served,
+            self._rejected,
+            self.conn.tls.bytes_sent,
+            self.conn.tls.bytes_received,
+        )
+
+    async def call(self, request: Request) -> Message:
+        """Send ``request`` and return its reply (an instance of ``type(request).response``).
+
+        Raises:
+            PeerUnavailable: the connection is or becomes closed before the reply.
+            RemoteError: the peer answered with an error code (``Overloaded`` for ``OVERLOADED``).
+            ProtocolError: the reply was malformed or of the wrong kind.
+        """
+        if self._closed.is_set():
+            raise PeerUnavailable(f"connection to {self.peer_id} is closed")
+        request_id = next(self._ids)
+        slot = _Pending(type(request).response)
+        self._pending[request_id] = slot
+        self._calls_sent += 1
+        started = trio.current_time()
+        try:
+            await self.conn.send_frame(encode_frame(request, request_id, Flags.REQUEST))
+            await slot.done.wait()
+        finally:
+            self._pending.pop(request_id, None)
+        outcome = slot.outcome
+        if isinstance(outcome, BaseException):
+            self._calls_failed += 1
+            raise outcome
+        assert outcome is not None  # set together with done
+        self.last_rtt = trio.current_time() - started
+        return outcome
+
+    async def notify(self, message: Message) -> None:
+        """Send a one-way message (no reply)."""
+        await self.conn.send_frame(encode_frame(message, 0, Flags.NOTIFY))
+
+    async def run(self) -> None:
+        """Read frames until the connection closes; serve requests in a nursery owned here."""
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._read_loop(nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._shutdown(PeerUnavailable(f"connection to {self.peer_id} closed"))
+
+    def _shutdown(self, error: PeerUnavailable) -> None:
+        self._closed.set()
+        self.conn.close()
+        for slot in self._pending.values():
+            if not slot.done.is_set():
+                slot.outcome = error
+                slot.done.set()
+
+    async def _read_loop(self, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                body = await self.conn.receive_frame()
+            except EOFError:
+                return
+            except PeerUnavailable as exc:
+                logger.debug("connection to %s lost: %s", self.peer_id, exc)
+                return
+            except ProtocolError as exc:
+                logger.warning("closing connection to %s: %s", self.peer_id, exc)
+                await self._reply_error(0, exc.code, str(exc))
+                return
+            await self._dispatch(body, nursery)
+
+    async def _dispatch(self, body: bytes, nursery: trio.Nursery) -> None:
+        try:
+            envelope = decode_envelope(body)
+        except ProtocolError as exc:
+            logger.warning("bad frame from %s: %s", self.peer_id, exc)
+            await self._reply_error(_request_id_of(body), exc.code, str(exc))
+            return
+        flags = envelope.flags
+        if flags in (Flags.RESPONSE, Flags.ERROR):
+            slot = self._pending.get(envelope.request_id)
+            if slot is None or slot.done.is_set():
+                logger.debug("dropping late or unknown reply %d from %s", envelope.request_id, self.peer_id)
+                return
+            try:
+                message = decode_message(envelope, slot.expected)
+                slot.outcome = (
+                    remote_error(message.code, message.message)
+                    if isinstance(message, ErrorReply)
+                    else message
+                )
+            except ProtocolError as exc:
+                slot.outcome = exc
+            slot.done.set()
+        elif self._inflight >= self._max_inflight:
+            self._rejected += 1
+            if flags == Flags.REQUEST:
+                await self._reply_error(
+                    envelope.request_id, ErrorCode.OVERLOADED, "too many requests in flight"
+                )
+        else:
+            self._inflight += 1
+            serve = self._serve_request if flags == Flags.REQUEST else self._serve_notification
+            nursery.start_soon(serve, envelope)
+
+    async def _serve_notification(self, envelope: Envelope) -> None:
+        try:
+            message = decode_message(envelope)
+            handler = self._registry.notifications.get(type(message))
+            if handler is None:
+                logger.debug("no handler for notification %s from %s", message.kind, self.peer_id)
+                return
+            with trio.move_on_after(self._handler_deadline):
+                await handler(self._context, message)
+        except ProtocolError as exc:
+            logger.warning("bad notification from %s: %s", self.peer_id, exc)
+        except Exception:
+            logger.exception("handler for notification %s from %s failed", envelope.kind, self.peer_id)
+        finally:
+            self._inflight -= 1
+
+    async def _serve_request(self, envelope: Envelope) -> None:
+        try:
+            frame = await self._handle(envelope)
+            await self.conn.send_frame(frame)
+        except PeerUnavailable:
+            pass  # the connection is gone; nobody is left to answer
+        finally:
+            self._inflight -= 1
+
+    async def _handle(self, envelope: Envelope) -> bytes:
+        """Run the handler; return the reply frame (a response or an error reply, never raises)."""
+        code: int
+        try:
+            request = decode_message(envelope)
+            handler = self._registry.requests.get(type(request))  # type: ignore[arg-type]
+            if handler is None:
+                raise ProtocolError(f"no handler for {request.kind}", ErrorCode.UNKNOWN_KIND)
+            with trio.fail_after(self._handler_deadline):
+                reply = await handler(self._context, request)
+            self._served += 1
+            return encode_frame(reply, envelope.request_id, Flags.RESPONSE)
+        except ProtocolError as exc:
+            logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
+            code, text = exc.code, str(exc)
+        except RemoteError as exc:
+            code, text = int(exc.code), exc.remote_message
+        except trio.TooSlowError:
+            logger.warning("handler for %s from %s timed out", envelope.kind, self.peer_id)
+            code, text = ErrorCode.INTERNAL, "handler timed out"
+        except Exception:
+            logger.exception("handler for %s from %s failed", envelope.kind, self.peer_id)
+            code, text = ErrorCode.INTERNAL, "internal error"
+        return encode_frame(ErrorReply(code=int(code), message=text[:1024]), envelope.request_id, Flags.ERROR)
+
+    async def _reply_error(self, request_id: int, code: int, message: str) -> None:
+        try:
+            frame = encode_frame(ErrorReply(code=int(code), message=message[:1024]), request_id, Flags.ERROR)
+            await self.conn.send_frame(frame)
+        except PeerUnavailable:
+            pass
+
+
+def _request_id_of(body: bytes) -> int:
+    """Best effort: the request id of an envelope whose other fields failed validation."""
+    try:
+        fields = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return 0
+    if (
+        isinstance(fields, list)
+        and len(fields) >= 3
+        and isinstance(fields[2], int)
+        and 0 <= fields[2] < 2**63
+    ):
+        return fields[2]
+    return 0
