@@ -1,0 +1,509 @@
+"""``DHTNode``: the Kademlia DHT as a trio service over the engine's RPC (DESIGN D3).
+
+The pure parts live beside this module (routing table, lookup state machine, record store, record
+validation); this module only does I/O and time:
+
+* **serving** — PING, FIND_NODE, FIND_VALUE, STORE and LEAVE handlers. Every request teaches us its
+  sender (a proven peer id plus the addresses it says it listens on), which goes into the routing table
+  (§2.2). A full bucket asks us to ping its least-recently-seen contact; that ping runs in our nursery
+  and the stale contact is evicted only if it fails.
+* **lookups** — the iterative lookup (§2.3) with ``alpha`` queries in flight. A value lookup stops as
+  soon as ``quorum`` nodes returned records (default 1), or runs to convergence with ``latest=True``,
+  merging every record seen (newest per subkey wins).
+* **store** — sign the record, validate it as any receiver would (so a bad expiry fails *here*, with a
+  clear message), find the ``num_replicas`` nodes closest to the key (ourselves included) and store on
+  all of them in parallel. Our own records are re-published every ``republish_interval`` until expiry.
+* **maintenance** — bucket refresh (§2.3: a lookup of a random id in every bucket not touched for
+  ``refresh_interval``), expiry of stored records.
+* **graceful leave** — on cancellation, hand every record we hold to the closest other node we know for
+  its key and tell connected peers we are leaving (LEAVE), all within ``leave_deadline``.
+
+A node with no listen addresses is a *client-mode* node: it can look up and store but is never added to
+routing tables (it has nowhere to be dialed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from protocols.dht import (
+    MAX_NODES_PER_REPLY,
+    FindNodeRequest,
+    FindNodeResponse,
+    FindValueRequest,
+    FindValueResponse,
+    LeaveNotice,
+    NodeInfo,
+    PingRequest,
+    PingResponse,
+    SignedRecord,
+    StoreRequest,
+    StoreResponse,
+)
+from protocols.envelope import Message, Request
+from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
+
+from ..errors import HandshakeError, PeerUnavailable, RecordRejected, RemoteError
+from ..net.addresses import PeerAddress, parse_multiaddr
+from ..net.host import Host
+from ..net.rpc import RequestContext, RpcChannel
+from .keys import KEY_BITS, id_bytes, key_id, key_int, node_id_of
+from .lookup import Lookup
+from .records import RecordValidator, default_validator, newer, sign_record
+from .routing import Contact, RoutingTable, random_id_in
+from .storage import RecordStore
+
+__all__ = ["DHTConfig", "DHTNode", "DHTStatistics", "DHTValue"]
+
+logger = logging.getLogger(__name__)
+_CALL_ERRORS = (PeerUnavailable, HandshakeError, RemoteError, ProtocolError, trio.TooSlowError)
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    k: int = 20  # bucket size, and the width of node lookups
+    alpha: int = 3  # queries in flight per lookup
+    num_replicas: int = 5  # nodes each record is stored on
+    rpc_deadline: float = 3.0  # one DHT request, dial included
+    refresh_interval: float = 600.0
+    republish_interval: float = 1800.0
+    expiry_sweep_interval: float = 60.0
+    leave_deadline: float = 2.0
+    max_handoff_records: int = 10_000
+
+
+@dataclass(frozen=True)
+class DHTValue:
+    """What a key holds: its plain record (if any) and its dictionary entries by subkey."""
+
+    plain: SignedRecord | None
+    entries: dict[bytes, SignedRecord]
+
+    @property
+    def value(self) -> bytes | None:
+        return self.plain.value if self.plain is not None else None
+
+
+@dataclass(frozen=True)
+class DHTStatistics:
+    routing_table_size: int
+    estimated_network_size: int
+    stored_records: int
+    own_records: int
+    lookups: int
+    rpc_failures: int
+
+
+class DHTNode:
+    """A Kademlia node. Start with ``await nursery.start(node.run, initial_peers)``."""
+
+    def __init__(
+        self,
+        host: Host,
+        config: DHTConfig | None = None,
+        *,
+        validator: RecordValidator | None = None,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.host = host
+        self.config = config or DHTConfig()
+        self.validator = validator or default_validator()
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.node_id = node_id_of(host.peer_id)
+        self.routing = RoutingTable(self.node_id, k=self.config.k)
+        self.storage = RecordStore()
+        self._own: dict[tuple[bytes, bytes | None], SignedRecord] = {}
+        self._pinging: set[int] = set()
+        self._nursery: trio.Nursery | None = None
+        self._lookups = 0
+        self._rpc_failures = 0
+        registry = host.registry
+        registry.add(PingRequest, self._on_ping)
+        registry.add(FindNodeRequest, self._on_find_node)
+        registry.add(FindValueRequest, self._on_find_value)
+        registry.add(StoreRequest, self._on_store)
+        registry.add_notification(LeaveNotice, self._on_leave)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(
+        self,
+        initial_peers: Sequence[PeerAddress | str] = (),
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Join through ``initial_peers``, serve, maintain; leave gracefully when cancelled.
+
+        Raises:
+            PeerUnavailable: initial peers were given and none of them could be reached (the message
+                lists why each failed).
+        """
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                if initial_peers:
+                    await self.bootstrap(initial_peers)
+                nursery.start_soon(self._maintain)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+                with trio.CancelScope(shield=True), trio.move_on_after(self.config.leave_deadline):
+                    await self._leave()
+
+    async def bootstrap(self, initial_peers: Sequence[PeerAddress | str]) -> int:
+        """Contact ``initial_peers`` and fill the routing table with a lookup of our own id."""
+        errors: list[str] = []
+
+        async def reach(item: PeerAddress | str) -> None:
+            address = parse_multiaddr(item) if isinstance(item, str) else item
+            try:
+                with trio.fail_after(self.config.rpc_deadline):
+                    channel = await self.host.channel_to(address)
+                    await channel.call(PingRequest())
+            except _CALL_ERRORS as exc:
+                errors.append(f"{address}: {exc or type(exc).__name__}")
+                return
+            addrs = (str(address.with_peer(channel.peer_id)),)
+            self._learn(Contact.of(channel.peer_id, addrs))
+
+        async with trio.open_nursery() as nursery:
+            for item in initial_peers:
+                nursery.start_soon(reach, item)
+        if len(self.routing) == 0:
+            raise PeerUnavailable("no initial peer could be reached: " + "; ".join(errors))
+        await self._find_nodes(self.node_id, self.config.k)
+        return len(self.routing)
+
+    async def _maintain(self) -> None:
+        next_sweep = next_refresh = next_republish = trio.current_time()
+        while True:
+            now = trio.current_time()
+            if now >= next_sweep:
+                self.storage.remove_expired(self._clock())
+                next_sweep = now + self.config.expiry_sweep_interval
+            if now >= next_refresh:
+                await self._refresh_buckets()
+                next_refresh = now + self.config.refresh_interval / 4
+            if now >= next_republish and self._own:
+                await self._republish()
+                next_republish = now + self.config.republish_interval
+            elif not self._own:
+                next_republish = now + self.config.republish_interval
+            await trio.sleep(max(0.0, min(next_sweep, next_refresh, next_republish) - trio.current_time()))
+
+    async def _refresh_buckets(self) -> None:
+        wall = self._clock()
+        for lo, hi in self.routing.buckets_needing_refresh(wall, self.config.refresh_interval):
+            target = random_id_in(lo, hi, self._rng)
+            await self._find_nodes(target, self.config.k)
+
+    async def _republish(self) -> None:
+        now = self._clock()
+        for slot, record in list(self._own.items()):
+            if record.expiration <= now:
+                del self._own[slot]
+            else:
+                await self._store_record(record)
+
+    async def _leave(self) -> None:
+        handoff: dict[PeerId, list[SignedRecord]] = defaultdict(list)
+        contacts: dict[PeerId, Contact] = {}
+        for i, record in enumerate(self.storage.records()):
+            if i >= self.config.max_handoff_records:
+                break
+            for contact in self.routing.nearest(key_int(record.key), 1):
+                handoff[contact.peer_id].append(record)
+                contacts[contact.peer_id] = contact
+
+        async def hand_off(contact: Contact, records: list[SignedRecord]) -> None:
+            for start in range(0, len(records), 64):
+                await self._call(contact, StoreRequest(records=records[start : start + 64]))
+
+        async with trio.open_nursery() as nursery:
+            for peer, records in handoff.items():
+                nursery.start_soon(hand_off, contacts[peer], records)
+            for peer in self.host.connected_peers():
+                channel = self.host.channel_for(peer)
+                if channel is not None:
+                    nursery.start_soon(self._notify_leave, channel)
+
+    @staticmethod
+    async def _notify_leave(channel: RpcChannel) -> None:
+        with contextlib.suppress(PeerUnavailable):
+            await channel.notify(LeaveNotice())
+
+    # ---------------------------------------------------------------- routing table upkeep
+
+    def _learn(self, contact: Contact) -> None:
+        if contact.node_id == self.node_id:
+            return
+        stale = self.routing.add_or_update(contact, self._clock())
+        if stale is not None and stale.node_id not in self._pinging and self._nursery is not None:
+            self._pinging.add(stale.node_id)
+            self._nursery.start_soon(self._ping_stale, stale)
+
+    async def _ping_stale(self, contact: Contact) -> None:
+        try:
+            if await self._call(contact, PingRequest()) is None:
+                self.routing.remove(contact.node_id)
+        finally:
+            self._pinging.discard(contact.node_id)
+
+    def _learn_from(self, ctx: RequestContext) -> None:
+        if ctx.listen_addrs:
+            try:
+                self._learn(Contact.of(ctx.peer_id, tuple(ctx.listen_addrs[:8])))
+            except ValueError:
+                logger.debug("ignoring contact %s with unusable addresses", ctx.peer_id)
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _on_ping(self, ctx: RequestContext, request: PingRequest) -> Message:
+        self._learn_from(ctx)
+        return PingResponse()
+
+    async def _on_find_node(self, ctx: RequestContext, request: FindNodeRequest) -> Message:
+        self._learn_from(ctx)
+        nodes = self._nearest_infos(key_int(request.target), exclude=node_id_of(ctx.peer_id))
+        return FindNodeResponse(nodes=nodes)
+
+    async def _on_find_value(self, ctx: RequestContext, request: FindValueRequest) -> Message:
+        self._learn_from(ctx)
+        records = self.storage.get(request.key, self._clock())
+        nodes = self._nearest_infos(key_int(request.key), exclude=node_id_of(ctx.peer_id))
+        return FindValueResponse(records=_fit(records), nodes=nodes)
+
+    async def _on_store(self, ctx: RequestContext, request: StoreRequest) -> Message:
+        self._learn_from(ctx)
+        now = self._clock()
+        accepted = []
+        for record in request.records:
+            try:
+                self.validator.validate(record, now)
+            except RecordRejected as exc:
+                logger.warning("rejected a record from %s: %s", ctx.peer_id, exc)
+                accepted.append(False)
+                continue
+            accepted.append(self.storage.put(record, now) or self._holds(record))
+        return StoreResponse(accepted=accepted)
+
+    async def _on_leave(self, ctx: RequestContext, message: LeaveNotice) -> None:
+        self.routing.remove(node_id_of(ctx.peer_id))
+        self.host.disconnect(ctx.peer_id)
+
+    def _holds(self, record: SignedRecord) -> bool:
+        """True if the store already has this record or a newer one (storing it again is a success)."""
+        return any(
+            r.subkey == record.subkey and not newer(record, r)
+            for r in self.storage.get(record.key, self._clock())
+        )
+
+    def _nearest_infos(self, target: int, exclude: int) -> list[NodeInfo]:
+        contacts = self.routing.nearest(target, min(self.config.k, MAX_NODES_PER_REPLY), exclude=exclude)
+        return [c.to_info() for c in contacts]
+
+    # ---------------------------------------------------------------- client side
+
+    async def _call(self, contact: Contact, request: Request) -> Message | None:
+        """One DHT request; ``None`` if the contact failed (it is then dropped from the routing table)."""
+        last: Exception | None = None
+        for text in contact.addrs:
+            try:
+                address = parse_multiaddr(text)
+            except ValueError as exc:
+                last = exc
+                continue
+            if address.peer_id is None:
+                address = address.with_peer(contact.peer_id)
+            try:
+                with trio.fail_after(self.config.rpc_deadline):
+                    reply = await self.host.call(address, request)
+            except _CALL_ERRORS as exc:
+                last = exc
+                if isinstance(exc, RemoteError):
+                    break  # it answered: another address would give the same answer
+                continue
+            self.routing.mark_seen(contact.node_id, self._clock())
+            return reply
+        self._rpc_failures += 1
+        logger.debug("%s failed for %s: %s", request.kind, contact.peer_id, last)
+        if not isinstance(last, RemoteError):
+            self.routing.remove(contact.node_id)
+        return None
+
+    async def _find_nodes(self, target: int, width: int) -> list[Contact]:
+        closest, _ = await self._lookup(target, width, None, quorum=0)
+        return closest
+
+    async def _lookup(
+        self, target: int, width: int, value_key: bytes | None, quorum: int
+    ) -> tuple[list[Contact], list[SignedRecord]]:
+        """Run one iterative lookup; for a value lookup also return every record seen."""
+        self._lookups += 1
+        self.routing.touch(target, self._clock())
+        lookup = Lookup(
+            target, self.routing.nearest(target, width), k=width, alpha=self.config.alpha, own_id=self.node_id
+        )
+        found: list[SignedRecord] = []
+        holders = 0
+        send, receive = trio.open_memory_channel[tuple[Contact, Message | None]](self.config.alpha + width)
+        request: Request = (
+            FindNodeRequest(target=id_bytes(target)) if value_key is None else FindValueRequest(key=value_key)
+        )
+
+        async def query(contact: Contact) -> None:
+            reply = await self._call(contact, request)
+            await send.send((contact, reply))
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                for contact in lookup.next_queries():
+                    nursery.start_soon(query, contact)
+                if lookup.finished or lookup.in_flight == 0 or (quorum and holders >= quorum):
+                    break
+                contact, reply = await receive.receive()
+                if reply is None:
+                    lookup.on_failure(contact)
+                    continue
+                nodes = reply.nodes if isinstance(reply, FindNodeResponse | FindValueResponse) else []
+                learned = []
+                for info in nodes:
+                    try:
+                        learned.append(Contact.from_info(info))
+                    except ValueError:
+                        continue
+                lookup.on_response(contact, learned)
+                self._learn(contact)
+                if isinstance(reply, FindValueResponse) and reply.records:
+                    valid = [r for r in reply.records if r.key == value_key and self._acceptable(r)]
+                    found.extend(valid)
+                    holders += 1 if valid else 0
+            nursery.cancel_scope.cancel()
+        return lookup.closest(width), found
+
+    def _acceptable(self, record: SignedRecord) -> bool:
+        try:
+            self.validator.validate(record, self._clock())
+        except RecordRejected as exc:
+            logger.warning("ignoring an invalid record in a lookup: %s", exc)
+            return False
+        return True
+
+    async def store(
+        self, key: str | bytes, value: bytes, expiration: float, subkey: bytes | None = None
+    ) -> int:
+        """Sign and store ``value`` under ``key`` (and ``subkey``) until ``expiration`` (unix time).
+
+        Returns:
+            On how many nodes (ourselves included) the record is now stored; 0 means nowhere.
+
+        Raises:
+            RecordRejected: the record would be refused by any node (expiry in the past or too far ahead).
+            ValueError: the value or subkey exceeds the wire limits.
+        """
+        record = sign_record(self.host.endpoint.identity, key_id(key), value, expiration, subkey)
+        self.validator.validate(record, self._clock())
+        self._own[(record.key, record.subkey)] = record
+        return await self._store_record(record)
+
+    async def _store_record(self, record: SignedRecord) -> int:
+        target = key_int(record.key)
+        replicas = self.config.num_replicas
+        closest = await self._find_nodes(target, replicas)
+        stored = 0
+        ours = sorted([c.node_id ^ target for c in closest] + [self.node_id ^ target])
+        if self.node_id ^ target in ours[:replicas] and (
+            self.storage.put(record, self._clock()) or self._holds(record)
+        ):
+            stored += 1
+        remote = closest[: replicas - stored] if stored else closest[:replicas]
+
+        async def store_on(contact: Contact) -> None:
+            nonlocal stored
+            reply = await self._call(contact, StoreRequest(records=[record]))
+            if isinstance(reply, StoreResponse) and reply.accepted and reply.accepted[0]:
+                stored += 1
+
+        async with trio.open_nursery() as nursery:
+            for contact in remote:
+                nursery.start_soon(store_on, contact)
+        return stored
+
+    async def get(self, key: str | bytes, *, latest: bool = False) -> DHTValue | None:
+        """Find what ``key`` holds, or ``None``.
+
+        Args:
+            latest: keep searching until the lookup converges and merge every replica's records (slower,
+                complete); by default stop at the first node that holds the key.
+        """
+        kid = key_id(key)
+        now = self._clock()
+        records = list(self.storage.get(kid, now))
+        if not records or latest:
+            _, found = await self._lookup(
+                key_int(kid), self.config.num_replicas, kid, quorum=0 if latest else 1
+            )
+            records.extend(found)
+        return _merge(records)
+
+    # ---------------------------------------------------------------- metrics
+
+    def estimated_network_size(self) -> int:
+        """Estimate the number of DHT nodes from the density of ids near our own (ourselves included)."""
+        nearest = self.routing.nearest(self.node_id, self.config.k)
+        if len(nearest) < self.config.k:
+            return len(self.routing) + 1
+        estimates = [
+            (i + 1) * (1 << KEY_BITS) / max(1, c.node_id ^ self.node_id) for i, c in enumerate(nearest)
+        ]
+        return max(len(self.routing) + 1, round(sum(estimates) / len(estimates)))
+
+    def statistics(self) -> DHTStatistics:
+        return DHTStatistics(
+            routing_table_size=len(self.routing),
+            estimated_network_size=self.estimated_network_size(),
+            stored_records=len(self.storage),
+            own_records=len(self._own),
+            lookups=self._lookups,
+            rpc_failures=self._rpc_failures,
+        )
+
+
+def _merge(records: Iterable[SignedRecord]) -> DHTValue | None:
+    plain: SignedRecord | None = None
+    entries: dict[bytes, SignedRecord] = {}
+    for record in records:
+        if record.subkey is None:
+            if plain is None or newer(record, plain):
+                plain = record
+        else:
+            current = entries.get(record.subkey)
+            if current is None or newer(record, current):
+                entries[record.subkey] = record
+    if plain is None and not entries:
+        return None
+    return DHTValue(plain, dict(sorted(entries.items())))
+
+
+def _fit(records: list[SignedRecord]) -> list[SignedRecord]:
+    """Trim a reply's records to the wire limits (count and bytes), newest-expiring first."""
+    budget = FindValueResponse.max_bytes - 64 * 1024
+    out = []
+    for record in sorted(records, key=lambda r: r.expiration, reverse=True)[:256]:
+        budget -= len(record.value) + len(record.subkey or b"") + 256
+        if budget < 0:
+            break
+        out.append(record)
+    return out
