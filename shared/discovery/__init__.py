@@ -6,12 +6,14 @@ Modules:
     mdns    advertise_run / discover_run over zeroconf (record format in its docstring), Advertisement
 """
 
-from shared.discovery.mdns import FORMAT_VERSION as FORMAT_VERSION
-from shared.discovery.mdns import MDNS_THREADS as MDNS_THREADS
-from shared.discovery.mdns import SERVICE_TYPE as SERVICE_TYPE
-from shared.discovery.mdns import Advertisement as Advertisement
-from shared.discovery.mdns import advertise_run as advertise_run
-from shared.discovery.mdns import discover_run as discover_run
+from __future__ import annotations
+
+from .mdns import FORMAT_VERSION as FORMAT_VERSION
+from .mdns import MDNS_THREADS as MDNS_THREADS
+from .mdns import SERVICE_TYPE as SERVICE_TYPE
+from .mdns import Advertisement as Advertisement
+from .mdns import advertise_run as advertise_run
+from .mdns import discover_run as discover_run
 
 __all__ = [
     "FORMAT_VERSION",

@@ -122,7 +122,8 @@ async def _open_zeroconf(interfaces: _Interfaces) -> Zeroconf:
     # Shielded: opening takes milliseconds, and a cancellation arriving meanwhile would otherwise drop the
     # new instance (and its loop thread) on the floor.
     with trio.CancelScope(shield=True), _zeroconf_errors("opening the multicast sockets"):
-        return await _in_thread(lambda: Zeroconf(interfaces=interfaces, use_asyncio=False))
+        zc = await _in_thread(lambda: Zeroconf(interfaces=interfaces, use_asyncio=False))
+    return zc
 
 
 async def _close_zeroconf(zc: Zeroconf, browser: ServiceBrowser | None = None) -> None:
@@ -239,6 +240,8 @@ async def advertise_run(
             ) from exc
         except (ZeroconfError, OSError, RuntimeError) as exc:
             raise DiscoveryError(f"mDNS: registering {info.name!r} failed: {exc!r}") from exc
+        # A cancellation that arrived while registering must not enter the body.
+        await trio.lowlevel.checkpoint_if_cancelled()
         logger.info("mDNS: advertising run %r as %s on %s port %d", run_id, info.name, chosen, port)
         yield
     finally:

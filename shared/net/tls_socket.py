@@ -24,6 +24,7 @@ import contextlib
 import errno
 import socket
 import ssl
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -124,9 +125,9 @@ class TlsSocket:
             try:
                 result = fn(*args)  # type: ignore[operator]
             except ssl.SSLWantReadError:
-                await trio.lowlevel.wait_readable(self._sock)
+                await self._wait(trio.lowlevel.wait_readable)
             except ssl.SSLWantWriteError:
-                await trio.lowlevel.wait_writable(self._sock)
+                await self._wait(trio.lowlevel.wait_writable)
             except ssl.SSLZeroReturnError:
                 return 0
             except (ssl.SSLError, OSError) as exc:
@@ -134,6 +135,12 @@ class TlsSocket:
                 raise PeerUnavailable(f"connection to {self.peer} broke: {exc}") from exc
             else:
                 return int(result) if result is not None else 0
+
+    async def _wait(self, wait: Callable[[ssl.SSLSocket], Awaitable[None]]) -> None:
+        try:
+            await wait(self._sock)
+        except trio.ClosedResourceError as exc:  # another task closed the connection while we waited
+            raise PeerUnavailable(f"connection to {self.peer} is closed") from exc
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``. A cancelled send closes the socket."""

@@ -1,0 +1,3 @@
+from backbone.cli import main
+
+main()

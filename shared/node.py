@@ -1,0 +1,160 @@
+"""A node of a run: the engine's :class:`Host` plus the :class:`DHTNode`, started and stopped in order.
+
+Both roles (volunteer and backbone) are built on :func:`open_node`. Leaving is ordered: the DHT leaves
+first (hand-off and LEAVE notices need live connections), then the host closes every connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import trio
+
+from protocols.dht import PingRequest
+from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
+
+from .auth.keys import Identity
+from .dht.keys import key_id
+from .dht.node import DHTConfig, DHTNode
+from .dht.records import CompositeValidator, ExpiryValidator, SignatureValidator, SubkeyOwnerValidator
+from .errors import PeerUnavailable, RemoteError
+from .net.addresses import PeerAddress, parse_multiaddr
+from .net.host import Host, HostConfig
+
+__all__ = ["Node", "NodeStatus", "open_node", "run_validator"]
+
+
+def run_validator() -> CompositeValidator:
+    """Record validation for a run: signed, sane expiry, and presence entries written by their owner."""
+    return CompositeValidator(
+        [SignatureValidator(), ExpiryValidator(), SubkeyOwnerValidator([key_id(PRESENCE_KEY)])]
+    )
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A snapshot for panels and ``status.json``."""
+
+    run_id: str
+    peer_id: str
+    role: str
+    listen_addrs: list[str]
+    routing_table_size: int
+    connected_peers: int
+    dht_size_estimate: int
+    members_online: int
+    rpc_latency_ms: float | None
+    bytes_sent: int
+    bytes_received: int
+    uptime_s: float
+    updated_at: float
+
+
+@dataclass
+class Node:
+    role: Role
+    host: Host
+    dht: DHTNode
+    started_at: float = field(default_factory=time.monotonic)
+    _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    _members: int = 0
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    async def publish_presence_forever(self) -> None:
+        """Keep our entry under the run's presence key fresh; also count who else is online."""
+        value = msgspec.msgpack.encode(
+            Presence(role=self.role, agent=self.host.endpoint.agent, addrs=self.host.listen_addrs[:8])
+        )
+        while True:
+            with contextlib.suppress(PeerUnavailable, RemoteError):
+                await self.dht.store(
+                    PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
+                )
+            await self.refresh_members()
+            await trio.sleep(PRESENCE_TTL / 3)
+
+    async def refresh_members(self) -> int:
+        found = await self.dht.get(PRESENCE_KEY, latest=True)
+        self._members = len(found.entries) if found is not None else 0
+        return self._members
+
+    async def measure_latency_forever(self, period: float = 2.0) -> None:
+        """Ping a few known contacts now and then; the median round-trip is the panel's RPC latency."""
+        while True:
+            for contact in self.dht.routing.nearest(self.dht.node_id, 3):
+                address = parse_multiaddr(contact.addrs[0]).with_peer(contact.peer_id)
+                started = trio.current_time()
+                with contextlib.suppress(PeerUnavailable, RemoteError, trio.TooSlowError):
+                    with trio.fail_after(self.dht.config.rpc_deadline):
+                        await self.host.call(address, PingRequest())
+                    self._rtts.append(trio.current_time() - started)
+            await trio.sleep(period)
+
+    def status(self) -> NodeStatus:
+        host_stats = self.host.statistics()
+        dht_stats = self.dht.statistics()
+        return NodeStatus(
+            run_id=self.host.run_id,
+            peer_id=self.peer_id,
+            role=self.role,
+            listen_addrs=list(self.host.listen_addrs),
+            routing_table_size=dht_stats.routing_table_size,
+            connected_peers=host_stats.peers_connected,
+            dht_size_estimate=dht_stats.estimated_network_size,
+            members_online=self._members,
+            rpc_latency_ms=statistics.median(self._rtts) * 1e3 if self._rtts else None,
+            bytes_sent=host_stats.bytes_sent,
+            bytes_received=host_stats.bytes_received,
+            uptime_s=time.monotonic() - self.started_at,
+            updated_at=time.time(),
+        )
+
+    def write_status(self, data_dir: Path) -> None:
+        """Atomically write ``status.json`` into ``data_dir`` (read by ``scripts/demo`` and monitors)."""
+        path = data_dir / "status.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.status()))
+        tmp.replace(path)
+
+
+@contextlib.asynccontextmanager
+async def open_node(
+    identity: Identity,
+    run_id: str,
+    role: Role,
+    *,
+    listen: Sequence[PeerAddress | str],
+    initial_peers: Sequence[PeerAddress | str] = (),
+    host_config: HostConfig | None = None,
+    dht_config: DHTConfig | None = None,
+) -> AsyncIterator[Node]:
+    """Start a node, join the DHT through ``initial_peers``, and leave in order on exit.
+
+    Raises:
+        ConfigError: a listen address cannot be used.
+        PeerUnavailable: initial peers were given and none answered.
+        HandshakeError: the initial peer is not who its address says, or serves another run.
+    """
+    host = Host(identity, run_id, host_config)
+    dht = DHTNode(host, dht_config, validator=run_validator())
+    async with trio.open_nursery() as host_nursery:
+        await host_nursery.start(host.run, listen)
+        try:
+            async with trio.open_nursery() as dht_nursery:
+                await dht_nursery.start(dht.run, initial_peers)
+                try:
+                    yield Node(role, host, dht)
+                finally:
+                    dht_nursery.cancel_scope.cancel()
+        finally:
+            host_nursery.cancel_scope.cancel()

@@ -1,0 +1,10 @@
+"""The volunteer daemon: ``volunteer join <run-id>`` donates this machine to a training run.
+
+Modules:
+    cli       ``volunteer join`` (typer)
+    daemon    the volunteer's root nursery: discovery, node, presence, live panel
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+from volunteer.cli import main
+
+main()

@@ -1,0 +1,87 @@
+"""``volunteer``: donate this machine to a collaborative training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from shared.console import default_data_dir, locked_data_dir, run_service, setup_logging, validate_run_id
+from shared.errors import ConfigError
+from shared.lifecycle import Shutdown
+from shared.net.addresses import parse_multiaddr
+
+from .daemon import VolunteerOptions, serve_volunteer
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help="Donate this machine's GPU/CPU and bandwidth to a collaborative training run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Donate this machine's GPU/CPU and bandwidth to a collaborative training run."""
+
+
+@app.command()
+def join(
+    run_id: Annotated[str, typer.Argument(help="The run to join, as its organizers published it.")],
+    initial_peer: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--initial-peer", metavar="MADDR", help="A node of the run (repeatable); default: mDNS."
+        ),
+    ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option("--data-dir", help="Identity and state (default: ~/.local/share/dedloc/volunteer)."),
+    ] = None,
+    listen: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--listen", metavar="MADDR", help="Accept peers here (repeatable). Default /ip4/0.0.0.0/tcp/0."
+        ),
+    ] = None,
+    discovery_wait: Annotated[
+        float, typer.Option("--discovery-wait", help="Seconds to look for the run on the LAN.")
+    ] = 3.0,
+    panel: Annotated[
+        bool | None, typer.Option("--panel/--no-panel", help="Live panel (default: when on a terminal).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Join a run: find it, join its DHT, and show a live panel until Ctrl+C / SIGTERM."""
+    setup_logging(verbose)
+    console = Console()
+
+    async def body(shutdown: Shutdown) -> None:
+        validate_run_id(run_id)
+        listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
+        for text in [*listen_addrs, *(initial_peer or [])]:
+            parse_multiaddr(text)
+        if discovery_wait <= 0:
+            raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
+        directory = data_dir or default_data_dir("volunteer")
+        with locked_data_dir(directory):
+            options = VolunteerOptions(
+                run_id,
+                directory,
+                listen_addrs,
+                initial_peer or [],
+                discovery_wait,
+                console.is_terminal if panel is None else panel,
+            )
+            await serve_volunteer(options, shutdown, console)
+
+    run_service(body)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,89 @@
+"""The volunteer's root nursery: find the run, join its DHT, show a live panel, leave cleanly."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from shared.auth.keys import Identity
+from shared.discovery import discover_run
+from shared.errors import DiscoveryError
+from shared.lifecycle import Shutdown
+from shared.node import Node, open_node
+from shared.panel import render_status, status_line
+
+__all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
+
+logger = logging.getLogger("volunteer")
+REFRESH = 1.0
+
+
+@dataclass(frozen=True)
+class VolunteerOptions:
+    run_id: str
+    data_dir: Path
+    listen: Sequence[str]
+    initial_peers: Sequence[str]
+    discovery_wait: float = 3.0
+    panel: bool = True
+    log_period: float = 10.0
+
+
+async def find_initial_peers(options: VolunteerOptions) -> list[str]:
+    """The addresses to join through: the ones given, else backbones of the run found over mDNS.
+
+    Raises:
+        DiscoveryError: none given and no backbone of the run answered on the LAN in time.
+    """
+    if options.initial_peers:
+        return list(options.initial_peers)
+    logger.info("looking for run %s on the local network (mDNS)…", options.run_id)
+    found = await discover_run(options.run_id, wait=options.discovery_wait)
+    if not found:
+        raise DiscoveryError(
+            f"no backbone of run {options.run_id!r} answered on the local network within "
+            f"{options.discovery_wait:g} s; check the run id, or pass --initial-peer "
+            f"/ip4/…/tcp/…/p2p/… as printed by `backbone start`"
+        )
+    return [address for ad in found for address in ad.multiaddrs]
+
+
+async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console: Console) -> None:
+    identity = Identity.load_or_create(options.data_dir)
+    initial = await find_initial_peers(options)
+    async with open_node(
+        identity, options.run_id, "volunteer", listen=options.listen, initial_peers=initial
+    ) as node:
+        console.print(f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node.publish_presence_forever)
+            nursery.start_soon(node.measure_latency_forever)
+            nursery.start_soon(_show_forever, node, options, console)
+            shutdown.ready()
+            await shutdown.requested.wait()
+            nursery.cancel_scope.cancel()
+        console.print("leaving the run…", highlight=False)
+    console.print("left the run cleanly", highlight=False)
+
+
+async def _show_forever(node: Node, options: VolunteerOptions, console: Console) -> None:
+    headline = "training run member (press Ctrl+C to leave)"
+    if options.panel:
+        with Live(render_status(node.status(), headline), console=console, refresh_per_second=4) as live:
+            while True:
+                await trio.to_thread.run_sync(node.write_status, options.data_dir)
+                live.update(render_status(node.status(), headline))
+                await trio.sleep(REFRESH)
+    last = -options.log_period
+    while True:
+        await trio.to_thread.run_sync(node.write_status, options.data_dir)
+        if trio.current_time() - last >= options.log_period:
+            logger.info(status_line(node.status()))
+            last = trio.current_time()
+        await trio.sleep(REFRESH)
