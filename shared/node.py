@@ -30,6 +30,8 @@ from .net.host import Host, HostConfig
 
 __all__ = ["Node", "NodeStatus", "open_node", "run_validator"]
 
+MEMBERS_REFRESH = 3.0  # seconds between counts of the presence entries
+
 
 def run_validator() -> CompositeValidator:
     """Record validation for a run: signed, sane expiry, and presence entries written by their owner."""
@@ -75,13 +77,16 @@ class Node:
         value = msgspec.msgpack.encode(
             Presence(role=self.role, agent=self.host.endpoint.agent, addrs=self.host.listen_addrs[:8])
         )
+        next_publish = trio.current_time()
         while True:
-            with contextlib.suppress(PeerUnavailable, RemoteError):
-                await self.dht.store(
-                    PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
-                )
+            if trio.current_time() >= next_publish:
+                with contextlib.suppress(PeerUnavailable, RemoteError):
+                    await self.dht.store(
+                        PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
+                    )
+                next_publish = trio.current_time() + PRESENCE_TTL / 3
             await self.refresh_members()
-            await trio.sleep(PRESENCE_TTL / 3)
+            await trio.sleep(MEMBERS_REFRESH)
 
     async def refresh_members(self) -> int:
         found = await self.dht.get(PRESENCE_KEY, latest=True)
