@@ -149,8 +149,8 @@ def decode_envelope(body: bytes | memoryview) -> Envelope:
         envelope = _ENVELOPE_DECODER.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed envelope: {exc}") from exc
-    except RecursionError as exc:  # msgspec's answer to deeply nested input (even inside the raw payload)
-        raise ProtocolError("malformed envelope: nested too deeply") from exc
+    except (RecursionError, UnicodeDecodeError) as exc:  # msgspec: too deeply nested input, bad UTF-8
+        raise ProtocolError(f"malformed envelope: {exc}") from exc
     if envelope.version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {envelope.version} is not supported (this peer speaks {PROTOCOL_VERSION})",
@@ -190,8 +190,8 @@ def decode_message(envelope: Envelope, expected: type[M] | None = None) -> Messa
         raise ProtocolError(f"invalid {envelope.kind} message: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed {envelope.kind} payload: {exc}") from exc
-    except RecursionError as exc:
-        raise ProtocolError(f"malformed {envelope.kind} payload: nested too deeply") from exc
+    except (RecursionError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed {envelope.kind} payload: {exc}") from exc
     return message
 
 

@@ -25,9 +25,22 @@ console = Console()
 
 def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backbone", "start", "--run-id", RUN_ID, "--data-dir", str(data / "backbone"),
-         "--listen", "/ip4/127.0.0.1/tcp/0", "--no-mdns"],
-        stdout=subprocess.PIPE, stderr=open(data / "backbone.log", "w"), text=True,
+        [
+            sys.executable,
+            "-m",
+            "backbone",
+            "start",
+            "--run-id",
+            RUN_ID,
+            "--data-dir",
+            str(data / "backbone"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-mdns",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(data / "backbone.log", "w"),
+        text=True,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -40,9 +53,23 @@ def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
 def start_volunteer(data: Path, index: int, backbone: str) -> subprocess.Popen[str]:
     name = f"volunteer{index}"
     return subprocess.Popen(
-        [sys.executable, "-m", "volunteer", "join", RUN_ID, "--initial-peer", backbone, "--data-dir",
-         str(data / name), "--listen", "/ip4/127.0.0.1/tcp/0", "--no-panel"],
-        stdout=open(data / f"{name}.log", "w"), stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "volunteer",
+            "join",
+            RUN_ID,
+            "--initial-peer",
+            backbone,
+            "--data-dir",
+            str(data / name),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-panel",
+        ],
+        stdout=open(data / f"{name}.log", "w"),
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -58,8 +85,16 @@ def table(data: Path, names: list[str], remaining: float) -> Table:
             continue
         latency = "—" if s["rpc_latency_ms"] is None else f"{s['rpc_latency_ms']:.2f} ms"
         traffic = f"{s['bytes_sent'] / 1e3:.1f}/{s['bytes_received'] / 1e3:.1f} kB"
-        t.add_row(name, s["peer_id"][:12] + "…", str(s["routing_table_size"]), str(s["connected_peers"]),
-                  f"≈{s['dht_size_estimate']}", str(s["members_online"]), latency, traffic)
+        t.add_row(
+            name,
+            s["peer_id"][:12] + "…",
+            str(s["routing_table_size"]),
+            str(s["connected_peers"]),
+            f"≈{s['dht_size_estimate']}",
+            str(s["members_online"]),
+            latency,
+            traffic,
+        )
     return t
 
 

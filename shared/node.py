@@ -152,9 +152,17 @@ async def open_node(
     """
     host = Host(identity, run_id, host_config)
     dht = DHTNode(host, dht_config, validator=run_validator())
+    # The host is shielded from whatever cancels this node, so that the DHT can still say goodbye
+    # through it; it is stopped explicitly once the DHT has left (bounded by the DHT's leave deadline).
+    host_scope = trio.CancelScope(shield=True)
+
+    async def run_host(task_status: trio.TaskStatus[None]) -> None:
+        with host_scope:
+            await host.run(listen, task_status=task_status)
+
     async with trio.open_nursery() as host_nursery:
-        await host_nursery.start(host.run, listen)
         try:
+            await host_nursery.start(run_host)
             async with trio.open_nursery() as dht_nursery:
                 await dht_nursery.start(dht.run, initial_peers)
                 try:
@@ -162,4 +170,4 @@ async def open_node(
                 finally:
                     dht_nursery.cancel_scope.cancel()
         finally:
-            host_nursery.cancel_scope.cancel()
+            host_scope.cancel()

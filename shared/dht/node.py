@@ -234,6 +234,7 @@ class DHTNode:
         async with trio.open_nursery() as nursery:
             for peer, records in handoff.items():
                 nursery.start_soon(hand_off, contacts[peer], records)
+        async with trio.open_nursery() as nursery:  # only after the hand-off: LEAVE ends conversations
             for peer in self.host.connected_peers():
                 channel = self.host.channel_for(peer)
                 if channel is not None:
@@ -301,7 +302,6 @@ class DHTNode:
 
     async def _on_leave(self, ctx: RequestContext, message: LeaveNotice) -> None:
         self.routing.remove(node_id_of(ctx.peer_id))
-        self.host.disconnect(ctx.peer_id)
 
     def _holds(self, record: SignedRecord) -> bool:
         """True if the store already has this record or a newer one (storing it again is a success)."""

@@ -3,7 +3,7 @@
 Record format, version 1 (one service instance per advertising node)::
 
     service type   _dedloc._tcp.local.
-    instance       <run label>-<first 12 chars of the peer id>._dedloc._tcp.local.
+    instance       <run label>-<last 12 chars of the peer id>._dedloc._tcp.local.
     SRV            target <instance label>.local., port = the node's TCP listen port
     A / AAAA       the node's listen addresses
     TXT            v=1             format version; other versions are ignored
@@ -98,15 +98,14 @@ class Advertisement:
 
 def _instance_label(run_id: str, peer_id: str) -> str:
     run_label = _NOT_LABEL_CHARS.sub("-", run_id)[:_RUN_LABEL_MAX].strip("-") or "run"
-    return f"{run_label}-{peer_id[:_PEER_LABEL_LEN]}"
+    # the tail of a peer id is random; its head is the constant "12D3KooW" of every Ed25519 id
+    return f"{run_label}-{peer_id[-_PEER_LABEL_LEN:]}"
 
 
 async def _in_thread(fn: Callable[[], _T], *, abandon_on_cancel: bool = False) -> _T:
     # The ignore is for trio-typing's stale ``trio-stubs`` (pulled in by pytest-trio), which shadow trio's
     # own annotations and predate ``abandon_on_cancel``; ``unused-ignore`` keeps mypy quiet without them.
-    return await trio.to_thread.run_sync(  # type: ignore[call-arg, unused-ignore]
-        fn, limiter=MDNS_THREADS, abandon_on_cancel=abandon_on_cancel
-    )
+    return await trio.to_thread.run_sync(fn, limiter=MDNS_THREADS, abandon_on_cancel=abandon_on_cancel)
 
 
 @contextmanager
@@ -121,7 +120,8 @@ def _zeroconf_errors(action: str) -> Iterator[None]:
 async def _open_zeroconf(interfaces: _Interfaces) -> Zeroconf:
     # Shielded: opening takes milliseconds, and a cancellation arriving meanwhile would otherwise drop the
     # new instance (and its loop thread) on the floor.
-    with trio.CancelScope(shield=True), _zeroconf_errors("opening the multicast sockets"):
+    where = "all interfaces" if interfaces is InterfaceChoice.All else f"the interfaces holding {interfaces}"
+    with trio.CancelScope(shield=True), _zeroconf_errors(f"opening multicast sockets on {where}"):
         zc = await _in_thread(lambda: Zeroconf(interfaces=interfaces, use_asyncio=False))
     return zc
 
@@ -352,11 +352,12 @@ async def discover_run(run_id: str, *, wait: float = 3.0) -> list[Advertisement]
             resolving: set[str] = set()
             with trio.CancelScope(shield=True):  # as in _open_zeroconf: never lose the browser's thread
                 browser = await _in_thread(lambda: ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change]))
-            async with trio.open_nursery() as nursery, names_out:
-                async for name in names_out:
-                    if name not in resolving:
-                        resolving.add(name)
-                        nursery.start_soon(resolve, name)
+            with names_in, names_out:
+                async with trio.open_nursery() as nursery:
+                    async for name in names_out:
+                        if name not in resolving:
+                            resolving.add(name)
+                            nursery.start_soon(resolve, name)
         finally:
             await _close_zeroconf(zc, browser)
     return list(found.values())

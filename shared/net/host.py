@@ -78,6 +78,9 @@ class Host:
         self._dial_locks: dict[object, trio.Lock] = {}
         self._idle_bulk: dict[PeerId, list[SecureConnection]] = {}
         self._nursery: trio.Nursery | None = None
+        self._listeners: list[socket.socket] = []
+        self._aborted = False
+        self._stopped = False
         self._closed_stats = [0, 0, 0, 0, 0]
 
     @property
@@ -111,17 +114,20 @@ class Host:
                 for host in expand_unspecified(address.host):
                     self.listen_addrs.append(format_multiaddr(host, port, self.peer_id))
             self.endpoint.listen_addrs[:] = self.listen_addrs
+            self._listeners = [sock for sock, _ in listeners]
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                for sock, _ in listeners:
+                for sock in self._listeners:
                     nursery.start_soon(self._accept_loop, sock)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self._nursery = None
+            self._stopped = True
             for sock, _ in listeners:
-                trio.lowlevel.notify_closing(sock)
-                sock.close()
+                if sock.fileno() != -1:
+                    trio.lowlevel.notify_closing(sock)
+                    sock.close()
             for channel in list(self._all_channels):
                 channel.conn.close()
             for lanes in self._idle_bulk.values():
@@ -131,13 +137,34 @@ class Host:
 
     def _require_running(self) -> trio.Nursery:
         if self._nursery is None:
-            raise RuntimeError("Host.run() is not running")
+            if self._stopped:
+                raise PeerUnavailable("this host has stopped")
+            raise RuntimeError("Host.run() has not been started")
+        if self._aborted:
+            raise PeerUnavailable("this host has been aborted")
         return self._nursery
+
+    def abort(self) -> None:
+        """Drop off the network at once, as a crash would: close listeners and every connection, refuse
+        new dials. Peers see connections reset, with no goodbye. ``run`` still has to be cancelled."""
+        self._aborted = True
+        for sock in self._listeners:
+            trio.lowlevel.notify_closing(sock)
+            sock.close()
+        for channel in list(self._all_channels):
+            channel.conn.close()
+        for lanes in self._idle_bulk.values():
+            for lane in lanes:
+                lane.close()
+        self._idle_bulk.clear()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         nursery = self._require_running()
         while True:
-            await trio.lowlevel.wait_readable(listener)
+            try:
+                await trio.lowlevel.wait_readable(listener)
+            except trio.ClosedResourceError:
+                return  # aborted
             try:
                 raw, addr = listener.accept()
             except BlockingIOError:
@@ -162,8 +189,11 @@ class Host:
             )
             raw.close()
             return
-        except (HandshakeError, ProtocolError, RemoteError, PeerUnavailable) as exc:
+        except (HandshakeError, ProtocolError, RemoteError) as exc:
             logger.warning("rejected connection from %s: %s", peer, exc)
+            return
+        except PeerUnavailable as exc:
+            logger.info("connection from %s ended during the handshake: %s", peer, exc)
             return
         if conn.lane == "bulk":
             await serve_bulk_lane(conn, self.bulk_handlers, self.config.bulk_stall)
@@ -228,9 +258,14 @@ class Host:
                     return existing
                 with trio.fail_after(self.config.dial_deadline):
                     conn = await dial(self.endpoint, address, "rpc")
+                try:
+                    nursery = self._require_running()
+                except PeerUnavailable:
+                    conn.close()  # the host stopped while we were dialing
+                    raise
                 self._by_address[(address.host, address.port)] = conn.remote_peer
                 channel = self._adopt(conn)
-                self._require_running().start_soon(self._run_channel, channel)
+                nursery.start_soon(self._run_channel, channel)
                 return channel
         except trio.TooSlowError as exc:
             raise PeerUnavailable(

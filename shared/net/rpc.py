@@ -310,7 +310,7 @@ def _request_id_of(body: bytes) -> int:
     """Best effort: the request id of an envelope whose other fields failed validation."""
     try:
         fields = msgspec.msgpack.decode(body)
-    except (msgspec.DecodeError, RecursionError):
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return 0
     if (
         isinstance(fields, list)
