@@ -37,16 +37,17 @@ class NetnsHost:
     name: str
     address: str
 
-    def _argv(self, argv: Sequence[str]) -> list[str]:
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed to run inside this namespace."""
         return ["ip", "netns", "exec", self.name, *argv]
 
     def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside this namespace; ``kw`` goes to :class:`subprocess.Popen`."""
-        return subprocess.Popen(self._argv(argv), **kw)
+        return subprocess.Popen(self.command(argv), **kw)
 
     def run(self, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` to completion inside this namespace; ``kw`` goes to :func:`subprocess.run`."""
-        return subprocess.run(self._argv(argv), **kw)
+        return subprocess.run(self.command(argv), **kw)
 
 
 def _ip(*args: str) -> None:

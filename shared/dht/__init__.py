@@ -6,7 +6,7 @@ Modules:
     lookup    Lookup: the iterative node lookup as a state machine (next_queries / on_response / on_failure)
     storage   RecordStore: signed records by (key, subkey), newest wins, expiry heap, bounded size
     records   sign_record, the newest-wins order, and record validators (signature, expiry, subkey owner)
-    node      DHTNode trio service (written separately): serves the RPCs and drives the cores above
+    node      DHTNode trio service: serves the RPCs, drives the cores above, refreshes, leaves gracefully
 
 Everything here but ``node`` is pure: no trio, no sockets, time passed in as ``now``.
 """
@@ -22,6 +22,10 @@ from .keys import key_id as key_id
 from .keys import key_int as key_int
 from .keys import node_id_of as node_id_of
 from .lookup import Lookup as Lookup
+from .node import DHTConfig as DHTConfig
+from .node import DHTNode as DHTNode
+from .node import DHTStatistics as DHTStatistics
+from .node import DHTValue as DHTValue
 from .records import CompositeValidator as CompositeValidator
 from .records import ExpiryValidator as ExpiryValidator
 from .records import RecordValidator as RecordValidator
@@ -42,6 +46,10 @@ __all__ = [
     "BucketInfo",
     "CompositeValidator",
     "Contact",
+    "DHTConfig",
+    "DHTNode",
+    "DHTStatistics",
+    "DHTValue",
     "ExpiryValidator",
     "Lookup",
     "RecordStore",

@@ -83,6 +83,7 @@ class TlsSocket:
         self._sock = sock
         self.peer = peer  # "host:port", for messages
         self._closed = False
+        self._worker_closes = False  # set by shutdown(): the worker thread closes the fd when it lets go
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -201,15 +202,23 @@ class TlsSocket:
                 self._sock.setblocking(False)
 
     def shutdown(self) -> None:
-        """Make any operation in progress on the socket (in any thread) fail soon; the fd stays open."""
+        """Make any operation in progress on the socket (in any thread) fail soon; the fd stays open.
+
+        The socket counts as closed from now on (:meth:`close` does nothing), but the fd is closed only by
+        the worker thread that still uses it, in :meth:`close_from_thread`, so its number cannot be reused
+        by a new connection under that thread's feet.
+        """
         if not self._closed:
+            self._closed = True
+            self._worker_closes = True
             with contextlib.suppress(OSError):
                 socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
     def close_from_thread(self) -> None:
         """Close from a worker thread that owned the socket (trio is not waiting on it)."""
-        if not self._closed:
+        if not self._closed or self._worker_closes:
             self._closed = True
+            self._worker_closes = False
             self._sock.close()
 
     def close(self) -> None:

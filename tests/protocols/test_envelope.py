@@ -161,7 +161,7 @@ def test_decode_envelope_rejects_wrong_version_with_code_wrong_version() -> None
 def test_decode_envelope_rejects_unknown_kind_with_code_unknown_kind() -> None:
     body = _raw_body(PROTOCOL_VERSION, "no.such.kind", 1, 0, {})
 
-    with pytest.raises(ProtocolError, match="unknown message kind 'no.such.kind'") as info:
+    with pytest.raises(ProtocolError, match=r"unknown message kind 'no\.such\.kind'") as info:
         decode_envelope(body)
 
     assert info.value.code == ErrorCode.UNKNOWN_KIND
@@ -169,7 +169,7 @@ def test_decode_envelope_rejects_unknown_kind_with_code_unknown_kind() -> None:
 
 @pytest.mark.parametrize(("request_id", "flags"), [(-1, 0), (2**63, 0), (1, 4), (1, -1)])
 def test_decode_envelope_rejects_out_of_range_request_id_or_flags(request_id: int, flags: int) -> None:
-    with pytest.raises(ProtocolError, match="request id|flags") as info:
+    with pytest.raises(ProtocolError, match=r"request id|flags") as info:
         decode_envelope(_raw_body(PROTOCOL_VERSION, "dht.ping", request_id, flags, {}))
 
     assert info.value.code == ErrorCode.BAD_REQUEST
@@ -199,7 +199,7 @@ def test_decode_envelope_accepts_payload_exactly_at_kind_limit() -> None:
     envelope = decode_envelope(body)
 
     assert len(envelope.payload) == PingRequest.max_bytes
-    with pytest.raises(ProtocolError, match="invalid dht.ping message"):
+    with pytest.raises(ProtocolError, match=r"invalid dht\.ping message"):
         decode_message(envelope)  # the size is fine, the schema is not
 
 

@@ -16,8 +16,10 @@ SPEC_PEER_ID = "12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"
 
 
 def _random_public_key() -> bytes:
-    return Ed25519PrivateKey.generate().public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    return (
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     )
 
 
@@ -36,8 +38,10 @@ def test_peer_id_starts_with_ed25519_identity_prefix() -> None:
 
 
 def test_peer_id_matches_libp2p_spec_vector() -> None:
-    public_key = Ed25519PrivateKey.from_private_bytes(SPEC_SEED).public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    public_key = (
+        Ed25519PrivateKey.from_private_bytes(SPEC_SEED)
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     )
 
     assert public_key == SPEC_PUBLIC_KEY

@@ -126,7 +126,9 @@ def test_verify_rejects_tampered_data_signature_or_key() -> None:
     assert not verify_by_peer_id(identity.peer_id, signature, b"payloaD")
 
 
-@pytest.mark.parametrize("peer_id", ["", "garbage", "12D3KooW", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"])
+@pytest.mark.parametrize(
+    "peer_id", ["", "garbage", "12D3KooW", "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"]
+)
 def test_verify_by_peer_id_is_false_for_malformed_peer_id(peer_id: str) -> None:
     identity = Identity.generate()
 

@@ -19,7 +19,10 @@ PEER = Identity.generate().peer_id
         ("/ip6/::1/tcp/65535", PeerAddress("::1", 65535, None, "ip6")),
         (f"/ip6/2001:db8::7/tcp/4001/p2p/{PEER}", PeerAddress("2001:db8::7", 4001, PEER, "ip6")),
         ("/dns4/backbone.example.org/tcp/443", PeerAddress("backbone.example.org", 443, None, "dns4")),
-        (f"/dns4/backbone.example.org/tcp/443/p2p/{PEER}", PeerAddress("backbone.example.org", 443, PEER, "dns4")),
+        (
+            f"/dns4/backbone.example.org/tcp/443/p2p/{PEER}",
+            PeerAddress("backbone.example.org", 443, PEER, "dns4"),
+        ),
         ("/dns/example.org/tcp/1", PeerAddress("example.org", 1, None, "dns")),
         ("/dns6/example.org/tcp/1", PeerAddress("example.org", 1, None, "dns6")),
     ],
@@ -42,7 +45,11 @@ def test_peer_address_with_peer_keeps_endpoint_and_adds_peer_id() -> None:
 
 @pytest.mark.parametrize(
     ("host", "expected"),
-    [("10.0.0.1", "/ip4/10.0.0.1/tcp/9"), ("fe80::1", "/ip6/fe80::1/tcp/9"), ("a.example", "/dns/a.example/tcp/9")],
+    [
+        ("10.0.0.1", "/ip4/10.0.0.1/tcp/9"),
+        ("fe80::1", "/ip6/fe80::1/tcp/9"),
+        ("a.example", "/dns/a.example/tcp/9"),
+    ],
 )
 def test_format_multiaddr_guesses_protocol_from_host(host: str, expected: str) -> None:
     assert format_multiaddr(host, 9) == expected

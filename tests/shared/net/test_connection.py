@@ -90,7 +90,9 @@ async def _dial_with_crafted_proof(
     """A dialer built from the lower-level pieces, sending the ClientProof that ``craft`` returns
     (given the listener's hello and certificate); returns once the listener answers Welcome."""
     raw = await connect_tcp(address.host, address.port)
-    tls = await TlsSocket.handshake(raw, LocalEndpoint(identity, RUN_ID).client_ctx, server_side=False, peer="x")
+    tls = await TlsSocket.handshake(
+        raw, LocalEndpoint(identity, RUN_ID).client_ctx, server_side=False, peer="x"
+    )
     conn = SecureConnection(tls, BufferedReceiver(tls), PeerId(""), (), "rpc", True)
     try:
         hello = await conn.receive_message(ServerHello)
@@ -223,7 +225,9 @@ async def test_accept_refuses_proof_not_bound_to_this_channel(forgery: str) -> N
             return msgspec.structs.replace(proof, public_key=other.public_key_bytes)
         return msgspec.structs.replace(proof, lane="bulk")  # signed as rpc
 
-    dialed, accepted = await _handshake(listener, lambda address: _dial_with_crafted_proof(address, dialer, craft))
+    dialed, accepted = await _handshake(
+        listener, lambda address: _dial_with_crafted_proof(address, dialer, craft)
+    )
 
     with pytest.raises(RemoteError) as info:
         dialed.unwrap()
@@ -356,4 +360,3 @@ async def test_host_call_raises_peer_id_mismatch_for_wrong_peer_id_in_address(st
     with trio.fail_after(HANG_GUARD_S), pytest.raises(PeerIdMismatch):
         await client.call(wrong, PingRequest())
     assert client.statistics().rpc_connections == 0
-

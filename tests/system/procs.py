@@ -1,0 +1,93 @@
+"""Real CLI processes for system tests: start, read their first line, watch status.json, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+
+
+def cli(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def spawn(argv: Sequence[str], wrap: Callable[[list[str]], list[str]] | None = None) -> subprocess.Popen[str]:
+    final = wrap(list(argv)) if wrap else list(argv)
+    return subprocess.Popen(final, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def read_line(proc: subprocess.Popen[str], within: float = 20.0) -> str:
+    """The next stdout line, failing (with stderr shown) if the process dies or stays silent."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], within)
+    if not ready:
+        stop(proc, signal.SIGKILL)
+        raise AssertionError(
+            f"no output within {within} s; stderr: {proc.stderr.read() if proc.stderr else ''}"
+        )
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(
+            f"process exited ({proc.wait()}); stderr: {proc.stderr.read() if proc.stderr else ''}"
+        )
+    return line.rstrip("\n")
+
+
+def start_backbone(
+    data_dir: Path, *extra: str, run_id: str = "sys-run", wrap: Callable[[list[str]], list[str]] | None = None
+) -> tuple[subprocess.Popen[str], str]:
+    argv = cli("backbone", "start", "--run-id", run_id, "--data-dir", str(data_dir), *extra)
+    if "--listen" not in extra:
+        argv += ["--listen", "/ip4/127.0.0.1/tcp/0"]
+    proc = spawn(argv, wrap)
+    line = read_line(proc)
+    assert line.startswith("listening on /ip4/"), line
+    return proc, line.removeprefix("listening on ")
+
+
+def wait_status(
+    data_dir: Path, ready: Callable[[dict[str, Any]], bool], proc: subprocess.Popen[str], within: float = 30.0
+) -> dict[str, Any]:
+    """Poll ``status.json`` (written every second by a running node) until ``ready`` holds."""
+    deadline = time.monotonic() + within
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"process exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            )
+        try:
+            last = json.loads((data_dir / "status.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        else:
+            if ready(last):
+                return last
+        time.sleep(0.2)
+    raise AssertionError(f"status never became ready; last: {last}")
+
+
+def stop(
+    proc: subprocess.Popen[str], sig: int = signal.SIGTERM, within: float = 20.0
+) -> tuple[int, str, str]:
+    """Signal ``proc`` and collect (exit code, stdout, stderr); kill it if it does not exit in time."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"did not exit within {within} s after {signal.Signals(sig).name}: {err}"
+        ) from None
+    return proc.returncode, out, err

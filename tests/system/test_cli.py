@@ -1,0 +1,204 @@
+"""The real `backbone` and `volunteer` commands, in subprocesses on loopback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .procs import cli, spawn, start_backbone, stop, wait_status
+
+pytestmark = pytest.mark.slow
+
+
+def run(*argv: str, within: float = 30.0) -> subprocess.CompletedProcess[str]:
+    from .procs import ENV
+
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=within, env=ENV)
+
+
+def test_backbone_start_prints_full_multiaddr_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    proc, address = start_backbone(tmp_path / "bb")
+    assert "/tcp/" in address and "/p2p/12D3KooW" in address
+    code, _, err = stop(proc)
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert (tmp_path / "bb" / "identity.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_backbone_keeps_its_peer_id_across_restarts(tmp_path: Path) -> None:
+    first, address1 = start_backbone(tmp_path / "bb")
+    stop(first)
+    second, address2 = start_backbone(tmp_path / "bb")
+    stop(second)
+    assert address1.split("/p2p/")[1] == address2.split("/p2p/")[1]
+
+
+def test_second_backbone_and_volunteers_join_and_see_each_other(tmp_path: Path) -> None:
+    bb1, address = start_backbone(tmp_path / "bb1")
+    bb2, _ = start_backbone(tmp_path / "bb2", "--initial-peer", address)
+    volunteers = [
+        spawn(
+            cli(
+                "volunteer",
+                "join",
+                "sys-run",
+                "--initial-peer",
+                address,
+                "--data-dir",
+                str(tmp_path / f"v{i}"),
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--no-panel",
+            )
+        )
+        for i in range(2)
+    ]
+    try:
+        for i, proc in enumerate(volunteers):
+            status = wait_status(
+                tmp_path / f"v{i}", lambda s: s["routing_table_size"] >= 3 and s["members_online"] >= 4, proc
+            )
+            assert status["run_id"] == "sys-run"
+            assert status["role"] == "volunteer"
+            assert status["rpc_latency_ms"] is None or status["rpc_latency_ms"] > 0
+    finally:
+        results = [stop(p) for p in [*volunteers, bb2, bb1]]
+    for code, out, err in results:
+        assert code == 0, err
+        assert "Traceback" not in err
+    assert "left the run cleanly" in results[0][1]
+
+
+def test_volunteer_ctrl_c_leaves_cleanly(tmp_path: Path) -> None:
+    bb, address = start_backbone(tmp_path / "bb")
+    vol = spawn(
+        cli(
+            "volunteer",
+            "join",
+            "sys-run",
+            "--initial-peer",
+            address,
+            "--data-dir",
+            str(tmp_path / "v"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--no-panel",
+        )
+    )
+    try:
+        wait_status(tmp_path / "v", lambda s: s["routing_table_size"] >= 1, vol)
+        code, out, err = stop(vol, signal.SIGINT)
+    finally:
+        stop(bb)
+    assert code == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "stopped by SIGINT" in err
+
+
+def test_volunteer_join_refuses_a_backbone_of_another_run(tmp_path: Path) -> None:
+    bb, address = start_backbone(tmp_path / "bb", run_id="run-a")
+    try:
+        started = time.monotonic()
+        result = run(
+            *cli(
+                "volunteer",
+                "join",
+                "run-b",
+                "--initial-peer",
+                address,
+                "--data-dir",
+                str(tmp_path / "v"),
+                "--no-panel",
+            )
+        )
+        assert time.monotonic() - started < 30
+    finally:
+        stop(bb)
+    assert result.returncode == 1
+    assert "serves run 'run-a', not 'run-b'" in result.stderr.replace("\n", "")
+    assert "Traceback" not in result.stderr
+
+
+def test_volunteer_join_with_unreachable_initial_peer_fails_clearly(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on: bind, read it, close
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run(
+        *cli(
+            "volunteer",
+            "join",
+            "sys-run",
+            "--initial-peer",
+            f"/ip4/127.0.0.1/tcp/{port}",
+            "--data-dir",
+            str(tmp_path / "v"),
+            "--no-panel",
+        )
+    )
+    assert result.returncode == 1
+    assert "ECONNREFUSED" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["volunteer", "join", "sys-run", "--initial-peer", "garbage"], "not a valid multiaddr"),
+        (["volunteer", "join", "sys-run", "--initial-peer", "/ip4/127.0.0.1/udp/5"], "not a TCP multiaddr"),
+        (["volunteer", "join", "bad run id!", "--initial-peer", "/ip4/127.0.0.1/tcp/5"], "run id"),
+        (["backbone", "start", "--run-id", "r", "--listen", "/dns4/example.com/tcp/0"], "give an IP address"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, argv: list[str], message: str) -> None:
+    result = run(*cli(argv[0], *argv[1:], "--data-dir", str(tmp_path / "d")))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.replace("\n", " ")
+    assert "Traceback" not in result.stderr
+
+
+def test_backbone_start_on_a_port_in_use_exits_2(tmp_path: Path) -> None:
+    bb, address = start_backbone(tmp_path / "bb")
+    try:
+        listen = address.split("/p2p/")[0]
+        result = run(
+            *cli(
+                "backbone",
+                "start",
+                "--run-id",
+                "sys-run",
+                "--data-dir",
+                str(tmp_path / "bb2"),
+                "--listen",
+                listen,
+            )
+        )
+    finally:
+        stop(bb)
+    assert result.returncode == 2
+    assert "address already in use" in result.stderr
+
+
+def test_data_dir_used_by_a_running_node_is_refused(tmp_path: Path) -> None:
+    bb, _ = start_backbone(tmp_path / "bb")
+    try:
+        result = run(
+            *cli(
+                "backbone",
+                "start",
+                "--run-id",
+                "sys-run",
+                "--data-dir",
+                str(tmp_path / "bb"),
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            )
+        )
+    finally:
+        stop(bb)
+    assert result.returncode == 2
+    assert "in use by another process" in result.stderr
