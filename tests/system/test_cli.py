@@ -202,3 +202,51 @@ def test_data_dir_used_by_a_running_node_is_refused(tmp_path: Path) -> None:
         stop(bb)
     assert result.returncode == 2
     assert "in use by another process" in result.stderr
+
+
+def test_volunteer_join_shows_a_live_panel_on_a_terminal(tmp_path: Path) -> None:
+    import os
+    import pty
+    import select as select_module
+
+    bb, address = start_backbone(tmp_path / "bb")
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        cli(
+            "volunteer",
+            "join",
+            "sys-run",
+            "--initial-peer",
+            address,
+            "--data-dir",
+            str(tmp_path / "v"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ),
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env={**os.environ, "COLUMNS": "120", "TERM": "xterm"},
+    )
+    os.close(terminal)
+    screen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and b"peers known" not in screen:
+            ready, _, _ = select_module.select([controller], [], [], 0.5)
+            if ready:
+                try:
+                    screen += os.read(controller, 65536)
+                except OSError:
+                    break
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(controller)
+        stop(bb)
+    text = screen.decode(errors="replace")
+    for label in ("peers known", "DHT size", "RPC latency", "sys-run"):
+        assert label in text, text[-2000:]
+    assert code == 0

@@ -182,3 +182,17 @@ async def test_dht_leave_notice_removes_the_leaver_from_routing_tables() -> None
         with trio.fail_after(5):
             while b.dht.node_id in a.dht.routing:
                 await trio.sleep(0.01)
+
+
+async def test_dht_bucket_refresh_looks_up_every_stale_bucket() -> None:
+    async with swarm() as s:
+        for _ in range(6):
+            await s.add()
+        node = s.nodes[-1].dht
+        far_future = time.time() + 10 * CONFIG.refresh_interval
+        assert node.routing.buckets_needing_refresh(far_future, CONFIG.refresh_interval)
+        before = node.statistics().lookups
+        node._clock = lambda: far_future  # the buckets are now stale; refresh must touch each of them
+        await node._refresh_buckets()
+        assert node.statistics().lookups > before
+        assert not node.routing.buckets_needing_refresh(far_future, CONFIG.refresh_interval)
