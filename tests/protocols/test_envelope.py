@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import types
 from typing import Any
 
 import msgspec
@@ -11,8 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import protocols
-import protocols.bulk
 from protocols.bulk import BulkAck, BulkHeader
 from protocols.codes import ErrorCode
 from protocols.dht import (
@@ -404,14 +401,3 @@ def test_decoders_raise_only_protocol_error_on_mutated_valid_bodies(
         body[position % len(body)] = value
 
     _decode_all(bytes(body))
-
-
-def test_protocols_package_exports_are_complete_and_sorted() -> None:
-    public = {
-        name
-        for name, value in vars(protocols).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType) and name != "annotations"
-    }
-
-    assert set(protocols.__all__) == public
-    assert protocols.__all__ == sorted(protocols.__all__, key=lambda name: (not name.isupper(), name))

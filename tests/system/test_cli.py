@@ -67,7 +67,7 @@ def test_second_backbone_and_volunteers_join_and_see_each_other(tmp_path: Path) 
             assert status["rpc_latency_ms"] is None or status["rpc_latency_ms"] > 0
     finally:
         results = [stop(p) for p in [*volunteers, bb2, bb1]]
-    for code, out, err in results:
+    for code, _out, err in results:
         assert code == 0, err
         assert "Traceback" not in err
     assert "left the run cleanly" in results[0][1]
@@ -91,7 +91,7 @@ def test_volunteer_ctrl_c_leaves_cleanly(tmp_path: Path) -> None:
     )
     try:
         wait_status(tmp_path / "v", lambda s: s["routing_table_size"] >= 1, vol)
-        code, out, err = stop(vol, signal.SIGINT)
+        code, _out, err = stop(vol, signal.SIGINT)
     finally:
         stop(bb)
     assert code == 0, err
