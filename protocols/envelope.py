@@ -75,7 +75,7 @@ class Request(Message, frozen=True, kw_only=True):
     response: ClassVar[type[Message]]
 
 
-class Envelope(msgspec.Struct, array_like=True, frozen=True):
+class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     version: int
     kind: str
     request_id: int

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: Worker threads moving bulk bytes, process-wide.
 BULK_THREADS = trio.CapacityLimiter(32)
+#: A refused transfer up to this size is read and dropped, so its sender learns the error code.
+REFUSAL_DRAIN_LIMIT = 64 * 1024 * 1024
 
 
 async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any) -> None:
@@ -124,11 +126,18 @@ async def serve_bulk_lane(conn: SecureConnection, handlers: dict[str, BulkHandle
             except (ProtocolError, RemoteError) as exc:
                 code = exc.code if isinstance(exc, ProtocolError) else int(exc.code)
                 logger.warning("refused bulk %s from %s: %s", header.topic, conn.remote_peer, exc)
+                # Drain a modest transfer so the sender reads our reason rather than a reset; a huge
+                # one is not worth receiving: close, and the sender sees the connection fail.
+                drain = reader.remaining <= REFUSAL_DRAIN_LIMIT
+                if drain:
+                    await reader.discard()
                 with trio.move_on_after(1):
                     await conn.send_message(
                         ErrorReply(code=int(code), message=str(exc)[:1024]), flags=Flags.ERROR
                     )
-                return  # the unread bytes make the lane unusable: close it
+                if drain:
+                    continue
+                return
             if reader.remaining:
                 await reader.discard()
             await conn.send_message(BulkAck(meta=meta), flags=Flags.RESPONSE)

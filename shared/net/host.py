@@ -49,6 +49,8 @@ class HostConfig:
     handler_deadline: float = 30.0  # a handler running longer is answered INTERNAL
     bulk_stall: float = 30.0  # a bulk transfer making no progress this long fails
     max_idle_bulk: int = 8  # idle bulk connections kept per peer
+    max_incoming: int = 4096  # accepted connections open at once; more are refused at accept()
+    idle_timeout: float = 300.0  # an RPC connection with no traffic this long is closed
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class Host:
         self._listeners: list[socket.socket] = []
         self._aborted = False
         self._stopped = False
+        self._incoming = 0
+        self._warned_full = False
         self._closed_stats = [0, 0, 0, 0, 0]
 
     @property
@@ -104,36 +108,41 @@ class Host:
         Raises:
             ConfigError: an address cannot be listened on (in use, not local, malformed).
         """
-        listeners = []
+        listeners: list[tuple[socket.socket, PeerAddress]] = []
+        self._listeners = []
         try:
             for item in listen:
                 address = parse_multiaddr(item) if isinstance(item, str) else item
                 listeners.append(_bind(address))
+                self._listeners.append(listeners[-1][0])
             for sock, address in listeners:
                 port = sock.getsockname()[1]
                 for host in expand_unspecified(address.host):
                     self.listen_addrs.append(format_multiaddr(host, port, self.peer_id))
             self.endpoint.listen_addrs[:] = self.listen_addrs
-            self._listeners = [sock for sock, _ in listeners]
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for sock in self._listeners:
                     nursery.start_soon(self._accept_loop, sock)
+                nursery.start_soon(self._reap_idle)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self._nursery = None
             self._stopped = True
-            for sock, _ in listeners:
-                if sock.fileno() != -1:
-                    trio.lowlevel.notify_closing(sock)
-                    sock.close()
-            for channel in list(self._all_channels):
-                channel.conn.close()
-            for lanes in self._idle_bulk.values():
-                for lane in lanes:
-                    lane.close()
-            self._idle_bulk.clear()
+            self._close_everything()
+
+    def _close_everything(self) -> None:
+        for sock in self._listeners:
+            if sock.fileno() != -1:
+                trio.lowlevel.notify_closing(sock)
+                sock.close()
+        for channel in list(self._all_channels):
+            channel.conn.close()
+        for lanes in self._idle_bulk.values():
+            for lane in lanes:
+                lane.close()
+        self._idle_bulk.clear()
 
     def _require_running(self) -> trio.Nursery:
         if self._nursery is None:
@@ -148,15 +157,7 @@ class Host:
         """Drop off the network at once, as a crash would: close listeners and every connection, refuse
         new dials. Peers see connections reset, with no goodbye. ``run`` still has to be cancelled."""
         self._aborted = True
-        for sock in self._listeners:
-            trio.lowlevel.notify_closing(sock)
-            sock.close()
-        for channel in list(self._all_channels):
-            channel.conn.close()
-        for lanes in self._idle_bulk.values():
-            for lane in lanes:
-                lane.close()
-        self._idle_bulk.clear()
+        self._close_everything()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         nursery = self._require_running()
@@ -175,9 +176,34 @@ class Host:
                     await trio.sleep(0.1)
                     continue
                 raise
+            if self._incoming >= self.config.max_incoming:
+                if not self._warned_full:
+                    logger.warning("refusing connections: %d incoming already open", self._incoming)
+                    self._warned_full = True
+                raw.close()
+                continue
+            self._warned_full = False
             nursery.start_soon(self._serve_incoming, raw, f"{addr[0]}:{addr[1]}")
 
     async def _serve_incoming(self, raw: socket.socket, peer: str) -> None:
+        self._incoming += 1
+        try:
+            await self._serve_incoming_counted(raw, peer)
+        finally:
+            self._incoming -= 1
+
+    async def _reap_idle(self) -> None:
+        """Close RPC connections idle in both directions for ``idle_timeout``; peers redial on demand."""
+        period = self.config.idle_timeout / 4
+        while True:
+            await trio.sleep(period)
+            cutoff = trio.current_time() - self.config.idle_timeout
+            for channel in list(self._all_channels):
+                if channel.last_activity < cutoff and channel.idle:
+                    logger.debug("closing idle connection to %s", channel.peer_id)
+                    channel.conn.close()
+
+    async def _serve_incoming_counted(self, raw: socket.socket, peer: str) -> None:
         try:
             with trio.fail_after(self.config.accept_deadline):
                 conn = await accept(self.endpoint, raw, peer)
@@ -246,6 +272,7 @@ class Host:
 
     async def channel_to(self, address: PeerAddress) -> RpcChannel:
         """A live RPC channel to ``address``'s peer: a pooled one, else one dial shared by all callers."""
+        self._require_running()
         key: object = address.peer_id or (address.host, address.port)
         existing = self._live_channel(address)
         if existing is not None:

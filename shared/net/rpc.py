@@ -132,10 +132,16 @@ class RpcChannel:
         self._closed = trio.Event()
         self._calls_sent = self._calls_failed = self._served = self._rejected = 0
         self.last_rtt: float = math.nan
+        self.last_activity = trio.current_time()
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+    @property
+    def idle(self) -> bool:
+        """No call of ours awaits a reply and no request of the peer is being handled."""
+        return not self._pending and self._inflight == 0
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
@@ -164,7 +170,7 @@ class RpcChannel:
         slot = _Pending(type(request).response)
         self._pending[request_id] = slot
         self._calls_sent += 1
-        started = trio.current_time()
+        started = self.last_activity = trio.current_time()
         try:
             await self.conn.send_frame(encode_frame(request, request_id, Flags.REQUEST))
             await slot.done.wait()
@@ -212,6 +218,7 @@ class RpcChannel:
                 logger.warning("closing connection to %s: %s", self.peer_id, exc)
                 await self._reply_error(0, exc.code, str(exc))
                 return
+            self.last_activity = trio.current_time()
             await self._dispatch(body, nursery)
 
     async def _dispatch(self, body: bytes, nursery: trio.Nursery) -> None:

@@ -90,7 +90,7 @@ async def test_host_send_bulk_raises_unknown_kind_for_unknown_topic_and_can_send
 
     with trio.fail_after(HANG_GUARD_S):
         with pytest.raises(RemoteError, match="no bulk handler for topic 'nobody-home'") as info:
-            await sender.send_bulk(address_of(receiver), "nobody-home", b"x" * 1024)
+            await sender.send_bulk(address_of(receiver), "nobody-home", b"x" * (8 << 20))  # > socket buffers
         assert sender.statistics().idle_bulk_connections == 0  # the refused lane was closed
 
         assert await sender.send_bulk(address_of(receiver), "sink", b"y" * 1024) == _ack(b"y" * 1024)
@@ -117,7 +117,7 @@ async def test_host_send_bulk_raises_handler_refusal_as_remote_error(
 
     with trio.fail_after(HANG_GUARD_S):
         with pytest.raises(RemoteError) as info:
-            await sender.send_bulk(address_of(receiver), "refuse", b"z" * 512)
+            await sender.send_bulk(address_of(receiver), "refuse", b"z" * (8 << 20))
         assert await sender.send_bulk(address_of(receiver), "sink", b"ok") == _ack(b"ok")
 
     assert info.value.code == code
