@@ -3,7 +3,7 @@
 Frame (RPC lane)::
 
     +----------------+---------------------------------------------------------------+
-    | length: u32 BE | msgpack array [version, kind, request_id, flags, payload]       |
+    | length: u32 BE | msgpack array [version, kind, request_id, flags, payload, auth?] |
     +----------------+---------------------------------------------------------------+
 
 * ``version`` must equal :data:`PROTOCOL_VERSION`; anything else is answered with ``WRONG_VERSION``.
@@ -14,6 +14,8 @@ Frame (RPC lane)::
 * ``flags`` is a :class:`Flags` value: request, response, error reply, or one-way notification.
 * ``payload`` is the msgpack encoding of the message struct, decoded only after the header has been
   validated, so a huge or unknown payload is rejected before any work is spent on it.
+* ``auth`` (optional sixth element) carries the sender's credentials in pinned runs
+  (:mod:`protocols.auth`); its signature covers the payload bytes exactly as sent.
 
 Decoding validates everything (types, lengths, patterns, ``__post_init__`` checks) and raises
 :class:`~protocols.errors.ProtocolError` naming what was wrong. There is no pickle anywhere.
@@ -42,6 +44,8 @@ __all__ = [
     "decode_envelope",
     "decode_message",
     "encode_frame",
+    "encode_payload",
+    "frame_payload",
     "register",
     "registered_kinds",
 ]
@@ -50,6 +54,7 @@ PROTOCOL_VERSION = 1
 #: Hard ceiling on any frame of the RPC lane; per-kind limits are lower. Bulk bytes do not use frames.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MESSAGE_BYTES = 64 * 1024
+MAX_AUTH_BYTES = 4096
 FRAME_HEADER = struct.Struct("!I")
 
 M = TypeVar("M", bound="Message")
@@ -75,12 +80,13 @@ class Request(Message, frozen=True, kw_only=True):
     response: ClassVar[type[Message]]
 
 
-class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+class Envelope(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     version: int
     kind: str
     request_id: int
     flags: int
     payload: msgspec.Raw
+    auth: bytes = b""  # RequestAuth / ResponseAuth in pinned runs (protocols.auth); absent in open runs
 
 
 class ErrorReply(Message, frozen=True, kw_only=True):
@@ -120,8 +126,8 @@ def registered_kinds() -> dict[str, type[Message]]:
 register(ErrorReply)
 
 
-def encode_frame(message: Message, request_id: int, flags: Flags) -> bytes:
-    """Encode ``message`` in an envelope, with the length prefix.
+def encode_payload(message: Message) -> bytes:
+    """The msgpack payload of ``message`` (what request signatures cover).
 
     Raises:
         ProtocolError: the encoded message exceeds its kind's size limit.
@@ -132,10 +138,24 @@ def encode_frame(message: Message, request_id: int, flags: Flags) -> bytes:
             f"{message.kind} payload of {len(payload)} bytes exceeds its limit of {type(message).max_bytes}",
             ErrorCode.TOO_LARGE,
         )
+    return payload
+
+
+def frame_payload(kind: str, payload: bytes, request_id: int, flags: Flags, auth: bytes = b"") -> bytes:
+    """Wrap an encoded payload (and its credentials) in an envelope, with the length prefix."""
     body = _ENCODER.encode(
-        Envelope(PROTOCOL_VERSION, message.kind, request_id, int(flags), msgspec.Raw(payload))
+        Envelope(PROTOCOL_VERSION, kind, request_id, int(flags), msgspec.Raw(payload), auth)
     )
     return FRAME_HEADER.pack(len(body)) + body
+
+
+def encode_frame(message: Message, request_id: int, flags: Flags) -> bytes:
+    """Encode ``message`` in an envelope without credentials, with the length prefix.
+
+    Raises:
+        ProtocolError: the encoded message exceeds its kind's size limit.
+    """
+    return frame_payload(message.kind, encode_payload(message), request_id, flags)
 
 
 def decode_envelope(body: bytes | memoryview) -> Envelope:
@@ -160,6 +180,10 @@ def decode_envelope(body: bytes | memoryview) -> Envelope:
         raise ProtocolError(f"request id {envelope.request_id} out of range")
     if envelope.flags not in _FLAG_VALUES:
         raise ProtocolError(f"unknown envelope flags {envelope.flags}")
+    if len(envelope.auth) > MAX_AUTH_BYTES:
+        raise ProtocolError(
+            f"credentials of {len(envelope.auth)} bytes exceed {MAX_AUTH_BYTES}", ErrorCode.TOO_LARGE
+        )
     cls = _REGISTRY.get(envelope.kind)
     if cls is None:
         raise ProtocolError(f"unknown message kind {envelope.kind[:64]!r}", ErrorCode.UNKNOWN_KIND)

@@ -6,12 +6,14 @@
     ├── ConfigError                 bad user input: flags, files, addresses, data dirs
     ├── ProtocolError               (protocols.errors) a frame or message violates the wire protocol
     ├── RemoteError                 the peer answered with an error code
-    │   └── Overloaded              ... code OVERLOADED: retry later
+    │   ├── Overloaded              ... code OVERLOADED: retry later
+    │   └── AccessDenied            ... an authentication code: the peer does not accept our credentials
     ├── PeerUnavailable             could not reach the peer, or the connection broke / timed out
     ├── HandshakeError              TLS or identity handshake failed
     │   ├── PeerIdMismatch          the certificate's key is not the peer id we dialed
     │   ├── BadIdentityProof        the dialer's in-band proof did not verify
     │   └── WrongRun                the peer belongs to another training run
+    ├── AuthError                   we refuse a request or answer: bad/expired/foreign token, replay, …
     ├── RecordRejected              a DHT record failed validation (signature, expiry, validator)
     └── DiscoveryError              no backbone for the run could be found
 
@@ -25,6 +27,9 @@ from protocols.codes import ErrorCode
 from protocols.errors import ProjectError, ProtocolError
 
 __all__ = [
+    "AUTH_CODES",
+    "AccessDenied",
+    "AuthError",
     "BadIdentityProof",
     "ConfigError",
     "DiscoveryError",
@@ -62,6 +67,18 @@ class Overloaded(RemoteError):
     """The peer has too many of our requests in flight (``OVERLOADED``); back off and retry."""
 
 
+class AccessDenied(RemoteError):
+    """The peer refused our credentials (``BAD_TOKEN`` … ``REVOKED``, ``UNAUTHENTICATED``)."""
+
+
+class AuthError(ProjectError):
+    """We refuse a request (or an answer) on authentication grounds; ``code`` says which check failed."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class PeerUnavailable(ProjectError):
     """The peer could not be dialed, the connection broke, or it did not answer before the deadline."""
 
@@ -91,8 +108,25 @@ class DiscoveryError(ProjectError):
     """No backbone serving the requested run could be found (mDNS or initial peers)."""
 
 
+AUTH_CODES = frozenset(
+    {
+        ErrorCode.UNAUTHENTICATED,
+        ErrorCode.BAD_TOKEN,
+        ErrorCode.WRONG_RUN_TOKEN,
+        ErrorCode.TOKEN_EXPIRED,
+        ErrorCode.TOKEN_PEER,
+        ErrorCode.CLOCK_SKEW,
+        ErrorCode.BAD_SIGNATURE,
+        ErrorCode.REPLAYED,
+        ErrorCode.REVOKED,
+    }
+)
+
+
 def remote_error(code: int, message: str) -> RemoteError:
     """Map a wire error code to the most specific exception class."""
     if code == ErrorCode.OVERLOADED:
         return Overloaded(code, message)
+    if code in AUTH_CODES:
+        return AccessDenied(code, message)
     return RemoteError(code, message)

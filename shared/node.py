@@ -20,6 +20,7 @@ import trio
 from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
 
+from .auth.guard import Authenticator
 from .auth.keys import Identity
 from .dht.keys import key_id
 from .dht.node import DHTConfig, DHTNode
@@ -142,6 +143,7 @@ async def open_node(
     initial_peers: Sequence[PeerAddress | str] = (),
     host_config: HostConfig | None = None,
     dht_config: DHTConfig | None = None,
+    authenticator: Authenticator | None = None,
 ) -> AsyncIterator[Node]:
     """Start a node, join the DHT through ``initial_peers``, and leave in order on exit.
 
@@ -150,7 +152,7 @@ async def open_node(
         PeerUnavailable: initial peers were given and none answered.
         HandshakeError: the initial peer is not who its address says, or serves another run.
     """
-    host = Host(identity, run_id, host_config)
+    host = Host(identity, run_id, host_config, authenticator)
     dht = DHTNode(host, dht_config, validator=run_validator())
     # The host is shielded from whatever cancels this node, so that the DHT can still say goodbye
     # through it; it is stopped explicitly once the DHT has left (bounded by the DHT's leave deadline).

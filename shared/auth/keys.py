@@ -38,13 +38,13 @@ class Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
-    def load_or_create(cls, data_dir: Path) -> Identity:
-        """Load ``data_dir/identity.key``, creating the directory and a new key the first time.
+    def load_or_create(cls, data_dir: Path, filename: str = IDENTITY_FILE) -> Identity:
+        """Load ``data_dir/filename``, creating the directory and a new key the first time.
 
         Raises:
             ConfigError: the file exists but is not an Ed25519 private key, or cannot be written.
         """
-        path = data_dir / IDENTITY_FILE
+        path = data_dir / filename
         try:
             data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             pem = path.read_bytes()

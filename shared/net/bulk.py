@@ -18,10 +18,19 @@ import trio
 
 from protocols.bulk import BulkAck, BulkHeader
 from protocols.codes import ErrorCode
-from protocols.envelope import ErrorReply, Flags
+from protocols.envelope import (
+    Envelope,
+    ErrorReply,
+    Flags,
+    decode_envelope,
+    decode_message,
+    encode_payload,
+    frame_payload,
+)
 from protocols.errors import ProtocolError
 
-from ..errors import PeerUnavailable, RemoteError
+from ..auth.guard import Authenticator
+from ..errors import AuthError, PeerUnavailable, RemoteError, remote_error
 from .connection import SecureConnection
 from .rpc import RequestContext
 
@@ -62,19 +71,42 @@ async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any
         raise
 
 
-async def send_bulk(conn: SecureConnection, topic: str, data: memoryview, meta: bytes, stall: float) -> bytes:
+async def send_bulk(
+    conn: SecureConnection, topic: str, data: memoryview, meta: bytes, stall: float, auth: Authenticator
+) -> bytes:
     """Send ``data`` on the bulk connection ``conn`` and return the receiver's ack meta.
+
+    The header is signed like any request (the TLS channel binds the raw bytes that follow it to the
+    same authenticated peer); the ack is checked like any response.
 
     Raises:
         PeerUnavailable: the connection broke or stalled for ``stall`` seconds.
         RemoteError: the receiver refused the transfer.
+        AuthError: the receiver's ack is not an admitted peer's signed answer.
     """
     flat = data.cast("B") if data.ndim != 1 or data.format != "B" else data
-    await conn.send_message(BulkHeader(topic=topic, nbytes=flat.nbytes, meta=meta), flags=Flags.REQUEST)
+    header = encode_payload(BulkHeader(topic=topic, nbytes=flat.nbytes, meta=meta))
+    credentials, nonce = auth.sign_request(conn.remote_peer, BulkHeader.kind, 0, header)
+    await conn.send_frame(frame_payload(BulkHeader.kind, header, 0, Flags.REQUEST, credentials))
     if flat.nbytes:
         await _in_thread(conn, conn.tls.send_all_blocking, flat, stall)
-    ack = await conn.receive_message(BulkAck)
+    envelope = await _receive_envelope(conn)
+    if envelope.flags == Flags.RESPONSE:
+        auth.check_response(conn.remote_peer, nonce, envelope.kind, bytes(envelope.payload), envelope.auth)
+    ack = decode_message(envelope, BulkAck)
+    if isinstance(ack, ErrorReply):
+        raise remote_error(ack.code, ack.message)
+    if not isinstance(ack, BulkAck):
+        raise ProtocolError(f"expected {BulkAck.kind}, got {ack.kind}")
     return ack.meta
+
+
+async def _receive_envelope(conn: SecureConnection) -> Envelope:
+    try:
+        body = await conn.receive_frame()
+    except EOFError as exc:
+        raise PeerUnavailable(f"{conn.tls.peer} closed the bulk connection") from exc
+    return decode_envelope(body)
 
 
 class BulkReader:
@@ -108,27 +140,41 @@ class BulkReader:
 BulkHandler = Callable[[RequestContext, BulkHeader, BulkReader], Awaitable[bytes]]
 
 
-async def serve_bulk_lane(conn: SecureConnection, handlers: dict[str, BulkHandler], stall: float) -> None:
+async def serve_bulk_lane(
+    conn: SecureConnection, handlers: dict[str, BulkHandler], stall: float, auth: Authenticator
+) -> None:
     """Serve transfers on an accepted bulk connection until the peer closes it."""
-    context = RequestContext(conn.remote_peer, conn.remote_addrs)
     try:
         while True:
             try:
-                header = await conn.receive_message(BulkHeader)
-            except (EOFError, PeerUnavailable):
+                envelope = await _receive_envelope(conn)
+            except PeerUnavailable:
                 return
+            header = decode_message(envelope, BulkHeader)
+            if not isinstance(header, BulkHeader):
+                raise ProtocolError(f"expected {BulkHeader.kind}, got {header.kind}")
             reader = BulkReader(conn, header.nbytes, stall)
             handler = handlers.get(header.topic)
+            nonce = b""
             try:
+                verified = auth.check_request(
+                    conn.remote_peer,
+                    envelope.kind,
+                    envelope.request_id,
+                    bytes(envelope.payload),
+                    envelope.auth,
+                )
+                nonce = verified.nonce
+                context = RequestContext(conn.remote_peer, conn.remote_addrs, verified.username)
                 if handler is None:
                     raise ProtocolError(f"no bulk handler for topic {header.topic!r}", ErrorCode.UNKNOWN_KIND)
                 meta = await handler(context, header, reader)
-            except (ProtocolError, RemoteError) as exc:
-                code = exc.code if isinstance(exc, ProtocolError) else int(exc.code)
+            except (ProtocolError, RemoteError, AuthError) as exc:
+                code = int(exc.code)
                 logger.warning("refused bulk %s from %s: %s", header.topic, conn.remote_peer, exc)
                 # Drain a modest transfer so the sender reads our reason rather than a reset; a huge
                 # one is not worth receiving: close, and the sender sees the connection fail.
-                drain = reader.remaining <= REFUSAL_DRAIN_LIMIT
+                drain = not isinstance(exc, AuthError) and reader.remaining <= REFUSAL_DRAIN_LIMIT
                 if drain:
                     await reader.discard()
                 with trio.move_on_after(1):
@@ -140,7 +186,9 @@ async def serve_bulk_lane(conn: SecureConnection, handlers: dict[str, BulkHandle
                 return
             if reader.remaining:
                 await reader.discard()
-            await conn.send_message(BulkAck(meta=meta), flags=Flags.RESPONSE)
+            ack = encode_payload(BulkAck(meta=meta))
+            credentials = auth.sign_response(nonce, BulkAck.kind, ack)
+            await conn.send_frame(frame_payload(BulkAck.kind, ack, 0, Flags.RESPONSE, credentials))
     except ProtocolError as exc:
         logger.warning("closing bulk lane from %s: %s", conn.remote_peer, exc)
     except PeerUnavailable as exc:

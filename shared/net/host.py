@@ -24,6 +24,7 @@ from protocols.envelope import Message, Request
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 
+from ..auth.guard import Authenticator, OpenAuthenticator
 from ..auth.keys import Identity
 from ..errors import ConfigError, HandshakeError, PeerUnavailable, RemoteError
 from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_multiaddr
@@ -68,9 +69,16 @@ class HostStatistics:
 class Host:
     """A node's endpoint on the network. Call :meth:`run` (via ``nursery.start``) before anything else."""
 
-    def __init__(self, identity: Identity, run_id: str, config: HostConfig | None = None) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        config: HostConfig | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> None:
         self.endpoint = LocalEndpoint(identity, run_id)
         self.config = config or HostConfig()
+        self.authenticator: Authenticator = authenticator or OpenAuthenticator()
         self.registry = HandlerRegistry()
         self.bulk_handlers: dict[str, BulkHandler] = {}
         self.listen_addrs: list[str] = []
@@ -222,7 +230,7 @@ class Host:
             logger.info("connection from %s ended during the handshake: %s", peer, exc)
             return
         if conn.lane == "bulk":
-            await serve_bulk_lane(conn, self.bulk_handlers, self.config.bulk_stall)
+            await serve_bulk_lane(conn, self.bulk_handlers, self.config.bulk_stall, self.authenticator)
         else:
             await self._run_channel(self._adopt(conn))
 
@@ -234,6 +242,7 @@ class Host:
             self.registry,
             max_inflight=self.config.max_inflight,
             handler_deadline=self.config.handler_deadline,
+            authenticator=self.authenticator,
         )
         self._all_channels.add(channel)
         current = self._channels.get(channel.peer_id)
@@ -351,7 +360,9 @@ class Host:
         conn = await self._checkout_bulk(address)
         ok = False
         try:
-            ack = await send_bulk(conn, topic, memoryview(data), meta, self.config.bulk_stall)
+            ack = await send_bulk(
+                conn, topic, memoryview(data), meta, self.config.bulk_stall, self.authenticator
+            )
             ok = True
             return ack
         finally:

@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -44,11 +44,14 @@ from protocols.envelope import (
     decode_envelope,
     decode_message,
     encode_frame,
+    encode_payload,
+    frame_payload,
 )
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 
-from ..errors import PeerUnavailable, RemoteError, remote_error
+from ..auth.guard import Authenticator, OpenAuthenticator
+from ..errors import AuthError, PeerUnavailable, RemoteError, remote_error
 from .connection import SecureConnection
 
 __all__ = ["HandlerRegistry", "RequestContext", "RpcChannel", "RpcStatistics"]
@@ -60,10 +63,12 @@ N = TypeVar("N", bound=Message)
 
 @dataclass(frozen=True)
 class RequestContext:
-    """Who sent a request: a proven peer id and the addresses it says it listens on."""
+    """Who sent a request: a proven peer id, the addresses it says it listens on, and in pinned runs the
+    admitted user it belongs to."""
 
     peer_id: PeerId
     listen_addrs: tuple[str, ...]
+    username: str | None = None
 
 
 Handler = Callable[[RequestContext, Any], Awaitable[Message]]
@@ -101,10 +106,11 @@ class RpcStatistics:
 
 
 class _Pending:
-    __slots__ = ("done", "expected", "outcome")
+    __slots__ = ("done", "expected", "nonce", "outcome")
 
-    def __init__(self, expected: type[Message]) -> None:
+    def __init__(self, expected: type[Message], nonce: bytes) -> None:
         self.expected = expected
+        self.nonce = nonce
         self.done = trio.Event()
         self.outcome: Message | BaseException | None = None
 
@@ -119,10 +125,12 @@ class RpcChannel:
         *,
         max_inflight: int = 128,
         handler_deadline: float = 30.0,
+        authenticator: Authenticator | None = None,
     ) -> None:
         self.conn = conn
         self.peer_id = conn.remote_peer
         self._registry = registry
+        self._auth: Authenticator = authenticator or OpenAuthenticator()
         self._context = RequestContext(conn.remote_peer, conn.remote_addrs)
         self._max_inflight = max_inflight
         self._handler_deadline = handler_deadline
@@ -167,12 +175,14 @@ class RpcChannel:
         if self._closed.is_set():
             raise PeerUnavailable(f"connection to {self.peer_id} is closed")
         request_id = next(self._ids)
-        slot = _Pending(type(request).response)
+        payload = encode_payload(request)
+        auth, nonce = self._auth.sign_request(self.peer_id, request.kind, request_id, payload)
+        slot = _Pending(type(request).response, nonce)
         self._pending[request_id] = slot
         self._calls_sent += 1
         started = self.last_activity = trio.current_time()
         try:
-            await self.conn.send_frame(encode_frame(request, request_id, Flags.REQUEST))
+            await self.conn.send_frame(frame_payload(request.kind, payload, request_id, Flags.REQUEST, auth))
             await slot.done.wait()
         finally:
             self._pending.pop(request_id, None)
@@ -186,7 +196,9 @@ class RpcChannel:
 
     async def notify(self, message: Message) -> None:
         """Send a one-way message (no reply)."""
-        await self.conn.send_frame(encode_frame(message, 0, Flags.NOTIFY))
+        payload = encode_payload(message)
+        auth, _ = self._auth.sign_request(self.peer_id, message.kind, 0, payload)
+        await self.conn.send_frame(frame_payload(message.kind, payload, 0, Flags.NOTIFY, auth))
 
     async def run(self) -> None:
         """Read frames until the connection closes; serve requests in a nursery owned here."""
@@ -235,13 +247,19 @@ class RpcChannel:
                 logger.debug("dropping late or unknown reply %d from %s", envelope.request_id, self.peer_id)
                 return
             try:
+                if flags == Flags.RESPONSE:
+                    self._auth.check_response(
+                        self.peer_id, slot.nonce, envelope.kind, bytes(envelope.payload), envelope.auth
+                    )
                 message = decode_message(envelope, slot.expected)
                 slot.outcome = (
                     remote_error(message.code, message.message)
                     if isinstance(message, ErrorReply)
                     else message
                 )
-            except ProtocolError as exc:
+            except (ProtocolError, AuthError) as exc:
+                if isinstance(exc, AuthError):
+                    logger.warning("refused an answer from %s: %s", self.peer_id, exc)
                 slot.outcome = exc
             slot.done.set()
         elif self._inflight >= self._max_inflight:
@@ -255,17 +273,26 @@ class RpcChannel:
             serve = self._serve_request if flags == Flags.REQUEST else self._serve_notification
             nursery.start_soon(serve, envelope)
 
+    def _verify(self, envelope: Envelope) -> tuple[RequestContext, bytes]:
+        verified = self._auth.check_request(
+            self.peer_id, envelope.kind, envelope.request_id, bytes(envelope.payload), envelope.auth
+        )
+        if verified.username is None:
+            return self._context, verified.nonce
+        return replace(self._context, username=verified.username), verified.nonce
+
     async def _serve_notification(self, envelope: Envelope) -> None:
         try:
+            context, _ = self._verify(envelope)
             message = decode_message(envelope)
             handler = self._registry.notifications.get(type(message))
             if handler is None:
                 logger.debug("no handler for notification %s from %s", message.kind, self.peer_id)
                 return
             with trio.move_on_after(self._handler_deadline):
-                await handler(self._context, message)
-        except ProtocolError as exc:
-            logger.warning("bad notification from %s: %s", self.peer_id, exc)
+                await handler(context, message)
+        except (ProtocolError, AuthError) as exc:
+            logger.warning("dropped notification %s from %s: %s", envelope.kind, self.peer_id, exc)
         except Exception:
             logger.exception("handler for notification %s from %s failed", envelope.kind, self.peer_id)
         finally:
@@ -284,14 +311,20 @@ class RpcChannel:
         """Run the handler; return the reply frame (a response or an error reply, never raises)."""
         code: int
         try:
+            context, nonce = self._verify(envelope)
             request = decode_message(envelope)
             handler = self._registry.requests.get(type(request))  # type: ignore[arg-type]
             if handler is None:
                 raise ProtocolError(f"no handler for {request.kind}", ErrorCode.UNKNOWN_KIND)
             with trio.fail_after(self._handler_deadline):
-                reply = await handler(self._context, request)
+                reply = await handler(context, request)
+            payload = encode_payload(reply)
+            auth = self._auth.sign_response(nonce, reply.kind, payload)
             self._served += 1
-            return encode_frame(reply, envelope.request_id, Flags.RESPONSE)
+            return frame_payload(reply.kind, payload, envelope.request_id, Flags.RESPONSE, auth)
+        except AuthError as exc:
+            logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
+            code, text = exc.code, str(exc)
         except ProtocolError as exc:
             logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
             code, text = exc.code, str(exc)

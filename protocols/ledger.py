@@ -1,0 +1,112 @@
+"""Contribution reports and measured capabilities: what the SQL ledger credits (DESIGN D5).
+
+A volunteer describes each stretch of its work in a :class:`ContributionReport`, encodes it with msgpack
+and signs :func:`report_payload` of those exact bytes with its identity key (Ed25519; the public key is
+inside the peer id, so anyone can verify without a lookup). It sends both as a :class:`SignedReport`; the
+backbone keeps the original bytes and signature, so every credited row can be re-verified later.
+
+``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
+sent twice (a retry after a lost reply, a second backbone) is credited once.
+
+:class:`Capabilities` is what a peer *measured* about itself (samples/s on the run's model, bandwidth);
+the ledger's plausibility checks compare reports against it.
+
+Example (volunteer side)::
+
+    data = msgspec.msgpack.encode(report)
+    signed = SignedReport(report=data, signature=identity.sign(report_payload(data)))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+from .types import Bytes64, PeerIdStr, RunIdStr
+
+__all__ = [
+    "MAX_COUNT",
+    "MAX_REPORT_BYTES",
+    "Capabilities",
+    "ContributionReport",
+    "SignedReport",
+    "report_payload",
+]
+
+MAX_REPORT_BYTES = 4 * 1024
+#: Upper bound of every integer field: exact as a float, far beyond any real interval's work.
+MAX_COUNT = 2**53
+#: Unix times beyond this (year ~33658) are garbage, not clocks.
+_MAX_TIME = 1e12
+#: Capability ceilings, far above any real device or link (1e13 B/s = 80 Tbit/s).
+_MAX_RATE = 1e13
+_REPORT_DOMAIN = b"dedloc-report-v1"
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_TIME)]
+UnixTime = Annotated[float, msgspec.Meta(ge=-_MAX_TIME, le=_MAX_TIME)]
+Rate = Annotated[float, msgspec.Meta(ge=0, le=_MAX_RATE)]
+
+
+def _check(name: str, value: float, low: float, high: float) -> None:
+    # msgspec enforces the Meta bounds only when decoding; this also covers direct construction and
+    # rejects NaN/inf, which compare false against every bound.
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} {value!r} is not within [{low}, {high}]")
+
+
+class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One peer's work over ``[interval_start, interval_end]`` (unix seconds), report number ``seq``."""
+
+    run_id: RunIdStr
+    peer_id: PeerIdStr
+    seq: Count
+    global_step: Count
+    samples: Count
+    compute_seconds: Seconds
+    bytes_aggregated: Count
+    bytes_relayed: Count
+    interval_start: UnixTime
+    interval_end: UnixTime
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed"):
+            _check(name, getattr(self, name), 0, MAX_COUNT)
+        _check("compute_seconds", self.compute_seconds, 0, _MAX_TIME)
+        _check("interval_start", self.interval_start, -_MAX_TIME, _MAX_TIME)
+        _check("interval_end", self.interval_end, -_MAX_TIME, _MAX_TIME)
+        if self.interval_end < self.interval_start:
+            raise ValueError(
+                f"interval_end {self.interval_end!r} is before interval_start {self.interval_start!r}"
+            )
+
+
+class SignedReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A msgpack-encoded :class:`ContributionReport` and its writer's signature over
+    :func:`report_payload` of those bytes."""
+
+    report: Annotated[bytes, msgspec.Meta(max_length=MAX_REPORT_BYTES)]
+    signature: Bytes64
+
+
+def report_payload(report_bytes: bytes) -> bytes:
+    """The bytes a volunteer signs for a report: a domain tag, then the report's msgpack bytes."""
+    return _REPORT_DOMAIN + report_bytes
+
+
+class Capabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a peer measured about itself: training throughput on the run's model and link bandwidth."""
+
+    samples_per_second: Rate
+    upload_bps: Rate
+    download_bps: Rate
+    device: Annotated[str, msgspec.Meta(max_length=128)]
+
+    def __post_init__(self) -> None:
+        _check("samples_per_second", self.samples_per_second, 0, _MAX_RATE)
+        _check("upload_bps", self.upload_bps, 0, _MAX_RATE)
+        _check("download_bps", self.download_bps, 0, _MAX_RATE)
+        if len(self.device) > 128:
+            raise ValueError(f"device name has {len(self.device)} characters, at most 128 are allowed")
