@@ -21,7 +21,7 @@ def test_pin_run_id_appends_the_authority_fingerprint_and_checks_an_existing_one
     assert pinned == f"my-run@{authority.fingerprint}"
     assert split_run_id(pinned) == ("my-run", authority.fingerprint)
     assert pin_run_id(pinned, authority) == pinned
-    with pytest.raises(ConfigError, match="copy the run's authority.key"):
+    with pytest.raises(ConfigError, match=r"copy the run's authority\.key"):
         pin_run_id(pinned, Authority(Identity.generate()))
     with pytest.raises(ConfigError, match="invalid"):
         pin_run_id("bad name!", authority)
