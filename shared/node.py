@@ -7,6 +7,7 @@ first (hand-off and LEAVE notices need live connections), then the host closes e
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from collections import deque
@@ -17,28 +18,62 @@ from pathlib import Path
 import msgspec
 import trio
 
+from protocols.auth import REVOCATIONS_KEY, SignedRevocation
 from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
 
-from .auth.guard import Authenticator
+from .auth.guard import Authenticator, RunAuthenticator
 from .auth.keys import Identity
+from .auth.revocations import RevocationValidator, decode_revocation
 from .dht.keys import key_id
 from .dht.node import DHTConfig, DHTNode
-from .dht.records import CompositeValidator, ExpiryValidator, SignatureValidator, SubkeyOwnerValidator
-from .errors import PeerUnavailable, RemoteError
+from .dht.records import (
+    CompositeValidator,
+    ExpiryValidator,
+    RecordValidator,
+    SignatureValidator,
+    SubkeyOwnerValidator,
+)
+from .errors import RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
-from .net.host import Host, HostConfig
+from .net.host import CALL_FAILURES, Host, HostConfig
 
-__all__ = ["Node", "NodeStatus", "open_node", "run_validator"]
+__all__ = ["Node", "NodeStatus", "open_node", "run_validator", "watch_revocations"]
 
 MEMBERS_REFRESH = 3.0  # seconds between counts of the presence entries
+REVOCATION_POLL = 2.0  # seconds between polls of the revocation records (how fast a removal bites)
+REVOCATION_TTL = 23 * 3600.0  # revocation records are re-published well before this
+logger = logging.getLogger(__name__)
 
 
-def run_validator() -> CompositeValidator:
-    """Record validation for a run: signed, sane expiry, and presence entries written by their owner."""
-    return CompositeValidator(
-        [SignatureValidator(), ExpiryValidator(), SubkeyOwnerValidator([key_id(PRESENCE_KEY)])]
-    )
+def run_validator(authenticator: Authenticator | None = None) -> CompositeValidator:
+    """Record validation for a run: signed, sane expiry, presence entries written by their owner, and in
+    pinned runs revocations signed by the run's authority."""
+    validators: list[RecordValidator] = [
+        SignatureValidator(),
+        ExpiryValidator(),
+        SubkeyOwnerValidator([key_id(PRESENCE_KEY)]),
+    ]
+    if isinstance(authenticator, RunAuthenticator):
+        validators.append(RevocationValidator(authenticator.run_id, authenticator.authority))
+    return CompositeValidator(validators)
+
+
+async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL) -> None:
+    """Poll the run's revocation records and cut revoked users off (they stay revoked)."""
+    while True:
+        with contextlib.suppress(*CALL_FAILURES):
+            found = await dht.get(REVOCATIONS_KEY, latest=True)
+            for record in found.entries.values() if found is not None else ():
+                try:
+                    username = decode_revocation(record, auth.run_id, auth.authority)
+                except RecordRejected as exc:
+                    logger.warning("ignoring a revocation record: %s", exc)
+                    continue
+                if username not in auth.revoked:
+                    logger.warning("user %s has been removed from the run", username)
+                    auth.revoked.add(username)
+        await trio.sleep(period)
 
 
 @dataclass(frozen=True)
@@ -81,7 +116,7 @@ class Node:
         next_publish = trio.current_time()
         while True:
             if trio.current_time() >= next_publish:
-                with contextlib.suppress(PeerUnavailable, RemoteError):
+                with contextlib.suppress(*CALL_FAILURES):
                     await self.dht.store(
                         PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
                     )
@@ -94,13 +129,20 @@ class Node:
         self._members = len(found.entries) if found is not None else 0
         return self._members
 
+    async def publish_revocation(self, username: str, signed: SignedRevocation) -> int:
+        """Store an authority revocation in the DHT (backbones re-publish them before they expire)."""
+        value = msgspec.msgpack.encode(signed)
+        return await self.dht.store(
+            REVOCATIONS_KEY, value, time.time() + REVOCATION_TTL, subkey=username.encode()
+        )
+
     async def measure_latency_forever(self, period: float = 2.0) -> None:
         """Ping a few known contacts now and then; the median round-trip is the panel's RPC latency."""
         while True:
             for contact in self.dht.routing.nearest(self.dht.node_id, 3):
                 address = parse_multiaddr(contact.addrs[0]).with_peer(contact.peer_id)
                 started = trio.current_time()
-                with contextlib.suppress(PeerUnavailable, RemoteError, trio.TooSlowError):
+                with contextlib.suppress(*CALL_FAILURES):
                     with trio.fail_after(self.dht.config.rpc_deadline):
                         await self.host.call(address, PingRequest())
                     self._rtts.append(trio.current_time() - started)
@@ -153,7 +195,7 @@ async def open_node(
         HandshakeError: the initial peer is not who its address says, or serves another run.
     """
     host = Host(identity, run_id, host_config, authenticator)
-    dht = DHTNode(host, dht_config, validator=run_validator())
+    dht = DHTNode(host, dht_config, validator=run_validator(authenticator))
     # The host is shielded from whatever cancels this node, so that the DHT can still say goodbye
     # through it; it is stopped explicitly once the DHT has left (bounded by the DHT's leave deadline).
     host_scope = trio.CancelScope(shield=True)
@@ -167,6 +209,8 @@ async def open_node(
             await host_nursery.start(run_host)
             async with trio.open_nursery() as dht_nursery:
                 await dht_nursery.start(dht.run, initial_peers)
+                if isinstance(authenticator, RunAuthenticator):
+                    dht_nursery.start_soon(watch_revocations, dht, authenticator)
                 try:
                     yield Node(role, host, dht)
                 finally:

@@ -49,12 +49,11 @@ from protocols.dht import (
     StoreResponse,
 )
 from protocols.envelope import Message, Request
-from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 
-from ..errors import HandshakeError, PeerUnavailable, RecordRejected, RemoteError
+from ..errors import PeerUnavailable, RecordRejected, RemoteError
 from ..net.addresses import PeerAddress, parse_multiaddr
-from ..net.host import Host
+from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext, RpcChannel
 from .keys import KEY_BITS, id_bytes, key_id, key_int, node_id_of
 from .lookup import Lookup
@@ -65,7 +64,7 @@ from .storage import RecordStore
 __all__ = ["DHTConfig", "DHTNode", "DHTStatistics", "DHTValue"]
 
 logger = logging.getLogger(__name__)
-_CALL_ERRORS = (PeerUnavailable, HandshakeError, RemoteError, ProtocolError, trio.TooSlowError)
+_CALL_ERRORS = CALL_FAILURES
 
 
 @dataclass(frozen=True)

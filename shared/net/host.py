@@ -26,15 +26,19 @@ from protocols.peer_id import PeerId
 
 from ..auth.guard import Authenticator, OpenAuthenticator
 from ..auth.keys import Identity
-from ..errors import ConfigError, HandshakeError, PeerUnavailable, RemoteError
+from ..errors import AuthError, ConfigError, HandshakeError, PeerUnavailable, RemoteError
 from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_multiaddr
 from .bulk import BulkHandler, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .rpc import HandlerRegistry, RpcChannel
 
-__all__ = ["Host", "HostConfig", "HostStatistics"]
+__all__ = ["CALL_FAILURES", "Host", "HostConfig", "HostStatistics"]
 
 logger = logging.getLogger(__name__)
+
+#: Everything a call to another peer may fail with, for callers that treat every failure alike. An
+#: answer we refuse (AuthError: not an admitted peer, revoked) counts as no answer at all.
+CALL_FAILURES = (PeerUnavailable, HandshakeError, RemoteError, ProtocolError, AuthError, trio.TooSlowError)
 
 #: accept() errors that mean "the system is overloaded", not "the listener is broken" (as in trio).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}

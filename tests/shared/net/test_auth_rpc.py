@@ -18,7 +18,7 @@ from shared.auth.authority import Authority, pin_run_id
 from shared.auth.guard import Authenticator, OpenAuthenticator, RunAuthenticator, Verified
 from shared.auth.keys import Identity
 from shared.dht.keys import key_id
-from shared.errors import AccessDenied, AuthError, PeerUnavailable
+from shared.errors import AccessDenied, AuthError, PeerUnavailable, RecordRejected
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.node import open_node
@@ -256,4 +256,46 @@ async def test_auth_dht_admitted_nodes_work_together_and_a_stranger_can_do_nothi
                 initial_peers=[nodes[0].host.listen_addrs[0]],
             ):
                 pass
+        nursery.cancel_scope.cancel()
+
+
+async def test_auth_revocation_spreads_through_the_dht_and_cuts_the_user_off() -> None:
+    ids = [Identity.generate() for _ in range(3)]
+    users = ["backbone", "alice", "bob"]
+    async with trio.open_nursery() as nursery:
+        nodes = []
+        for identity, user in zip(ids, users, strict=True):
+
+            async def run(
+                task_status: trio.TaskStatus[object], identity: Identity = identity, user: str = user
+            ) -> None:
+                initial = [nodes[0].host.listen_addrs[0]] if nodes else []
+                async with open_node(
+                    identity,
+                    RUN,
+                    "volunteer",
+                    listen=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=initial,
+                    authenticator=admitted(identity, user),
+                ) as node:
+                    task_status.started(node)
+                    await trio.sleep_forever()
+
+            nodes.append(await nursery.start(run))
+        backbone, alice, bob = nodes
+        await bob.host.call(address_of(alice.host), PingRequest())
+
+        # a volunteer cannot forge a revocation: it is not the authority's
+        forged = Authority(Identity.generate()).revoke(RUN, "alice", time.time())
+        with pytest.raises(RecordRejected, match="not signed by this run's authority"):
+            await bob.publish_revocation("alice", forged)
+
+        await backbone.publish_revocation("bob", AUTHORITY.revoke(RUN, "bob", time.time()))
+        with trio.fail_after(15):
+            while "bob" not in alice.host.authenticator.revoked:  # type: ignore[attr-defined]
+                await trio.sleep(0.1)
+        with pytest.raises(AccessDenied) as info:
+            await bob.host.call(address_of(alice.host), PingRequest())
+        assert info.value.code == ErrorCode.REVOKED
+        assert "alice" not in alice.host.authenticator.revoked  # type: ignore[attr-defined]
         nursery.cancel_scope.cancel()
