@@ -2,36 +2,57 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
 
+import msgspec
 import typer
+from rich.console import Console
+from rich.table import Table
 
-from shared.console import locked_data_dir, run_service, setup_logging, validate_run_id
+from protocols.api import Invite, encode_invite
+from shared.console import fail, locked_data_dir, run_service, setup_logging, validate_run_id
+from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 
+from .ledger import LedgerStore
+from .runinfo import RunInfo, read_run_info
 from .service import BackboneOptions, serve_backbone
 
 __all__ = ["app", "main"]
 
-app = typer.Typer(
-    help="Backbone nodes keep a training run's DHT alive and welcome its volunteers.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+HELP = "Backbone nodes keep a training run's DHT alive, admit its volunteers and credit their work."
+app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+allow_app = typer.Typer(
+    help="Manage who may join the run (works whether or not the backbone runs).", no_args_is_help=True
 )
+app.add_typer(allow_app, name="allow")
+out = Console()
+
+DataDir = Annotated[
+    Path, typer.Option("--data-dir", help="The backbone's data dir (identity, keys, ledger).")
+]
+DatabaseUrl = Annotated[
+    str | None,
+    typer.Option("--database-url", help="postgresql+psycopg://… (default: SQLite in the data dir)."),
+]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
 @app.callback()
 def _root() -> None:
-    """Backbone nodes keep a training run's DHT alive and welcome its volunteers."""
+    """Backbone nodes keep a training run's DHT alive, admit its volunteers and credit their work."""
 
 
 @app.command()
 def start(
-    run_id: Annotated[str, typer.Option("--run-id", help="The run this backbone serves.")],
-    data_dir: Annotated[Path, typer.Option("--data-dir", help="Identity key, status and state live here.")],
+    run_id: Annotated[str, typer.Option("--run-id", help="The run's name (or name@fingerprint).")],
+    data_dir: DataDir,
     listen: Annotated[
         list[str] | None,
         typer.Option(
@@ -45,9 +66,24 @@ def start(
         ),
     ] = None,
     mdns: Annotated[bool, typer.Option("--mdns/--no-mdns", help="Advertise the run on the LAN.")] = True,
+    open_run: Annotated[
+        bool, typer.Option("--open", help="An open run: no authority, no admission (local experiments).")
+    ] = False,
+    authority_key: Annotated[
+        Path | None,
+        typer.Option("--authority-key", help="The run's authority key (shared by its backbones)."),
+    ] = None,
+    database_url: DatabaseUrl = None,
+    api_listen: Annotated[
+        str, typer.Option("--api-listen", help="HOST:PORT of the HTTPS API.")
+    ] = "0.0.0.0:0",
+    public_url: Annotated[
+        list[str] | None, typer.Option("--public-url", help="API URL volunteers should use (repeatable).")
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Start a backbone node; prints `listening on <multiaddr>` per address and runs until stopped."""
+    """Start a backbone node. Prints `listening on <multiaddr>` per address, then (pinned runs) the run id
+    and the API URLs, and runs until stopped."""
     setup_logging(verbose)
 
     async def body(shutdown: Shutdown) -> None:
@@ -56,10 +92,140 @@ def start(
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
         with locked_data_dir(data_dir):
-            options = BackboneOptions(run_id, data_dir, listen_addrs, initial_peer or [], mdns)
+            options = BackboneOptions(
+                run_id,
+                data_dir,
+                listen_addrs,
+                initial_peer or [],
+                mdns,
+                open_run,
+                authority_key,
+                database_url,
+                api_listen,
+                public_url or [],
+            )
             await serve_backbone(options, shutdown)
 
     run_service(body)
+
+
+@contextlib.contextmanager
+def _ledger(data_dir: Path, database_url: str | None) -> Iterator[LedgerStore]:
+    if not data_dir.is_dir():
+        fail(f"{data_dir} is not a backbone data dir", 2)
+    try:
+        store = LedgerStore.open(database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}")
+    except ProjectError as exc:
+        fail(str(exc), 2)
+    try:
+        yield store
+    except ConfigError as exc:
+        fail(str(exc), 2)
+    except ProjectError as exc:
+        fail(str(exc), 1)
+    finally:
+        store.close()
+
+
+def _when(ts: float | None) -> str:
+    return "—" if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@allow_app.command("add")
+def allow_add(
+    username: str,
+    data_dir: DataDir,
+    note: Annotated[str | None, typer.Option("--note", help="Who this is, for your records.")] = None,
+    expires_in_days: Annotated[float | None, typer.Option("--expires-in-days", help="Invite expiry.")] = None,
+    database_url: DatabaseUrl = None,
+    as_json: Json = False,
+) -> None:
+    """Allow USER and print an invite code; every machine that redeems it becomes a peer of USER."""
+    info = _run_info(data_dir)
+    with _ledger(data_dir, database_url) as store:
+        now = time.time()
+        store.add_user(username, note=note, now=now)
+        expires = now + expires_in_days * 86400 if expires_in_days else None
+        secret = store.create_invite(username, now=now, expires_at=expires)
+    code = encode_invite(Invite(info.run_id, info.api, secret))
+    if as_json:
+        print(msgspec.json.encode({"username": username, "invite": code, "expires_at": expires}).decode())
+    else:
+        out.print(f"invite for [bold]{username}[/] (shown once; keep it secret):", highlight=False)
+        print(code)
+        out.print(f"they join with:  volunteer join {info.run_id} --invite <code>", highlight=False)
+
+
+@allow_app.command("remove")
+def allow_remove(
+    username: str, data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False
+) -> None:
+    """Remove USER: its peers are cut off within seconds (a running backbone publishes the revocation)."""
+    with _ledger(data_dir, database_url) as store:
+        removed = store.remove_user(username, now=time.time())
+    if as_json:
+        print(msgspec.json.encode({"username": username, "removed": removed}).decode())
+    elif removed:
+        out.print(f"removed {username}; a running backbone revokes its peers within seconds", highlight=False)
+    else:
+        fail(f"no active user {username!r}", 1)
+
+
+@allow_app.command("list")
+def allow_list(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False) -> None:
+    """List allowed and removed users, their peers and when each was last seen."""
+    with _ledger(data_dir, database_url) as store:
+        users = store.list_users()
+    if as_json:
+        print(msgspec.json.encode(users).decode())
+        return
+    table = Table(title="allowlist")
+    for column in ("user", "note", "added", "removed", "peers", "last seen"):
+        table.add_column(column)
+    for user in users:
+        seen = max((p.last_seen for p in user.peers), default=None)
+        table.add_row(
+            user.username,
+            user.note or "",
+            _when(user.created_at),
+            _when(user.revoked_at),
+            "\n".join(p.peer_id for p in user.peers) or "—",
+            _when(seen),
+        )
+    out.print(table)
+
+
+@app.command()
+def ledger(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False) -> None:
+    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers."""
+    with _ledger(data_dir, database_url) as store:
+        rows = store.leaderboard()
+    if as_json:
+        print(msgspec.json.encode(rows).decode())
+        return
+    table = Table(title="contributions")
+    for column in ("user", "samples", "compute h", "aggregated", "relayed", "peers", "last seen", "flagged"):
+        table.add_column(column, justify="left" if column == "user" else "right")
+    for row in rows:
+        table.add_row(
+            row.username,
+            f"{row.samples:,}",
+            f"{row.compute_hours:.2f}",
+            f"{row.bytes_aggregated / 1e6:.1f} MB",
+            f"{row.bytes_relayed / 1e6:.1f} MB",
+            str(row.peers),
+            _when(row.last_seen),
+            str(row.flagged_reports),
+        )
+    out.print(table)
+
+
+def _run_info(data_dir: Path) -> RunInfo:
+    try:
+        return read_run_info(data_dir)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+        raise
 
 
 def main() -> None:

@@ -1,30 +1,53 @@
-"""The backbone's root nursery: one node of the run, advertised on the LAN, until a signal stops it."""
+"""The backbone's root nursery: one node of the run, its HTTPS API, the ledger and the allowlist.
+
+Pinned runs (the default): the authority key (``authority.key``) pins the run id; the backbone issues
+itself an access token, serves the API (join, refresh, manifest, revocations, ledger, reports, admin),
+and turns every user the allowlist revokes — through the API or ``backbone allow remove`` in another
+process — into an authority-signed revocation in the DHT within a second or two.
+Open runs (``--open``): no authority, no API, no admission; for local experiments.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
 import logging
+import secrets
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
+from cryptography.hazmat.primitives import serialization
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as serve_http
 
+from protocols.api import Manifest
+from protocols.auth import DEFAULT_TOKEN_LIFETIME, SignedRevocation, SignedToken
+from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
+from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.discovery import advertise_run
-from shared.errors import DiscoveryError
+from shared.errors import ConfigError, DiscoveryError
 from shared.lifecycle import Shutdown
-from shared.net.addresses import parse_multiaddr
+from shared.net.addresses import expand_unspecified, parse_multiaddr
+from shared.net.tls import self_signed_certificate
 from shared.node import Node, open_node
 from shared.panel import status_line
+
+from .api import DB_READ, ApiState, build_app
+from .ledger import LedgerStore
+from .runinfo import RunInfo, write_run_info
 
 __all__ = ["BackboneOptions", "serve_backbone"]
 
 logger = logging.getLogger("backbone")
 STATUS_PERIOD = 1.0
 LOG_PERIOD = 30.0
+REVOCATION_SYNC = 1.0  # seconds between looks at the allowlist for newly removed users
+REVOCATION_REPUBLISH = 3600.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,11 @@ class BackboneOptions:
     listen: Sequence[str]
     initial_peers: Sequence[str]
     mdns: bool = True
+    open_run: bool = False
+    authority_key: Path | None = None
+    database_url: str | None = None
+    api_listen: str = "0.0.0.0:0"
+    public_urls: Sequence[str] = ()
 
 
 @contextlib.asynccontextmanager
@@ -58,20 +86,180 @@ async def _advertised(node: Node, run_id: str) -> AsyncIterator[None]:
 
 async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
     identity = Identity.load_or_create(options.data_dir)
-    async with open_node(
-        identity, options.run_id, "backbone", listen=options.listen, initial_peers=options.initial_peers
-    ) as node:
-        for address in node.host.listen_addrs:
-            print(f"listening on {address}", flush=True)
-        mdns = _advertised(node, options.run_id) if options.mdns else contextlib.nullcontext()
-        async with mdns, trio.open_nursery() as nursery:
-            nursery.start_soon(node.publish_presence_forever)
-            nursery.start_soon(node.measure_latency_forever)
-            nursery.start_soon(_report_forever, node, options.data_dir)
-            shutdown.ready()
-            await shutdown.requested.wait()
-            logger.info("leaving the run")
-            nursery.cancel_scope.cancel()
+    if options.open_run:
+        logger.warning(
+            "open run %s: anyone who can reach this node may join; no admission, no ledger", options.run_id
+        )
+        async with open_node(
+            identity, options.run_id, "backbone", listen=options.listen, initial_peers=options.initial_peers
+        ) as node:
+            _print_listening(node)
+            await _serve_node(node, options, options.run_id, shutdown)
+        return
+    authority = Authority.load_or_create(options.authority_key or options.data_dir / AUTHORITY_FILE)
+    run_id = pin_run_id(options.run_id, authority)
+    url = options.database_url or f"sqlite:///{options.data_dir / 'ledger.sqlite3'}"
+    store = await trio.to_thread.run_sync(LedgerStore.open, url)
+    try:
+        auth = RunAuthenticator(run_id, authority.key, identity, _own_token(authority, run_id, identity))
+        async with open_node(
+            identity,
+            run_id,
+            "backbone",
+            listen=options.listen,
+            initial_peers=options.initial_peers,
+            authenticator=auth,
+        ) as node:
+            _print_listening(node)
+            await _serve_pinned(node, options, run_id, authority, auth, store, shutdown)
+    finally:
+        await trio.to_thread.run_sync(store.close)
+
+
+def _print_listening(node: Node) -> None:
+    for address in node.host.listen_addrs:
+        print(f"listening on {address}", flush=True)
+
+
+def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedToken:
+    return authority.issue_token(
+        run_id, "backbone", identity.peer_id, identity.public_key_bytes, time.time(), DEFAULT_TOKEN_LIFETIME
+    )
+
+
+async def _serve_node(node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown) -> None:
+    mdns = _advertised(node, run_id) if options.mdns else contextlib.nullcontext()
+    async with mdns, trio.open_nursery() as nursery:
+        nursery.start_soon(node.publish_presence_forever)
+        nursery.start_soon(node.measure_latency_forever)
+        nursery.start_soon(_report_forever, node, options.data_dir)
+        shutdown.ready()
+        await shutdown.requested.wait()
+        logger.info("leaving the run")
+        nursery.cancel_scope.cancel()
+
+
+async def _serve_pinned(
+    node: Node,
+    options: BackboneOptions,
+    run_id: str,
+    authority: Authority,
+    auth: RunAuthenticator,
+    store: LedgerStore,
+    shutdown: Shutdown,
+) -> None:
+    revocations: dict[str, SignedRevocation] = {}
+    changed = trio.Event()
+    public_urls: list[str] = list(options.public_urls)
+
+    def manifest() -> Manifest:
+        return Manifest(
+            run_id=run_id,
+            authority_public_key=authority.identity.public_key_bytes,
+            backbones=node.host.listen_addrs[:64],
+            api=public_urls[:16],
+        )
+
+    async def user_removed(username: str) -> None:
+        nonlocal changed
+        changed.set()
+
+    admin_token = _admin_token(options.data_dir)
+    state = ApiState(
+        run_id=run_id,
+        authority=authority,
+        store=store,
+        admin_token=admin_token,
+        manifest=manifest,
+        revocations=lambda: list(revocations.values()),
+        on_user_removed=user_removed,
+        peer_id=node.peer_id,
+    )
+
+    async def sync_revocations() -> None:
+        nonlocal changed
+        last_publish = trio.current_time()
+        while True:
+            removed = await trio.to_thread.run_sync(store.revoked_users, limiter=DB_READ)
+            fresh = [name for name, _ in removed if name not in revocations]
+            republish = trio.current_time() - last_publish > REVOCATION_REPUBLISH
+            for name, revoked_at in removed:
+                if name in fresh or republish:
+                    revocations[name] = authority.revoke(run_id, name, revoked_at)
+                    auth.revoked.add(name)
+                    logger.info("publishing the revocation of user %s", name)
+                    with contextlib.suppress(Exception):
+                        await node.publish_revocation(name, revocations[name])
+            if republish:
+                last_publish = trio.current_time()
+            with trio.move_on_after(REVOCATION_SYNC):
+                await changed.wait()
+            changed = trio.Event()
+
+    async def refresh_own_token() -> None:
+        while True:
+            await trio.sleep(DEFAULT_TOKEN_LIFETIME * 2 / 3)
+            auth.set_token(_own_token(authority, run_id, node.host.endpoint.identity))
+
+    async with trio.open_nursery() as nursery:
+        api_urls = await nursery.start(_serve_api, state, authority, options)
+        public_urls.extend(u for u in api_urls if u not in public_urls)
+        write_run_info(
+            options.data_dir,
+            RunInfo(
+                run_id=run_id, api=public_urls, authority_public_key=authority.identity.public_key_bytes.hex()
+            ),
+        )
+        print(f"run id {run_id}", flush=True)
+        for url in public_urls:
+            print(f"api on {url}", flush=True)
+        nursery.start_soon(sync_revocations)
+        nursery.start_soon(refresh_own_token)
+        await _serve_node(node, options, run_id, shutdown)
+        nursery.cancel_scope.cancel()
+
+
+def _admin_token(data_dir: Path) -> str:
+    path = data_dir / "admin.token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return token
+
+
+async def _serve_api(
+    state: ApiState, authority: Authority, options: BackboneOptions, task_status: trio.TaskStatus[list[str]]
+) -> None:
+    """Serve the HTTPS API with a certificate of the authority key (pinned by the run id)."""
+    cert_path = options.data_dir / "api-cert.pem"
+    key_path = options.authority_key or options.data_dir / AUTHORITY_FILE
+    cert_path.write_bytes(
+        self_signed_certificate(authority.identity).public_bytes(serialization.Encoding.PEM)
+    )
+    config = HypercornConfig()
+    config.bind = [options.api_listen]
+    config.certfile, config.keyfile = str(cert_path), str(key_path)
+    config.accesslog = None
+    config.errorlog = logging.getLogger("backbone.http")
+
+    async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+        await serve_http(build_app(state), config, task_status=task_status)  # type: ignore[arg-type]
+
+    try:
+        async with trio.open_nursery() as nursery:
+            binds: list[str] = await nursery.start(serve)
+            task_status.started([url for bind in binds for url in _concrete_urls(bind)])
+    except OSError as exc:
+        raise ConfigError(f"cannot serve the API on {options.api_listen}: {exc.strerror}") from exc
+
+
+def _concrete_urls(bind: str) -> list[str]:
+    """``https://0.0.0.0:PORT`` becomes one URL per interface address (loopback last)."""
+    scheme, _, rest = bind.partition("://")
+    host, _, port = rest.rpartition(":")
+    return [f"{scheme}://{h}:{port}" for h in expand_unspecified(host.strip("[]"))]
 
 
 async def _report_forever(node: Node, data_dir: Path) -> None:

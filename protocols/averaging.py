@@ -96,7 +96,9 @@ def _check_common(header: PartHeader | AveragedHeader) -> None:
         raise ValueError(f"unknown codec {header.codec!r}")
     expected = encoded_nbytes(header.codec, header.numel)
     if header.nbytes != expected:
-        raise ValueError(f"{header.numel} elements in {header.codec} take {expected} bytes, not {header.nbytes}")
+        raise ValueError(
+            f"{header.numel} elements in {header.codec} take {expected} bytes, not {header.nbytes}"
+        )
 
 
 def _check_weight(name: str, weight: float) -> None:

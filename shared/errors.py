@@ -15,7 +15,8 @@
     │   └── WrongRun                the peer belongs to another training run
     ├── AuthError                   we refuse a request or answer: bad/expired/foreign token, replay, …
     ├── RecordRejected              a DHT record failed validation (signature, expiry, validator)
-    └── DiscoveryError              no backbone for the run could be found
+    ├── DiscoveryError              no backbone for the run could be found
+    └── AdmissionError              the run's backbones do not admit us (no/bad invite, removed user)
 
 Rules: translate foreign exceptions at one boundary with ``raise … from exc``; never swallow
 ``trio.Cancelled``; "peer did not answer" is :class:`PeerUnavailable`, which callers must handle.
@@ -29,6 +30,7 @@ from protocols.errors import ProjectError, ProtocolError
 __all__ = [
     "AUTH_CODES",
     "AccessDenied",
+    "AdmissionError",
     "AuthError",
     "BadIdentityProof",
     "ConfigError",
@@ -121,6 +123,10 @@ AUTH_CODES = frozenset(
         ErrorCode.REVOKED,
     }
 )
+
+
+class AdmissionError(ProjectError):
+    """The run's backbones do not admit this peer: no invite, a rejected invite, or a removed user."""
 
 
 def remote_error(code: int, message: str) -> RemoteError:

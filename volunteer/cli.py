@@ -55,6 +55,10 @@ def join(
     panel: Annotated[
         bool | None, typer.Option("--panel/--no-panel", help="Live panel (default: when on a terminal).")
     ] = None,
+    invite: Annotated[
+        str | None,
+        typer.Option("--invite", envvar="VOLUNTEER_INVITE", help="Invite code from the run's organizers."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Join a run: find it, join its DHT, and show a live panel until Ctrl+C / SIGTERM."""
@@ -77,6 +81,7 @@ def join(
                 initial_peer or [],
                 discovery_wait,
                 console.is_terminal if panel is None else panel,
+                invite=invite,
             )
             await serve_volunteer(options, shutdown, console)
 

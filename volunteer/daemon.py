@@ -18,6 +18,8 @@ from shared.lifecycle import Shutdown
 from shared.node import Node, open_node
 from shared.panel import render_status, status_line
 
+from .admission import admit, keep_admitted
+
 __all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
 
 logger = logging.getLogger("volunteer")
@@ -33,16 +35,18 @@ class VolunteerOptions:
     discovery_wait: float = 3.0
     panel: bool = True
     log_period: float = 10.0
+    invite: str | None = None
 
 
-async def find_initial_peers(options: VolunteerOptions) -> list[str]:
-    """The addresses to join through: the ones given, else backbones of the run found over mDNS.
+async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
+    """The addresses to join through: the ones known (given, or from the run's manifest), else backbones of
+    the run found over mDNS.
 
     Raises:
-        DiscoveryError: none given and no backbone of the run answered on the LAN in time.
+        DiscoveryError: none known and no backbone of the run answered on the LAN in time.
     """
-    if options.initial_peers:
-        return list(options.initial_peers)
+    if known:
+        return list(known)
     logger.info("looking for run %s on the local network (mDNS)…", options.run_id)
     found = await discover_run(options.run_id, wait=options.discovery_wait)
     if not found:
@@ -56,12 +60,19 @@ async def find_initial_peers(options: VolunteerOptions) -> list[str]:
 
 async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console: Console) -> None:
     identity = Identity.load_or_create(options.data_dir)
-    initial = await find_initial_peers(options)
+    admission = await admit(options.run_id, options.data_dir, identity, options.invite, options.initial_peers)
+    initial = await find_initial_peers(options, admission.initial_peers)
     async with open_node(
-        identity, options.run_id, "volunteer", listen=options.listen, initial_peers=initial
+        identity,
+        options.run_id,
+        "volunteer",
+        listen=options.listen,
+        initial_peers=initial,
+        authenticator=admission.authenticator,
     ) as node:
         console.print(f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
             nursery.start_soon(_show_forever, node, options, console)

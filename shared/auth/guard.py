@@ -78,6 +78,10 @@ class Authenticator(Protocol):
         """Raise :class:`AuthError` unless the response is a signed answer of an admitted peer."""
         ...
 
+    def note_refused(self, code: int) -> None:
+        """A peer refused one of our requests with an authentication ``code``."""
+        ...
+
 
 class OpenAuthenticator:
     """Open runs: nothing is signed, everything is accepted."""
@@ -94,6 +98,9 @@ class OpenAuthenticator:
     def check_response(
         self, responder: str, request_nonce: bytes, kind: str, payload: bytes, auth: bytes
     ) -> None:
+        return None
+
+    def note_refused(self, code: int) -> None:
         return None
 
 
@@ -143,6 +150,9 @@ class RunAuthenticator:
         self._clock = clock
         self._nonce = nonce
         self.revoked: set[str] = set()
+        #: a peer answered one of our requests ``REVOKED``: our own user has been removed (we cannot
+        #: read the revocation record itself any more, since nobody answers us)
+        self.refused_as_revoked = False
         self._replays = ReplayCache(2 * MAX_CLOCK_SKEW)
         self._verified: OrderedDict[bytes, AccessToken] = OrderedDict()
 
@@ -158,6 +168,10 @@ class RunAuthenticator:
         if access.peer_id != self.identity.peer_id or access.run_id != self.run_id:
             raise AuthError(ErrorCode.TOKEN_PEER, "this token was issued to another peer or run")
         self._token = token
+
+    def note_refused(self, code: int) -> None:
+        if code == ErrorCode.REVOKED:
+            self.refused_as_revoked = True
 
     def _require_token(self) -> SignedToken:
         if self._token is None:

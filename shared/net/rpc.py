@@ -51,7 +51,7 @@ from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 
 from ..auth.guard import Authenticator, OpenAuthenticator
-from ..errors import AuthError, PeerUnavailable, RemoteError, remote_error
+from ..errors import AUTH_CODES, AuthError, PeerUnavailable, RemoteError, remote_error
 from .connection import SecureConnection
 
 __all__ = ["HandlerRegistry", "RequestContext", "RpcChannel", "RpcStatistics"]
@@ -252,6 +252,8 @@ class RpcChannel:
                         self.peer_id, slot.nonce, envelope.kind, bytes(envelope.payload), envelope.auth
                     )
                 message = decode_message(envelope, slot.expected)
+                if isinstance(message, ErrorReply) and message.code in AUTH_CODES:
+                    self._auth.note_refused(message.code)
                 slot.outcome = (
                     remote_error(message.code, message.message)
                     if isinstance(message, ErrorReply)

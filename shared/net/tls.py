@@ -27,10 +27,10 @@ from protocols.peer_id import PeerId, peer_id_from_public_key
 from ..auth.keys import Identity
 from ..errors import PeerIdMismatch
 
-__all__ = ["client_context", "peer_id_from_certificate", "server_context"]
+__all__ = ["client_context", "peer_id_from_certificate", "self_signed_certificate", "server_context"]
 
 
-def _self_signed_certificate(identity: Identity) -> x509.Certificate:
+def self_signed_certificate(identity: Identity) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.peer_id)])
     now = datetime.datetime.now(datetime.timezone.utc)
     return (
@@ -56,7 +56,7 @@ def _base_context(purpose: ssl.Purpose) -> ssl.SSLContext:
 
 def server_context(identity: Identity) -> tuple[ssl.SSLContext, bytes]:
     """A listener context presenting ``identity``'s certificate; also returns the certificate's DER."""
-    cert = _self_signed_certificate(identity)
+    cert = self_signed_certificate(identity)
     ctx = _base_context(ssl.Purpose.CLIENT_AUTH)
     ctx.num_tickets = 0
     key_pem = identity.private_key.private_bytes(

@@ -45,13 +45,34 @@ def read_line(proc: subprocess.Popen[str], within: float = 20.0) -> str:
 def start_backbone(
     data_dir: Path, *extra: str, run_id: str = "sys-run", wrap: Callable[[list[str]], list[str]] | None = None
 ) -> tuple[subprocess.Popen[str], str]:
+    """An open-run backbone (``--open``) unless ``extra`` says otherwise; returns its first address."""
     argv = cli("backbone", "start", "--run-id", run_id, "--data-dir", str(data_dir), *extra)
     if "--listen" not in extra:
         argv += ["--listen", "/ip4/127.0.0.1/tcp/0"]
+    if "--pinned" in argv:
+        argv.remove("--pinned")
+        argv += ["--api-listen", "127.0.0.1:0"]
+    else:
+        argv.append("--open")
     proc = spawn(argv, wrap)
     line = read_line(proc)
     assert line.startswith("listening on /ip4/"), line
     return proc, line.removeprefix("listening on ")
+
+
+def start_pinned_backbone(
+    data_dir: Path, *extra: str, run_id: str = "sys-run"
+) -> tuple[subprocess.Popen[str], str, str, str]:
+    """A pinned-run backbone: returns (process, first multiaddr, pinned run id, first API URL)."""
+    proc, address = start_backbone(data_dir, "--pinned", *extra, run_id=run_id)
+    pinned = api = ""
+    while not (pinned and api):
+        line = read_line(proc)
+        if line.startswith("run id "):
+            pinned = line.removeprefix("run id ")
+        elif line.startswith("api on ") and not api:
+            api = line.removeprefix("api on ")
+    return proc, address, pinned, api
 
 
 def wait_status(

@@ -1,0 +1,295 @@
+"""The backbone's HTTP API (see :mod:`protocols.api` for the endpoints and the trust model).
+
+A Starlette app served by Hypercorn's trio worker in the backbone's own trio process. Database work goes
+through ``trio.to_thread`` with the ledger limiters (one writer at a time). Every failure is a JSON
+``ApiError`` with a 4xx status and one log line; nothing here raises into the server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from protocols.api import (
+    MAX_BODY_BYTES,
+    ApiError,
+    Invite,
+    JoinRequest,
+    JoinResponse,
+    Manifest,
+    RefreshRequest,
+    RefreshResponse,
+    ReportReceipt,
+    RevocationList,
+    Username,
+    encode_invite,
+    join_payload,
+    refresh_payload,
+)
+from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, SignedRevocation
+from protocols.ledger import SignedReport
+from protocols.peer_id import peer_id_from_public_key
+from shared.auth.authority import Authority
+from shared.auth.keys import verify
+from shared.errors import AuthError
+
+from .ledger import InviteRejected, LedgerStore, ReportRejected, UnknownPeer, UnknownUser, verify_report
+from .ratelimit import RateLimiter
+
+__all__ = ["ApiState", "DB_READ", "DB_WRITE", "build_app"]
+
+logger = logging.getLogger("backbone.api")
+DB_WRITE = trio.CapacityLimiter(1)
+DB_READ = trio.CapacityLimiter(4)
+#: how long after expiry a token may still be refreshed (a laptop that slept overnight)
+REFRESH_GRACE = 24 * 3600.0
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class ApiState:
+    """What the API needs from the running backbone."""
+
+    run_id: str
+    authority: Authority
+    store: LedgerStore
+    admin_token: str
+    manifest: Callable[[], Manifest]
+    revocations: Callable[[], list[SignedRevocation]]
+    on_user_removed: Callable[[str], Awaitable[None]]
+    peer_id: str = ""
+    started_at: float = field(default_factory=time.time)
+    token_lifetime: float = DEFAULT_TOKEN_LIFETIME
+    clock: Callable[[], float] = time.time
+    join_by_address: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.5, burst=10))
+    join_by_invite: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.2, burst=5))
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(value), status_code=status, media_type="application/json")
+
+
+async def _body(request: Request, kind: type[T]) -> T:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+        raise HttpError(413, "too_large", f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HttpError(413, "too_large", f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        return msgspec.json.decode(b"".join(chunks), type=kind)
+    except msgspec.ValidationError as exc:
+        raise HttpError(422, "invalid", f"invalid {kind.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, "bad_json", f"the body is not valid JSON: {exc}") from exc
+
+
+def build_app(state: ApiState) -> Starlette:
+    def route(
+        path: str, methods: list[str], admin: bool = False
+    ) -> Callable[[Callable[[Request], Awaitable[Response]]], Route]:
+        def wrap(handler: Callable[[Request], Awaitable[Response]]) -> Route:
+            async def endpoint(request: Request) -> Response:
+                client = request.client.host if request.client else "?"
+                try:
+                    if request.path_params.get("run_id") != state.run_id:
+                        raise HttpError(404, "unknown_run", f"this backbone serves run {state.run_id}")
+                    if admin:
+                        _check_admin(request, state.admin_token)
+                    return await handler(request)
+                except HttpError as exc:
+                    logger.warning(
+                        "%s %s from %s: %s %s", request.method, path, client, exc.status, exc.message
+                    )
+                    return _json(ApiError(exc.code, exc.message), exc.status)
+
+            return Route(f"/v1/runs/{{run_id}}/{path}", endpoint, methods=methods)
+
+        return wrap
+
+    async def db(fn: Callable[..., Any], *args: Any, write: bool = False, **kwargs: Any) -> Any:
+        return await trio.to_thread.run_sync(
+            lambda: fn(*args, **kwargs), limiter=DB_WRITE if write else DB_READ
+        )
+
+    @route("health", ["GET"])
+    async def health(request: Request) -> Response:
+        return _json(
+            {
+                "ok": True,
+                "run_id": state.run_id,
+                "peer_id": state.peer_id,
+                "uptime_s": state.clock() - state.started_at,
+            }
+        )
+
+    @route("manifest", ["GET"])
+    async def manifest(request: Request) -> Response:
+        return _json(state.manifest())
+
+    @route("join", ["POST"])
+    async def join(request: Request) -> Response:
+        now = state.clock()
+        client = request.client.host if request.client else "?"
+        if not state.join_by_address.allow(client, now):
+            raise HttpError(429, "rate_limited", f"too many join attempts from {client}; retry later")
+        body = await _body(request, JoinRequest)
+        if not state.join_by_invite.allow(body.invite_secret, now):
+            raise HttpError(429, "rate_limited", "too many join attempts with this invite; retry later")
+        _check_proof(body.run_id, state.run_id, body.timestamp, now)
+        if peer_id_from_public_key(body.public_key) != body.peer_id:
+            raise HttpError(422, "invalid", "peer_id is not the id of public_key")
+        if not verify(
+            body.public_key,
+            body.signature,
+            join_payload(body.run_id, body.invite_secret, body.peer_id, body.timestamp),
+        ):
+            raise HttpError(401, "bad_signature", "the join request is not signed by public_key")
+        try:
+            username = await db(
+                state.store.redeem_invite,
+                body.invite_secret,
+                body.peer_id,
+                body.public_key,
+                now=now,
+                write=True,
+            )
+        except InviteRejected as exc:
+            raise HttpError(403, "invite_rejected", f"invite rejected: {exc}") from exc
+        token = state.authority.issue_token(
+            state.run_id, username, body.peer_id, body.public_key, now, state.token_lifetime
+        )
+        logger.info("admitted %s (user %s) from %s", body.peer_id, username, client)
+        return _json(JoinResponse(username=username, token=token, manifest=state.manifest()))
+
+    @route("refresh", ["POST"])
+    async def refresh(request: Request) -> Response:
+        now = state.clock()
+        body = await _body(request, RefreshRequest)
+        _check_proof(body.run_id, state.run_id, body.timestamp, now)
+        try:
+            access = state.authority.key.verify_token(body.token)
+        except AuthError as exc:
+            raise HttpError(401, "bad_token", str(exc)) from exc
+        if access.run_id != state.run_id or now > access.expires_at + REFRESH_GRACE:
+            raise HttpError(401, "bad_token", "token of another run, or expired too long ago; join again")
+        if not verify(
+            access.public_key, body.signature, refresh_payload(body.run_id, body.token, body.timestamp)
+        ):
+            raise HttpError(401, "bad_signature", "the refresh request is not signed by the token's key")
+        username = await db(state.store.active_user_of_peer, access.peer_id)
+        if username != access.username:
+            raise HttpError(
+                403, "revoked", f"user {access.username} has been removed from run {state.run_id}"
+            )
+        token = state.authority.issue_token(
+            state.run_id, username, access.peer_id, access.public_key, now, state.token_lifetime
+        )
+        return _json(RefreshResponse(token=token))
+
+    @route("revocations", ["GET"])
+    async def revocations(request: Request) -> Response:
+        return _json(RevocationList(revocations=state.revocations()))
+
+    @route("ledger", ["GET"])
+    async def ledger(request: Request) -> Response:
+        return _json(await db(state.store.leaderboard))
+
+    @route("reports", ["POST"])
+    async def reports(request: Request) -> Response:
+        signed = await _body(request, SignedReport)
+        try:
+            report = verify_report(signed, state.run_id)
+            verdict = await db(state.store.assess_and_record, signed, report, now=state.clock(), write=True)
+        except ReportRejected as exc:
+            raise HttpError(422, "report_rejected", str(exc)) from exc
+        except UnknownPeer as exc:
+            raise HttpError(403, "unknown_peer", str(exc)) from exc
+        if verdict is None:
+            return _json(ReportReceipt(recorded=False, credited=False, reason="duplicate"))
+        return _json(ReportReceipt(recorded=True, credited=verdict.credited, reason=verdict.reason))
+
+    @route("admin/users", ["POST"], admin=True)
+    async def add_user(request: Request) -> Response:
+        body = await _body(request, NewUser)
+        now = state.clock()
+        try:
+            await db(state.store.add_user, body.username, note=body.note, now=now, write=True)
+            secret = await db(
+                state.store.create_invite,
+                body.username,
+                now=now,
+                expires_at=now + body.expires_in if body.expires_in else None,
+                write=True,
+            )
+        except UnknownUser as exc:
+            raise HttpError(404, "unknown_user", str(exc)) from exc
+        urls = state.manifest().api
+        return _json({"username": body.username, "invite": encode_invite(Invite(state.run_id, urls, secret))})
+
+    @route("admin/users", ["GET"], admin=True)
+    async def list_users(request: Request) -> Response:
+        return _json(await db(state.store.list_users))
+
+    @route("admin/users/{username}", ["DELETE"], admin=True)
+    async def remove_user(request: Request) -> Response:
+        username = request.path_params["username"]
+        if not await db(state.store.remove_user, username, now=state.clock(), write=True):
+            raise HttpError(404, "unknown_user", f"no active user {username!r}")
+        await state.on_user_removed(username)
+        return _json({"username": username, "removed": True})
+
+    return Starlette(
+        routes=[
+            health,
+            manifest,
+            join,
+            refresh,
+            revocations,
+            ledger,
+            reports,
+            add_user,
+            list_users,
+            remove_user,
+        ]
+    )
+
+
+class NewUser(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    username: Username
+    note: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    expires_in: float | None = None
+
+
+def _check_admin(request: Request, admin_token: str) -> None:
+    header = request.headers.get("authorization", "")
+    given = header.removeprefix("Bearer ").strip()
+    if not header.startswith("Bearer ") or not hmac.compare_digest(given, admin_token):
+        raise HttpError(401, "admin_required", "this action needs the backbone's admin token")
+
+
+def _check_proof(claimed_run: str, run_id: str, timestamp: float, now: float) -> None:
+    if claimed_run != run_id:
+        raise HttpError(404, "unknown_run", f"this backbone serves run {run_id}, not {claimed_run}")
+    if abs(now - timestamp) > MAX_CLOCK_SKEW:
+        raise HttpError(401, "clock_skew", f"your clock is {timestamp - now:+.0f} s off this backbone's")

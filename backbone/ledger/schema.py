@@ -1,0 +1,211 @@
+"""The ledger's SQL tables (SQLAlchemy 2 typed declarative) and their versioning. DDL only: no engines.
+
+Tables::
+
+    users          one row per allowlisted person; revoked_at set by ``backbone allow remove``
+    invites        invite codes of a user, stored only as sha256(secret) in hex
+    peers          one row per machine (peer id) that redeemed an invite; its measured capabilities
+    sessions       a peer's connections to this run (join .. leave)
+    reports        signed contribution reports; UNIQUE(peer_id, seq) makes crediting exactly-once
+    steps          one row per finished global step
+    schema_version exactly one row: the schema version this database has
+
+Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
+integers, and nothing depends on a dialect's date, enum or JSON types, so the same code runs on SQLite
+and PostgreSQL. Leaderboard sums cast counts to double first: SQLite's integer ``SUM`` raises on
+overflow, a float sum does not, and it is exact below 2**53.
+
+Migrations: :func:`create_schema` is idempotent (``create_all`` creates only missing tables) and runs in
+one transaction, serialized between processes (``BEGIN IMMEDIATE`` on SQLite, an advisory lock on
+PostgreSQL). To change the schema later:
+
+1. change the table classes here (new databases are created in the new shape directly);
+2. bump :data:`SCHEMA_VERSION` to ``N + 1`` and add ``MIGRATIONS[N] = _migrate_N_to_N_plus_1``, a
+   function of a ``Connection`` that brings a version-``N`` database to ``N + 1`` with plain DDL
+   (``conn.execute(text("ALTER TABLE ... ADD COLUMN ..."))``) valid on both dialects;
+3. :func:`create_schema` runs the missing steps in order and updates ``schema_version``; a database
+   newer than this code is refused rather than written to.
+
+When migrations outgrow this, Alembic can take over with ``schema_version`` as its baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Connection,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    insert,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from .errors import LedgerError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Base",
+    "Invite",
+    "Peer",
+    "PeerSession",
+    "Report",
+    "SchemaVersion",
+    "Step",
+    "User",
+    "create_schema",
+]
+
+SCHEMA_VERSION = 1
+#: version N -> function bringing a version-N database to N + 1 (none yet).
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+#: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
+_SCHEMA_LOCK_KEY = 0x646564_6C6F63
+
+#: 64-bit ids, except on SQLite where only INTEGER PRIMARY KEY auto-increments (and is 64-bit anyway).
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map = {int: BigInteger(), float: Double(), bytes: LargeBinary(), str: Text()}
+
+
+class User(Base):
+    __tablename__ = "users"
+    __table_args__ = (CheckConstraint("length(username) BETWEEN 1 AND 64", name="username_length"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    username: Mapped[str] = mapped_column(String(64), unique=True)
+    note: Mapped[str | None]
+    created_at: Mapped[float]
+    revoked_at: Mapped[float | None]
+
+
+class Invite(Base):
+    __tablename__ = "invites"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    #: sha256 of the secret, lowercase hex; the secret itself is never stored.
+    code_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[float]
+    expires_at: Mapped[float | None]
+    revoked_at: Mapped[float | None]
+
+
+class Peer(Base):
+    __tablename__ = "peers"
+
+    peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    public_key: Mapped[bytes]
+    #: measured capabilities (protocols.ledger.Capabilities); NULL until the peer reports them
+    device: Mapped[str | None] = mapped_column(String(128))
+    samples_per_second: Mapped[float | None]
+    upload_bps: Mapped[float | None]
+    download_bps: Mapped[float | None]
+    first_seen: Mapped[float]
+    last_seen: Mapped[float]
+
+
+class PeerSession(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    peer_id: Mapped[str] = mapped_column(ForeignKey("peers.peer_id"), index=True)
+    started_at: Mapped[float]
+    ended_at: Mapped[float | None]
+    address: Mapped[str] = mapped_column(String(256))
+
+
+class Report(Base):
+    __tablename__ = "reports"
+    __table_args__ = (
+        UniqueConstraint("peer_id", "seq"),
+        CheckConstraint("status IN ('credited', 'flagged')", name="status"),
+        # previous_end(): the latest credited interval of one peer
+        Index(None, "peer_id", "status", "interval_end"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    peer_id: Mapped[str] = mapped_column(ForeignKey("peers.peer_id"))
+    seq: Mapped[int]
+    #: the user the peer belonged to when the report arrived: credit stays where it was earned
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    global_step: Mapped[int]
+    samples: Mapped[int]
+    compute_seconds: Mapped[float]
+    bytes_aggregated: Mapped[int]
+    bytes_relayed: Mapped[int]
+    interval_start: Mapped[float]
+    interval_end: Mapped[float]
+    received_at: Mapped[float]
+    #: the signed msgpack bytes and signature exactly as received, so any row can be re-verified
+    report_bytes: Mapped[bytes]
+    signature: Mapped[bytes]
+    status: Mapped[str] = mapped_column(String(16))
+    flag_reason: Mapped[str | None]
+
+
+class Step(Base):
+    __tablename__ = "steps"
+
+    global_step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    finished_at: Mapped[float]
+    loss: Mapped[float | None]
+    samples: Mapped[int]
+    peers: Mapped[int] = mapped_column(Integer)
+
+
+class SchemaVersion(Base):
+    __tablename__ = "schema_version"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    version: Mapped[int] = mapped_column(Integer)
+
+
+def create_schema(conn: Connection) -> None:
+    """Create missing tables and bring the database to :data:`SCHEMA_VERSION`, in ``conn``'s transaction.
+
+    Raises:
+        LedgerError: the database has a newer schema than this code knows.
+    """
+    if conn.dialect.name == "postgresql":
+        # Two processes opening a fresh database at once would both try CREATE TABLE.
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+    Base.metadata.create_all(conn)
+    version = conn.execute(select(SchemaVersion.version)).scalar_one_or_none()
+    if version is None:
+        conn.execute(insert(SchemaVersion).values(id=1, version=SCHEMA_VERSION))
+        return
+    if version > SCHEMA_VERSION:
+        raise LedgerError(
+            f"the ledger database has schema version {version}, newer than this program's "
+            f"{SCHEMA_VERSION}; upgrade the program"
+        )
+    for step in range(version, SCHEMA_VERSION):
+        MIGRATIONS[step](conn)
+    if version != SCHEMA_VERSION:
+        conn.execute(update(SchemaVersion).values(version=SCHEMA_VERSION))

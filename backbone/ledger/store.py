@@ -1,0 +1,819 @@
+"""The ledger's only SQL I/O: allowlist, peers and sessions, contribution reports, steps, leaderboard.
+
+:class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
+calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
+``DB_WRITE = trio.CapacityLimiter(1)`` for all writes (SQLite has one writer at a time anyway, and a
+queue of waiting threads helps nobody); reads may use another limiter. Nothing here imports trio.
+
+Databases (:meth:`LedgerStore.open`):
+
+* ``sqlite:///PATH`` — the embedded default (the parent directory is created). WAL journal, so readers
+  never block the writer; ``synchronous=NORMAL``, which in WAL mode loses no committed transaction when
+  the *process* dies (kill -9), only possibly the last ones on power loss or an OS crash; foreign keys on.
+  Writes begin with ``BEGIN IMMEDIATE`` so concurrent writers (threads, or ``backbone allow add`` next
+  to a running backbone) queue on the lock for up to 30 s instead of failing half-way.
+* ``postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DB`` (``postgresql://`` means the same) for
+  organizers who outgrow one machine; several backbones may share one database.
+
+Every write method runs in its own transaction and has committed when it returns. Exactly-once crediting
+rests on the ``UNIQUE(peer_id, seq)`` constraint of ``reports``: a second insert of the same key fails
+inside the database, whatever thread or process attempts it, and is answered ``False``/``None`` with
+nothing changed. Database failures surface as :class:`~backbone.ledger.errors.LedgerError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar, cast
+
+import msgspec
+from sqlalchemy import (
+    URL,
+    ColumnElement,
+    Connection,
+    Double,
+    Engine,
+    case,
+    create_engine,
+    event,
+    func,
+    insert,
+    make_url,
+    select,
+    update,
+)
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
+
+from protocols.ledger import Capabilities, ContributionReport, SignedReport
+from protocols.peer_id import peer_id_from_public_key
+from shared.errors import ConfigError
+
+from .accounting import Assessment, assess
+from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
+from .schema import Invite, Peer, PeerSession, Report, Step, User, create_schema
+
+__all__ = [
+    "LeaderboardRow",
+    "LedgerStore",
+    "PeerSeen",
+    "ReportStatus",
+    "StepRow",
+    "StoredReport",
+    "UserSummary",
+]
+
+ReportStatus = Literal["credited", "flagged"]
+T = TypeVar("T")
+
+_SQLITE_BUSY_TIMEOUT_S = 30.0
+_MAX_USERNAME = 64
+_MAX_NOTE = 1024
+_MAX_ADDRESS = 256
+_MAX_SECRET = 256
+_INVITE_BYTES = 32
+_WRITE_OPTION = "dedloc_ledger_write"
+_REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
+
+
+class PeerSeen(NamedTuple):
+    peer_id: str
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class UserSummary:
+    username: str
+    note: str | None
+    created_at: float
+    revoked_at: float | None
+    #: the user's machines, most recently seen first
+    peers: tuple[PeerSeen, ...]
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    """One user's credited contribution (flagged reports only counted in ``flagged_reports``)."""
+
+    username: str
+    samples: int
+    compute_hours: float
+    bytes_aggregated: int
+    bytes_relayed: int
+    peers: int
+    last_seen: float | None
+    flagged_reports: int
+
+
+@dataclass(frozen=True)
+class StoredReport:
+    """A recorded report as kept: the verdict, and the signed bytes for re-verification."""
+
+    seq: int
+    global_step: int
+    samples: int
+    status: ReportStatus
+    flag_reason: str | None
+    received_at: float
+    signed: SignedReport
+
+
+@dataclass(frozen=True)
+class StepRow:
+    global_step: int
+    finished_at: float
+    loss: float | None
+    samples: int
+    peers: int
+
+
+class _Conflict(LedgerError):
+    """A uniqueness or foreign-key constraint refused a write (handled inside this module)."""
+
+
+class LedgerStore:
+    """Allowlist, peers, sessions, reports and steps in one SQL database. Build with :meth:`open`."""
+
+    def __init__(self, engine: Engine, name: str) -> None:
+        self._engine = engine
+        self._writer = engine.execution_options(**{_WRITE_OPTION: True})
+        self._name = name
+        self._closed = False
+
+    @classmethod
+    def open(cls, url: str) -> LedgerStore:
+        """Connect to the database at ``url`` and create or upgrade its schema.
+
+        Raises:
+            ConfigError: ``url`` is not a supported database URL.
+            LedgerError: the database cannot be reached or has a newer schema.
+        """
+        parsed = _parse_url(url)
+        name = parsed.render_as_string(hide_password=True)
+        if parsed.get_backend_name() == "sqlite":
+            assert parsed.database is not None  # _parse_url refused in-memory databases
+            try:
+                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot create the directory of {parsed.database}: {exc}") from exc
+            engine = create_engine(parsed, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S})
+            event.listen(engine, "connect", _sqlite_on_connect)
+            event.listen(engine, "begin", _sqlite_on_begin)
+        else:
+            engine = create_engine(parsed, pool_pre_ping=True)
+        store = cls(engine, name)
+        opened = False
+        try:
+            with store._tx(write=True) as conn:
+                create_schema(conn)
+            opened = True
+        finally:
+            if not opened:
+                store.close()
+        return store
+
+    def close(self) -> None:
+        """Close every pooled connection; the store cannot be used afterwards. Idempotent."""
+        self._closed = True
+        self._engine.dispose()
+
+    def __enter__(self) -> LedgerStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def dialect(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``."""
+        return self._engine.dialect.name
+
+    # ---------------------------------------------------------------- allowlist
+
+    def add_user(self, username: str, *, note: str | None = None, now: float) -> None:
+        """Allow ``username``. Adding an active user again changes only its note (if given); adding a
+        revoked user un-revokes it (its old invites stay revoked, its peers are its peers again).
+
+        Raises:
+            ConfigError: ``username`` is not 1-64 printable characters without surrounding spaces, or
+                ``note`` is longer than 1024 characters.
+        """
+        _check_username(username)
+        if note is not None and len(note) > _MAX_NOTE:
+            raise ConfigError(f"a note has at most {_MAX_NOTE} characters, got {len(note)}")
+
+        def body(conn: Connection) -> None:
+            row = conn.execute(select(User.id).where(User.username == username)).one_or_none()
+            if row is None:
+                conn.execute(insert(User).values(username=username, note=note, created_at=now))
+                return
+            values: dict[str, Any] = {"revoked_at": None}
+            if note is not None:
+                values["note"] = note
+            conn.execute(update(User).where(User.id == row.id).values(values))
+
+        self._write_retrying(body)
+
+    def create_invite(self, username: str, *, now: float, expires_at: float | None = None) -> str:
+        """Create an invite code for ``username`` and return its secret (43 URL-safe characters).
+
+        Only sha256(secret) is stored: show the secret to the organizer once; it cannot be recovered.
+        Every machine that redeems it becomes another peer of the user, until the invite or the user is
+        revoked or ``expires_at`` passes.
+
+        Raises:
+            UnknownUser: no such user, or it is revoked.
+            ConfigError: ``expires_at`` is not after ``now``.
+        """
+        if expires_at is not None and not expires_at > now:
+            raise ConfigError(f"an invite must expire in the future, got {expires_at} <= now {now}")
+        secret = secrets.token_urlsafe(_INVITE_BYTES)
+        with self._tx(write=True) as conn:
+            row = conn.execute(
+                select(User.id, User.revoked_at).where(User.username == username)
+            ).one_or_none()
+            if row is None:
+                raise UnknownUser(f"no user {username!r}; add it first")
+            if row.revoked_at is not None:
+                raise UnknownUser(f"user {username!r} is revoked; add it again first")
+            conn.execute(
+                insert(Invite).values(
+                    user_id=row.id, code_hash=_hash_secret(secret), created_at=now, expires_at=expires_at
+                )
+            )
+        return secret
+
+    def redeem_invite(self, secret: str, peer_id: str, public_key: bytes, *, now: float) -> str:
+        """Admit machine ``peer_id`` under the invite's user and return the username.
+
+        The caller must have checked that the joining machine holds the key of ``peer_id``. Redeeming
+        again from the same machine only refreshes it; a machine that redeems another user's invite
+        moves to that user (reports already recorded stay credited to the user of their time).
+
+        Raises:
+            InviteRejected: reason ``'unknown'``, ``'revoked user'``, ``'revoked invite'`` or ``'expired'``
+                (checked in that order).
+            ValueError: ``public_key`` is not the Ed25519 key inside ``peer_id``.
+        """
+        if peer_id_from_public_key(public_key) != peer_id:
+            raise ValueError(f"public key does not belong to peer {peer_id}")
+        secret = secret.strip()
+        if len(secret) > _MAX_SECRET:
+            raise InviteRejected("unknown")
+        code_hash = _hash_secret(secret)
+
+        def body(conn: Connection) -> str:
+            row = conn.execute(
+                select(
+                    Invite.expires_at,
+                    Invite.revoked_at,
+                    User.id.label("user_id"),
+                    User.username,
+                    User.revoked_at.label("user_revoked_at"),
+                )
+                .join(User, Invite.user_id == User.id)
+                .where(Invite.code_hash == code_hash)
+            ).one_or_none()
+            if row is None:
+                raise InviteRejected("unknown")
+            if row.user_revoked_at is not None:
+                raise InviteRejected("revoked user")
+            if row.revoked_at is not None:
+                raise InviteRejected("revoked invite")
+            if row.expires_at is not None and now >= row.expires_at:
+                raise InviteRejected("expired")
+            known = conn.execute(select(Peer.peer_id).where(Peer.peer_id == peer_id)).one_or_none()
+            if known is None:
+                conn.execute(
+                    insert(Peer).values(
+                        peer_id=peer_id,
+                        user_id=row.user_id,
+                        public_key=public_key,
+                        first_seen=now,
+                        last_seen=now,
+                    )
+                )
+            else:
+                conn.execute(
+                    update(Peer)
+                    .where(Peer.peer_id == peer_id)
+                    .values(user_id=row.user_id, public_key=public_key, last_seen=_seen(now))
+                )
+            return str(row.username)
+
+        return self._write_retrying(body)
+
+    def remove_user(self, username: str, *, now: float) -> bool:
+        """Revoke ``username`` and all its invites at ``now``.
+
+        Returns:
+            True if an active user was revoked; False if there is no such user or it was revoked already.
+        """
+        with self._tx(write=True) as conn:
+            row = conn.execute(
+                select(User.id, User.revoked_at).where(User.username == username)
+            ).one_or_none()
+            if row is None or row.revoked_at is not None:
+                return False
+            conn.execute(update(User).where(User.id == row.id).values(revoked_at=now))
+            conn.execute(
+                update(Invite)
+                .where(Invite.user_id == row.id, Invite.revoked_at.is_(None))
+                .values(revoked_at=now)
+            )
+            return True
+
+    def revoked_users(self) -> list[tuple[str, float]]:
+        """``(username, revoked_at)`` of every revoked user, by username."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(User.username, User.revoked_at)
+                .where(User.revoked_at.is_not(None))
+                .order_by(User.username)
+            ).all()
+        return [(row.username, cast(float, row.revoked_at)) for row in rows]
+
+    def user_of_peer(self, peer_id: str) -> str | None:
+        """The user ``peer_id`` belongs to, *revoked or not* (use :meth:`active_user_of_peer` to admit)."""
+        with self._tx(write=False) as conn:
+            return conn.execute(
+                select(User.username).join(Peer, Peer.user_id == User.id).where(Peer.peer_id == peer_id)
+            ).scalar_one_or_none()
+
+    def active_user_of_peer(self, peer_id: str) -> str | None:
+        """The user ``peer_id`` belongs to if that user is not revoked, else None: the admission check."""
+        with self._tx(write=False) as conn:
+            return conn.execute(
+                select(User.username)
+                .join(Peer, Peer.user_id == User.id)
+                .where(Peer.peer_id == peer_id, User.revoked_at.is_(None))
+            ).scalar_one_or_none()
+
+    def list_users(self) -> list[UserSummary]:
+        """Every user (revoked ones too) by username, with its peers and when each was last seen."""
+        with self._tx(write=False) as conn:
+            users = conn.execute(
+                select(User.id, User.username, User.note, User.created_at, User.revoked_at).order_by(
+                    User.username
+                )
+            ).all()
+            peers = conn.execute(
+                select(Peer.user_id, Peer.peer_id, Peer.last_seen).order_by(
+                    Peer.last_seen.desc(), Peer.peer_id
+                )
+            ).all()
+        by_user: dict[int, list[PeerSeen]] = {}
+        for peer in peers:
+            by_user.setdefault(peer.user_id, []).append(PeerSeen(peer.peer_id, peer.last_seen))
+        return [
+            UserSummary(u.username, u.note, u.created_at, u.revoked_at, tuple(by_user.get(u.id, ())))
+            for u in users
+        ]
+
+    # ------------------------------------------------------------ peers, sessions
+
+    def update_capabilities(self, peer_id: str, capabilities: Capabilities, *, now: float) -> None:
+        """Store what ``peer_id`` measured about itself; later reports are assessed against it.
+
+        Raises:
+            UnknownPeer: ``peer_id`` never redeemed an invite.
+        """
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                update(Peer)
+                .where(Peer.peer_id == peer_id)
+                .values(
+                    device=capabilities.device,
+                    samples_per_second=capabilities.samples_per_second,
+                    upload_bps=capabilities.upload_bps,
+                    download_bps=capabilities.download_bps,
+                    last_seen=_seen(now),
+                )
+            )
+            if result.rowcount == 0:
+                raise UnknownPeer(f"unknown peer {peer_id}")
+
+    def capabilities(self, peer_id: str) -> Capabilities | None:
+        """The capabilities ``peer_id`` last reported, or None if none (or no such peer)."""
+        with self._tx(write=False) as conn:
+            peer = _load_peer(conn, peer_id, for_update=False)
+        return None if peer is None else peer.capabilities
+
+    def open_session(self, peer_id: str, address: str, *, now: float) -> int:
+        """Record that ``peer_id`` connected from ``address`` (a multiaddr or host:port); returns the
+        session id for :meth:`close_session`.
+
+        Raises:
+            UnknownPeer: ``peer_id`` never redeemed an invite.
+            ConfigError: ``address`` is longer than 256 characters.
+        """
+        if len(address) > _MAX_ADDRESS:
+            raise ConfigError(f"an address has at most {_MAX_ADDRESS} characters, got {len(address)}")
+        with self._tx(write=True) as conn:
+            if not _touch(conn, peer_id, now):
+                raise UnknownPeer(f"unknown peer {peer_id}")
+            result = conn.execute(
+                insert(PeerSession).values(peer_id=peer_id, started_at=now, address=address)
+            )
+            key = result.inserted_primary_key
+            assert key is not None  # a single-row INSERT always has one
+            return int(key[0])
+
+    def close_session(self, session_id: int, *, now: float) -> None:
+        """Mark a session ended at ``now``. Closing an unknown or already closed session does nothing."""
+        with self._tx(write=True) as conn:
+            open_session = PeerSession.id == session_id, PeerSession.ended_at.is_(None)
+            peer_id = conn.execute(select(PeerSession.peer_id).where(*open_session)).scalar_one_or_none()
+            if peer_id is not None:
+                conn.execute(update(PeerSession).where(*open_session).values(ended_at=now))
+                _touch(conn, peer_id, now)
+
+    def touch_peer(self, peer_id: str, *, now: float) -> None:
+        """Set the peer's last-seen time to ``now`` (it never moves backwards).
+
+        Raises:
+            UnknownPeer: ``peer_id`` never redeemed an invite.
+        """
+        with self._tx(write=True) as conn:
+            if not _touch(conn, peer_id, now):
+                raise UnknownPeer(f"unknown peer {peer_id}")
+
+    # ------------------------------------------------------------------ reports
+
+    def record_report(
+        self, signed: SignedReport, report: ContributionReport, assessment: Assessment, *, now: float
+    ) -> bool:
+        """Record a verified report with its verdict, exactly once per ``(peer_id, seq)``.
+
+        ``report`` must be ``verify_report(signed, run_id)``. Prefer :meth:`assess_and_record`, which
+        assesses under the same lock so two reports of one peer cannot both claim the same time.
+
+        Returns:
+            True if recorded now; False if this ``(peer_id, seq)`` was recorded before (nothing changed).
+
+        Raises:
+            UnknownPeer: the reporting peer never redeemed an invite.
+        """
+        values = _report_values(signed, report, assessment, now)
+        try:
+            with self._tx(write=True) as conn:
+                user_id = conn.execute(
+                    select(Peer.user_id).where(Peer.peer_id == report.peer_id)
+                ).scalar_one_or_none()
+                if user_id is None:
+                    raise UnknownPeer(f"report from unknown peer {report.peer_id}")
+                # Insert first, touch the peer second: the same order in every writer, so no deadlock.
+                conn.execute(insert(Report).values(user_id=user_id, **values))
+                _touch(conn, report.peer_id, now)
+        except _Conflict:
+            if self._has_report(report.peer_id, report.seq):
+                return False
+            raise
+        return True
+
+    def assess_and_record(
+        self, signed: SignedReport, report: ContributionReport, *, now: float
+    ) -> Assessment | None:
+        """Assess ``report`` (see :func:`~backbone.ledger.accounting.assess`) against the peer's stored
+        capabilities and latest credited report, and record it, in one transaction that holds the peer's
+        row lock: the recommended way to credit reports, also with several backbones on one database.
+
+        ``report`` must be ``verify_report(signed, run_id)``.
+
+        Returns:
+            The verdict recorded, or None if this ``(peer_id, seq)`` was recorded before.
+
+        Raises:
+            UnknownPeer: the reporting peer never redeemed an invite.
+        """
+        try:
+            with self._tx(write=True) as conn:
+                peer = _load_peer(conn, report.peer_id, for_update=True)
+                if peer is None:
+                    raise UnknownPeer(f"report from unknown peer {report.peer_id}")
+                if _report_exists(conn, report.peer_id, report.seq):
+                    return None
+                previous_end = _previous_end(conn, report.peer_id)
+                assessment = assess(report, peer.capabilities, previous_end, now)
+                values = _report_values(signed, report, assessment, now)
+                conn.execute(insert(Report).values(user_id=peer.user_id, **values))
+                _touch(conn, report.peer_id, now)
+        except _Conflict:
+            if self._has_report(report.peer_id, report.seq):
+                return None
+            raise
+        return assessment
+
+    def previous_end(self, peer_id: str) -> float | None:
+        """``interval_end`` of the peer's latest credited report, or None."""
+        with self._tx(write=False) as conn:
+            return _previous_end(conn, peer_id)
+
+    def peer_reports(self, peer_id: str) -> list[StoredReport]:
+        """Every recorded report of ``peer_id``, by ``seq``, with its signed bytes."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(
+                    Report.seq,
+                    Report.global_step,
+                    Report.samples,
+                    Report.status,
+                    Report.flag_reason,
+                    Report.received_at,
+                    Report.report_bytes,
+                    Report.signature,
+                )
+                .where(Report.peer_id == peer_id)
+                .order_by(Report.seq)
+            ).all()
+        return [
+            StoredReport(
+                r.seq,
+                r.global_step,
+                r.samples,
+                cast(ReportStatus, r.status),
+                r.flag_reason,
+                r.received_at,
+                SignedReport(report=r.report_bytes, signature=r.signature),
+            )
+            for r in rows
+        ]
+
+    def report_counts(self) -> dict[str, int]:
+        """How many reports are ``credited`` and ``flagged`` (both keys always present)."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(Report.status, func.count()).group_by(Report.status)).all()
+        counts = {"credited": 0, "flagged": 0}
+        counts.update({status: int(n) for status, n in rows})
+        return counts
+
+    # -------------------------------------------------------------------- steps
+
+    def record_step(
+        self, global_step: int, *, finished_at: float, loss: float | None, samples: int, peers: int
+    ) -> bool:
+        """Record that ``global_step`` finished; the first record of a step wins.
+
+        A non-finite ``loss`` is stored as NULL (SQLite cannot store NaN).
+
+        Returns:
+            True if recorded now, False if the step was recorded before (nothing changed).
+        """
+        if loss is not None and not abs(loss) < float("inf"):
+            loss = None
+        try:
+            with self._tx(write=True) as conn:
+                known = conn.execute(select(Step.global_step).where(Step.global_step == global_step))
+                if known.one_or_none() is not None:
+                    return False
+                conn.execute(
+                    insert(Step).values(
+                        global_step=global_step,
+                        finished_at=finished_at,
+                        loss=loss,
+                        samples=samples,
+                        peers=peers,
+                    )
+                )
+        except _Conflict:
+            with self._tx(write=False) as conn:
+                known = conn.execute(select(Step.global_step).where(Step.global_step == global_step))
+                if known.one_or_none() is not None:
+                    return False
+            raise
+        return True
+
+    def recent_steps(self, limit: int = 100) -> list[StepRow]:
+        """The ``limit`` most recent finished steps, newest first."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers)
+                .order_by(Step.global_step.desc())
+                .limit(limit)
+            ).all()
+        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers) for r in rows]
+
+    # ------------------------------------------------------------------ queries
+
+    def leaderboard(self) -> list[LeaderboardRow]:
+        """Every user's credited contribution, most samples first (ties by username)."""
+        credited = Report.status == "credited"
+
+        def credited_sum(column: Any) -> ColumnElement[float]:
+            # Summed as doubles: SQLite's integer SUM raises on overflow; exact below 2**53.
+            return func.sum(case((credited, sql_cast(column, Double)), else_=0.0))
+
+        reports = (
+            select(
+                Report.user_id,
+                credited_sum(Report.samples).label("samples"),
+                credited_sum(Report.compute_seconds).label("compute_seconds"),
+                credited_sum(Report.bytes_aggregated).label("bytes_aggregated"),
+                credited_sum(Report.bytes_relayed).label("bytes_relayed"),
+                func.sum(case((credited, 0), else_=1)).label("flagged"),
+            )
+            .group_by(Report.user_id)
+            .subquery()
+        )
+        peers = (
+            select(Peer.user_id, func.count().label("peers"), func.max(Peer.last_seen).label("last_seen"))
+            .group_by(Peer.user_id)
+            .subquery()
+        )
+        query = (
+            select(
+                User.username,
+                reports.c.samples,
+                reports.c.compute_seconds,
+                reports.c.bytes_aggregated,
+                reports.c.bytes_relayed,
+                reports.c.flagged,
+                peers.c.peers,
+                peers.c.last_seen,
+            )
+            .select_from(User)
+            .outerjoin(reports, reports.c.user_id == User.id)
+            .outerjoin(peers, peers.c.user_id == User.id)
+        )
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+        board = [
+            LeaderboardRow(
+                username=row.username,
+                samples=round(row.samples or 0),
+                compute_hours=(row.compute_seconds or 0.0) / 3600.0,
+                bytes_aggregated=round(row.bytes_aggregated or 0),
+                bytes_relayed=round(row.bytes_relayed or 0),
+                peers=int(row.peers or 0),
+                last_seen=row.last_seen,
+                flagged_reports=int(row.flagged or 0),
+            )
+            for row in rows
+        ]
+        board.sort(key=lambda r: (-r.samples, r.username))
+        return board
+
+    # ----------------------------------------------------------------- plumbing
+
+    @contextmanager
+    def _tx(self, *, write: bool) -> Iterator[Connection]:
+        """One transaction, committed on success; database errors become :class:`LedgerError`."""
+        if self._closed:
+            raise LedgerError(f"the ledger {self._name} is closed")
+        try:
+            with (self._writer if write else self._engine).begin() as conn:
+                yield conn
+        except IntegrityError as exc:
+            raise _Conflict(f"ledger {self._name}: {_describe(exc)}") from exc
+        except SQLAlchemyError as exc:
+            raise LedgerError(f"ledger {self._name}: {_describe(exc)}") from exc
+
+    def _write_retrying(self, body: Callable[[Connection], T]) -> T:
+        """Run ``body`` in a write transaction; once more if a concurrent insert of the same key won."""
+        try:
+            with self._tx(write=True) as conn:
+                return body(conn)
+        except _Conflict:
+            with self._tx(write=True) as conn:
+                return body(conn)
+
+    def _has_report(self, peer_id: str, seq: int) -> bool:
+        with self._tx(write=False) as conn:
+            return _report_exists(conn, peer_id, seq)
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(
+            "not a database URL; expected sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        ) from exc
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    if backend == "sqlite":
+        if driver != "pysqlite":
+            raise ConfigError(f"SQLite is supported through the standard sqlite3 module, not {driver!r}")
+        if parsed.database in (None, "", ":memory:"):
+            raise ConfigError("an in-memory SQLite ledger would lose everything; give a file path")
+        return parsed
+    if backend in ("postgresql", "postgres"):
+        if parsed.drivername in ("postgresql", "postgres"):
+            return parsed.set(drivername="postgresql+psycopg")
+        if driver != "psycopg":
+            raise ConfigError(
+                f"PostgreSQL is supported through psycopg 3 (postgresql+psycopg://), not {driver!r}"
+            )
+        return parsed
+    raise ConfigError(f"unsupported database {backend!r}; use sqlite:///PATH or postgresql+psycopg://...")
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    conn = cast(sqlite3.Connection, dbapi_connection)
+    # Let _sqlite_on_begin issue BEGIN: the sqlite3 module's implicit BEGIN is always DEFERRED.
+    conn.isolation_level = None
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON"):
+        conn.execute(f"PRAGMA {pragma}").close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # IMMEDIATE takes the write lock up front (waiting up to the busy timeout). A DEFERRED transaction
+    # that reads first and writes later fails at once with SQLITE_BUSY if another writer got in between.
+    immediate = conn.get_execution_options().get(_WRITE_OPTION, False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def _describe(exc: SQLAlchemyError) -> str:
+    """The driver's message without the statement and parameters SQLAlchemy appends."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        return f"{type(exc.orig).__name__}: {str(exc.orig).strip()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _check_username(username: str) -> None:
+    if not (1 <= len(username) <= _MAX_USERNAME and username.isprintable() and username.strip() == username):
+        raise ConfigError(
+            f"a username has 1-{_MAX_USERNAME} printable characters and no surrounding spaces: {username!r}"
+        )
+
+
+def _hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _seen(now: float) -> ColumnElement[float]:
+    """``max(last_seen, now)``: clocks of several writers may disagree a little; last seen never regresses."""
+    return case((Peer.last_seen < now, now), else_=Peer.last_seen)
+
+
+def _touch(conn: Connection, peer_id: str, now: float) -> bool:
+    result = conn.execute(update(Peer).where(Peer.peer_id == peer_id).values(last_seen=_seen(now)))
+    return result.rowcount > 0
+
+
+class _PeerRow(NamedTuple):
+    user_id: int
+    capabilities: Capabilities | None
+
+
+def _load_peer(conn: Connection, peer_id: str, *, for_update: bool) -> _PeerRow | None:
+    """The peer's user and capabilities; ``for_update`` locks its row (PostgreSQL; SQLite's write
+    transactions lock the whole database anyway) until the transaction ends."""
+    query = select(
+        Peer.user_id, Peer.device, Peer.samples_per_second, Peer.upload_bps, Peer.download_bps
+    ).where(Peer.peer_id == peer_id)
+    row = conn.execute(query.with_for_update() if for_update else query).one_or_none()
+    if row is None:
+        return None
+    if row.samples_per_second is None:
+        return _PeerRow(row.user_id, None)
+    capabilities = Capabilities(
+        samples_per_second=row.samples_per_second,
+        upload_bps=row.upload_bps or 0.0,
+        download_bps=row.download_bps or 0.0,
+        device=row.device or "",
+    )
+    return _PeerRow(row.user_id, capabilities)
+
+
+def _previous_end(conn: Connection, peer_id: str) -> float | None:
+    return conn.execute(
+        select(func.max(Report.interval_end)).where(Report.peer_id == peer_id, Report.status == "credited")
+    ).scalar_one()
+
+
+def _report_exists(conn: Connection, peer_id: str, seq: int) -> bool:
+    found = conn.execute(select(Report.id).where(Report.peer_id == peer_id, Report.seq == seq))
+    return found.one_or_none() is not None
+
+
+def _report_values(
+    signed: SignedReport, report: ContributionReport, assessment: Assessment, now: float
+) -> dict[str, Any]:
+    try:
+        matches = _REPORT_DECODER.decode(signed.report) == report
+    except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
+        matches = False
+    if not matches:
+        raise ValueError("report is not the decoding of signed.report; pass verify_report(signed, run_id)")
+    return {
+        "peer_id": report.peer_id,
+        "seq": report.seq,
+        "global_step": report.global_step,
+        "samples": report.samples,
+        "compute_seconds": report.compute_seconds,
+        "bytes_aggregated": report.bytes_aggregated,
+        "bytes_relayed": report.bytes_relayed,
+        "interval_start": report.interval_start,
+        "interval_end": report.interval_end,
+        "received_at": now,
+        "report_bytes": signed.report,
+        "signature": signed.signature,
+        "status": "credited" if assessment.credited else "flagged",
+        "flag_reason": assessment.reason,
+    }

@@ -1,0 +1,39 @@
+"""``run.json`` in a backbone's data dir: what ``backbone allow`` needs to mint invites while (or after) the
+backbone runs — the pinned run id and the API URLs volunteers should use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from shared.errors import ConfigError
+
+__all__ = ["RunInfo", "read_run_info", "write_run_info"]
+
+RUN_INFO = "run.json"
+
+
+class RunInfo(msgspec.Struct, frozen=True):
+    run_id: str
+    api: list[str]
+    authority_public_key: str
+
+
+def write_run_info(data_dir: Path, info: RunInfo) -> None:
+    tmp = data_dir / (RUN_INFO + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(info))
+    tmp.replace(data_dir / RUN_INFO)
+
+
+def read_run_info(data_dir: Path) -> RunInfo:
+    """Raises ConfigError if the backbone of ``data_dir`` never started a pinned run."""
+    try:
+        return msgspec.json.decode((data_dir / RUN_INFO).read_bytes(), type=RunInfo)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"{data_dir} holds no run: start `backbone start --data-dir {data_dir}` once first "
+            "(it records the run id and API address that invites carry)"
+        ) from exc
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"{data_dir / RUN_INFO} is damaged: {exc}") from exc

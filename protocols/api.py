@@ -1,0 +1,146 @@
+"""The backbone's HTTP API: JSON bodies (msgspec), served over HTTPS (DESIGN D4, D8).
+
+All paths are under ``/v1/runs/<run-id>/``; a path naming another run answers 404 ``unknown_run``.
+Errors are ``{"error": <code>, "message": <text>}`` with a 4xx/5xx status. Bytes travel as base64.
+
+=======  ======================  =================================================================
+GET      ``health``              liveness: run id, backbone peer id, uptime
+GET      ``manifest``            :class:`Manifest` (authority key, backbone multiaddrs, API URLs)
+POST     ``join``                :class:`JoinRequest` -> :class:`JoinResponse` (redeem an invite)
+POST     ``refresh``             :class:`RefreshRequest` -> :class:`RefreshResponse`
+GET      ``revocations``         :class:`RevocationList`
+GET      ``ledger``              the leaderboard (see ``backbone ledger``)
+POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
+POST     ``admin/users``         admin: allow a user, get an invite (Bearer admin token)
+GET      ``admin/users``         admin: list users
+DELETE   ``admin/users/<name>``  admin: remove a user (revokes at once)
+=======  ======================  =================================================================
+
+**HTTPS pinned by the run id.** The server certificate is self-signed by the run's *authority key*, so a
+client that knows the run id (``name@fingerprint``) accepts exactly the server whose certificate key has
+that fingerprint — no CA, no hostname. An organizer may put a CA-signed proxy in front; the pin still holds
+for direct connections.
+
+**Join.** The volunteer proves it holds its identity key by signing :func:`join_payload` (run id, the
+invite's hash, its peer id, a timestamp within ``MAX_CLOCK_SKEW``); the backbone redeems the invite and
+returns an access token for that peer. A replayed join request yields a token only its key holder can use.
+**Refresh** is the same with the current (possibly expired for up to a day) token instead of an invite.
+
+**Invite codes** are ``dli1_`` + base64url(msgpack(:class:`Invite`)): the pinned run id, the API URLs,
+and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Annotated
+
+import msgspec
+
+from .auth import SignedRevocation, SignedToken
+from .types import Bytes32, Bytes64, MultiaddrStr, PeerIdStr, RunIdStr
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "ApiError",
+    "Invite",
+    "JoinRequest",
+    "JoinResponse",
+    "Manifest",
+    "RefreshRequest",
+    "RefreshResponse",
+    "ReportReceipt",
+    "RevocationList",
+    "Username",
+    "decode_invite",
+    "encode_invite",
+    "join_payload",
+    "refresh_payload",
+]
+
+MAX_BODY_BYTES = 64 * 1024
+_INVITE_PREFIX = "dli1_"
+UrlStr = Annotated[str, msgspec.Meta(min_length=8, max_length=256, pattern=r"^https?://")]
+Username = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._@+-]+$")]
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run_id: RunIdStr
+    authority_public_key: Bytes32
+    backbones: Annotated[list[MultiaddrStr], msgspec.Meta(max_length=64)] = []
+    api: Annotated[list[UrlStr], msgspec.Meta(max_length=16)] = []
+
+
+class Invite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    run_id: RunIdStr
+    api: Annotated[list[UrlStr], msgspec.Meta(min_length=1, max_length=8)]
+    secret: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+
+
+class JoinRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run_id: RunIdStr
+    invite_secret: Annotated[str, msgspec.Meta(min_length=16, max_length=128)]
+    peer_id: PeerIdStr
+    public_key: Bytes32
+    timestamp: float
+    signature: Bytes64
+
+
+class JoinResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    username: Username
+    token: SignedToken
+    manifest: Manifest
+
+
+class RefreshRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    run_id: RunIdStr
+    token: SignedToken
+    timestamp: float
+    signature: Bytes64
+
+
+class RefreshResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    token: SignedToken
+
+
+class RevocationList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    revocations: list[SignedRevocation]
+
+
+class ReportReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    recorded: bool  # False: this (peer, seq) was recorded before — nothing changed
+    credited: bool
+    reason: str | None = None
+
+
+class ApiError(msgspec.Struct, frozen=True):
+    error: str
+    message: str
+
+
+def join_payload(run_id: str, invite_secret: str, peer_id: str, timestamp: float) -> bytes:
+    digest = hashlib.sha256(invite_secret.encode()).digest()
+    return b"dedloc-join-v1" + msgspec.msgpack.encode((run_id, digest, peer_id, timestamp))
+
+
+def refresh_payload(run_id: str, token: SignedToken, timestamp: float) -> bytes:
+    return b"dedloc-refresh-v1" + msgspec.msgpack.encode((run_id, token.token, token.signature, timestamp))
+
+
+def encode_invite(invite: Invite) -> str:
+    raw = msgspec.msgpack.encode(invite)
+    return _INVITE_PREFIX + base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def decode_invite(code: str) -> Invite:
+    """Raises ValueError for anything that is not a well-formed invite code."""
+    code = code.strip()
+    if not code.startswith(_INVITE_PREFIX) or len(code) > 2048:
+        raise ValueError("not an invite code (they start with 'dli1_')")
+    body = code[len(_INVITE_PREFIX) :]
+    try:
+        raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        return msgspec.msgpack.decode(raw, type=Invite)
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"invite code is damaged: {exc}") from exc

@@ -1,0 +1,52 @@
+"""Building and signing contribution reports for ledger tests (also used by the crash-test writer)."""
+
+from __future__ import annotations
+
+import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from protocols.ledger import Capabilities, ContributionReport, SignedReport, report_payload
+from shared.auth.keys import Identity
+
+RUN_ID = "ledger-test"
+T0 = 1_700_000_000.0
+CAPS = Capabilities(samples_per_second=100.0, upload_bps=1e6, download_bps=1e6, device="test-cpu")
+
+
+def identity(n: int) -> Identity:
+    """A deterministic identity per ``n`` (1..255)."""
+    return Identity(Ed25519PrivateKey.from_private_bytes(bytes([n]) * 32))
+
+
+def make_report(
+    who: Identity,
+    seq: int,
+    *,
+    start: float | None = None,
+    length: float = 60.0,
+    samples: int = 1000,
+    compute_seconds: float | None = None,
+    bytes_aggregated: int = 0,
+    bytes_relayed: int = 0,
+    global_step: int | None = None,
+    run_id: str = RUN_ID,
+) -> ContributionReport:
+    """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
+    begin = T0 + seq * length if start is None else start
+    return ContributionReport(
+        run_id=run_id,
+        peer_id=who.peer_id,
+        seq=seq,
+        global_step=seq if global_step is None else global_step,
+        samples=samples,
+        compute_seconds=length if compute_seconds is None else compute_seconds,
+        bytes_aggregated=bytes_aggregated,
+        bytes_relayed=bytes_relayed,
+        interval_start=begin,
+        interval_end=begin + length,
+    )
+
+
+def sign(who: Identity, report: ContributionReport) -> SignedReport:
+    data = msgspec.msgpack.encode(report)
+    return SignedReport(report=data, signature=who.sign(report_payload(data)))

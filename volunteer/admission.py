@@ -1,0 +1,163 @@
+"""Getting admitted to a pinned run, staying admitted, and noticing when we are not any more.
+
+1. **Credential**: an invite (``--invite`` / ``VOLUNTEER_INVITE``) is redeemed at the backbone API for an
+   access token; the token, the username and the run's manifest are saved as ``credential.json`` (0600) in
+   the data dir, so later joins need no invite. A saved token close to expiry is refreshed first.
+2. **Trust**: the manifest's authority key must be the one the run id pins; the token must be that
+   authority's, for this run and this peer.
+3. **Freshness**: :func:`keep_admitted` refreshes the token at two thirds of its lifetime without
+   interrupting work, and ends the daemon with a clear error when the run has removed our user.
+Open runs (no ``@`` in the run id) skip all of this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import trio
+
+from protocols.api import Manifest, decode_invite
+from protocols.auth import AccessToken, SignedToken, split_run_id
+from shared.auth.authority import AuthorityKey
+from shared.auth.guard import Authenticator, OpenAuthenticator, RunAuthenticator
+from shared.auth.keys import Identity
+from shared.errors import AdmissionError, AuthError, ConfigError, PeerUnavailable
+
+from .api_client import ApiClient
+
+__all__ = ["Admission", "Credential", "admit", "keep_admitted"]
+
+logger = logging.getLogger("volunteer")
+CREDENTIAL_FILE = "credential.json"
+RETRY = 30.0
+
+
+class Credential(msgspec.Struct, frozen=True):
+    run_id: str
+    username: str
+    token: SignedToken
+    manifest: Manifest
+
+
+@dataclass
+class Admission:
+    run_id: str
+    authenticator: Authenticator
+    initial_peers: list[str]
+    credential: Credential | None = None
+    access: AccessToken | None = None
+
+
+def _load(data_dir: Path, run_id: str) -> Credential | None:
+    try:
+        credential = msgspec.json.decode((data_dir / CREDENTIAL_FILE).read_bytes(), type=Credential)
+    except FileNotFoundError:
+        return None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        logger.warning("ignoring a damaged %s", data_dir / CREDENTIAL_FILE)
+        return None
+    return credential if credential.run_id == run_id else None
+
+
+def _save(data_dir: Path, credential: Credential) -> None:
+    path = data_dir / CREDENTIAL_FILE
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.encode(credential))
+    tmp.replace(path)
+
+
+def _checked(run_id: str, credential: Credential, identity: Identity) -> tuple[AuthorityKey, AccessToken]:
+    try:
+        authority = AuthorityKey.for_run(run_id, credential.manifest.authority_public_key)
+        access = authority.verify_token(credential.token)
+    except AuthError as exc:
+        raise AdmissionError(f"the backbone's answer does not check out against run {run_id}: {exc}") from exc
+    if access.run_id != run_id or access.peer_id != identity.peer_id:
+        raise AdmissionError("the backbone issued a token for another run or peer")
+    return authority, access
+
+
+async def admit(
+    run_id: str, data_dir: Path, identity: Identity, invite: str | None, initial_peers: Sequence[str]
+) -> Admission:
+    """Get (or reload) this peer's credential for ``run_id``.
+
+    Raises:
+        ConfigError: the invite is malformed or for another run.
+        AdmissionError: no invite and no saved credential, or the backbone refused us.
+        PeerUnavailable: no backbone API answered.
+    """
+    if split_run_id(run_id)[1] is None:
+        return Admission(run_id, OpenAuthenticator(), list(initial_peers))
+    saved = _load(data_dir, run_id)
+    if invite:
+        try:
+            code = decode_invite(invite)
+        except ValueError as exc:
+            raise ConfigError(f"--invite: {exc}") from exc
+        if code.run_id != run_id:
+            raise ConfigError(f"this invite is for run {code.run_id}, not {run_id}")
+        response = await ApiClient(run_id, code.api).join(code.secret, identity)
+        credential = Credential(run_id, response.username, response.token, response.manifest)
+        logger.info("admitted to run %s as user %s", run_id, response.username)
+    elif saved is not None:
+        credential = saved
+    else:
+        raise AdmissionError(
+            f"run {run_id} admits invited volunteers only: ask its organizers for an invite and run "
+            f"`volunteer join {run_id} --invite <code>` (or set VOLUNTEER_INVITE)"
+        )
+    authority, access = _checked(run_id, credential, identity)
+    if invite is None and _needs_refresh(access, time.time()):
+        credential, access = await _refresh(credential, identity)
+    _save(data_dir, credential)
+    auth = RunAuthenticator(run_id, authority, identity, credential.token)
+    return Admission(
+        run_id, auth, list(initial_peers) or list(credential.manifest.backbones), credential, access
+    )
+
+
+def _needs_refresh(access: AccessToken, now: float) -> bool:
+    return now >= access.issued_at + (access.expires_at - access.issued_at) * 2 / 3
+
+
+async def _refresh(credential: Credential, identity: Identity) -> tuple[Credential, AccessToken]:
+    token = await ApiClient(credential.run_id, credential.manifest.api).refresh(credential.token, identity)
+    fresh = msgspec.structs.replace(credential, token=token)
+    return fresh, _checked(credential.run_id, fresh, identity)[1]
+
+
+async def keep_admitted(admission: Admission, identity: Identity, data_dir: Path) -> None:
+    """Refresh the token ahead of expiry; raise :class:`AdmissionError` once our user is removed."""
+    auth = admission.authenticator
+    if not isinstance(auth, RunAuthenticator) or admission.credential is None or admission.access is None:
+        await trio.sleep_forever()  # open runs have nothing to keep fresh
+    assert admission.credential is not None
+    assert admission.access is not None
+    credential, access = admission.credential, admission.access
+    while True:
+        if credential.username in auth.revoked:
+            raise AdmissionError(f"user {credential.username} has been removed from run {admission.run_id}")
+        # A peer said REVOKED: error replies are unsigned, so ask the authority (pinned HTTPS) before
+        # believing it; a refresh refused as revoked raises AdmissionError and ends the daemon.
+        confirm = auth.refused_as_revoked
+        auth.refused_as_revoked = False
+        if confirm or _needs_refresh(access, time.time()):
+            try:
+                credential, access = await _refresh(credential, identity)
+            except PeerUnavailable as exc:
+                logger.warning("could not refresh the access token (%s); retrying in %.0f s", exc, RETRY)
+                await trio.sleep(RETRY)
+                continue
+            auth.set_token(credential.token)
+            await trio.to_thread.run_sync(_save, data_dir, credential)
+            logger.info("access token refreshed; valid for %.1f h", (access.expires_at - time.time()) / 3600)
+        await trio.sleep(1.0)
