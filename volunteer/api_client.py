@@ -27,10 +27,12 @@ from protocols.api import (
     JoinResponse,
     RefreshRequest,
     RefreshResponse,
+    ReportReceipt,
     join_payload,
     refresh_payload,
 )
 from protocols.auth import SignedToken, authority_fingerprint, split_run_id
+from protocols.ledger import SignedReport
 from shared.auth.keys import Identity
 from shared.errors import AdmissionError, PeerUnavailable
 
@@ -116,6 +118,10 @@ class ApiClient:
             signature=signature,
         )
         return await self._post("join", request, JoinResponse)
+
+    async def report(self, signed: SignedReport) -> ReportReceipt:
+        """Submit a signed contribution report; resubmitting the same one changes nothing."""
+        return await self._post("reports", signed, ReportReceipt)
 
     async def refresh(self, token: SignedToken, identity: Identity) -> SignedToken:
         now = time.time()

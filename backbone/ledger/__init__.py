@@ -5,6 +5,7 @@ Modules:
                 against the peer's measured capabilities (assess -> Assessment); ReportRejected
     store       LedgerStore, the only module with SQL I/O: allowlist (users, invites, peers), sessions,
                 reports (exactly once per (peer_id, seq)), steps, leaderboard; SQLite (WAL) or PostgreSQL
+    views       the frozen values queries return: UserSummary, PeerSeen, LeaderboardRow, StoredReport, StepRow
     schema      the tables (SQLAlchemy 2 typed declarative), schema_version and how to migrate
     errors      LedgerError, UnknownUser, UnknownPeer, InviteRejected
 
@@ -21,12 +22,12 @@ from .errors import InviteRejected as InviteRejected
 from .errors import LedgerError as LedgerError
 from .errors import UnknownPeer as UnknownPeer
 from .errors import UnknownUser as UnknownUser
-from .store import LeaderboardRow as LeaderboardRow
 from .store import LedgerStore as LedgerStore
-from .store import PeerSeen as PeerSeen
-from .store import StepRow as StepRow
-from .store import StoredReport as StoredReport
-from .store import UserSummary as UserSummary
+from .views import LeaderboardRow as LeaderboardRow
+from .views import PeerSeen as PeerSeen
+from .views import StepRow as StepRow
+from .views import StoredReport as StoredReport
+from .views import UserSummary as UserSummary
 
 __all__ = [
     "Assessment",

@@ -24,13 +24,13 @@ nothing changed. Database failures surface as :class:`~backbone.ledger.errors.Le
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import msgspec
 from sqlalchemy import (
@@ -58,18 +58,10 @@ from shared.errors import ConfigError
 from .accounting import Assessment, assess
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
 from .schema import Invite, Peer, PeerSession, Report, Step, User, create_schema
+from .views import LeaderboardRow, PeerSeen, ReportStatus, StepRow, StoredReport, UserSummary
 
-__all__ = [
-    "LeaderboardRow",
-    "LedgerStore",
-    "PeerSeen",
-    "ReportStatus",
-    "StepRow",
-    "StoredReport",
-    "UserSummary",
-]
+__all__ = ["LedgerStore"]
 
-ReportStatus = Literal["credited", "flagged"]
 T = TypeVar("T")
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -80,57 +72,6 @@ _MAX_SECRET = 256
 _INVITE_BYTES = 32
 _WRITE_OPTION = "dedloc_ledger_write"
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
-
-
-class PeerSeen(NamedTuple):
-    peer_id: str
-    last_seen: float
-
-
-@dataclass(frozen=True)
-class UserSummary:
-    username: str
-    note: str | None
-    created_at: float
-    revoked_at: float | None
-    #: the user's machines, most recently seen first
-    peers: tuple[PeerSeen, ...]
-
-
-@dataclass(frozen=True)
-class LeaderboardRow:
-    """One user's credited contribution (flagged reports only counted in ``flagged_reports``)."""
-
-    username: str
-    samples: int
-    compute_hours: float
-    bytes_aggregated: int
-    bytes_relayed: int
-    peers: int
-    last_seen: float | None
-    flagged_reports: int
-
-
-@dataclass(frozen=True)
-class StoredReport:
-    """A recorded report as kept: the verdict, and the signed bytes for re-verification."""
-
-    seq: int
-    global_step: int
-    samples: int
-    status: ReportStatus
-    flag_reason: str | None
-    received_at: float
-    signed: SignedReport
-
-
-@dataclass(frozen=True)
-class StepRow:
-    global_step: int
-    finished_at: float
-    loss: float | None
-    samples: int
-    peers: int
 
 
 class _Conflict(LedgerError):
@@ -472,7 +413,7 @@ class LedgerStore:
                 conn.execute(insert(Report).values(user_id=user_id, **values))
                 _touch(conn, report.peer_id, now)
         except _Conflict:
-            if self._has_report(report.peer_id, report.seq):
+            if self._exists(lambda conn: _report_exists(conn, report.peer_id, report.seq)):
                 return False
             raise
         return True
@@ -505,7 +446,7 @@ class LedgerStore:
                 conn.execute(insert(Report).values(user_id=peer.user_id, **values))
                 _touch(conn, report.peer_id, now)
         except _Conflict:
-            if self._has_report(report.peer_id, report.seq):
+            if self._exists(lambda conn: _report_exists(conn, report.peer_id, report.seq)):
                 return None
             raise
         return assessment
@@ -565,12 +506,13 @@ class LedgerStore:
         Returns:
             True if recorded now, False if the step was recorded before (nothing changed).
         """
-        if loss is not None and not abs(loss) < float("inf"):
+        if min(global_step, samples, peers) < 0:
+            raise ValueError(f"negative step record: {global_step=}, {samples=}, {peers=}")
+        if loss is not None and not math.isfinite(loss):
             loss = None
         try:
             with self._tx(write=True) as conn:
-                known = conn.execute(select(Step.global_step).where(Step.global_step == global_step))
-                if known.one_or_none() is not None:
+                if _step_exists(conn, global_step):
                     return False
                 conn.execute(
                     insert(Step).values(
@@ -582,10 +524,8 @@ class LedgerStore:
                     )
                 )
         except _Conflict:
-            with self._tx(write=False) as conn:
-                known = conn.execute(select(Step.global_step).where(Step.global_step == global_step))
-                if known.one_or_none() is not None:
-                    return False
+            if self._exists(lambda conn: _step_exists(conn, global_step)):
+                return False
             raise
         return True
 
@@ -683,9 +623,10 @@ class LedgerStore:
             with self._tx(write=True) as conn:
                 return body(conn)
 
-    def _has_report(self, peer_id: str, seq: int) -> bool:
+    def _exists(self, check: Callable[[Connection], bool]) -> bool:
+        """After a constraint refused a write: was it because the row is there already?"""
         with self._tx(write=False) as conn:
-            return _report_exists(conn, peer_id, seq)
+            return check(conn)
 
 
 def _parse_url(url: str) -> URL:
@@ -789,6 +730,11 @@ def _previous_end(conn: Connection, peer_id: str) -> float | None:
 
 def _report_exists(conn: Connection, peer_id: str, seq: int) -> bool:
     found = conn.execute(select(Report.id).where(Report.peer_id == peer_id, Report.seq == seq))
+    return found.one_or_none() is not None
+
+
+def _step_exists(conn: Connection, global_step: int) -> bool:
+    found = conn.execute(select(Step.global_step).where(Step.global_step == global_step))
     return found.one_or_none() is not None
 
 

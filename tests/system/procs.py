@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,33 @@ def spawn(argv: Sequence[str], wrap: Callable[[list[str]], list[str]] | None = N
     return subprocess.Popen(final, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
+_PENDING: weakref.WeakKeyDictionary[subprocess.Popen[str], bytearray] = weakref.WeakKeyDictionary()
+
+
 def read_line(proc: subprocess.Popen[str], within: float = 20.0) -> str:
-    """The next stdout line, failing (with stderr shown) if the process dies or stays silent."""
+    """The next stdout line, failing (with stderr shown) if the process dies or stays silent.
+
+    Reads the pipe's fd directly: ``select`` cannot see lines already buffered by a text wrapper.
+    """
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], within)
-    if not ready:
-        stop(proc, signal.SIGKILL)
-        raise AssertionError(
-            f"no output within {within} s; stderr: {proc.stderr.read() if proc.stderr else ''}"
-        )
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(
-            f"process exited ({proc.wait()}); stderr: {proc.stderr.read() if proc.stderr else ''}"
-        )
-    return line.rstrip("\n")
+    fd = proc.stdout.fileno()
+    pending = _PENDING.setdefault(proc, bytearray())
+    deadline = time.monotonic() + within
+    while b"\n" not in pending:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, left))
+        if not ready:
+            _, _, err = stop(proc, signal.SIGKILL)
+            raise AssertionError(f"no output within {within} s; stderr: {err}")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise AssertionError(
+                f"process exited ({proc.wait()}); stderr: {proc.stderr.read() if proc.stderr else ''}"
+            )
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    return line.decode()
 
 
 def start_backbone(

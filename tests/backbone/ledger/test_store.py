@@ -367,6 +367,8 @@ def test_record_step_is_idempotent(store: LedgerStore) -> None:
         )
         == 1
     )
+    with pytest.raises(ValueError, match="negative"):
+        store.record_step(4, finished_at=T0, loss=None, samples=-1, peers=1)
     steps = store.recent_steps(limit=2)
     assert [(s.global_step, s.loss, s.peers) for s in steps] == [(3, None, 1), (2, None, 2)]
     assert store.recent_steps()[-1] == type(steps[0])(1, T0, 2.5, 4096, 3)

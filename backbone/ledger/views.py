@@ -1,0 +1,70 @@
+"""What the ledger's queries return: plain frozen values (``dataclasses.asdict`` gives JSON-ready dicts for
+all but :class:`StoredReport`, which carries the signed bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+from protocols.ledger import SignedReport
+
+__all__ = ["LeaderboardRow", "PeerSeen", "ReportStatus", "StepRow", "StoredReport", "UserSummary"]
+
+ReportStatus = Literal["credited", "flagged"]
+
+
+class PeerSeen(NamedTuple):
+    """One machine of a user and when the backbone last heard from it (unix seconds)."""
+
+    peer_id: str
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class UserSummary:
+    """One allowlisted user (``revoked_at`` is set once removed) and its machines."""
+
+    username: str
+    note: str | None
+    created_at: float
+    revoked_at: float | None
+    #: the user's machines, most recently seen first
+    peers: tuple[PeerSeen, ...]
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    """One user's credited contribution (flagged reports only counted in ``flagged_reports``)."""
+
+    username: str
+    samples: int
+    compute_hours: float
+    bytes_aggregated: int
+    bytes_relayed: int
+    peers: int
+    last_seen: float | None
+    flagged_reports: int
+
+
+@dataclass(frozen=True)
+class StoredReport:
+    """A recorded report as kept: the verdict, and the signed bytes for re-verification."""
+
+    seq: int
+    global_step: int
+    samples: int
+    status: ReportStatus
+    flag_reason: str | None
+    received_at: float
+    signed: SignedReport
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One finished global step; ``loss`` is None if unknown or not finite."""
+
+    global_step: int
+    finished_at: float
+    loss: float | None
+    samples: int
+    peers: int
