@@ -179,6 +179,7 @@ def build_app(state: ApiState) -> Starlette:
         token = state.authority.issue_token(
             state.run_id, username, body.peer_id, body.public_key, now, state.token_lifetime
         )
+        await db(state.store.open_session, body.peer_id, client, now=now, write=True)
         logger.info("admitted %s (user %s) from %s", body.peer_id, username, client)
         return _json(JoinResponse(username=username, token=token, manifest=state.manifest()))
 
@@ -220,6 +221,10 @@ def build_app(state: ApiState) -> Starlette:
         signed = await _body(request, SignedReport)
         try:
             report = verify_report(signed, state.run_id)
+            if await db(state.store.active_user_of_peer, report.peer_id) is None:
+                raise HttpError(
+                    403, "revoked", f"peer {report.peer_id} belongs to no active user of this run"
+                )
             verdict = await db(state.store.assess_and_record, signed, report, now=state.clock(), write=True)
         except ReportRejected as exc:
             raise HttpError(422, "report_rejected", str(exc)) from exc

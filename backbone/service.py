@@ -65,7 +65,7 @@ class BackboneOptions:
 
 
 @contextlib.asynccontextmanager
-async def _advertised(node: Node, run_id: str) -> AsyncIterator[None]:
+async def _advertised(node: Node, run_id: str, authority_key: bytes | None) -> AsyncIterator[None]:
     """Advertise every non-loopback listener over mDNS; loopback-only backbones are not advertised."""
     by_port: dict[int, list[str]] = defaultdict(list)
     for text in node.host.listen_addrs:
@@ -75,7 +75,9 @@ async def _advertised(node: Node, run_id: str) -> AsyncIterator[None]:
     async with contextlib.AsyncExitStack() as stack:
         for port, hosts in by_port.items():
             try:
-                await stack.enter_async_context(advertise_run(run_id, node.peer_id, port, hosts))
+                await stack.enter_async_context(
+                    advertise_run(run_id, node.peer_id, port, hosts, authority_key)
+                )
                 logger.info("advertising run %s on the LAN (mDNS) at port %d", run_id, port)
             except DiscoveryError as exc:
                 logger.warning("not advertised on the LAN: %s", exc)
@@ -127,8 +129,10 @@ def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedT
     )
 
 
-async def _serve_node(node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown) -> None:
-    mdns = _advertised(node, run_id) if options.mdns else contextlib.nullcontext()
+async def _serve_node(
+    node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown, authority_key: bytes | None = None
+) -> None:
+    mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     async with mdns, trio.open_nursery() as nursery:
         nursery.start_soon(node.publish_presence_forever)
         nursery.start_soon(node.measure_latency_forever)
@@ -215,7 +219,7 @@ async def _serve_pinned(
             print(f"api on {url}", flush=True)
         nursery.start_soon(sync_revocations)
         nursery.start_soon(refresh_own_token)
-        await _serve_node(node, options, run_id, shutdown)
+        await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
         nursery.cancel_scope.cancel()
 
 

@@ -1,7 +1,10 @@
-"""A local collaboration on loopback: one backbone, N volunteers, a live table, a clean stop.
+"""A local collaboration on loopback: one backbone, N invited volunteers, a live table, a clean stop.
 
-Each node is a real process started with the real CLIs; the table is read from the ``status.json`` each
-node writes into its data dir. At the end every process gets SIGTERM and must exit 0.
+Each node is a real process started with the real CLIs: the backbone pins the run to its authority key,
+``backbone allow add`` mints one invite per volunteer, and each ``volunteer join <run-id> --invite``
+redeems it over the backbone's HTTPS API before joining the DHT. The table is read from the
+``status.json`` each node writes into its data dir. At the end every process gets SIGTERM and must exit
+0, and the allowlist is printed.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-RUN_ID = "demo-run"
+RUN_NAME = "demo-run"
 console = Console()
 
 
 def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
+    """Start the backbone; return it and the pinned run id it prints."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -31,11 +35,13 @@ def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
             "backbone",
             "start",
             "--run-id",
-            RUN_ID,
+            RUN_NAME,
             "--data-dir",
             str(data / "backbone"),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
+            "--api-listen",
+            "127.0.0.1:0",
             "--no-mdns",
         ],
         stdout=subprocess.PIPE,
@@ -43,24 +49,45 @@ def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
         text=True,
     )
     assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("listening on "):
-        proc.kill()
-        raise SystemExit(f"backbone did not start; see {data / 'backbone.log'}")
-    return proc, line.removeprefix("listening on ").strip()
+    for line in proc.stdout:
+        if line.startswith("run id "):
+            return proc, line.removeprefix("run id ").strip()
+    proc.kill()
+    raise SystemExit(f"backbone did not start; see {data / 'backbone.log'}")
 
 
-def start_volunteer(data: Path, index: int, backbone: str) -> subprocess.Popen[str]:
-    name = f"volunteer{index}"
+def invite(data: Path, username: str) -> str:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "backbone",
+            "allow",
+            "add",
+            username,
+            "--data-dir",
+            str(data / "backbone"),
+            "--note",
+            "demo volunteer",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(json.loads(result.stdout)["invite"])
+
+
+def start_volunteer(data: Path, name: str, run_id: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "volunteer",
             "join",
-            RUN_ID,
-            "--initial-peer",
-            backbone,
+            run_id,
+            "--invite",
+            invite(data, name),
             "--data-dir",
             str(data / name),
             "--listen",
@@ -73,8 +100,8 @@ def start_volunteer(data: Path, index: int, backbone: str) -> subprocess.Popen[s
     )
 
 
-def table(data: Path, names: list[str], remaining: float) -> Table:
-    t = Table(title=f"run {RUN_ID} on loopback — stopping in {remaining:.0f} s (Ctrl+C to stop now)")
+def table(data: Path, names: list[str], remaining: float, run_id: str) -> Table:
+    t = Table(title=f"run {run_id} on loopback — stopping in {remaining:.0f} s (Ctrl+C to stop now)")
     for column in ("node", "peer id", "peers", "conns", "DHT", "online", "RPC latency", "traffic ↑/↓"):
         t.add_column(column, justify="right" if column not in ("node", "peer id") else "left", no_wrap=True)
     for name in names:
@@ -98,6 +125,21 @@ def table(data: Path, names: list[str], remaining: float) -> Table:
     return t
 
 
+def stop_all(procs: dict[str, subprocess.Popen[str]]) -> dict[str, int]:
+    console.print("stopping every node with SIGTERM…")
+    for proc in reversed(procs.values()):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[name] = proc.wait()
+    return codes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=20.0, help="how long to run before stopping")
@@ -106,37 +148,39 @@ def main() -> int:
     data = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
     console.print(f"data dirs and logs: {data}")
     procs: dict[str, subprocess.Popen[str]] = {}
+    failed: list[str] = []
     try:
-        procs["backbone"], address = start_backbone(data)
-        console.print(f"backbone listening on {address}")
+        procs["backbone"], run_id = start_backbone(data)
+        console.print(f"backbone up: run id [bold]{run_id}[/] (pinned to its authority key)")
         for i in range(1, args.volunteers + 1):
-            procs[f"volunteer{i}"] = start_volunteer(data, i, address)
+            procs[f"volunteer{i}"] = start_volunteer(data, f"volunteer{i}", run_id)
+        console.print(
+            f"invited {args.volunteers} volunteers with `backbone allow add`; they join with their codes"
+        )
         deadline = time.monotonic() + args.seconds
-        with Live(table(data, list(procs), args.seconds), console=console, refresh_per_second=2) as live:
+        with Live(
+            table(data, list(procs), args.seconds, run_id), console=console, refresh_per_second=2
+        ) as live:
             while (left := deadline - time.monotonic()) > 0:
-                dead = [n for n, p in procs.items() if p.poll() is not None]
-                if dead:
-                    raise SystemExit(f"{', '.join(dead)} stopped unexpectedly; logs are in {data}")
-                live.update(table(data, list(procs), left))
+                failed = [n for n, p in procs.items() if p.poll() is not None]
+                if failed:
+                    break
+                live.update(table(data, list(procs), left, run_id))
                 time.sleep(0.5)
     except KeyboardInterrupt:
         console.print("interrupted")
     finally:
-        console.print("stopping every node with SIGTERM…")
-        for proc in reversed(procs.values()):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        codes = {}
-        for name, proc in procs.items():
-            try:
-                codes[name] = proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                codes[name] = proc.wait()
-        for name, code in codes.items():
-            console.print(f"  {name}: exit code {code}")
-    ok = all(code == 0 for code in codes.values())
-    console.print("[green]all nodes left cleanly[/]" if ok else f"[red]some nodes failed; logs in {data}[/]")
+        codes = stop_all(procs)
+    for name, code in codes.items():
+        console.print(f"  {name}: exit code {code}")
+    if procs:
+        subprocess.run(
+            [sys.executable, "-m", "backbone", "allow", "list", "--data-dir", str(data / "backbone")]
+        )
+    ok = not failed and all(code == 0 for code in codes.values())
+    console.print(
+        "[green]all nodes left cleanly[/]" if ok else f"[red]some nodes failed; logs are in {data}[/]"
+    )
     return 0 if ok else 1
 
 

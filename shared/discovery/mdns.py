@@ -9,6 +9,8 @@ Record format, version 1 (one service instance per advertising node)::
     TXT            v=1             format version; other versions are ignored
                    run=<run id>    the run id, verbatim (opaque: never parsed here)
                    peer=<peer id>  the node's peer id (``12D3KooW…``)
+                   ak=<base58>     pinned runs: the authority public key; a volunteer of run
+                                   ``name@fp`` ignores answers whose key does not have fingerprint ``fp``
 
 The run label is the run id with every run of characters outside ``[A-Za-z0-9-]`` replaced by ``-``, cut to
 50 characters (``run`` if nothing is left), so the instance label fits DNS's 63-byte limit. The label is
@@ -33,6 +35,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+import base58
 import ifaddr
 import trio
 from zeroconf import Error as ZeroconfError
@@ -46,6 +49,7 @@ from zeroconf import (
     Zeroconf,
 )
 
+from protocols.auth import authority_fingerprint, split_run_id
 from protocols.peer_id import validate_peer_id
 from shared.errors import ConfigError, DiscoveryError
 
@@ -173,13 +177,18 @@ def _checked_addresses(addresses: Sequence[str]) -> list[str]:
     return checked
 
 
-def _service_info(run_id: str, peer_id: str, port: int, addresses: list[str]) -> ServiceInfo:
+def _service_info(
+    run_id: str, peer_id: str, port: int, addresses: list[str], authority_key: bytes | None
+) -> ServiceInfo:
     label = _instance_label(run_id, peer_id)
+    properties = {"v": FORMAT_VERSION, "run": run_id, "peer": peer_id}
+    if authority_key is not None:
+        properties["ak"] = base58.b58encode(authority_key).decode("ascii")
     return ServiceInfo(
         SERVICE_TYPE,
         f"{label}.{SERVICE_TYPE}",
         port=port,
-        properties={"v": FORMAT_VERSION, "run": run_id, "peer": peer_id},
+        properties=properties,
         server=f"{label}.local.",
         parsed_addresses=addresses,
     )
@@ -187,7 +196,11 @@ def _service_info(run_id: str, peer_id: str, port: int, addresses: list[str]) ->
 
 @asynccontextmanager
 async def advertise_run(
-    run_id: str, peer_id: str, port: int, addresses: Sequence[str] | None = None
+    run_id: str,
+    peer_id: str,
+    port: int,
+    addresses: Sequence[str] | None = None,
+    authority_key: bytes | None = None,
 ) -> AsyncIterator[None]:
     """Advertise this node as a member of ``run_id`` on the LAN for the duration of the ``async with``.
 
@@ -225,7 +238,7 @@ async def advertise_run(
     else:
         chosen = _checked_addresses(addresses)
         interfaces = chosen
-    info = _service_info(run_id, peer_id, port, chosen)
+    info = _service_info(run_id, peer_id, port, chosen, authority_key)
 
     zc = await _open_zeroconf(interfaces)
     try:
@@ -266,6 +279,15 @@ def _multiaddr(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, pee
     return f"/ip{ip.version}/{ip}/tcp/{port}/p2p/{peer_id}"
 
 
+def _pins(encoded_key: str | None, fingerprint: str) -> bool:
+    """True if the TXT ``ak`` value is the authority key whose fingerprint a pinned run id carries."""
+    try:
+        key = base58.b58decode(encoded_key or "")
+    except ValueError:
+        return False
+    return len(key) == 32 and authority_fingerprint(key) == fingerprint
+
+
 def _parse_advertisement(info: ServiceInfo, run_id: str) -> Advertisement | None:
     """The advertisement in ``info`` if it is a valid v1 record for ``run_id``, else ``None`` (logged)."""
     properties = info.properties
@@ -274,6 +296,12 @@ def _parse_advertisement(info: ServiceInfo, run_id: str) -> Advertisement | None
     version = _txt(properties, b"v")
     if version != FORMAT_VERSION:
         logger.debug("mDNS: ignoring %s: format version %r, expected %r", info.name, version, FORMAT_VERSION)
+        return None
+    _, fingerprint = split_run_id(run_id)
+    if fingerprint is not None and not _pins(_txt(properties, b"ak"), fingerprint):
+        logger.warning(
+            "mDNS: ignoring %s: it claims run %s without that run's authority key", info.name, run_id
+        )
         return None
     peer_id = _txt(properties, b"peer") or ""
     try:

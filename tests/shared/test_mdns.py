@@ -92,8 +92,8 @@ def discover(host: NetnsHost, run_id: str, wait: float) -> dict[str, Any]:
 @pytest.mark.usefixtures("_needs_netns")
 def test_discover_run_finds_advertiser_in_other_netns(tmp_path: Path) -> None:
     peer_id = Identity.generate().peer_id
-    with lan(2) as (host_a, host_b), advertiser(host_a, "run-x@abc", peer_id, tmp_path) as proc:
-        report = discover(host_b, "run-x@abc", wait=5.0)
+    with lan(2) as (host_a, host_b), advertiser(host_a, "run-x", peer_id, tmp_path) as proc:
+        report = discover(host_b, "run-x", wait=5.0)
         _stop(proc)
         assert proc.returncode == 0, "the advertiser must exit cleanly on SIGTERM"
         assert proc.stdout is not None
@@ -101,7 +101,7 @@ def test_discover_run_finds_advertiser_in_other_netns(tmp_path: Path) -> None:
 
     assert report["found"] == [
         {
-            "run_id": "run-x@abc",
+            "run_id": "run-x",
             "peer_id": peer_id,
             "multiaddrs": [f"/ip4/{host_a.address}/tcp/{ADVERTISED_PORT}/p2p/{peer_id}"],
         }
@@ -160,13 +160,39 @@ def test_parse_advertisement_skips_garbage_txt_records(
 
 
 def test_parse_advertisement_builds_multiaddrs_and_drops_undialable_addresses() -> None:
-    properties = {b"v": b"1", b"run": b"r@fp", b"peer": GOOD_PEER.encode()}
+    properties = {b"v": b"1", b"run": b"r", b"peer": GOOD_PEER.encode()}
     addresses = ["10.0.0.7", "fe80::1", "2001:db8::5"]
     info = ServiceInfo(
         SERVICE_TYPE, f"x.{SERVICE_TYPE}", port=4001, properties=properties, parsed_addresses=addresses
     )
-    assert _parse_advertisement(info, "r@fp") == Advertisement(
-        run_id="r@fp",
+    assert _parse_advertisement(info, "r") == Advertisement(
+        run_id="r",
         peer_id=GOOD_PEER,
         multiaddrs=(f"/ip4/10.0.0.7/tcp/4001/p2p/{GOOD_PEER}", f"/ip6/2001:db8::5/tcp/4001/p2p/{GOOD_PEER}"),
     )
+
+
+def test_parse_advertisement_of_a_pinned_run_requires_its_authority_key() -> None:
+    import base58
+
+    from shared.auth.authority import Authority, pin_run_id
+    from shared.auth.keys import Identity
+
+    authority = Authority(Identity.generate())
+    run = pin_run_id("r", authority)
+    key = base58.b58encode(authority.identity.public_key_bytes)
+    stranger = base58.b58encode(Identity.generate().public_key_bytes)
+
+    def parse(ak: bytes | None) -> Advertisement | None:
+        properties = {b"v": b"1", b"run": run.encode(), b"peer": GOOD_PEER.encode()}
+        if ak is not None:
+            properties[b"ak"] = ak
+        info = ServiceInfo(
+            SERVICE_TYPE, f"x.{SERVICE_TYPE}", port=4001, properties=properties, parsed_addresses=["10.0.0.7"]
+        )
+        return _parse_advertisement(info, run)
+
+    assert parse(key) is not None
+    assert parse(stranger) is None  # a stranger on the LAN cannot hijack the run id
+    assert parse(None) is None
+    assert parse(b"not base58 0OIl") is None

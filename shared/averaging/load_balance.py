@@ -1,0 +1,335 @@
+"""Adaptive averaging: who computes and who aggregates how much (DeDLOC, seed 000 §3.2 eq. (1); DESIGN §2).
+
+A pure function of measured capabilities: no I/O, no trio, no torch. Callers run it through the compute
+limiter (``trio.to_thread.run_sync``).
+
+**Inputs.** Peers ``i = 1..n`` with ``s_i`` samples/s (0 without an accelerator), download ``d_i`` and upload
+``u_i`` in **bytes/s**, and a client-mode flag (no inbound connections); optional pairwise caps ``t_ij``
+(bytes/s from ``i`` to ``j``); target batch ``B`` (samples); gradient size ``P`` in **bytes as sent** (after
+compression). ``A`` is the set of peers that may aggregate (not in client mode).
+
+**The paper's program.** With ``c_i ∈ {0,1}`` (``i`` computes), ``a_ij`` (``i`` sends gradient parts to
+aggregator ``j``) and ``g_ij`` (aggregator ``i`` returns averaged parts to ``j``)::
+
+    maximize  min( Σ_i s_i c_i / B ,  min_{j: c_j=1} Σ_i g_ij / P )
+    s.t.      g_ij <= min_{k: c_k=1} a_ki ;  Σ_{j≠i} (a_ji + g_ji) <= d_i ;  Σ_{j≠i} (a_ij + g_ij) <= u_i
+              a_ij + g_ij <= t_ij ;  client-mode i aggregates nothing ;  transfers inside a node are free
+
+**Who receives the average: the computing peers.** The senders get their averaged gradient back (the
+paper: "the senders can then get the aggregated results"; hivemind's ``AllReduceRunner``, which DeDLOC ran,
+returns averaged parts only to senders, and its auxiliary peers receive nothing). A peer that does not compute
+this round needs no gradient; it refreshes its state by state download (DESIGN §1) when it starts computing.
+
+**Slices make the rates symmetric.** Aggregator ``j`` owns a slice of fraction ``f_j``. Per optimizer step
+every sender must deliver its whole part of slice ``j`` to ``j``, and every receiver must get the whole
+averaged slice ``j`` back, so in the pipelined steady state all of these run at one rate ``x_j = ξ f_j P``
+(bytes/s of slice ``j``): ``a_kj = g_jk = x_j`` (DESIGN's ``m_j``). Sending faster than ``j`` aggregates is
+wasted, and a receiver fed slower would not hold the full average. Let ``X = Σ_j x_j``; the averaging rate is
+``X / P`` rounds/s and ``f_j = x_j / X``. Traffic of peer ``i`` for a compute set ``C`` (``k = |C|``)::
+
+    i ∈ C ∩ A :  down = up = (k-1) x_i + (X - x_i) = X + (k-2) x_i
+    i ∈ A \\ C :  down = up = k x_i                  (auxiliary summation, BytePS-style)
+    i ∈ C \\ A :  down = up = X                      (client: sends every part, receives every average)
+    pair {i,j}:  i→j = j→i = c_i x_j + c_j x_i     (x = 0 for clients)
+
+Download equals upload, so ``d_i`` and ``u_i`` act only through ``w_i = min(d_i, u_i)``, and ``t_ij`` and
+``t_ji`` only through ``min(t_ij, t_ji)``. For fixed ``C`` the program becomes the LP (epigraph: ``ξ`` is
+``min(S/B, X/P)`` with ``S = Σ_C s_i``, so it suffices to maximize ``X``)::
+
+    maximize X = Σ_{j∈A} x_j   s.t.  the traffic rows above <= w_i and <= min(t_ij, t_ji);  x >= 0
+
+It has ``|A| + 1`` variables with or without pairwise caps: the caps add ``O(n²)`` *rows*, not variables.
+The paper's per-pair variables ``a_ij, g_ij`` add no freedom a slice plan can use: without caps that LP
+has the same optimum (tested), and with caps it is a relaxation that can promise more than any slice plan
+delivers (a receiver "averaging" by mixing unequal shares of different slices; tested).
+
+**Closed form (no pairwise caps).** For ``k >= 2`` every computing peer needs ``X <= w_i``, and summing
+the aggregators' ceilings ``x_j <= (w_j - X)/(k-2)`` (``C ∩ A``) and ``x_j <= w_j / k`` (``A \\ C``) gives::
+
+    X*(C) = min( min_{i∈C} w_i ,  (2 W_{C∩A} + (k-2) W_A) / (k (k-2+q)) ),     q = |C ∩ A|, W_S = Σ_S w
+
+(``k = 2, q = 0``: ``W_A / 2``; ``k = 1``: ``inf`` for a lone aggregator, which needs no traffic, and
+``min(w_c, W_A)`` for a client). The search uses it; the plan's rates come from HiGHS
+(``linprog(method="highs")``), and among optimal splits the plan takes ``x_j`` proportional to each
+aggregator's own ceiling at ``X*``, so equal peers get equal slices and spare capacity is spread evenly.
+
+**Choosing ``C``** exactly: closed-form incumbents, cell bounds that certify them, and a fixed-size MILP
+(HiGHS, ``scipy.optimize.milp``) where they do not (:mod:`.load_balance_search`). Tested against
+enumerating all ``2^n`` compute sets. Slices: ``x_j / X`` rounded to integers by largest remainder.
+
+Special cases it recovers (tested): homogeneous peers → equal all-reduce; one high-bandwidth low-compute
+peer → parameter server; CPU-only peers with good links → pure aggregators (BytePS); client-mode peers →
+senders only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .load_balance_model import Bools, Floats, Problem, forced_rate, max_rates
+from .load_balance_search import choose_compute_set
+
+__all__ = [
+    "PeerSpec",
+    "Plan",
+    "largest_remainder",
+    "plan_all_reduce",
+    "plan_averaging",
+    "plan_parameter_server",
+]
+
+
+def _check_rate(name: str, value: float, *, positive: bool) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "a positive" if positive else "a non-negative"
+        raise ValueError(f"{name} must be {need} finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """One peer's measured capabilities. Rates are per second; bandwidths in **bytes/s** (not bits).
+
+    Attributes:
+        samples_per_second: gradient throughput on the run's model; 0 for a peer without an accelerator.
+        download_bps: download bandwidth, bytes/s.
+        upload_bps: upload bandwidth, bytes/s.
+        client_mode: the peer accepts no inbound connections, so it cannot aggregate.
+
+    Raises:
+        ValueError: a rate is NaN, infinite or negative, or a bandwidth is 0.
+    """
+
+    samples_per_second: float
+    download_bps: float
+    upload_bps: float
+    client_mode: bool = False
+
+    def __post_init__(self) -> None:
+        _check_rate("samples_per_second", self.samples_per_second, positive=False)
+        _check_rate("download_bps", self.download_bps, positive=True)
+        _check_rate("upload_bps", self.upload_bps, positive=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An averaging plan and what the model predicts for it.
+
+    Attributes:
+        compute: ``c_i``: peer ``i`` computes gradients (and so sends parts and receives the average).
+        fractions: share of the gradient each peer aggregates; 0 for non-aggregators; sums to 1.
+        slices: integer slice sizes of a ``numel``-element vector (largest remainder): they sum to
+            ``numel`` and are 0 for peers with fraction 0 (client-mode peers included).
+        steps_per_second: predicted optimizer steps/s, ``min(compute_rate, comm_rate)`` (with DPU).
+        averaging_seconds: predicted time to average one gradient, ``P / X`` (0 when nothing moves).
+        compute_rate: ``Σ_i s_i c_i / B``: steps/s the computing peers can fill.
+        comm_rate: ``X / P``: gradients/s the network can average under this plan (``inf``: no traffic).
+        method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set by milp over N
+            sizes)"``, ``"lp (compute set certified (caps slack))"``, ``"lone aggregator"`` (one peer computes
+            and aggregates everything locally), ``"all-reduce"`` or ``"parameter server"`` (forced fractions).
+    """
+
+    compute: tuple[bool, ...]
+    fractions: tuple[float, ...]
+    slices: tuple[int, ...]
+    steps_per_second: float
+    averaging_seconds: float
+    compute_rate: float
+    comm_rate: float
+    method: str
+
+
+def plan_averaging(
+    peers: Sequence[PeerSpec],
+    target_batch: float,
+    gradient_bytes: float,
+    *,
+    numel: int | None = None,
+    pairwise: Mapping[tuple[int, int], float] | None = None,
+) -> Plan:
+    """Solve the adaptive-averaging program: the optimal compute set, aggregator fractions and slices.
+
+    Args:
+        peers: the group's peers; plan indices follow this order.
+        target_batch: ``B``, samples per optimizer step.
+        gradient_bytes: ``P``, bytes of one gradient as sent (after compression).
+        numel: elements of the vector to slice; defaults to ``gradient_bytes // 4`` (float32).
+        pairwise: optional caps ``{(i, j): bytes/s from i to j}``; absent pairs are uncapped.
+
+    Returns:
+        The optimal :class:`Plan` (objective exact up to a relative 1e-9).
+
+    Raises:
+        ValueError: no peers; ``target_batch`` or ``gradient_bytes`` not positive and finite; every peer
+            in client mode (nobody can aggregate); no peer with ``samples_per_second > 0`` (nobody can
+            compute); a bad ``pairwise`` entry or ``numel``; or pairwise caps of 0 leave no way to average.
+    """
+    p = _problem(peers, target_batch, gradient_bytes, pairwise)
+    size = _numel(numel, gradient_bytes)
+    choice = choose_compute_set(p)
+    total, x = max_rates(p, choice.compute)
+    if total <= 0.0:
+        raise ValueError("the pairwise caps leave no compute set a positive averaging rate (caps of 0?)")
+    lone = math.isinf(total)
+    method = "lone aggregator" if lone else f"lp (compute set {choice.how})"
+    return _plan(p, choice.compute, x, total, size, method)
+
+
+def plan_all_reduce(
+    peers: Sequence[PeerSpec],
+    target_batch: float,
+    gradient_bytes: float,
+    *,
+    numel: int | None = None,
+    pairwise: Mapping[tuple[int, int], float] | None = None,
+    compute: Sequence[bool] | None = None,
+) -> Plan:
+    """All-reduce under the same model: equal fractions for every peer not in client mode.
+
+    ``compute`` defaults to every peer with ``samples_per_second > 0``. Arguments and errors as in
+    :func:`plan_averaging`; also ``ValueError`` for a ``compute`` of the wrong length or with nobody in it.
+    """
+    p = _problem(peers, target_batch, gradient_bytes, pairwise)
+    fractions = p.agg / p.agg.sum()
+    return _forced(p, compute, fractions, _numel(numel, gradient_bytes), "all-reduce")
+
+
+def plan_parameter_server(
+    peers: Sequence[PeerSpec],
+    server: int,
+    target_batch: float,
+    gradient_bytes: float,
+    *,
+    numel: int | None = None,
+    pairwise: Mapping[tuple[int, int], float] | None = None,
+    compute: Sequence[bool] | None = None,
+) -> Plan:
+    """A parameter server under the same model: peer ``server`` aggregates the whole gradient.
+
+    Arguments and errors as in :func:`plan_all_reduce`; also ``ValueError`` if ``server`` is out of range
+    or in client mode.
+    """
+    p = _problem(peers, target_batch, gradient_bytes, pairwise)
+    if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < p.n:
+        raise ValueError(f"server must be a peer index in [0, {p.n}), got {server!r}")
+    if not p.agg[server]:
+        raise ValueError(f"peer {server} is in client mode and cannot be a parameter server")
+    fractions = np.zeros(p.n)
+    fractions[server] = 1.0
+    return _forced(p, compute, fractions, _numel(numel, gradient_bytes), "parameter server")
+
+
+def largest_remainder(fractions: Sequence[float], total: int) -> list[int]:
+    """Apportion ``total`` units by largest remainder (Hamilton's method).
+
+    Each entry gets ``floor(f_i / Σf · total)``, and the units left go one each to the largest remainders
+    (ties to the lower index). The result sums to ``total``, and an entry with fraction 0 gets 0.
+
+    Raises:
+        ValueError: ``total`` is negative or not an integer; ``fractions`` is empty, has a negative or
+            non-finite entry, or sums to 0.
+    """
+    if isinstance(total, bool) or not isinstance(total, int | np.integer) or total < 0:
+        raise ValueError(f"total must be a non-negative integer, got {total!r}")
+    f = np.asarray(fractions, dtype=float)
+    if f.ndim != 1 or len(f) == 0:
+        raise ValueError(f"fractions must be a non-empty sequence, got {fractions!r}")
+    if not np.isfinite(f).all() or (f < 0).any() or f.sum() <= 0:
+        raise ValueError(f"fractions must be finite, non-negative and not all 0, got {list(f)!r}")
+    quotas = f / f.sum() * int(total)
+    counts = np.floor(quotas).astype(np.int64)
+    remainder = quotas - counts
+    order = [int(i) for i in np.lexsort((np.arange(len(f)), -remainder)) if f[i] > 0]
+    left = int(total) - int(counts.sum())
+    step = 0
+    while left > 0:  # floating error may leave more units than entries with a remainder: cycle
+        counts[order[step % len(order)]] += 1
+        left -= 1
+        step += 1
+    for i in reversed(order):  # floating error may also overshoot: take back from the smallest remainders
+        if left == 0:
+            break
+        take = min(int(counts[i]), -left)
+        counts[i] -= take
+        left += take
+    return [int(c) for c in counts]
+
+
+def _problem(
+    peers: Sequence[PeerSpec],
+    target_batch: float,
+    gradient_bytes: float,
+    pairwise: Mapping[tuple[int, int], float] | None,
+) -> Problem:
+    if len(peers) == 0:
+        raise ValueError("no peers to plan for")
+    for i, peer in enumerate(peers):
+        if not isinstance(peer, PeerSpec):
+            raise TypeError(f"peers[{i}] must be a PeerSpec, got {peer!r}")
+    _check_rate("target_batch", target_batch, positive=True)
+    _check_rate("gradient_bytes", gradient_bytes, positive=True)
+    n = len(peers)
+    s = np.array([peer.samples_per_second for peer in peers], dtype=float)
+    w = np.array([min(peer.download_bps, peer.upload_bps) for peer in peers], dtype=float)
+    agg = np.array([not peer.client_mode for peer in peers], dtype=bool)
+    if not agg.any():
+        raise ValueError(f"all {n} peers are in client mode: nobody can aggregate")
+    if not (s > 0).any():
+        raise ValueError(f"no peer can compute: samples_per_second is 0 for all {n} peers")
+    scale = float(w.max())
+    caps = None
+    if pairwise is not None:
+        caps = np.full((n, n), math.inf)
+        for key, cap in pairwise.items():
+            if not (isinstance(key, tuple) and len(key) == 2 and all(_is_index(v, n) for v in key)):
+                raise ValueError(f"pairwise keys must be (i, j) peer indices in [0, {n}), got {key!r}")
+            if key[0] == key[1]:
+                raise ValueError(f"pairwise key {key!r}: traffic within one node is not capped")
+            _check_rate(f"pairwise[{key!r}]", cap, positive=False)
+            caps[key] = min(caps[key], cap / scale)
+        caps = np.minimum(caps, caps.T)
+    return Problem(s, w / scale, agg, float(target_batch), float(gradient_bytes) / scale, caps, scale)
+
+
+def _is_index(value: object, n: int) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and 0 <= value < n
+
+
+def _numel(numel: int | None, gradient_bytes: float) -> int:
+    if numel is None:
+        return int(gradient_bytes) // 4
+    if isinstance(numel, bool) or not isinstance(numel, int | np.integer) or numel < 0:
+        raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
+    return int(numel)
+
+
+def _forced(p: Problem, compute: Sequence[bool] | None, fractions: Floats, numel: int, method: str) -> Plan:
+    if compute is None:
+        c = p.s > 0
+    else:
+        c = np.array([bool(v) for v in compute], dtype=bool)
+        if len(c) != p.n or not c.any():
+            raise ValueError(f"compute must name at least one of the {p.n} peers, got {list(compute)!r}")
+    total = forced_rate(p, c, fractions)
+    return _plan(p, c, fractions * (1.0 if math.isinf(total) else total), total, numel, method)
+
+
+def _plan(p: Problem, compute: Bools, x: Floats, total: float, numel: int, method: str) -> Plan:
+    fractions = x / x.sum()
+    compute_rate = float(p.s[compute].sum()) / p.batch
+    comm_rate = total / p.size
+    return Plan(
+        compute=tuple(bool(v) for v in compute),
+        fractions=tuple(float(v) for v in fractions),
+        slices=tuple(largest_remainder(fractions.tolist(), numel)),
+        steps_per_second=min(compute_rate, comm_rate),
+        averaging_seconds=0.0 if math.isinf(total) else p.size / total,
+        compute_rate=compute_rate,
+        comm_rate=comm_rate,
+        method=method,
+    )

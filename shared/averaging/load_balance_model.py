@@ -1,0 +1,214 @@
+"""The traffic model of :mod:`shared.averaging.load_balance` for one fixed compute set (math there).
+
+Everything here works on a :class:`Problem`: the validated inputs as numpy arrays, with every bandwidth and
+the gradient size divided by one scale so that the LPs HiGHS sees have entries near 1. Three things are
+computed for a compute set ``C``:
+
+* :func:`comm_bound` — the closed form of ``X*(C)`` without pairwise caps (used by the search, O(n));
+* :func:`max_rates` — the LP ``max X`` for ``C`` solved by HiGHS (``linprog(method="highs")``), with or
+  without pairwise caps, plus a canonical split of ``X*`` among the aggregators;
+* :func:`forced_rate` — the largest ``X`` for *given* slice fractions (the all-reduce and parameter-server
+  baselines), from the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy import sparse
+from scipy.optimize import linprog
+
+__all__ = ["Bools", "Floats", "Problem", "comm_bound", "forced_rate", "max_rates"]
+
+Floats = npt.NDArray[np.float64]
+Bools = npt.NDArray[np.bool_]
+
+# Phase 2 keeps X within this relative distance of the phase-1 optimum while it balances the split.
+_PHASE2_SLACK = 1e-9
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Validated inputs in solver units (bandwidths and ``size`` divided by ``scale`` bytes/s).
+
+    Attributes:
+        s: samples/s of each peer.
+        w: ``min(download, upload)`` of each peer, in units of ``scale``.
+        agg: whether the peer may aggregate (it is not in client mode).
+        batch: target batch ``B`` in samples.
+        size: gradient size ``P`` in bytes divided by ``scale``.
+        caps: symmetric matrix ``min(t_ij, t_ji) / scale``, ``inf`` where uncapped and on the diagonal;
+            ``None`` when no pairwise caps were given.
+        scale: the bytes/s that one solver unit stands for.
+    """
+
+    s: Floats
+    w: Floats
+    agg: Bools
+    batch: float
+    size: float
+    caps: Floats | None
+    scale: float
+
+    @property
+    def n(self) -> int:
+        return len(self.s)
+
+    def without_caps(self) -> Problem:
+        return Problem(self.s, self.w, self.agg, self.batch, self.size, None, self.scale)
+
+
+def comm_bound(p: Problem, compute: Bools) -> float:
+    """``X*(C)`` without pairwise caps, in solver units (``inf``: one aggregator computes alone).
+
+    Raises:
+        ValueError: ``compute`` is empty.
+    """
+    k = int(compute.sum())
+    if k == 0:
+        raise ValueError("the compute set is empty")
+    both = compute & p.agg
+    q = int(both.sum())
+    w_agg = float(p.w[p.agg].sum())
+    if k == 1:
+        return math.inf if q == 1 else min(float(p.w[compute].min()), w_agg)
+    slowest = float(p.w[compute].min())
+    if q == 0:
+        return min(slowest, w_agg / k)
+    return min(slowest, (2.0 * float(p.w[both].sum()) + (k - 2) * w_agg) / (k * (k - 2 + q)))
+
+
+def _capacities(p: Problem, compute: Bools, total: float) -> Floats:
+    """Each aggregator's own ceiling on ``x_j`` when the whole rate is ``total`` (no pairwise caps)."""
+    k = int(compute.sum())
+    cap = np.zeros(p.n)
+    both = compute & p.agg
+    aux = p.agg & ~compute
+    cap[aux] = p.w[aux] / k
+    if k >= 3:
+        cap[both] = np.maximum(p.w[both] - total, 0.0) / (k - 2)
+    else:  # k <= 2: a computing aggregator's rows do not bound its own slice; share by bandwidth
+        cap[both] = p.w[both]
+    return cap
+
+
+def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
+    """Solve ``max X`` for the compute set by HiGHS; return ``(X*, x)`` in solver units.
+
+    ``x`` is a canonical optimal split: among the optimal ``x`` it maximizes ``λ`` with
+    ``x_j ≥ λ · cap_j``, where ``cap_j`` is aggregator ``j``'s own ceiling at ``X*``. Without pairwise caps
+    this has the unique answer ``x_j = X* · cap_j / Σ cap`` (slices proportional to each aggregator's
+    capacity, so equal peers get equal slices and spare capacity is spread evenly); with caps a second LP
+    finds it. A lone computing aggregator needs no traffic: ``(inf, e_i)``.
+    """
+    k = int(compute.sum())
+    if k == 1 and bool((compute & p.agg).any()):
+        alone = np.zeros(p.n)
+        alone[compute] = 1.0
+        return math.inf, alone
+    aggs = np.flatnonzero(p.agg)
+    na = len(aggs)
+    col = np.full(p.n, -1)
+    col[aggs] = np.arange(na)
+    ix = na  # variables: x_j for j in aggs, then X
+    both = np.flatnonzero(compute & p.agg)
+    aux = p.agg & ~compute
+
+    x_ub = np.full(na, np.inf)
+    x_ub[col[aux]] = p.w[aux] / k
+    clients_in = compute & ~p.agg
+    X_ub = float(p.w[clients_in].min()) if clients_in.any() else math.inf
+
+    rows: list[npt.NDArray[np.int64]] = []
+    cols: list[npt.NDArray[np.int64]] = []
+    vals: list[Floats] = []
+    rhs: list[Floats] = []
+    # X + (k-2) x_i <= w_i for computing aggregators
+    r = np.arange(len(both))
+    rows += [r, r]
+    cols += [np.full(len(both), ix), col[both]]
+    vals += [np.ones(len(both)), np.full(len(both), float(k - 2))]
+    rhs.append(p.w[both])
+    nrows = len(both)
+    if p.caps is not None:
+        # pair {i, j}: c_i x_j + c_j x_i <= min(t_ij, t_ji); the coefficient is 0 unless the peer sends
+        i, j = np.triu_indices(p.n, 1)
+        t = p.caps[i, j]
+        a_j = compute[i] & p.agg[j]  # i sends its part of slice j to j
+        a_i = compute[j] & p.agg[i]  # j sends its part of slice i to i
+        keep = np.isfinite(t) & (a_j | a_i)
+        i, j, t, a_j, a_i = i[keep], j[keep], t[keep], a_j[keep], a_i[keep]
+        r = nrows + np.arange(len(t))
+        rows += [r[a_j], r[a_i]]
+        cols += [col[j[a_j]], col[i[a_i]]]
+        vals += [np.ones(int(a_j.sum())), np.ones(int(a_i.sum()))]
+        rhs.append(t)
+        nrows += len(t)
+    a_ub = sparse.csr_array(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrows, na + 1)
+    )
+    b_ub = np.concatenate(rhs)
+    a_eq = sparse.csr_array(np.concatenate([-np.ones(na), [1.0]])[None, :])
+    bounds = np.column_stack([np.zeros(na + 1), np.concatenate([x_ub, [X_ub]])])
+    objective = np.zeros(na + 1)
+    objective[ix] = -1.0
+    res = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[0.0], bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"HiGHS could not solve the rate LP: {res.message}")
+    total = float(res.x[ix])
+    if total <= 0.0:
+        return 0.0, np.zeros(p.n)
+
+    cap = _capacities(p, compute, total)  # Σ cap >= X* > 0: the LP's own rows bound each x_j by cap_j
+    if p.caps is None:
+        return total, total * cap / cap.sum()
+    # Phase 2 (pairwise caps): hold X at X*, maximize λ subject to x_j >= λ cap_j.
+    lam = na + 1
+    ca = cap[aggs]
+    balance = sparse.csr_array(
+        (
+            np.concatenate([-np.ones(na), ca]),
+            (np.tile(np.arange(na), 2), np.concatenate([np.arange(na), np.full(na, lam)])),
+        ),
+        shape=(na, na + 2),
+    )
+    a_ub2 = sparse.vstack([sparse.hstack([a_ub, sparse.csr_array((nrows, 1))]), balance], format="csr")
+    a_eq2 = sparse.hstack([a_eq, sparse.csr_array((1, 1))], format="csr")
+    bounds2 = np.vstack([bounds, [0.0, total / ca.sum()]])
+    bounds2[ix] = [total * (1.0 - _PHASE2_SLACK), total]
+    objective2 = np.zeros(na + 2)
+    objective2[lam] = -1.0
+    res2 = linprog(
+        objective2,
+        A_ub=a_ub2,
+        b_ub=np.concatenate([b_ub, np.zeros(na)]),
+        A_eq=a_eq2,
+        b_eq=[0.0],
+        bounds=bounds2,
+        method="highs",
+    )
+    x = res2.x if res2.status == 0 else res.x
+    out = np.zeros(p.n)
+    out[aggs] = np.clip(x[:na], 0.0, None)
+    return total, out * (total / out.sum())
+
+
+def forced_rate(p: Problem, compute: Bools, fractions: Floats) -> float:
+    """The largest ``X`` (solver units) at which the given slice fractions fit every row of the model."""
+    k = int(compute.sum())
+    f = fractions
+    # every peer's traffic is X times this coefficient (download = upload)
+    coef = np.where(compute, 1.0 - np.where(p.agg, f, 0.0), 0.0) + np.where(p.agg, (k - compute) * f, 0.0)
+    with np.errstate(divide="ignore"):
+        limits = np.where(coef > 0, p.w / np.where(coef > 0, coef, 1.0), np.inf)
+    rate = float(limits.min())
+    if p.caps is not None:
+        pair = np.outer(compute, f) + np.outer(f, compute)  # c_i f_j + c_j f_i, symmetric
+        np.fill_diagonal(pair, 0.0)
+        binding = (pair > 0) & np.isfinite(p.caps)
+        if binding.any():
+            rate = min(rate, float((p.caps[binding] / pair[binding]).min()))
+    return rate

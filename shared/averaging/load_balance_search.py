@@ -1,0 +1,298 @@
+"""Who computes: the 0/1 part of the adaptive-averaging program, solved exactly (math in ``load_balance``).
+
+Objective of a compute set ``C`` (``k = |C|``): ``ξ(C) = min(S(C)/B, X*(C)/P)``. Facts used here:
+
+1. *Monotonicity.* Removing a peer from ``C`` never lowers ``X*``: every row of the model has non-negative
+   coefficients in the ``c_i`` (a peer that stops sending frees its own link, the aggregators' download and
+   the pair links), and a removed aggregator's row ``(k-1) x_i <= X + (k-2) x_i`` only gets looser. So a
+   peer with ``s_i = 0`` never computes, and only the ``m`` peers with ``s_i > 0`` are candidates.
+2. *Cells.* Every ``C`` with ``k >= 3`` lies in the cell ``(k, τ)`` with ``τ = min_C w``. Over a cell,
+   ``ξ <= min(topS_k(τ)/B, τ/P, F_k(τ)/P)`` where ``topS_k(τ)`` is the sum of the ``k`` largest ``s`` among
+   candidates with ``w >= τ``, and ``F_k(τ)`` bounds ``F`` by the ``q_hi`` largest ``w`` of eligible
+   aggregators over the smallest possible ``q`` (``q_lo = k - #eligible clients``).
+3. *Incumbent.* For every ``τ``, the prefixes of the eligible candidates in order of decreasing ``s``
+   (ties: larger ``w`` first) are evaluated in closed form (vectorized, O(m²)); ``k = 1`` and ``k = 2`` are
+   enumerated exhaustively (O(m²)).
+4. *Certificate or MILP.* If no cell bound exceeds the incumbent (relative tolerance 1e-9), the incumbent
+   is optimal. Otherwise, for each size ``k`` still open, in order of decreasing bound, HiGHS solves the
+   fixed-``k`` MILP below (``scipy.optimize.milp``); sizes whose bound falls to the incumbent are skipped.
+
+No fixed order of peers is optimal in general: peers trade samples/s against bandwidth and the choice hides a
+cardinality-constrained knapsack, so step 4 is what makes the result exact. On measured-looking inputs the
+certificate almost always holds (see ``scripts/bench_lp.py``); adversarial ties reach the MILP.
+
+Fixed-``k`` MILP (also the route with pairwise caps). Binary ``c_i``; ``x_j``, ``X``, ``ξ`` continuous;
+``Y`` bounds ``X`` (``min(P·topS_k/B, k-th largest w)``; an optimal ``x`` can always be scaled down to it) and
+``x̄_j = min(w_j/(k-1), Y, (k-1)-th largest t_ij over candidate senders)`` bounds ``x_j``::
+
+    max ξ   s.t.  X = Σ_j x_j,   B ξ <= Σ s_i c_i,   P ξ <= X,   Σ c_i = k
+                  X + (k-2) x_i <= w_i + M (1 - c_i)          aggregator i          (computing)
+                  k x_i <= w_i + M c_i                         aggregator i          (not computing)
+                  X <= w_i + M (1 - c_i)                       client i
+                  x_j <= t_ij + M (1 - c_i)                    i may send to aggregator j
+                  x_i + x_j <= t_ij + M (2 - c_i - c_j)        both may compute and aggregate
+
+with each ``M`` the smallest value that makes the row void when its condition is off. With pairwise caps,
+the no-cap optimum bounds every size; if the caps do not bind at the no-cap optimum it is optimal, otherwise
+sizes are solved by the MILP in order of ``min(no-cap bound, Σ_j x̄_j / P)`` until that bound falls to the
+incumbent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from .load_balance_model import Bools, Floats, Problem, comm_bound, max_rates
+
+__all__ = ["Choice", "choose_compute_set"]
+
+Ints = npt.NDArray[np.intp]
+
+REL_TOL = 1e-9
+_OBJECTIVE_SCALE = 1e4  # the MILP maximizes ξ / bound · 1e4, so HiGHS's absolute gap (1e-6) is ~1e-10
+
+
+@dataclass(frozen=True, eq=False)
+class Choice:
+    """The chosen compute set, its objective (steps/s) and how it was proven optimal."""
+
+    compute: Bools
+    value: float
+    how: str
+
+
+def _value(p: Problem, compute: Bools, rate: float) -> float:
+    return min(float(p.s[compute].sum()) / p.batch, rate / p.size)
+
+
+def _mask(n: int, members: Ints) -> Bools:
+    out = np.zeros(n, dtype=bool)
+    out[members] = True
+    return out
+
+
+def _small_sets(p: Problem, cand: Ints) -> tuple[float, Bools, float]:
+    """Best set of size 1 and 2 by enumeration (no caps); also returns the best size-2 value."""
+    w_agg = float(p.w[p.agg].sum())
+    one = np.where(p.agg[cand], math.inf, np.minimum(p.w[cand], w_agg))
+    v1 = np.minimum(p.s[cand] / p.batch, one / p.size)
+    b = int(np.argmax(v1))
+    best, best_set = float(v1[b]), _mask(p.n, cand[b : b + 1])
+    best2 = -math.inf
+    if len(cand) >= 2:
+        i, j = np.triu_indices(len(cand), 1)
+        a, c = cand[i], cand[j]
+        rate = np.minimum(p.w[a], p.w[c])
+        rate = np.where(p.agg[a] | p.agg[c], rate, np.minimum(rate, w_agg / 2))
+        v2 = np.minimum((p.s[a] + p.s[c]) / p.batch, rate / p.size)
+        b = int(np.argmax(v2))
+        best2 = float(v2[b])
+        if best2 > best:
+            best, best_set = best2, _mask(p.n, np.array([a[b], c[b]]))
+    return best, best_set, best2
+
+
+def _cells(p: Problem, cand: Ints) -> tuple[float, Bools | None, Floats]:
+    """Incumbent over τ-prefixes (k >= 3) and the cell bounds maximized over τ, indexed by k (0 below 3)."""
+    m = len(cand)
+    bound_by_k = np.full(m + 1, -math.inf)
+    if m < 3:
+        return -math.inf, None, bound_by_k
+    order = cand[np.lexsort((-p.w[cand], -p.s[cand]))]
+    s, w, agg = p.s[order], p.w[order], p.agg[order]
+    taus = np.unique(w)
+    eligible = w[None, :] >= taus[:, None]  # (thresholds, candidates in s order)
+    w_agg = float(p.w[p.agg].sum())
+
+    # incumbent: prefixes of the eligible candidates in s order
+    k = np.cumsum(eligible, axis=1)
+    big_s = np.cumsum(eligible * s, axis=1)
+    q = np.cumsum(eligible & agg, axis=1)
+    w_both = np.cumsum(eligible * (w * agg), axis=1)
+    slowest = np.minimum.accumulate(np.where(eligible, w, np.inf), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f = np.where(q > 0, (2 * w_both + (k - 2) * w_agg) / (k * (k - 2 + q)), w_agg / k)
+    value = np.minimum(big_s / p.batch, np.minimum(slowest, f) / p.size)
+    value = np.where(eligible & (k >= 3), value, -math.inf)
+    t, j = np.unravel_index(int(np.argmax(value)), value.shape)
+    best = float(value[t, j])
+    best_set = _mask(p.n, order[: j + 1][eligible[t, : j + 1]]) if best > -math.inf else None
+
+    # bounds per cell (τ, k): top-k s, top-q w among eligible aggregators, fewest aggregators possible
+    kk = np.arange(1, m + 1)[None, :]
+    top_s = np.cumsum(-np.sort(-np.where(eligible, s, 0.0), axis=1), axis=1)
+    top_w = np.cumsum(-np.sort(-np.where(eligible & agg, w, 0.0), axis=1), axis=1)
+    n_agg = (eligible & agg).sum(axis=1)[:, None]
+    n_cli = (eligible & ~agg).sum(axis=1)[:, None]
+    q_hi = np.minimum(kk, n_agg)
+    q_lo = np.maximum(0, kk - n_cli)
+    w_hi = np.where(q_hi > 0, np.take_along_axis(top_w, np.maximum(q_hi - 1, 0), axis=1), 0.0)
+    denominator = kk * (kk - 2 + q_lo)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        f_hi = np.where(denominator > 0, (2 * w_hi + (kk - 2) * w_agg) / denominator, np.inf)
+    bound = np.minimum(top_s / p.batch, np.minimum(taus[:, None], f_hi) / p.size)
+    bound = np.where((kk <= eligible.sum(axis=1)[:, None]) & (kk >= 3), bound, -math.inf)
+    bound_by_k[1:] = bound.max(axis=0)
+    return best, best_set, bound_by_k
+
+
+def _pair_limits(p: Problem, cand: Ints) -> Floats:
+    """``L[k, j]``: the (k-1)-th largest cap from a candidate sender to aggregator j (inf without caps)."""
+    m = len(cand)
+    if p.caps is None:
+        return np.full((m + 1, p.n), math.inf)
+    links = p.caps[cand, :].copy()
+    links[np.arange(m), cand] = -math.inf  # a peer does not send to itself
+    ranked = -np.sort(-links, axis=0)  # ranked[r, j]: (r+1)-th largest
+    out = np.full((m + 1, p.n), math.inf)
+    out[2:] = ranked[: m - 1]  # k >= 2 uses ranked[k-2]
+    return np.maximum(out, 0.0)
+
+
+def _size_bounds(p: Problem, cand: Ints, k: int, limits: Floats) -> tuple[float, Floats]:
+    """``(Y, x̄)`` for size ``k >= 2``."""
+    top_s = float(np.sort(p.s[cand])[::-1][:k].sum())
+    kth_w = float(np.sort(p.w[cand])[::-1][k - 1])
+    y = min(p.size * top_s / p.batch, kth_w)
+    x_bar = np.where(p.agg, np.minimum(np.minimum(p.w / (k - 1), y), limits[k]), 0.0)
+    return y, x_bar
+
+
+class _Rows:
+    """Sparse constraint rows ``lo <= A v <= hi``, added one row or one block of rows at a time."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.parts: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], Floats]] = []
+        self.lo: list[Floats] = []
+        self.hi: list[Floats] = []
+        self.count = 0
+
+    def row(self, cols: npt.ArrayLike, vals: npt.ArrayLike, lo: float, hi: float) -> None:
+        cols_ = np.atleast_1d(np.asarray(cols, dtype=np.int64))
+        self.parts.append(
+            (np.full(len(cols_), self.count), cols_, np.broadcast_to(np.asarray(vals, float), cols_.shape))
+        )
+        self.lo.append(np.array([lo]))
+        self.hi.append(np.array([hi]))
+        self.count += 1
+
+    def block(self, terms: list[tuple[npt.ArrayLike, npt.ArrayLike]], hi: Floats) -> None:
+        """Rows ``Σ_terms vals[r] · v[cols[r]] <= hi[r]``: one column per term in each row."""
+        r = np.arange(self.count, self.count + len(hi))
+        for cols, vals in terms:
+            c = np.broadcast_to(np.asarray(cols, dtype=np.int64), r.shape)
+            self.parts.append((r, c, np.broadcast_to(np.asarray(vals, float), r.shape)))
+        self.lo.append(np.full(len(hi), -np.inf))
+        self.hi.append(np.asarray(hi, float))
+        self.count += len(hi)
+
+    def constraint(self) -> LinearConstraint:
+        r, c, v = (np.concatenate(column) for column in zip(*self.parts, strict=True))
+        matrix = sparse.csr_array((v, (r, c)), shape=(self.count, self.width))
+        return LinearConstraint(matrix, np.concatenate(self.lo), np.concatenate(self.hi))
+
+
+def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, limits: Floats) -> Bools:
+    """Solve the fixed-``k`` MILP (module docstring); return the optimal compute set.
+
+    Variables: ``c`` (n), ``x`` (n), ``X``, and ``r = ξ / bound`` in [0, 1]; rows are scaled so that their
+    entries are near 1 (``bound`` is an upper bound on ``ξ`` for this size).
+    """
+    n = p.n
+    y, x_bar = _size_bounds(p, cand, k, limits)
+    is_cand = _mask(n, cand)
+    x0, ix, ir = n, 2 * n, 2 * n + 1
+    rows = _Rows(2 * n + 2)
+    aggs = np.flatnonzero(p.agg)
+    rows.row(np.append(x0 + aggs, ix), np.append(-np.ones(len(aggs)), 1.0), 0.0, 0.0)  # X = Σ x
+    rows.row(np.append(cand, ir), np.append(-p.s[cand] / (p.batch * bound), 1.0), -np.inf, 0.0)  # B ξ <= S
+    rows.row([ir, ix], [p.size * bound / y, -1.0 / y], -np.inf, 0.0)  # P ξ <= X
+    rows.row(cand, 1.0, k, k)  # Σ c = k
+    both = np.flatnonzero(is_cand & p.agg)
+    m5 = np.maximum(0.0, y + (k - 2) * x_bar[both] - p.w[both])
+    rows.block([(ix, 1.0), (x0 + both, float(k - 2)), (both, m5)], p.w[both] + m5)
+    m6 = np.maximum(0.0, k * x_bar[both] - p.w[both])
+    rows.block([(x0 + both, float(k)), (both, -m6)], p.w[both])
+    cli = np.flatnonzero(is_cand & ~p.agg)
+    m7 = np.maximum(0.0, y - p.w[cli])
+    rows.block([(ix, 1.0), (cli, m7)], p.w[cli] + m7)
+    if p.caps is not None:
+        i, j = np.nonzero(is_cand[:, None] & p.agg[None, :] & (p.caps < x_bar[None, :]))
+        rows.block([(x0 + j, 1.0), (i, x_bar[j] - p.caps[i, j])], x_bar[j])
+        i, j = np.nonzero(np.triu(np.outer(is_cand & p.agg, is_cand & p.agg), 1))
+        t = p.caps[i, j]
+        keep = t < x_bar[i] + x_bar[j]
+        i, j, t = i[keep], j[keep], t[keep]
+        m9 = x_bar[i] + x_bar[j] - t
+        rows.block([(x0 + i, 1.0), (x0 + j, 1.0), (i, m9), (j, m9)], t + 2 * m9)
+    upper = np.concatenate(
+        [is_cand.astype(float), np.where(is_cand, x_bar, np.minimum(x_bar, p.w / k)), [y, 1.0]]
+    )
+    objective = np.zeros(2 * n + 2)
+    objective[ir] = -_OBJECTIVE_SCALE
+    res = milp(
+        objective,
+        constraints=rows.constraint(),
+        integrality=np.concatenate([np.ones(n), np.zeros(n + 2)]),
+        bounds=Bounds(np.zeros(2 * n + 2), upper),
+        options={"mip_rel_gap": REL_TOL},
+    )
+    if res.x is None:
+        raise RuntimeError(f"HiGHS could not solve the compute-set MILP for {k} peers: {res.message}")
+    return np.asarray(res.x[:n] > 0.5)
+
+
+def choose_compute_set(p: Problem) -> Choice:
+    """The compute set that maximizes ``ξ`` (exact up to a relative 1e-9; module docstring)."""
+    cand = np.flatnonzero(p.s > 0)
+    free = p.without_caps()
+    best, best_set, best2 = _small_sets(free, cand)
+    inc, inc_set, bound_by_k = _cells(free, cand)
+    if inc > best and inc_set is not None:
+        best, best_set = inc, inc_set
+    if len(cand) >= 2:
+        bound_by_k[2] = best2  # sizes 1 and 2 were enumerated: exact
+    limits = _pair_limits(p, cand)
+    how = "certified"
+    if p.caps is not None:
+        ceiling = best  # caps only remove options: the no-cap optimum bounds every set
+        best = _value(p, best_set, max_rates(p, best_set)[0])
+        if best >= ceiling * (1 - REL_TOL):
+            return Choice(best_set, best, "certified (caps slack)")
+        one, one_set = _best_single_capped(p, cand)
+        if one > best:
+            best, best_set = one, one_set
+        for k in range(2, len(cand) + 1):
+            flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size
+            bound_by_k[k] = min(bound_by_k[k], ceiling, flow)
+    solved = 0
+    for k in np.argsort(-bound_by_k, kind="stable"):
+        if k < 2 or bound_by_k[k] <= best * (1 + REL_TOL):
+            break
+        found = _best_of_size(p, cand, int(k), float(bound_by_k[k]), limits)
+        solved += 1
+        rate = comm_bound(p, found) if p.caps is None else max_rates(p, found)[0]
+        value = _value(p, found, rate)
+        if value > best:
+            best, best_set = value, found
+    if solved:
+        how = f"milp over {solved} size{'s' if solved > 1 else ''}"
+    return Choice(best_set, best, how)
+
+
+def _best_single_capped(p: Problem, cand: Ints) -> tuple[float, Bools]:
+    """Best lone computing peer under pairwise caps (closed form)."""
+    assert p.caps is not None
+    reach = np.where(p.agg[None, :], np.minimum(p.w[None, :], p.caps[cand, :]), 0.0)
+    reach[np.arange(len(cand)), cand] = 0.0
+    rate = np.where(p.agg[cand], math.inf, np.minimum(p.w[cand], reach.sum(axis=1)))
+    values = np.minimum(p.s[cand] / p.batch, rate / p.size)
+    b = int(np.argmax(values))
+    return float(values[b]), _mask(p.n, cand[b : b + 1])
