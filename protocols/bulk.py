@@ -5,9 +5,12 @@ reused for the next::
 
     sender   -> receiver  frame BulkHeader{topic, nbytes, meta}
     sender   -> receiver  exactly ``nbytes`` raw bytes (TLS application data, no framing)
-    receiver -> sender    frame BulkAck{meta}        (or ErrorReply{code}; the lane is then closed)
+    receiver -> sender    frame BulkAck{meta, nbytes}  (or ErrorReply{code}; the lane is then closed)
+    receiver -> sender    exactly ``BulkAck.nbytes`` raw bytes (a reply payload; usually none)
 
 ``topic`` selects the receiver's handler; ``meta`` is a small typed header the handler decodes itself.
+A reply payload lets a peer that accepts no connections *download* over a connection it opened (the
+averaged parts of an all-reduce come back this way).
 """
 
 from __future__ import annotations
@@ -39,3 +42,4 @@ class BulkAck(Message, frozen=True, kw_only=True):
     kind: ClassVar[str] = "bulk.ack"
     max_bytes: ClassVar[int] = 70 * 1024
     meta: _Meta = b""
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_BULK_BYTES)] = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -34,7 +35,15 @@ from ..errors import AuthError, PeerUnavailable, RemoteError, remote_error
 from .connection import SecureConnection
 from .rpc import RequestContext
 
-__all__ = ["BULK_THREADS", "BulkHandler", "BulkReader", "send_bulk", "serve_bulk_lane"]
+__all__ = [
+    "BULK_THREADS",
+    "BulkHandler",
+    "BulkReader",
+    "BulkReply",
+    "ReplySink",
+    "send_bulk",
+    "serve_bulk_lane",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +81,13 @@ async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any
 
 
 async def send_bulk(
-    conn: SecureConnection, topic: str, data: memoryview, meta: bytes, stall: float, auth: Authenticator
+    conn: SecureConnection,
+    topic: str,
+    data: memoryview,
+    meta: bytes,
+    stall: float,
+    auth: Authenticator,
+    sink: ReplySink | None = None,
 ) -> bytes:
     """Send ``data`` on the bulk connection ``conn`` and return the receiver's ack meta.
 
@@ -98,6 +113,13 @@ async def send_bulk(
         raise remote_error(ack.code, ack.message)
     if not isinstance(ack, BulkAck):
         raise ProtocolError(f"expected {BulkAck.kind}, got {ack.kind}")
+    if ack.nbytes:
+        if sink is None:
+            raise ProtocolError(f"{topic}: unexpected reply payload of {ack.nbytes} bytes")
+        buffer = sink(ack.meta, ack.nbytes)
+        if buffer.nbytes != ack.nbytes:
+            raise ProtocolError(f"{topic}: reply buffer of {buffer.nbytes} bytes for {ack.nbytes} announced")
+        await BulkReader(conn, ack.nbytes, stall).read_into(buffer)
     return ack.meta
 
 
@@ -137,7 +159,17 @@ class BulkReader:
             await self.read_into(chunk)
 
 
-BulkHandler = Callable[[RequestContext, BulkHeader, BulkReader], Awaitable[bytes]]
+@dataclass(frozen=True)
+class BulkReply:
+    """A handler's answer with a payload: ``meta`` in the ack, then ``data`` as raw bytes."""
+
+    meta: bytes
+    data: memoryview
+
+
+#: Called by the sender with the ack's meta and the reply size; returns where to put the reply bytes.
+ReplySink = Callable[[bytes, int], memoryview]
+BulkHandler = Callable[[RequestContext, BulkHeader, BulkReader], Awaitable[bytes | BulkReply]]
 
 
 async def serve_bulk_lane(
@@ -168,7 +200,7 @@ async def serve_bulk_lane(
                 context = RequestContext(conn.remote_peer, conn.remote_addrs, verified.username)
                 if handler is None:
                     raise ProtocolError(f"no bulk handler for topic {header.topic!r}", ErrorCode.UNKNOWN_KIND)
-                meta = await handler(context, header, reader)
+                answer = await handler(context, header, reader)
             except (ProtocolError, RemoteError, AuthError) as exc:
                 code = int(exc.code)
                 logger.warning("refused bulk %s from %s: %s", header.topic, conn.remote_peer, exc)
@@ -186,9 +218,13 @@ async def serve_bulk_lane(
                 return
             if reader.remaining:
                 await reader.discard()
-            ack = encode_payload(BulkAck(meta=meta))
+            reply = answer if isinstance(answer, BulkReply) else BulkReply(answer, memoryview(b""))
+            payload = reply.data.cast("B") if reply.data.format != "B" or reply.data.ndim != 1 else reply.data
+            ack = encode_payload(BulkAck(meta=reply.meta, nbytes=payload.nbytes))
             credentials = auth.sign_response(nonce, BulkAck.kind, ack)
             await conn.send_frame(frame_payload(BulkAck.kind, ack, 0, Flags.RESPONSE, credentials))
+            if payload.nbytes:
+                await _in_thread(conn, conn.tls.send_all_blocking, payload, stall)
     except ProtocolError as exc:
         logger.warning("closing bulk lane from %s: %s", conn.remote_peer, exc)
     except PeerUnavailable as exc:

@@ -28,7 +28,7 @@ from ..auth.guard import Authenticator, OpenAuthenticator
 from ..auth.keys import Identity
 from ..errors import AuthError, ConfigError, HandshakeError, PeerUnavailable, RemoteError
 from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_multiaddr
-from .bulk import BulkHandler, send_bulk, serve_bulk_lane
+from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .rpc import HandlerRegistry, RpcChannel
 
@@ -354,9 +354,16 @@ class Host:
     # ---------------------------------------------------------------- bulk
 
     async def send_bulk(
-        self, address: PeerAddress, topic: str, data: memoryview | bytes, meta: bytes = b""
+        self,
+        address: PeerAddress,
+        topic: str,
+        data: memoryview | bytes,
+        meta: bytes = b"",
+        sink: ReplySink | None = None,
     ) -> bytes:
         """Send ``data`` to the bulk handler for ``topic`` at ``address``; return its ack meta.
+
+        If the handler answers with a payload, ``sink(meta, nbytes)`` says where to put it.
 
         Raises:
             PeerUnavailable, HandshakeError, RemoteError: as for :meth:`call`.
@@ -365,7 +372,7 @@ class Host:
         ok = False
         try:
             ack = await send_bulk(
-                conn, topic, memoryview(data), meta, self.config.bulk_stall, self.authenticator
+                conn, topic, memoryview(data), meta, self.config.bulk_stall, self.authenticator, sink
             )
             ok = True
             return ack

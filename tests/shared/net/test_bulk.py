@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import os
 import random
 import threading
 from typing import Any
@@ -278,3 +279,32 @@ async def test_bulk_send_cancelled_while_worker_blocked_closes_socket_only_after
 
     assert seen["fileno_when_worker_resumed"] != -1  # ... but the fd stayed the worker's until it let go
     assert tls._sock.fileno() == -1  # and then it was closed
+
+
+async def test_host_send_bulk_downloads_a_reply_payload_into_the_sink(start_host: StartHost) -> None:
+    from shared.net.bulk import BulkReply
+
+    sender, receiver = await start_host(), await start_host()
+    reply = os.urandom(3 << 20)
+
+    async def echo_back(ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        buf = bytearray(header.nbytes)
+        await reader.read_into(memoryview(buf))
+        return BulkReply(b"here" + bytes(buf[:4]), memoryview(reply))
+
+    receiver.bulk_handlers["swap"] = echo_back
+    got = bytearray(len(reply))
+    seen: list[tuple[bytes, int]] = []
+
+    def sink(meta: bytes, nbytes: int) -> memoryview:
+        seen.append((meta, nbytes))
+        return memoryview(got)
+
+    with trio.fail_after(HANG_GUARD_S):
+        meta = await sender.send_bulk(address_of(receiver), "swap", b"abcd" * 1000, sink=sink)
+        assert meta == b"hereabcd"
+        assert got == reply
+        assert seen == [(b"hereabcd", len(reply))]
+        with pytest.raises(ProtocolError, match="unexpected reply payload"):
+            await sender.send_bulk(address_of(receiver), "swap", b"x" * 10)  # no sink for the reply
+        assert await sender.send_bulk(address_of(receiver), "swap", b"y" * 10, sink=sink) == b"hereyyyy"
