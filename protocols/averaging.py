@@ -36,7 +36,9 @@ __all__ = [
     "AveragedHeader",
     "CodecName",
     "PartHeader",
+    "PullRequest",
     "decode_averaged_header",
+    "decode_pull_request",
     "decode_part_header",
     "encode_header",
     "encoded_nbytes",
@@ -154,7 +156,15 @@ _PART_DECODER = msgspec.msgpack.Decoder(PartHeader)
 _AVERAGED_DECODER = msgspec.msgpack.Decoder(AveragedHeader)
 
 
-def encode_header(header: PartHeader | AveragedHeader) -> bytes:
+class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Peer -> aggregator: "send me part ``part_index`` of your averaged slice" (answered once averaged)."""
+
+    group_id: _GroupId
+    round: _Round
+    part_index: _PartIndex
+
+
+def encode_header(header: PartHeader | AveragedHeader | PullRequest) -> bytes:
     """The msgpack bytes that travel as a bulk transfer's ``meta``."""
     return msgspec.msgpack.encode(header)
 
@@ -169,6 +179,14 @@ def decode_part_header(meta: bytes | memoryview) -> PartHeader:
         return _PART_DECODER.decode(meta)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:  # ValidationError included
         raise ProtocolError(f"invalid part header: {exc}") from exc
+
+
+def decode_pull_request(meta: bytes | memoryview) -> PullRequest:
+    """Decode and validate a :class:`PullRequest` (raises ProtocolError)."""
+    try:
+        return msgspec.msgpack.decode(meta, type=PullRequest)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"invalid pull request: {exc}") from exc
 
 
 def decode_averaged_header(meta: bytes | memoryview) -> AveragedHeader:

@@ -135,7 +135,7 @@ class Host:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for sock in self._listeners:
-                    nursery.start_soon(self._accept_loop, sock)
+                    nursery.start_soon(self._accept_loop, sock, nursery)
                 nursery.start_soon(self._reap_idle)
                 task_status.started()
                 await trio.sleep_forever()
@@ -171,13 +171,14 @@ class Host:
         self._aborted = True
         self._close_everything()
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        nursery = self._require_running()
+    async def _accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
         while True:
+            if listener.fileno() == -1:
+                return  # closed by abort() (possibly before this task first ran)
             try:
                 await trio.lowlevel.wait_readable(listener)
             except trio.ClosedResourceError:
-                return  # aborted
+                return  # closed by abort() while we waited
             try:
                 raw, addr = listener.accept()
             except BlockingIOError:

@@ -1,0 +1,421 @@
+"""Weighted butterfly all-reduce of one group over the engine's bulk lane (DESIGN §2; seed 000 §3.2).
+
+A :class:`GroupPlan` names the members (in order), each member's weight (its sample count; 0 for an
+auxiliary peer that only helps and receives), and the integer slice of the flat gradient each member
+aggregates (the LP's apportionment; client-mode peers own none). Every member ``m`` then, for every
+aggregator ``j`` with a non-empty slice, concurrently:
+
+1. **push** — sends its copy of slice ``j`` part by part (``avg.push``, a :class:`PartHeader` and the
+   encoded part; skipped for weight 0);
+2. **pull** — asks for each averaged part (``avg.pull``); the aggregator answers once its slice is
+   averaged, with an :class:`AveragedHeader` and the encoded average as the reply payload, over the
+   connection the member opened (so client-mode members, which accept no connections, take part).
+
+Aggregator ``j`` feeds the parts into a :class:`SliceReducer` (validation, bans, deterministic float64
+sum in sorted peer order) and finalizes when every expected sender is complete, or at the round's
+deadline after dropping the missing ones (renormalized over who delivered). A sender whose connection
+breaks mid-part is dropped at once. The average is encoded once and the *aggregator keeps
+decode(encode(avg))* for itself, so every member ends with bit-identical values.
+
+**Faults.** An aggregator that fails (unreachable, refuses, or misses the deadline) leaves its slice
+un-averaged: each member keeps its own values there, and the :class:`RoundResult` lists exactly those
+ranges. Averaged slices are written into the caller's vector only after the round, slice by slice and
+whole (``apply_outcome``), so no member ends with a half-updated buffer. An aggregator keeps serving pulls
+until every member has fetched its slice or the deadline passes.
+
+Blocking numpy work (decoding, the reduction, writing back) runs in worker threads (``COMPUTE``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from protocols.averaging import (
+    AveragedHeader,
+    CodecName,
+    PartHeader,
+    PullRequest,
+    decode_averaged_header,
+    decode_part_header,
+    decode_pull_request,
+    encode_header,
+    encoded_nbytes,
+)
+from protocols.bulk import BulkHeader
+from protocols.codes import ErrorCode
+from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
+
+from ..errors import PeerUnavailable, RemoteError
+from ..net.addresses import PeerAddress
+from ..net.bulk import BulkReader, BulkReply
+from ..net.host import CALL_FAILURES, Host
+from ..net.rpc import RequestContext
+from .compression import Codec, codec_by_name
+from .partition import DEFAULT_PART_NUMEL, Slice, make_slices, num_parts, part_bounds
+from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
+
+__all__ = ["COMPUTE", "Averager", "GroupPlan", "Member", "RoundResult"]
+
+logger = logging.getLogger(__name__)
+Float32Array = npt.NDArray[np.float32]
+#: Worker threads for decoding, reducing and writing back (numpy releases the GIL).
+COMPUTE = trio.CapacityLimiter(2)
+PUSH, PULL = "avg.push", "avg.pull"
+#: How long a push or pull for a round this node has not started yet waits for it to start.
+EARLY_ARRIVAL_WAIT = 10.0
+MAX_PENDING_ROUNDS = 64
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: PeerId
+    address: PeerAddress | None  # None: accepts no connections (then it must own no slice)
+    weight: float  # samples behind its gradient this round; 0 for auxiliary peers
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    group_id: bytes
+    round: int
+    members: tuple[Member, ...]
+    slice_sizes: tuple[int, ...]  # per member, summing to the vector's length
+    deadline: float  # seconds for the whole round, from its start
+    codec: CodecName = "none"
+    part_numel: int = DEFAULT_PART_NUMEL
+    max_norm: float = math.inf  # largest L2 norm of one part an aggregator accepts
+
+    def __post_init__(self) -> None:
+        if len(self.members) != len(self.slice_sizes) or not self.members:
+            raise ValueError("a plan needs one slice size per member and at least one member")
+        if any(size < 0 for size in self.slice_sizes):
+            raise ValueError(f"negative slice size in {self.slice_sizes}")
+        for member, size in zip(self.members, self.slice_sizes, strict=True):
+            if size and member.address is None:
+                raise ValueError(f"{member.peer_id} accepts no connections but owns a slice")
+        if not self.deadline > 0:
+            raise ValueError(f"deadline must be positive, got {self.deadline}")
+
+    @property
+    def numel(self) -> int:
+        return sum(self.slice_sizes)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    outcome: RoundOutcome  # which ranges were averaged; un-averaged ones kept local values
+    completeness: dict[int, Completeness]  # per aggregator index whose slice was averaged
+    seconds: float
+
+
+@dataclass
+class _Aggregation:
+    """This node's duty as aggregator of one slice in one round."""
+
+    plan: GroupPlan
+    slice: Slice
+    reducer: SliceReducer
+    finalized: trio.Event = field(default_factory=trio.Event)
+    expires_at: float = math.inf  # set when the local round ends: serve pulls until the round's deadline
+    averaged: Float32Array | None = None
+    encoded: list[bytes] = field(default_factory=list)
+    error: str | None = None
+    finalizing: bool = False
+
+
+class Averager:
+    """Runs all-reduce rounds for this node and serves its aggregator duties (one per host)."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self._duties: dict[tuple[bytes, int], _Aggregation] = {}
+        self._started: dict[tuple[bytes, int], trio.Event] = {}
+        host.bulk_handlers[PUSH] = self._on_push
+        host.bulk_handlers[PULL] = self._on_pull
+
+    # ---------------------------------------------------------------- member side
+
+    async def all_reduce(self, plan: GroupPlan, vector: Float32Array, me: int) -> RoundResult:
+        """Average ``vector`` (1-D float32, modified in place) with the group; see the module docstring.
+
+        Raises:
+            ValueError: ``vector`` does not fit the plan, or ``me`` is not this host's index.
+        """
+        if vector.dtype != np.float32 or vector.ndim != 1 or vector.size != plan.numel:
+            raise ValueError(f"vector must be 1-D float32 of {plan.numel} elements")
+        if plan.members[me].peer_id != self.host.peer_id:
+            raise ValueError(f"member {me} of the plan is not this host")
+        started = trio.current_time()
+        key = (plan.group_id, plan.round)
+        self._forget_expired(started)
+        slices = make_slices(plan.slice_sizes)
+        duty = self._take_duty(plan, slices[me], me) if slices[me].numel else None
+        averaged: dict[int, Float32Array] = {}
+        failed: dict[int, str] = {}
+        try:
+            with trio.move_on_after(plan.deadline):
+                async with trio.open_nursery() as watchdog:
+                    if duty is not None:
+                        watchdog.start_soon(self._finalize_at_deadline, duty, started + plan.deadline)
+                    async with trio.open_nursery() as nursery:
+                        for j, slice_j in enumerate(slices):
+                            if slice_j.numel:
+                                nursery.start_soon(
+                                    self._exchange, plan, me, j, slice_j, vector, averaged, failed
+                                )
+                            else:
+                                averaged[j] = np.empty(0, dtype=np.float32)
+                    watchdog.cancel_scope.cancel()  # every exchange ended, our own slice included
+            for j, slice_j in enumerate(slices):
+                if slice_j.numel and j not in averaged:
+                    failed.setdefault(j, "deadline passed")
+            outcome = RoundOutcome.of(slices, failed)
+            await trio.to_thread.run_sync(apply_outcome, vector, averaged, outcome, limiter=COMPUTE)
+        finally:
+            if duty is not None:  # it keeps serving slower members' pulls until the round's deadline
+                duty.expires_at = started + plan.deadline
+            else:
+                self._started.pop(key, None)
+        for j, reason in failed.items():
+            logger.warning(
+                "round %d: slice of %s not averaged: %s", plan.round, plan.members[j].peer_id, reason
+            )
+        completeness = {j: c for j, c in self._completeness(plan, duty, me).items() if j in averaged}
+        return RoundResult(outcome, completeness, trio.current_time() - started)
+
+    def _completeness(self, plan: GroupPlan, duty: _Aggregation | None, me: int) -> dict[int, Completeness]:
+        return {me: duty.reducer.completeness()} if duty is not None and duty.error is None else {}
+
+    def _take_duty(self, plan: GroupPlan, slice_: Slice, me: int) -> _Aggregation:
+        senders = {m.peer_id: m.weight for m in plan.members if m.weight > 0}
+        reducer = SliceReducer(slice_.numel, senders, plan.max_norm, part_numel=plan.part_numel)
+        duty = _Aggregation(plan, slice_, reducer)
+        key = (plan.group_id, plan.round)
+        self._duties[key] = duty
+        self._started.setdefault(key, trio.Event()).set()
+        return duty
+
+    async def _exchange(
+        self,
+        plan: GroupPlan,
+        me: int,
+        j: int,
+        slice_j: Slice,
+        vector: Float32Array,
+        averaged: dict[int, Float32Array],
+        failed: dict[int, str],
+    ) -> None:
+        local = vector[slice_j.start : slice_j.stop]
+        weight = plan.members[me].weight
+        try:
+            if j == me:
+                duty = self._duties[(plan.group_id, plan.round)]
+                if weight > 0:
+                    for k in range(num_parts(slice_j.numel, plan.part_numel)):
+                        lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
+                        header = _part_header(plan, k, lo, hi, weight)
+                        duty.reducer.add_part(self.host.peer_id, header, local[lo:hi])
+                    await self._maybe_finalize(duty)
+                await duty.finalized.wait()
+                if duty.averaged is None:
+                    raise NothingToAverage(duty.reducer.completeness())
+                averaged[j] = duty.averaged
+                return
+            address = plan.members[j].address
+            assert address is not None  # checked by GroupPlan
+            if weight > 0:
+                await self._push_slice(address, plan, slice_j, local, weight)
+            result = np.empty(slice_j.numel, dtype=np.float32)
+            for k in range(num_parts(slice_j.numel, plan.part_numel)):
+                await self._pull_part(address, plan, k, slice_j, result)
+            averaged[j] = result
+        except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
+            failed[j] = f"{type(exc).__name__}: {exc}"
+
+    async def _push_slice(
+        self, address: PeerAddress, plan: GroupPlan, slice_j: Slice, local: Float32Array, weight: float
+    ) -> None:
+        """Send our copy of a slice. A refused part is logged, not fatal: we still pull the average (made
+        without us), so every member ends with the same values."""
+        codec = codec_by_name(plan.codec)
+        for k in range(num_parts(slice_j.numel, plan.part_numel)):
+            lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
+            data = codec.encode(local[lo:hi]) if plan.codec != "none" else local[lo:hi].data.cast("B")
+            meta = encode_header(_part_header(plan, k, lo, hi, weight))
+            try:
+                await self.host.send_bulk(address, PUSH, data, meta)
+            except RemoteError as exc:
+                if exc.code != ErrorCode.BAD_REQUEST:
+                    raise
+                logger.warning("round %d: our part %d was refused: %s", plan.round, k, exc)
+                return
+
+    async def _pull_part(
+        self, address: PeerAddress, plan: GroupPlan, k: int, slice_j: Slice, result: Float32Array
+    ) -> None:
+        lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
+        raw = bytearray(codec_by_name(plan.codec).encoded_size(hi - lo)) if plan.codec != "none" else None
+        target = memoryview(raw) if raw is not None else result[lo:hi].data.cast("B")
+
+        def sink(meta: bytes, nbytes: int) -> memoryview:
+            header = decode_averaged_header(meta)
+            if (header.part_index, header.offset, header.numel, header.codec) != (k, lo, hi - lo, plan.codec):
+                raise ProtocolError(
+                    f"averaged part {header.part_index} does not match the request for part {k}"
+                )
+            if nbytes != target.nbytes:
+                raise ProtocolError(f"averaged part of {nbytes} bytes, expected {target.nbytes}")
+            return target
+
+        request = encode_header(PullRequest(group_id=plan.group_id, round=plan.round, part_index=k))
+        await self.host.send_bulk(address, PULL, b"", request, sink=sink)
+        if raw is not None:
+            codec = codec_by_name(plan.codec)
+            await trio.to_thread.run_sync(
+                lambda: codec.decode(bytes(raw), hi - lo, out=result[lo:hi]), limiter=COMPUTE
+            )
+
+    # ---------------------------------------------------------------- aggregator side
+
+    def _forget_expired(self, now: float) -> None:
+        for key, duty in list(self._duties.items()):
+            if duty.expires_at <= now:
+                del self._duties[key]
+                self._started.pop(key, None)
+
+    async def _duty_for(self, group_id: bytes, round_: int) -> _Aggregation:
+        self._forget_expired(trio.current_time())
+        key = (group_id, round_)
+        duty = self._duties.get(key)
+        if duty is None:
+            if key not in self._started and len(self._started) >= MAX_PENDING_ROUNDS:
+                raise RemoteError(ErrorCode.OVERLOADED, "too many rounds pending")
+            with trio.move_on_after(EARLY_ARRIVAL_WAIT):
+                await self._started.setdefault(key, trio.Event()).wait()
+            duty = self._duties.get(key)
+        if duty is None:
+            self._started.pop(key, None)
+            raise RemoteError(ErrorCode.NOT_FOUND, f"this node aggregates nothing in round {round_}")
+        return duty
+
+    async def _on_push(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
+        part = decode_part_header(header.meta)
+        duty = await self._duty_for(part.group_id, part.round)
+        plan = duty.plan
+        if part.codec != plan.codec or header.nbytes != part.nbytes:
+            raise ProtocolError(
+                f"part of codec {part.codec} and {header.nbytes} bytes does not fit the round"
+            )
+        values = np.empty(part.numel, dtype=np.float32)
+        try:
+            if plan.codec == "none":
+                await reader.read_into(values.data.cast("B"))
+            else:
+                raw = bytearray(header.nbytes)
+                await reader.read_into(memoryview(raw))
+                codec = codec_by_name(plan.codec)
+                await trio.to_thread.run_sync(
+                    lambda: codec.decode(bytes(raw), part.numel, out=values), limiter=COMPUTE
+                )
+        except PeerUnavailable:
+            duty.reducer.drop_sender(ctx.peer_id, "connection lost mid-part")
+            await self._maybe_finalize(duty)
+            raise
+        try:
+            duty.reducer.add_part(ctx.peer_id, part, values)
+        except PartRejected as exc:
+            logger.warning("round %d: rejected a part from %s: %s", plan.round, ctx.peer_id, exc)
+            await self._maybe_finalize(duty)
+            raise ProtocolError(f"part rejected: {exc}") from exc
+        await self._maybe_finalize(duty)
+        return b""
+
+    async def _on_pull(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        request = decode_pull_request(header.meta)
+        duty = await self._duty_for(request.group_id, request.round)
+        if ctx.peer_id not in {m.peer_id for m in duty.plan.members}:
+            raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
+        await duty.finalized.wait()
+        if duty.error is not None or duty.averaged is None:
+            raise RemoteError(ErrorCode.NOT_FOUND, f"slice not averaged: {duty.error}")
+        if not 0 <= request.part_index < len(duty.encoded):
+            raise ProtocolError(f"part {request.part_index} out of range")
+        lo, hi = part_bounds(duty.slice.numel, duty.plan.part_numel, request.part_index)
+        completeness = duty.reducer.completeness()
+        meta = encode_header(
+            AveragedHeader(
+                group_id=duty.plan.group_id,
+                round=duty.plan.round,
+                part_index=request.part_index,
+                offset=lo,
+                numel=hi - lo,
+                codec=duty.plan.codec,
+                nbytes=len(duty.encoded[request.part_index]),
+                total_weight=completeness.total_weight,
+                contributors=len(completeness.contributors),
+            )
+        )
+        return BulkReply(meta, memoryview(duty.encoded[request.part_index]))
+
+    async def _maybe_finalize(self, duty: _Aggregation) -> None:
+        if duty.finalizing or duty.reducer.missing():
+            return
+        duty.finalizing = True
+        codec = codec_by_name(duty.plan.codec)
+
+        def reduce() -> tuple[Float32Array, list[bytes]]:
+            average = duty.reducer.finalize()
+            encoded = [
+                codec.encode(average[lo:hi])
+                for lo, hi in (
+                    part_bounds(duty.slice.numel, duty.plan.part_numel, k)
+                    for k in range(num_parts(duty.slice.numel, duty.plan.part_numel))
+                )
+            ]
+            if duty.plan.codec != "none":  # keep exactly what every other member will decode
+                average = _roundtrip(codec, encoded, duty.slice.numel, duty.plan.part_numel)
+            return average, encoded
+
+        try:
+            with trio.CancelScope(shield=True):
+                duty.averaged, duty.encoded = await trio.to_thread.run_sync(reduce, limiter=COMPUTE)
+        except NothingToAverage as exc:
+            duty.error = f"nothing to average: {exc}"
+        finally:
+            duty.finalized.set()
+
+    async def _finalize_at_deadline(self, duty: _Aggregation, deadline: float) -> None:
+        """At 90 % of the round's time, give up on missing senders so members can still pull in time."""
+        start = trio.current_time()
+        await trio.sleep_until(start + 0.9 * (deadline - start))
+        for peer in duty.reducer.missing():
+            duty.reducer.drop_sender(peer, "missed the deadline")
+        await self._maybe_finalize(duty)
+
+
+def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
+    return PartHeader(
+        group_id=plan.group_id,
+        round=plan.round,
+        part_index=k,
+        offset=lo,
+        numel=hi - lo,
+        codec=plan.codec,
+        weight=weight,
+        nbytes=encoded_nbytes(plan.codec, hi - lo),
+    )
+
+
+def _roundtrip(codec: Codec, encoded: Sequence[bytes], numel: int, part_numel: int) -> Float32Array:
+    out = np.empty(numel, dtype=np.float32)
+    for k, data in enumerate(encoded):
+        lo, hi = part_bounds(numel, part_numel, k)
+        codec.decode(data, hi - lo, out=out[lo:hi])
+    return out

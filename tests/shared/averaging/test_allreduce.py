@@ -1,0 +1,157 @@
+"""The butterfly all-reduce over real TLS connections on loopback, several hosts in one trio run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import trio
+
+from shared.auth.keys import Identity
+from shared.averaging.allreduce import Averager, GroupPlan, Member
+from shared.net.addresses import parse_multiaddr
+from shared.net.host import Host, HostConfig
+
+RUN = "avg-test"
+
+
+async def start_hosts(nursery: trio.Nursery, n: int, *, listen: bool = True) -> list[tuple[Host, Averager]]:
+    out = []
+    for _ in range(n):
+        host = Host(Identity.generate(), RUN, HostConfig(dial_deadline=3, bulk_stall=5))
+        averager = Averager(host)
+        await nursery.start(host.run, ["/ip4/127.0.0.1/tcp/0"] if listen else [])
+        out.append((host, averager))
+    return out
+
+
+def plan_for(
+    peers: list[tuple[Host, Averager]],
+    numel: int,
+    *,
+    weights: list[float] | None = None,
+    sizes: list[int] | None = None,
+    client: set[int] = frozenset(),
+    deadline: float = 20.0,
+    **kw: object,
+) -> GroupPlan:
+    n = len(peers)
+    weights = weights or [1.0] * n
+    if sizes is None:
+        owners = [i for i in range(n) if i not in client]
+        sizes = [0] * n
+        for rank, i in enumerate(owners):
+            sizes[i] = numel // len(owners) + (1 if rank < numel % len(owners) else 0)
+    members = tuple(
+        Member(h.peer_id, None if i in client else parse_multiaddr(h.listen_addrs[0]), weights[i])
+        for i, (h, _) in enumerate(peers)
+    )
+    return GroupPlan(b"g", 1, members, tuple(sizes), deadline, **kw)  # type: ignore[arg-type]
+
+
+async def run_round(
+    peers: list[tuple[Host, Averager]],
+    plan: GroupPlan,
+    vectors: list[np.ndarray],
+    skip: set[int] = frozenset(),
+) -> list[object]:
+    results: list[object] = [None] * len(peers)
+
+    async def one(i: int) -> None:
+        results[i] = await peers[i][1].all_reduce(plan, vectors[i], i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(peers)):
+            if i not in skip:
+                nursery.start_soon(one, i)
+    return results
+
+
+async def test_allreduce_gives_every_peer_the_same_exact_weighted_mean(nursery: trio.Nursery) -> None:
+    peers = await start_hosts(nursery, 4)
+    numel = 1_000_003
+    rng = np.random.default_rng(0)
+    vectors = [rng.standard_normal(numel).astype(np.float32) for _ in peers]
+    weights = [1.0, 2.0, 3.0, 4.0]
+    expected = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=weights).astype(np.float32)
+    plan = plan_for(peers, numel, weights=weights, part_numel=100_000)
+    results = await run_round(peers, plan, vectors)
+    for result in results:
+        assert result.outcome.complete  # type: ignore[attr-defined]
+    for v in vectors[1:]:
+        assert np.array_equal(v, vectors[0])  # bit-identical on every peer
+    assert np.max(np.abs(vectors[0] - expected)) < 1e-6
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8-blockwise"])
+async def test_allreduce_with_compression_is_bit_identical_and_within_the_codec_bound(
+    nursery: trio.Nursery, codec: str
+) -> None:
+    peers = await start_hosts(nursery, 3)
+    numel = 300_000
+    rng = np.random.default_rng(1)
+    vectors = [rng.standard_normal(numel).astype(np.float32) for _ in peers]
+    exact = np.mean(np.stack(vectors), axis=0)
+    await run_round(peers, plan_for(peers, numel, codec=codec, part_numel=65_536), vectors)
+    for v in vectors[1:]:
+        assert np.array_equal(v, vectors[0])
+    bound = 0.05 if codec == "int8-blockwise" else 0.01
+    assert np.max(np.abs(vectors[0] - exact)) < bound
+
+
+async def test_allreduce_client_mode_and_auxiliary_peers(nursery: trio.Nursery) -> None:
+    peers = await start_hosts(nursery, 3) + await start_hosts(nursery, 1, listen=False)
+    numel = 50_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(4)]
+    # peer 0 is auxiliary (weight 0: it aggregates and receives, contributes nothing); 3 is client-mode
+    plan = plan_for(peers, numel, weights=[0.0, 1.0, 1.0, 2.0], client={3})
+    assert plan.slice_sizes[3] == 0
+    results = await run_round(peers, plan, vectors)
+    expected = (1 * 1 + 2 * 1 + 3 * 2) / 4
+    for v, r in zip(vectors, results, strict=True):
+        assert r.outcome.complete  # type: ignore[attr-defined]
+        assert np.all(v == np.float32(expected))
+
+
+async def test_allreduce_dead_aggregator_leaves_exactly_its_slice_local(nursery: trio.Nursery) -> None:
+    peers = await start_hosts(nursery, 3)
+    numel = 30_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    plan = plan_for(peers, numel, deadline=3.0)
+    peers[2][0].abort()  # aggregator 2 is gone before the round
+    results = await run_round(peers, plan, vectors, skip={2})
+    dead = (plan.slice_sizes[0] + plan.slice_sizes[1], numel)
+    for i in (0, 1):
+        outcome = results[i].outcome  # type: ignore[attr-defined]
+        assert outcome.unaveraged() == [dead]
+        assert np.all(vectors[i][: dead[0]] == np.float32(0.5))  # 0 and 1 averaged (2 never sent)
+        assert np.all(vectors[i][dead[0] :] == np.float32(i))  # untouched, never half-written
+
+
+async def test_allreduce_sender_that_never_sends_is_dropped_and_weights_renormalize(
+    nursery: trio.Nursery,
+) -> None:
+    peers = await start_hosts(nursery, 3)
+    numel = 30_000
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(3)]
+    # peer 2 owns nothing and never shows up: the others average without it after the deadline
+    plan = plan_for(peers, numel, sizes=[numel // 2, numel - numel // 2, 0], deadline=2.0)
+    results = await run_round(peers, plan, vectors, skip={2})
+    for i in (0, 1):
+        assert results[i].outcome.complete  # type: ignore[attr-defined]
+        assert np.all(vectors[i] == np.float32(1.5))
+
+
+async def test_allreduce_rejects_poisoned_parts_and_bans_the_sender(nursery: trio.Nursery) -> None:
+    peers = await start_hosts(nursery, 3)
+    numel = 20_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    vectors[2][5] = math.nan  # peer 2 sends NaN in the slice of aggregator 0
+    plan = plan_for(peers, numel, sizes=[numel, 0, 0], deadline=5.0)
+    results = await run_round(peers, plan, vectors)
+    for i in (0, 1):
+        assert results[i].outcome.complete  # type: ignore[attr-defined]
+        assert np.all(vectors[i] == np.float32(0.5))  # peer 2 excluded: (0 + 1) / 2
+    banned = results[0].completeness[0].banned  # type: ignore[attr-defined]
+    assert peers[2][0].peer_id in dict(banned)
