@@ -125,9 +125,10 @@ class _Aggregation:
     finalized: trio.Event = field(default_factory=trio.Event)
     expires_at: float = math.inf  # set when the local round ends: serve pulls until the round's deadline
     averaged: Float32Array | None = None
-    encoded: list[bytes] = field(default_factory=list)
+    encoded: list[bytes | memoryview] = field(default_factory=list)  # views of ``averaged`` for codec none
     error: str | None = None
     finalizing: bool = False
+    pulls_left: int = 0  # parts the other members have yet to fetch; at 0 the duty is dropped at once
 
 
 class Averager:
@@ -179,9 +180,10 @@ class Averager:
             outcome = RoundOutcome.of(slices, failed)
             await trio.to_thread.run_sync(apply_outcome, vector, averaged, outcome, limiter=COMPUTE)
         finally:
-            if duty is not None:  # it keeps serving slower members' pulls until the round's deadline
+            if duty is not None and duty.pulls_left > 0:  # keep serving slower members until the deadline
                 duty.expires_at = started + plan.deadline
             else:
+                self._duties.pop(key, None)
                 self._started.pop(key, None)
         for j, reason in failed.items():
             logger.warning(
@@ -197,6 +199,7 @@ class Averager:
         senders = {m.peer_id: m.weight for m in plan.members if m.weight > 0}
         reducer = SliceReducer(slice_.numel, senders, plan.max_norm, part_numel=plan.part_numel)
         duty = _Aggregation(plan, slice_, reducer)
+        duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)
         key = (plan.group_id, plan.round)
         self._duties[key] = duty
         self._started.setdefault(key, trio.Event()).set()
@@ -362,7 +365,13 @@ class Averager:
                 contributors=len(completeness.contributors),
             )
         )
-        return BulkReply(meta, memoryview(duty.encoded[request.part_index]))
+        reply = BulkReply(meta, memoryview(duty.encoded[request.part_index]))
+        duty.pulls_left -= 1
+        if duty.pulls_left <= 0 and duty.expires_at < math.inf:  # our round is over and all have pulled
+            key = (duty.plan.group_id, duty.plan.round)
+            self._duties.pop(key, None)
+            self._started.pop(key, None)
+        return reply
 
     async def _maybe_finalize(self, duty: _Aggregation) -> None:
         if duty.finalizing or duty.reducer.missing():
@@ -370,18 +379,17 @@ class Averager:
         duty.finalizing = True
         codec = codec_by_name(duty.plan.codec)
 
-        def reduce() -> tuple[Float32Array, list[bytes]]:
+        def reduce() -> tuple[Float32Array, list[bytes | memoryview]]:
             average = duty.reducer.finalize()
-            encoded = [
-                codec.encode(average[lo:hi])
-                for lo, hi in (
-                    part_bounds(duty.slice.numel, duty.plan.part_numel, k)
-                    for k in range(num_parts(duty.slice.numel, duty.plan.part_numel))
-                )
+            bounds = [
+                part_bounds(duty.slice.numel, duty.plan.part_numel, k)
+                for k in range(num_parts(duty.slice.numel, duty.plan.part_numel))
             ]
-            if duty.plan.codec != "none":  # keep exactly what every other member will decode
-                average = _roundtrip(codec, encoded, duty.slice.numel, duty.plan.part_numel)
-            return average, encoded
+            if duty.plan.codec == "none":  # the average itself is the wire format: no copy
+                return average, [average[lo:hi].data.cast("B") for lo, hi in bounds]
+            encoded: list[bytes | memoryview] = [codec.encode(average[lo:hi]) for lo, hi in bounds]
+            # keep exactly what every other member will decode
+            return _roundtrip(codec, encoded, duty.slice.numel, duty.plan.part_numel), encoded
 
         try:
             with trio.CancelScope(shield=True):
@@ -413,7 +421,9 @@ def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> Pa
     )
 
 
-def _roundtrip(codec: Codec, encoded: Sequence[bytes], numel: int, part_numel: int) -> Float32Array:
+def _roundtrip(
+    codec: Codec, encoded: Sequence[bytes | memoryview], numel: int, part_numel: int
+) -> Float32Array:
     out = np.empty(numel, dtype=np.float32)
     for k, data in enumerate(encoded):
         lo, hi = part_bounds(numel, part_numel, k)
