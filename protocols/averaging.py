@@ -36,6 +36,9 @@ __all__ = [
     "AveragedHeader",
     "CodecName",
     "PartHeader",
+    "AssemblyMember",
+    "GroupAssembly",
+    "JoinTicket",
     "PullRequest",
     "decode_averaged_header",
     "decode_pull_request",
@@ -199,3 +202,34 @@ def decode_averaged_header(meta: bytes | memoryview) -> AveragedHeader:
         return _AVERAGED_DECODER.decode(meta)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"invalid averaged header: {exc}") from exc
+
+
+class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A peer's entry under a round's matchmaking key (DHT subkey = its peer id): where to reach it, its
+    weight this round and its measured capabilities, which the group's leader feeds to the LP."""
+
+    addr: Annotated[str, msgspec.Meta(max_length=256)] | None
+    weight: _Weight
+    samples_per_second: Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+    upload_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
+    download_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
+    client_mode: bool = False
+
+
+class AssemblyMember(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    peer_id: Annotated[str, msgspec.Meta(max_length=64)]
+    addr: Annotated[str, msgspec.Meta(max_length=256)] | None
+    weight: _Weight
+
+
+class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The leader's plan for one group and round, stored signed in the DHT next to the tickets."""
+
+    group_id: _GroupId
+    round: _Round
+    members: Annotated[list[AssemblyMember], msgspec.Meta(min_length=1, max_length=256)]
+    slice_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)]
+    codec: CodecName
+    part_numel: Annotated[int, msgspec.Meta(ge=1, le=MAX_PART_NUMEL)]
+    deadline: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+    predicted_seconds: Annotated[float, msgspec.Meta(ge=0)]

@@ -1,0 +1,83 @@
+"""Matchmaking through a real DHT, then averaging with the leader's plan."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import trio
+
+from protocols.averaging import JoinTicket
+from shared.auth.keys import Identity
+from shared.averaging.allreduce import Averager
+from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from shared.node import Node, open_node
+
+
+async def start_nodes(nursery: trio.Nursery, n: int, client: set[int] = frozenset()) -> list[Node]:
+    nodes: list[Node] = []
+    for i in range(n):
+
+        async def run(task_status: trio.TaskStatus[Node], i: int = i) -> None:
+            initial = [nodes[0].host.listen_addrs[0]] if nodes else []
+            listen = [] if i in client else ["/ip4/127.0.0.1/tcp/0"]
+            async with open_node(
+                Identity.generate(), "mm-test", "volunteer", listen=listen, initial_peers=initial
+            ) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        nodes.append(await nursery.start(run))
+    return nodes
+
+
+def ticket(node: Node, weight: float, *, fast: bool = False) -> JoinTicket:
+    addr = node.host.listen_addrs[0] if node.host.listen_addrs else None
+    bandwidth = 1e9 if fast else 1e7
+    return JoinTicket(
+        addr=addr,
+        weight=weight,
+        samples_per_second=10.0,
+        upload_bps=bandwidth,
+        download_bps=bandwidth,
+        client_mode=addr is None,
+    )
+
+
+async def test_matchmaking_forms_one_group_and_everyone_averages_with_the_leaders_plan(
+    nursery: trio.Nursery,
+) -> None:
+    nodes = await start_nodes(nursery, 5, client={4})
+    numel = 40_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(5)]
+    weights = [1.0, 1.0, 2.0, 2.0, 4.0]
+    plans = [None] * 5
+    config = MatchmakingConfig(window=1.0)
+    averagers = [Averager(node.host) for node in nodes]  # serving aggregator duties from the start
+
+    async def member(i: int) -> None:
+        matchmaker = Matchmaker(nodes[i].dht, config=config)
+        plans[i] = plan = await matchmaker.assemble(1, ticket(nodes[i], weights[i]), numel)
+        assert plan is not None
+        started = time.monotonic()
+        me = [m.peer_id for m in plan.members].index(nodes[i].peer_id)
+        result = await averagers[i].all_reduce(plan, vectors[i], me)
+        matchmaker.record_round(1.0, time.monotonic() - started)
+        assert result.outcome.complete
+
+    async with trio.open_nursery() as group:
+        for i in range(5):
+            group.start_soon(member, i)
+    assert len({p.members for p in plans}) == 1  # type: ignore[union-attr]  # one plan for all
+    plan = plans[0]
+    assert plan is not None
+    assert plan.slice_sizes[[m.peer_id for m in plan.members].index(nodes[4].peer_id)] == 0  # client mode
+    expected = np.float32(sum(w * i for i, w in enumerate(weights)) / sum(weights))
+    for v in vectors:
+        assert np.all(v == expected)
+
+
+async def test_matchmaking_alone_returns_none(nursery: trio.Nursery) -> None:
+    (node,) = await start_nodes(nursery, 1)
+    matchmaker = Matchmaker(node.dht, config=MatchmakingConfig(window=0.2))
+    assert await matchmaker.assemble(1, ticket(node, 1.0), 100) is None
