@@ -21,7 +21,7 @@ from shared.dht.keys import key_id
 from shared.errors import AccessDenied, AuthError, PeerUnavailable, RecordRejected
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
-from shared.node import open_node
+from shared.node import Node, open_node
 
 from .conftest import address_of
 
@@ -212,28 +212,34 @@ async def test_auth_bulk_lane_refuses_unadmitted_senders(nursery: trio.Nursery) 
     assert received == [1]
 
 
+async def start_admitted(nursery: trio.Nursery, identities: list[Identity], users: list[str]) -> list[Node]:
+    """Admitted DHT nodes of RUN, each joining through the first."""
+    nodes: list[Node] = []
+    for identity, user in zip(identities, users, strict=True):
+
+        async def run(
+            task_status: trio.TaskStatus[Node], identity: Identity = identity, user: str = user
+        ) -> None:
+            initial = [nodes[0].host.listen_addrs[0]] if nodes else []
+            async with open_node(
+                identity,
+                RUN,
+                "volunteer",
+                listen=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=initial,
+                authenticator=admitted(identity, user),
+            ) as node:
+                task_status.started(node)
+                await trio.sleep_forever()
+
+        nodes.append(await nursery.start(run))
+    return nodes
+
+
 async def test_auth_dht_admitted_nodes_work_together_and_a_stranger_can_do_nothing() -> None:
     ids = [Identity.generate() for _ in range(3)]
     async with trio.open_nursery() as nursery:
-        nodes = []
-        for i, identity in enumerate(ids[:2]):
-
-            async def run(
-                task_status: trio.TaskStatus[object], identity: Identity = identity, i: int = i
-            ) -> None:
-                initial = [nodes[0].host.listen_addrs[0]] if i else []
-                async with open_node(
-                    identity,
-                    RUN,
-                    "volunteer",
-                    listen=["/ip4/127.0.0.1/tcp/0"],
-                    initial_peers=initial,
-                    authenticator=admitted(identity, f"user{i}"),
-                ) as node:
-                    task_status.started(node)
-                    await trio.sleep_forever()
-
-            nodes.append(await nursery.start(run))
+        nodes = await start_admitted(nursery, ids[:2], ["user0", "user1"])
         await nodes[0].dht.store("secret", b"v", time.time() + 60)
         found = await nodes[1].dht.get("secret")
         assert found is not None and found.value == b"v"
@@ -260,28 +266,10 @@ async def test_auth_dht_admitted_nodes_work_together_and_a_stranger_can_do_nothi
 
 
 async def test_auth_revocation_spreads_through_the_dht_and_cuts_the_user_off() -> None:
-    ids = [Identity.generate() for _ in range(3)]
-    users = ["backbone", "alice", "bob"]
     async with trio.open_nursery() as nursery:
-        nodes = []
-        for identity, user in zip(ids, users, strict=True):
-
-            async def run(
-                task_status: trio.TaskStatus[object], identity: Identity = identity, user: str = user
-            ) -> None:
-                initial = [nodes[0].host.listen_addrs[0]] if nodes else []
-                async with open_node(
-                    identity,
-                    RUN,
-                    "volunteer",
-                    listen=["/ip4/127.0.0.1/tcp/0"],
-                    initial_peers=initial,
-                    authenticator=admitted(identity, user),
-                ) as node:
-                    task_status.started(node)
-                    await trio.sleep_forever()
-
-            nodes.append(await nursery.start(run))
+        nodes = await start_admitted(
+            nursery, [Identity.generate() for _ in range(3)], ["backbone", "alice", "bob"]
+        )
         backbone, alice, bob = nodes
         await bob.host.call(address_of(alice.host), PingRequest())
 
