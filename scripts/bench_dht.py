@@ -21,6 +21,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.auth.authority import Authority, pin_run_id
+from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.node import Node, open_node
 
@@ -42,8 +44,19 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-async def bench(nodes: int, keys: int, value_bytes: int) -> dict[str, object]:
+async def bench(nodes: int, keys: int, value_bytes: int, pinned: bool) -> dict[str, object]:
     started: list[float] = []
+    authority = Authority(Identity.generate()) if pinned else None
+    run_id = pin_run_id("bench", authority) if authority else "bench"
+
+    def authenticator(identity: Identity) -> RunAuthenticator | None:
+        if authority is None:
+            return None
+        token = authority.issue_token(
+            run_id, "bench", identity.peer_id, identity.public_key_bytes, time.time(), 3600
+        )
+        return RunAuthenticator(run_id, authority.key, identity, token)
+
     async with AsyncExitStack() as stack:
         swarm: list[Node] = []
         for i in range(nodes):
@@ -52,7 +65,12 @@ async def bench(nodes: int, keys: int, value_bytes: int) -> dict[str, object]:
             initial = [swarm[0].host.listen_addrs[0]] if swarm else []
             node = await stack.enter_async_context(
                 open_node(
-                    identity, "bench", "volunteer", listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial
+                    identity,
+                    run_id,
+                    "volunteer",
+                    listen=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=initial,
+                    authenticator=authenticator(identity),
                 )
             )
             if i:
@@ -77,6 +95,7 @@ async def bench(nodes: int, keys: int, value_bytes: int) -> dict[str, object]:
             "keys": keys,
             "value_bytes": value_bytes,
             "nodes_share_one_process": True,
+            "authenticated": pinned,
             "startup_s_median": statistics.median(started),
             "startup_s_max": max(started),
             "store_ms_median": statistics.median(store_times) * 1e3,
@@ -92,10 +111,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--keys", type=int, default=200)
     parser.add_argument("--value-bytes", type=int, default=64)
+    parser.add_argument("--pinned", action="store_true", help="a pinned run: every RPC signed and checked")
     args = parser.parse_args()
     if args.nodes < 2 or args.keys < 1:
         parser.error("need at least 2 nodes and 1 key")
-    result = trio.run(bench, args.nodes, args.keys, args.value_bytes)
+    result = trio.run(bench, args.nodes, args.keys, args.value_bytes, args.pinned)
     result["loadavg"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 
