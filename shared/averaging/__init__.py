@@ -2,7 +2,8 @@
 
 Modules:
     load_balance         the adaptive-averaging program (DeDLOC eq. (1)): who computes, what each peer
-                         aggregates, integer slices, predicted steps/s; all-reduce / parameter-server baselines
+                         aggregates, integer slices, predicted steps/s; all-reduce and parameter-server
+                         baselines under the same model
     load_balance_model   its traffic model for a fixed compute set: closed form and the HiGHS rate LP
     load_balance_search  its exact compute-set search: certified bounds, fixed-size MILP
     partition            (planned) split a flat gradient into aggregator slices and wire-sized parts

@@ -82,7 +82,11 @@ def group_key(peer_id: str, epoch: int, round_: int, dims: int, group_size: int)
 
 
 def adaptive_deadline(
-    predicted_seconds: float, observed_ratios: Sequence[float], *, floor: float = 5.0, ceiling: float = 3600.0
+    predicted_seconds: float,
+    observed_ratios: Sequence[float],
+    *,
+    floor: float = 15.0,
+    ceiling: float = 3600.0,
 ) -> float:
     """A round's deadline from the LP's prediction and recent ``measured / predicted`` ratios.
 

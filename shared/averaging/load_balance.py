@@ -22,10 +22,11 @@ this round needs no gradient; it refreshes its state by state download (DESIGN �
 
 **Slices make the rates symmetric.** Aggregator ``j`` owns a slice of fraction ``f_j``. Per optimizer step
 every sender must deliver its whole part of slice ``j`` to ``j``, and every receiver must get the whole
-averaged slice ``j`` back, so in the pipelined steady state all of these run at one rate ``x_j = ξ f_j P``
-(bytes/s of slice ``j``): ``a_kj = g_jk = x_j`` (DESIGN's ``m_j``). Sending faster than ``j`` aggregates is
-wasted, and a receiver fed slower would not hold the full average. Let ``X = Σ_j x_j``; the averaging rate is
-``X / P`` rounds/s and ``f_j = x_j / X``. Traffic of peer ``i`` for a compute set ``C`` (``k = |C|``)::
+averaged slice ``j`` back, so in the pipelined steady state all of these transfers run at one rate ``x_j``
+(bytes/s of slice ``j``, the rate at which ``j`` aggregates): ``a_kj = g_jk = x_j`` (DESIGN's ``m_j``).
+Sending faster than ``j`` aggregates is wasted, and a receiver fed slower would not hold the full average.
+With ``X = Σ_j x_j`` the averaging rate is ``X / P`` gradients/s and ``f_j = x_j / X``. Traffic of peer
+``i`` for a compute set ``C`` (``k = |C|``)::
 
     i ∈ C ∩ A :  down = up = (k-1) x_i + (X - x_i) = X + (k-2) x_i
     i ∈ A \\ C :  down = up = k x_i                  (auxiliary summation, BytePS-style)
@@ -39,9 +40,11 @@ Download equals upload, so ``d_i`` and ``u_i`` act only through ``w_i = min(d_i,
     maximize X = Σ_{j∈A} x_j   s.t.  the traffic rows above <= w_i and <= min(t_ij, t_ji);  x >= 0
 
 It has ``|A| + 1`` variables with or without pairwise caps: the caps add ``O(n²)`` *rows*, not variables.
-The paper's per-pair variables ``a_ij, g_ij`` add no freedom a slice plan can use: without caps that LP
-has the same optimum (tested), and with caps it is a relaxation that can promise more than any slice plan
-delivers (a receiver "averaging" by mixing unequal shares of different slices; tested).
+The paper's per-pair variables ``a_ij, g_ij`` add no freedom a slice plan can use. Its program only asks
+each receiver for ``Σ_j g_jr >= ξ P``, so a receiver may take less of one slice and more of another; that
+never holds a full average. With ``d_i = u_i`` and no caps its optimum equals the slice model's (tested);
+with asymmetric links or pairwise caps it is a relaxation that promises rates no slice plan delivers
+(tested), which is why the per-pair form is not used here.
 
 **Closed form (no pairwise caps).** For ``k >= 2`` every computing peer needs ``X <= w_i``, and summing
 the aggregators' ceilings ``x_j <= (w_j - X)/(k-2)`` (``C ∩ A``) and ``x_j <= w_j / k`` (``A \\ C``) gives::
@@ -125,13 +128,17 @@ class Plan:
         fractions: share of the gradient each peer aggregates; 0 for non-aggregators; sums to 1.
         slices: integer slice sizes of a ``numel``-element vector (largest remainder): they sum to
             ``numel`` and are 0 for peers with fraction 0 (client-mode peers included).
-        steps_per_second: predicted optimizer steps/s, ``min(compute_rate, comm_rate)`` (with DPU).
-        averaging_seconds: predicted time to average one gradient, ``P / X`` (0 when nothing moves).
+        steps_per_second: predicted optimizer steps/s, ``min(compute_rate, comm_rate)``: with delayed
+            parameter updates compute and averaging overlap (the paper's assumption); without them a step
+            takes ``1 / compute_rate + averaging_seconds``.
+        averaging_seconds: predicted time to average one gradient, ``P / X`` (0 when nothing moves; ``inf``
+            for a forced plan that zero pairwise caps stop).
         compute_rate: ``Σ_i s_i c_i / B``: steps/s the computing peers can fill.
         comm_rate: ``X / P``: gradients/s the network can average under this plan (``inf``: no traffic).
-        method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set by milp over N
-            sizes)"``, ``"lp (compute set certified (caps slack))"``, ``"lone aggregator"`` (one peer computes
-            and aggregates everything locally), ``"all-reduce"`` or ``"parameter server"`` (forced fractions).
+        method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set milp over N
+            sizes)"``, ``"lp (compute set certified, caps slack)"`` (see :mod:`.load_balance_search`),
+            ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic),
+            ``"all-reduce"`` or ``"parameter server"`` (forced fractions).
     """
 
     compute: tuple[bool, ...]
@@ -175,9 +182,8 @@ def plan_averaging(
     total, x = max_rates(p, choice.compute)
     if total <= 0.0:
         raise ValueError("the pairwise caps leave no compute set a positive averaging rate (caps of 0?)")
-    lone = math.isinf(total)
-    method = "lone aggregator" if lone else f"lp (compute set {choice.how})"
-    return _plan(p, choice.compute, x, total, size, method)
+    method = "lone aggregator" if math.isinf(total) else f"lp (compute set {choice.how})"
+    return _plan(p, choice.compute, x / x.sum(), total, size, method)
 
 
 def plan_all_reduce(
@@ -297,7 +303,7 @@ def _problem(
 
 
 def _is_index(value: object, n: int) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool) and 0 <= value < n
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and 0 <= int(value) < n
 
 
 def _numel(numel: int | None, gradient_bytes: float) -> int:
@@ -315,12 +321,10 @@ def _forced(p: Problem, compute: Sequence[bool] | None, fractions: Floats, numel
         c = np.array([bool(v) for v in compute], dtype=bool)
         if len(c) != p.n or not c.any():
             raise ValueError(f"compute must name at least one of the {p.n} peers, got {list(compute)!r}")
-    total = forced_rate(p, c, fractions)
-    return _plan(p, c, fractions * (1.0 if math.isinf(total) else total), total, numel, method)
+    return _plan(p, c, fractions, forced_rate(p, c, fractions), numel, method)
 
 
-def _plan(p: Problem, compute: Bools, x: Floats, total: float, numel: int, method: str) -> Plan:
-    fractions = x / x.sum()
+def _plan(p: Problem, compute: Bools, fractions: Floats, total: float, numel: int, method: str) -> Plan:
     compute_rate = float(p.s[compute].sum()) / p.batch
     comm_rate = total / p.size
     return Plan(
@@ -328,7 +332,7 @@ def _plan(p: Problem, compute: Bools, x: Floats, total: float, numel: int, metho
         fractions=tuple(float(v) for v in fractions),
         slices=tuple(largest_remainder(fractions.tolist(), numel)),
         steps_per_second=min(compute_rate, comm_rate),
-        averaging_seconds=0.0 if math.isinf(total) else p.size / total,
+        averaging_seconds=0.0 if math.isinf(total) else math.inf if total == 0.0 else p.size / total,
         compute_rate=compute_rate,
         comm_rate=comm_rate,
         method=method,

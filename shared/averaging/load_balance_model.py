@@ -8,7 +8,7 @@ computed for a compute set ``C``:
 * :func:`max_rates` — the LP ``max X`` for ``C`` solved by HiGHS (``linprog(method="highs")``), with or
   without pairwise caps, plus a canonical split of ``X*`` among the aggregators;
 * :func:`forced_rate` — the largest ``X`` for *given* slice fractions (the all-reduce and parameter-server
-  baselines), from the same rows.
+  baselines), from the same rows (:func:`overload`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy.typing as npt
 from scipy import sparse
 from scipy.optimize import linprog
 
-__all__ = ["Bools", "Floats", "Problem", "comm_bound", "forced_rate", "max_rates"]
+__all__ = ["Bools", "Floats", "Problem", "comm_bound", "forced_rate", "max_rates", "overload"]
 
 Floats = npt.NDArray[np.float64]
 Bools = npt.NDArray[np.bool_]
@@ -95,6 +95,29 @@ def _capacities(p: Problem, compute: Bools, total: float) -> Floats:
     return cap
 
 
+def overload(p: Problem, compute: Bools, x: Floats) -> float:
+    """The largest ``traffic / limit`` over every peer and capped pair when aggregators run at ``x``."""
+    k = int(compute.sum())
+    total = float(x.sum())
+    own = np.where(p.agg, x, 0.0)
+    traffic = np.where(compute, total - own, 0.0) + np.where(p.agg, (k - compute) * own, 0.0)
+    ratio = float((traffic / p.w).max())
+    if p.caps is not None:
+        pair = np.outer(compute, own) + np.outer(own, compute)  # c_i x_j + c_j x_i, both directions
+        np.fill_diagonal(pair, 0.0)
+        used = (pair > 0) & np.isfinite(p.caps)
+        if used.any():
+            with np.errstate(divide="ignore"):
+                ratio = max(ratio, float((pair[used] / p.caps[used]).max()))
+    return ratio
+
+
+def forced_rate(p: Problem, compute: Bools, fractions: Floats) -> float:
+    """The largest ``X`` (solver units) at which the given slice fractions fit every row of the model."""
+    ratio = overload(p, compute, fractions)
+    return math.inf if ratio == 0.0 else 1.0 / ratio
+
+
 def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
     """Solve ``max X`` for the compute set by HiGHS; return ``(X*, x)`` in solver units.
 
@@ -103,54 +126,56 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
     this has the unique answer ``x_j = X* · cap_j / Σ cap`` (slices proportional to each aggregator's
     capacity, so equal peers get equal slices and spare capacity is spread evenly); with caps a second LP
     finds it. A lone computing aggregator needs no traffic: ``(inf, e_i)``.
+
+    The LP is posed with every row divided by its limit and ``x`` in units of the no-cap optimum, so
+    HiGHS's absolute tolerances are relative ones; the answer is then scaled down by its own overload, if
+    any, so the plan never exceeds a limit by more than rounding.
     """
     k = int(compute.sum())
     if k == 1 and bool((compute & p.agg).any()):
         alone = np.zeros(p.n)
         alone[compute] = 1.0
         return math.inf, alone
+    unit = comm_bound(p.without_caps(), compute)
     aggs = np.flatnonzero(p.agg)
     na = len(aggs)
     col = np.full(p.n, -1)
     col[aggs] = np.arange(na)
-    ix = na  # variables: x_j for j in aggs, then X
+    ix = na  # variables (in units of ``unit``): x_j for j in aggs, then X
     both = np.flatnonzero(compute & p.agg)
     aux = p.agg & ~compute
-
     x_ub = np.full(na, np.inf)
-    x_ub[col[aux]] = p.w[aux] / k
+    x_ub[col[aux]] = p.w[aux] / k / unit
     clients_in = compute & ~p.agg
-    X_ub = float(p.w[clients_in].min()) if clients_in.any() else math.inf
+    X_ub = float(p.w[clients_in].min()) / unit if clients_in.any() else math.inf
 
-    rows: list[npt.NDArray[np.int64]] = []
-    cols: list[npt.NDArray[np.int64]] = []
-    vals: list[Floats] = []
-    rhs: list[Floats] = []
-    # X + (k-2) x_i <= w_i for computing aggregators
+    # (X + (k-2) x_i) / w_i <= 1 for computing aggregators
     r = np.arange(len(both))
-    rows += [r, r]
-    cols += [np.full(len(both), ix), col[both]]
-    vals += [np.ones(len(both)), np.full(len(both), float(k - 2))]
-    rhs.append(p.w[both])
+    rows = [r, r]
+    cols = [np.full(len(both), ix), col[both]]
+    vals = [unit / p.w[both], (k - 2) * unit / p.w[both]]
     nrows = len(both)
     if p.caps is not None:
-        # pair {i, j}: c_i x_j + c_j x_i <= min(t_ij, t_ji); the coefficient is 0 unless the peer sends
+        # pair {i, j}: (c_i x_j + c_j x_i) / min(t_ij, t_ji) <= 1; the coefficient is 0 unless the peer sends
         i, j = np.triu_indices(p.n, 1)
         t = p.caps[i, j]
         a_j = compute[i] & p.agg[j]  # i sends its part of slice j to j
         a_i = compute[j] & p.agg[i]  # j sends its part of slice i to i
         keep = np.isfinite(t) & (a_j | a_i)
         i, j, t, a_j, a_i = i[keep], j[keep], t[keep], a_j[keep], a_i[keep]
+        cut = t <= 0.0  # a zero cap: the aggregators on it get nothing
+        x_ub[col[j[cut & a_j]]] = 0.0
+        x_ub[col[i[cut & a_i]]] = 0.0
+        i, j, t, a_j, a_i = i[~cut], j[~cut], t[~cut], a_j[~cut], a_i[~cut]
         r = nrows + np.arange(len(t))
         rows += [r[a_j], r[a_i]]
         cols += [col[j[a_j]], col[i[a_i]]]
-        vals += [np.ones(int(a_j.sum())), np.ones(int(a_i.sum()))]
-        rhs.append(t)
+        vals += [(unit / t)[a_j], (unit / t)[a_i]]
         nrows += len(t)
     a_ub = sparse.csr_array(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrows, na + 1)
     )
-    b_ub = np.concatenate(rhs)
+    b_ub = np.ones(nrows)
     a_eq = sparse.csr_array(np.concatenate([-np.ones(na), [1.0]])[None, :])
     bounds = np.column_stack([np.zeros(na + 1), np.concatenate([x_ub, [X_ub]])])
     objective = np.zeros(na + 1)
@@ -158,16 +183,16 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
     res = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[0.0], bounds=bounds, method="highs")
     if res.status != 0:
         raise RuntimeError(f"HiGHS could not solve the rate LP: {res.message}")
-    total = float(res.x[ix])
+    total = float(res.x[ix]) * unit
     if total <= 0.0:
         return 0.0, np.zeros(p.n)
 
     cap = _capacities(p, compute, total)  # Σ cap >= X* > 0: the LP's own rows bound each x_j by cap_j
     if p.caps is None:
-        return total, total * cap / cap.sum()
+        return _fit(p, compute, total * cap / cap.sum())
     # Phase 2 (pairwise caps): hold X at X*, maximize λ subject to x_j >= λ cap_j.
     lam = na + 1
-    ca = cap[aggs]
+    ca = cap[aggs] / unit
     balance = sparse.csr_array(
         (
             np.concatenate([-np.ones(na), ca]),
@@ -177,8 +202,8 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
     )
     a_ub2 = sparse.vstack([sparse.hstack([a_ub, sparse.csr_array((nrows, 1))]), balance], format="csr")
     a_eq2 = sparse.hstack([a_eq, sparse.csr_array((1, 1))], format="csr")
-    bounds2 = np.vstack([bounds, [0.0, total / ca.sum()]])
-    bounds2[ix] = [total * (1.0 - _PHASE2_SLACK), total]
+    bounds2 = np.vstack([bounds, [0.0, total / unit / ca.sum()]])
+    bounds2[ix] = [res.x[ix] * (1.0 - _PHASE2_SLACK), res.x[ix]]
     objective2 = np.zeros(na + 2)
     objective2[lam] = -1.0
     res2 = linprog(
@@ -190,25 +215,14 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
         bounds=bounds2,
         method="highs",
     )
-    x = res2.x if res2.status == 0 else res.x
-    out = np.zeros(p.n)
-    out[aggs] = np.clip(x[:na], 0.0, None)
-    return total, out * (total / out.sum())
+    x = np.zeros(p.n)
+    x[aggs] = np.clip((res2.x if res2.status == 0 else res.x)[:na], 0.0, None)
+    return _fit(p, compute, x * (total / x.sum()))  # phase 2 may give back up to its slack: restore X*
 
 
-def forced_rate(p: Problem, compute: Bools, fractions: Floats) -> float:
-    """The largest ``X`` (solver units) at which the given slice fractions fit every row of the model."""
-    k = int(compute.sum())
-    f = fractions
-    # every peer's traffic is X times this coefficient (download = upload)
-    coef = np.where(compute, 1.0 - np.where(p.agg, f, 0.0), 0.0) + np.where(p.agg, (k - compute) * f, 0.0)
-    with np.errstate(divide="ignore"):
-        limits = np.where(coef > 0, p.w / np.where(coef > 0, coef, 1.0), np.inf)
-    rate = float(limits.min())
-    if p.caps is not None:
-        pair = np.outer(compute, f) + np.outer(f, compute)  # c_i f_j + c_j f_i, symmetric
-        np.fill_diagonal(pair, 0.0)
-        binding = (pair > 0) & np.isfinite(p.caps)
-        if binding.any():
-            rate = min(rate, float((p.caps[binding] / pair[binding]).min()))
-    return rate
+def _fit(p: Problem, compute: Bools, x: Floats) -> tuple[float, Floats]:
+    """Scale ``x`` down by its overload (solver tolerance), if any; return ``(Σ x, x)``."""
+    ratio = overload(p, compute, x)
+    if ratio > 1.0:
+        x = x / ratio
+    return float(x.sum()), x

@@ -14,8 +14,11 @@ Objective of a compute set ``C`` (``k = |C|``): ``ξ(C) = min(S(C)/B, X*(C)/P)``
    (ties: larger ``w`` first) are evaluated in closed form (vectorized, O(m²)); ``k = 1`` and ``k = 2`` are
    enumerated exhaustively (O(m²)).
 4. *Certificate or MILP.* If no cell bound exceeds the incumbent (relative tolerance 1e-9), the incumbent
-   is optimal. Otherwise, for each size ``k`` still open, in order of decreasing bound, HiGHS solves the
-   fixed-``k`` MILP below (``scipy.optimize.milp``); sizes whose bound falls to the incumbent are skipped.
+   is optimal. Otherwise HiGHS solves the fixed-``k`` MILP below (``scipy.optimize.milp``) for each size
+   whose bound still beats the incumbent, smallest first, with ``ξ >= incumbent · (1 + 1e-9)`` imposed: a
+   size that cannot beat the incumbent comes back infeasible, usually after little branching. (Small sizes
+   first: with binding pairwise caps few senders win, and an early good incumbent makes the larger sizes'
+   proofs short.)
 
 No fixed order of peers is optimal in general: peers trade samples/s against bandwidth and the choice hides a
 cardinality-constrained knapsack, so step 4 is what makes the result exact. On measured-looking inputs the
@@ -33,9 +36,10 @@ Fixed-``k`` MILP (also the route with pairwise caps). Binary ``c_i``; ``x_j``, `
                   x_i + x_j <= t_ij + M (2 - c_i - c_j)        both may compute and aggregate
 
 with each ``M`` the smallest value that makes the row void when its condition is off. With pairwise caps,
-the no-cap optimum bounds every size; if the caps do not bind at the no-cap optimum it is optimal, otherwise
-sizes are solved by the MILP in order of ``min(no-cap bound, Σ_j x̄_j / P)`` until that bound falls to the
-incumbent.
+caps only remove options, so the no-cap optimum bounds every set: if the caps do not bind at the no-cap
+optimum it is optimal ("caps slack"); otherwise ``k = 1`` is solved in closed form and every size ``k >= 2``
+whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to the MILP as above. Worst case
+exponential (it is a MILP); measured times are in ``scripts/bench_lp.py``'s output.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def _small_sets(p: Problem, cand: Ints) -> tuple[float, Bools, float]:
 
 
 def _cells(p: Problem, cand: Ints) -> tuple[float, Bools | None, Floats]:
-    """Incumbent over τ-prefixes (k >= 3) and the cell bounds maximized over τ, indexed by k (0 below 3)."""
+    """Incumbent over τ-prefixes (k >= 3) and the cell bounds maximized over τ, by k (-inf below 3)."""
     m = len(cand)
     bound_by_k = np.full(m + 1, -math.inf)
     if m < 3:
@@ -146,13 +150,13 @@ def _pair_limits(p: Problem, cand: Ints) -> Floats:
     """``L[k, j]``: the (k-1)-th largest cap from a candidate sender to aggregator j (inf without caps)."""
     m = len(cand)
     if p.caps is None:
-        return np.full((m + 1, p.n), math.inf)
+        return np.full((m + 1, 1), math.inf)  # broadcasts over aggregators
     links = p.caps[cand, :].copy()
     links[np.arange(m), cand] = -math.inf  # a peer does not send to itself
     ranked = -np.sort(-links, axis=0)  # ranked[r, j]: (r+1)-th largest
     out = np.full((m + 1, p.n), math.inf)
-    out[2:] = ranked[: m - 1]  # k >= 2 uses ranked[k-2]
-    return np.maximum(out, 0.0)
+    out[2:] = np.maximum(ranked[: m - 1], 0.0)  # k >= 2 uses ranked[k-2]
+    return out
 
 
 def _size_bounds(p: Problem, cand: Ints, k: int, limits: Floats) -> tuple[float, Floats]:
@@ -199,8 +203,8 @@ class _Rows:
         return LinearConstraint(matrix, np.concatenate(self.lo), np.concatenate(self.hi))
 
 
-def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, limits: Floats) -> Bools:
-    """Solve the fixed-``k`` MILP (module docstring); return the optimal compute set.
+def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, floor: float, limits: Floats) -> Bools | None:
+    """Solve the fixed-``k`` MILP (module docstring): the best set of ``k`` if it beats ``floor``, else None.
 
     Variables: ``c`` (n), ``x`` (n), ``X``, and ``r = ξ / bound`` in [0, 1]; rows are scaled so that their
     entries are near 1 (``bound`` is an upper bound on ``ξ`` for this size).
@@ -241,9 +245,11 @@ def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, limits: Floats) 
         objective,
         constraints=rows.constraint(),
         integrality=np.concatenate([np.ones(n), np.zeros(n + 2)]),
-        bounds=Bounds(np.zeros(2 * n + 2), upper),
+        bounds=Bounds(np.concatenate([np.zeros(2 * n + 1), [min(floor / bound, 1.0)]]), upper),
         options={"mip_rel_gap": REL_TOL},
     )
+    if res.status == 2:  # infeasible: no set of this size beats the floor
+        return None
     if res.x is None:
         raise RuntimeError(f"HiGHS could not solve the compute-set MILP for {k} peers: {res.message}")
     return np.asarray(res.x[:n] > 0.5)
@@ -265,19 +271,21 @@ def choose_compute_set(p: Problem) -> Choice:
         ceiling = best  # caps only remove options: the no-cap optimum bounds every set
         best = _value(p, best_set, max_rates(p, best_set)[0])
         if best >= ceiling * (1 - REL_TOL):
-            return Choice(best_set, best, "certified (caps slack)")
+            return Choice(best_set, best, "certified, caps slack")
         one, one_set = _best_single_capped(p, cand)
         if one > best:
             best, best_set = one, one_set
         for k in range(2, len(cand) + 1):
-            flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size
+            flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size  # X <= Σ_j x̄_j
             bound_by_k[k] = min(bound_by_k[k], ceiling, flow)
     solved = 0
-    for k in np.argsort(-bound_by_k, kind="stable"):
-        if k < 2 or bound_by_k[k] <= best * (1 + REL_TOL):
-            break
-        found = _best_of_size(p, cand, int(k), float(bound_by_k[k]), limits)
+    for k in range(2, len(cand) + 1):
+        if bound_by_k[k] <= best * (1 + REL_TOL):
+            continue
+        found = _best_of_size(p, cand, int(k), float(bound_by_k[k]), best * (1 + REL_TOL), limits)
         solved += 1
+        if found is None:
+            continue
         rate = comm_bound(p, found) if p.caps is None else max_rates(p, found)[0]
         value = _value(p, found, rate)
         if value > best:

@@ -1,0 +1,98 @@
+"""Emulated per-peer bandwidth (``tc`` on the namespace LAN of ``tests/netns.py``) and the averaging
+strategies of ``scripts/bench_strategies.py`` on it (issue 4 item 7; DESIGN §5, DeDLOC Table 1).
+
+The timing assertions are loose and relative (a measured rate against its cap, one strategy's round against
+another's on the same network), never absolute wall-clock targets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_strategies import BenchError, parse_scenario, run_benchmark
+from tests.netns import lan, netns_available, set_bandwidth, tc_available, tcp_throughput_mbps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def _need_tc() -> None:
+    reason = netns_available() or tc_available()
+    if reason is not None:
+        pytest.skip(f"network namespaces with tc shaping unavailable: {reason}")
+
+
+def _within(measured: float, cap: float) -> bool:
+    return 0.3 * cap < measured < 1.5 * cap
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.usefixtures("_need_tc")
+def test_tc_caps_each_hosts_upload_and_download_separately() -> None:
+    # host 1: 40 Mbit/s down, 8 up; host 2 unshaped, so each transfer below meets exactly one cap.
+    with lan(3, shape=[(40, 40), (40, 8), None]) as (_, asym, free):
+        up = tcp_throughput_mbps(asym, free, 1_000_000)
+        down = tcp_throughput_mbps(free, asym, 5_000_000)
+        assert _within(up, 8), up
+        assert _within(down, 40), down
+        assert down > 2.5 * up, (down, up)
+
+        set_bandwidth(asym, 8, 40)  # replaces the caps in place: now the other way round
+        up = tcp_throughput_mbps(asym, free, 5_000_000)
+        down = tcp_throughput_mbps(free, asym, 1_000_000)
+        assert _within(up, 40), up
+        assert _within(down, 8), down
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.usefixtures("_need_tc")
+def test_adaptive_plan_on_fast_and_slow_peers_is_exact_and_not_slower() -> None:
+    numel = 250_000
+    result = run_benchmark(parse_scenario("200,200,20,20"), numel, rounds=3, warmup=1)
+
+    strategies = result["strategies"]
+    assert set(strategies) == {"all-reduce", "parameter server @0", "adaptive"}
+    for name, r in strategies.items():
+        assert r["incomplete_rounds"] == 0, name
+        assert r["bit_identical"], name  # every peer holds the same bits
+        assert r["max_rel_err"] == 0.0, name  # equal weights, short binary fractions: the mean is exact
+        assert sum(r["slices"]) == numel, name
+    adaptive = strategies["adaptive"]
+    assert adaptive["slices"][2:] == [0, 0]  # the slow peers only send and receive
+    assert all(adaptive["compute"])
+    # The LP's plan is never meaningfully slower than the better of all-reduce and parameter server.
+    assert result["adaptive_vs_best_of_ar_ps"] <= 1.2, result
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"dlt-{os.getpid()}-" not in listing  # the LAN is gone
+
+
+def test_scenario_parsing() -> None:
+    scenario = parse_scenario("100/20,500", "0,2.5", "0,1")
+    assert scenario.links == ((100.0, 20.0), (500.0, 500.0))
+    assert scenario.compute == (0.0, 2.5)
+    assert scenario.client_mode == (False, True)
+    specs = scenario.peer_specs()
+    assert (specs[0].download_bps, specs[0].upload_bps) == (12.5e6, 2.5e6)
+    for bad in [("100,x",), ("100,100", "1"), ("100,100", None, "0,2"), ("100,100", None, "1,1"), ("100",)]:
+        with pytest.raises(BenchError):
+            parse_scenario(*bad)
+
+
+def test_script_reports_bad_arguments_in_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_strategies.py"), "--bandwidth-mbps", "100,-5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("bench_strategies: error:") and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
