@@ -30,7 +30,7 @@ from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.discovery import advertise_run
-from shared.errors import ConfigError, DiscoveryError
+from shared.errors import ConfigError, DiscoveryError, RecordRejected
 from shared.lifecycle import Shutdown
 from shared.net.addresses import expand_unspecified, parse_multiaddr
 from shared.net.tls import self_signed_certificate
@@ -192,8 +192,10 @@ async def _serve_pinned(
                     revocations[name] = authority.revoke(run_id, name, revoked_at)
                     auth.revoked.add(name)
                     logger.info("publishing the revocation of user %s", name)
-                    with contextlib.suppress(Exception):
+                    try:
                         await node.publish_revocation(name, revocations[name])
+                    except RecordRejected as exc:  # our own authority record: a bug, not a network issue
+                        logger.error("could not publish the revocation of %s: %s", name, exc)
             if republish:
                 last_publish = trio.current_time()
             with trio.move_on_after(REVOCATION_SYNC):

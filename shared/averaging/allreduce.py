@@ -250,7 +250,12 @@ class Averager:
         codec = codec_by_name(plan.codec)
         for k in range(num_parts(slice_j.numel, plan.part_numel)):
             lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
-            data = codec.encode(local[lo:hi]) if plan.codec != "none" else local[lo:hi].data.cast("B")
+            view = local[lo:hi]
+            data = (
+                view.data.cast("B")
+                if plan.codec == "none"
+                else await trio.to_thread.run_sync(codec.encode, view, limiter=COMPUTE)
+            )
             meta = encode_header(_part_header(plan, k, lo, hi, weight))
             try:
                 await self.host.send_bulk(address, PUSH, data, meta)
