@@ -155,3 +155,45 @@ async def test_allreduce_rejects_poisoned_parts_and_bans_the_sender(nursery: tri
         assert np.all(vectors[i] == np.float32(0.5))  # peer 2 excluded: (0 + 1) / 2
     banned = results[0].completeness[0].banned  # type: ignore[attr-defined]
     assert peers[2][0].peer_id in dict(banned)
+
+
+async def test_allreduce_sender_dying_mid_part_is_dropped_at_once(nursery: trio.Nursery) -> None:
+    from protocols.averaging import PartHeader, encode_header, encoded_nbytes
+    from protocols.bulk import BulkHeader
+    from protocols.envelope import Flags, encode_payload, frame_payload
+
+    peers = await start_hosts(nursery, 3)
+    numel = 200_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    plan = plan_for(
+        peers, numel, sizes=[numel, 0, 0], deadline=60.0
+    )  # a long deadline: dropping must not wait
+    dying = peers[2][0]
+
+    async def die_mid_part() -> None:
+        conn = await dying._checkout_bulk(parse_multiaddr(peers[0][0].listen_addrs[0]))
+        part = PartHeader(
+            group_id=plan.group_id,
+            round=plan.round,
+            part_index=0,
+            offset=0,
+            numel=numel,
+            codec="none",
+            weight=1.0,
+            nbytes=encoded_nbytes("none", numel),
+        )
+        header = encode_payload(BulkHeader(topic="avg.push", nbytes=part.nbytes, meta=encode_header(part)))
+        await conn.send_frame(frame_payload(BulkHeader.kind, header, 0, Flags.REQUEST))
+        await conn.tls.send_all(vectors[2][: numel // 2].tobytes())  # half the part, then the process "dies"
+        conn.close()
+
+    started = trio.current_time()
+    async with trio.open_nursery() as group:
+        group.start_soon(die_mid_part)
+        results = await run_round(peers, plan, vectors, skip={2})
+    assert trio.current_time() - started < 30  # the aggregator did not wait for the deadline
+    for i in (0, 1):
+        assert results[i].outcome.complete  # type: ignore[attr-defined]
+        assert np.all(vectors[i] == np.float32(0.5))
+    dropped = dict(results[0].completeness[0].dropped)  # type: ignore[attr-defined]
+    assert "connection lost" in dropped[dying.peer_id]
