@@ -19,21 +19,24 @@ the others (CPU-only auxiliary peers, ``--compute 0``) take part with weight 0. 
 one hour of the whole group's compute, so compute is the bottleneck and every peer with an accelerator
 computes under every plan: the plans differ only in who aggregates how much, as in Table 1. Peer ``r`` starts
 each round with ``(r + 1) * pattern + r / 2`` (``pattern`` exact in float32), so each peer can check its
-result against the exact weighted mean; the result must also be bit-identical on every peer.
+result against the weighted mean computed in float64 (exact for equal weights); the result must also be
+bit-identical on every peer.
 
-A round's time is ``max(end) - min(start)`` over the peers; each strategy runs ``--warmup`` untimed rounds
-(connections are dialled there) and then ``--rounds`` timed ones. Prints one JSON object: per strategy the
-median seconds, the model's prediction, the plan's fractions and slices and the checks; ``best_of_ar_ps``
-and ``adaptive_vs_best_of_ar_ps`` (adaptive median / better of the AR and best PS medians; < 1 is faster).
+A round's time is ``max(end) - min(start)`` over the peers. Each strategy first runs ``--warmup`` untimed
+rounds (connections are dialled there), then ``--rounds`` timed rounds of every strategy in turn. Prints one
+JSON object: per strategy the median seconds, the model's prediction (``predicted_s``: ``P / X``, which
+assumes pipelined full-duplex links) and ``measured_vs_predicted``, the plan's fractions and slices and the
+checks; ``best_of_ar_ps`` and ``adaptive_vs_best_of_ar_ps`` (adaptive median / better of the AR and best PS
+medians; < 1 is faster).
 
 Needs root, ``ip netns`` and ``tc``; exits with a one-line error (status 2) where they are unavailable.
 
 Examples::
 
-    scripts/bench_strategies.py --bandwidth-mbps 100,100,100,100
-    scripts/bench_strategies.py --bandwidth-mbps 500,500,20,20
-    scripts/bench_strategies.py --bandwidth-mbps 1000,20,20,20 --compute 0,1,1,1
-    scripts/bench_strategies.py --bandwidth-mbps 100/20,100/20,100,100 --client-mode 0,0,0,1
+    python scripts/bench_strategies.py --bandwidth-mbps 100,100,100,100
+    python scripts/bench_strategies.py --bandwidth-mbps 500,500,20,20
+    python scripts/bench_strategies.py --bandwidth-mbps 1000,20,20,20 --compute 0,1,1,1
+    python scripts/bench_strategies.py --bandwidth-mbps 100/20,100/20,100,100 --client-mode 0,0,0,1
 """
 
 from __future__ import annotations
@@ -54,10 +57,13 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+if TYPE_CHECKING:
+    from shared.averaging.load_balance import PeerSpec, Plan
 
 MBIT = 1e6 / 8  # bytes/s in one Mbit/s
 STARTUP_S = 60.0  # a peer process must report its address within this
@@ -97,7 +103,7 @@ class Scenario:
     def n(self) -> int:
         return len(self.links)
 
-    def peer_specs(self) -> list[Any]:
+    def peer_specs(self) -> list[PeerSpec]:
         from shared.averaging.load_balance import PeerSpec
 
         return [
@@ -147,7 +153,7 @@ def _number(text: str, option: str) -> float:
 @dataclass(frozen=True)
 class Strategy:
     name: str  # "all-reduce", "parameter server @i", "adaptive"
-    plan: Any  # shared.averaging.load_balance.Plan
+    plan: Plan
 
     def weights(self, scenario: Scenario) -> list[float]:
         return [s if c else 0.0 for s, c in zip(scenario.compute, self.plan.compute, strict=True)]
@@ -393,28 +399,53 @@ def run_round(
 
 
 def measure(
-    peers: Sequence[Peer], strategy: Strategy, scenario: Scenario, rounds: int, warmup: int, deadline: float
-) -> dict[str, Any]:
-    """Time ``strategy``: ``warmup`` untimed rounds, then ``rounds`` timed ones."""
-    results = [run_round(peers, strategy, scenario, deadline) for _ in range(warmup + rounds)]
-    timed = [r["seconds"] for r in results[warmup:]]
+    peers: Sequence[Peer],
+    strategies: Sequence[Strategy],
+    scenario: Scenario,
+    rounds: int,
+    warmup: int,
+    deadline: float,
+    pause: float = 1.0,
+) -> dict[str, dict[str, Any]]:
+    """Time every strategy: ``warmup`` untimed rounds each, then ``rounds`` timed rounds of each strategy in
+    turn (interleaved, so a drift in the machine's load hits every strategy alike).
+
+    Every round starts after ``pause`` idle seconds, longer than TCP's retransmission timeout, so every
+    connection restarts from slow start (``tcp_slow_start_after_idle``) as it would after a compute phase
+    in training: no strategy inherits congestion windows warmed up by the round before it.
+    """
+
+    def one(strategy: Strategy) -> dict[str, Any]:
+        time.sleep(pause)
+        return run_round(peers, strategy, scenario, deadline)
+
+    warm = {s.name: [one(s) for _ in range(warmup)] for s in strategies}
+    timed: dict[str, list[dict[str, Any]]] = {s.name: [] for s in strategies}
+    for _ in range(rounds):
+        for s in strategies:
+            timed[s.name].append(one(s))
+    return {s.name: _summary(s, warm[s.name], timed[s.name]) for s in strategies}
+
+
+def _summary(strategy: Strategy, warm: list[dict[str, Any]], timed: list[dict[str, Any]]) -> dict[str, Any]:
     plan = strategy.plan
-    median = statistics.median(timed)
+    median = statistics.median(r["seconds"] for r in timed)
+    every = warm + timed
     return {
         "round_s_median": median,
-        "round_s_all": timed,
-        "warmup_round_s": [r["seconds"] for r in results[:warmup]],
-        "peer_s_last_round": results[-1]["peer_s"],
-        "start_spread_s_max": max(r["start_spread_s"] for r in results),
+        "round_s_all": [r["seconds"] for r in timed],
+        "warmup_round_s": [r["seconds"] for r in warm],
+        "peer_s_last_round": timed[-1]["peer_s"],
+        "start_spread_s_max": max(r["start_spread_s"] for r in every),
         "predicted_s": plan.averaging_seconds,
         "measured_vs_predicted": median / plan.averaging_seconds if plan.averaging_seconds > 0 else None,
         "fractions": [round(f, 6) for f in plan.fractions],
         "slices": list(plan.slices),
         "compute": list(plan.compute),
         "method": plan.method,
-        "incomplete_rounds": sum(not r["complete"] for r in results),
-        "max_rel_err": max(r["max_rel_err"] for r in results),
-        "bit_identical": all(r["bit_identical"] for r in results),
+        "incomplete_rounds": sum(not r["complete"] for r in every),
+        "max_rel_err": max(r["max_rel_err"] for r in every),
+        "bit_identical": all(r["bit_identical"] for r in every),
     }
 
 
@@ -435,8 +466,10 @@ def run_benchmark(
     ps_servers: str = "best",
     target_batch: float | None = None,
     deadline: float | None = None,
+    pause: float = 1.0,
 ) -> dict[str, Any]:
-    """Build the shaped LAN and peers, time every strategy on it; the JSON-ready result."""
+    """Build the shaped LAN and peers, time every strategy on it (see :func:`measure`); the JSON-ready
+    result."""
     from tests.netns import lan
 
     check_environment()
@@ -444,17 +477,17 @@ def run_benchmark(
     slowest = max(s.plan.averaging_seconds for s in strategies)
     # The model ignores protocol overhead and start-up; a round past 5x its prediction has gone wrong.
     round_deadline = deadline if deadline is not None else max(30.0, 5.0 * slowest)
-    results: dict[str, Any] = {}
     started = time.monotonic()
     with lan(scenario.n, shape=list(scenario.links)) as hosts, peer_group(hosts, scenario, numel) as peers:
-        for strategy in strategies:
-            results[strategy.name] = measure(peers, strategy, scenario, rounds, warmup, round_deadline)
+        results = measure(peers, strategies, scenario, rounds, warmup, round_deadline, pause)
     ar = results["all-reduce"]["round_s_median"]
     ps_name = min(
         (k for k in results if k.startswith("parameter server")), key=lambda k: results[k]["round_s_median"]
     )
     best = min(ar, results[ps_name]["round_s_median"])
     adaptive = results["adaptive"]["round_s_median"]
+    plan = strategies[-1].plan
+    same = [s.name for s in strategies[:-1] if (s.plan.slices, s.plan.compute) == (plan.slices, plan.compute)]
     return {
         "peers": scenario.n,
         "bandwidth_mbps": [{"down": d, "up": u} for d, u in scenario.links],
@@ -465,12 +498,15 @@ def run_benchmark(
         "rounds": rounds,
         "warmup": warmup,
         "round_deadline_s": round_deadline,
+        "pause_s": pause,
         "strategies": results,
         "best_ps": ps_name,
         "best_of_ar_ps": "all-reduce" if ar <= results[ps_name]["round_s_median"] else ps_name,
         "best_of_ar_ps_s": best,
         "adaptive_vs_best_of_ar_ps": adaptive / best,
         "adaptive_vs_ar": adaptive / ar,
+        # baselines whose plan equals the adaptive one: their medians differ only by measurement noise
+        "adaptive_plan_same_as": same,
         "all_complete": all(r["incomplete_rounds"] == 0 for r in results.values()),
         "all_bit_identical": all(r["bit_identical"] for r in results.values()),
         "max_rel_err": max(r["max_rel_err"] for r in results.values()),
@@ -479,8 +515,16 @@ def run_benchmark(
     }
 
 
+class Terminated(BaseException):
+    """SIGTERM/SIGHUP: unwind through the cleanup in ``peer_group`` and ``lan`` like Ctrl+C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the cleanup in peer_group and lan
+    raise Terminated(signum)
 
 
 def main() -> None:
@@ -496,6 +540,7 @@ def main() -> None:
     parser.add_argument("--ps-servers", default="best", help="best | all | comma list of peer indices")
     parser.add_argument("--target-batch", type=float, help="samples per step for the LP (default: 1 h)")
     parser.add_argument("--deadline", type=float, help="seconds per round (default: 5x the slowest model)")
+    parser.add_argument("--pause", type=float, default=1.0, help="idle seconds before each round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--listen", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -507,18 +552,28 @@ def main() -> None:
     try:
         if not args.bandwidth_mbps:
             raise BenchError("--bandwidth-mbps is required")
-        if args.numel < 1 or args.rounds < 1 or args.warmup < 0:
-            raise BenchError("--numel and --rounds must be >= 1 and --warmup >= 0")
+        if args.numel < 1 or args.rounds < 1 or args.warmup < 0 or not args.pause >= 0:
+            raise BenchError("--numel and --rounds must be >= 1, --warmup and --pause >= 0")
         scenario = parse_scenario(args.bandwidth_mbps, args.compute, args.client_mode)
         result = run_benchmark(
-            scenario, args.numel, args.rounds, args.warmup, args.ps_servers, args.target_batch, args.deadline
+            scenario,
+            args.numel,
+            args.rounds,
+            args.warmup,
+            args.ps_servers,
+            args.target_batch,
+            args.deadline,
+            args.pause,
         )
     except BenchError as exc:
         print(f"bench_strategies: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("bench_strategies: interrupted; namespaces and peers removed", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + signal.SIGINT)
+    except Terminated as exc:
+        print(f"bench_strategies: {exc}; namespaces and peers removed", file=sys.stderr)
+        sys.exit(128 + exc.signum)
     print(json.dumps(result, indent=2))
 
 

@@ -313,8 +313,9 @@ def lan(n_hosts: int, shape: Sequence[Bandwidth | None] | None = None) -> Iterat
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "route", "add", "224.0.0.0/4", "dev", "eth0")
             host = NetnsHost(name=name, address=address, switch=switch, port=port)
-            if shape is not None and shape[i] is not None:
-                set_bandwidth(host, *shape[i])
+            caps = shape[i] if shape is not None else None
+            if caps is not None:
+                set_bandwidth(host, *caps)
             hosts.append(host)
         yield hosts
     finally:

@@ -55,7 +55,7 @@ def test_tc_caps_each_hosts_upload_and_download_separately() -> None:
 @pytest.mark.usefixtures("_need_tc")
 def test_adaptive_plan_on_fast_and_slow_peers_is_exact_and_not_slower() -> None:
     numel = 250_000
-    result = run_benchmark(parse_scenario("200,200,20,20"), numel, rounds=3, warmup=1)
+    result = run_benchmark(parse_scenario("200,200,20,20"), numel, rounds=3, warmup=1, pause=0.5)
 
     strategies = result["strategies"]
     assert set(strategies) == {"all-reduce", "parameter server @0", "adaptive"}
@@ -80,9 +80,18 @@ def test_scenario_parsing() -> None:
     assert scenario.client_mode == (False, True)
     specs = scenario.peer_specs()
     assert (specs[0].download_bps, specs[0].upload_bps) == (12.5e6, 2.5e6)
-    for bad in [("100,x",), ("100,100", "1"), ("100,100", None, "0,2"), ("100,100", None, "1,1"), ("100",)]:
+    bad: list[tuple[str, str | None, str | None]] = [
+        ("100,x", None, None),  # not a number
+        ("100,100", "1", None),  # one compute rate for two peers
+        ("100,100", None, "0,2"),  # a client flag not 0/1
+        ("100,100", None, "1,1"),  # nobody can aggregate
+        ("100,100", "0,0", None),  # nobody computes
+        ("100", None, None),  # a group of one
+        ("100,0", None, None),  # a zero link
+    ]
+    for args in bad:
         with pytest.raises(BenchError):
-            parse_scenario(*bad)
+            parse_scenario(*args)
 
 
 def test_script_reports_bad_arguments_in_one_line() -> None:
