@@ -28,11 +28,12 @@ Blocking numpy work (decoding, the reduction, writing back) runs in worker threa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import trio
@@ -58,7 +59,7 @@ from ..net.addresses import PeerAddress
 from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
-from .compression import Codec, codec_by_name
+from .compression import codec_by_name
 from .partition import DEFAULT_PART_NUMEL, Slice, make_slices, num_parts, part_bounds
 from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
 
@@ -116,19 +117,55 @@ class RoundResult:
 
 
 @dataclass
+class _Part:
+    """One part of the slice this node aggregates: reduced and served as soon as its senders delivered."""
+
+    reducer: SliceReducer
+    lo: int  # element range within the slice
+    hi: int
+    done: trio.Event = field(default_factory=trio.Event)
+    finalizing: bool = False
+    averaged: Float32Array | None = None
+    encoded: bytes | memoryview | None = None  # a view of ``averaged`` for codec none
+    error: str | None = None
+
+
+@dataclass
 class _Aggregation:
-    """This node's duty as aggregator of one slice in one round."""
+    """This node's duty as aggregator of one slice in one round: one reducer per part, so averaged parts
+    flow back while later parts are still arriving. A sender banned (or lost) on any part is excluded
+    from every part not yet reduced; parts already reduced keep its earlier, valid contributions."""
 
     plan: GroupPlan
     slice: Slice
-    reducer: SliceReducer
-    finalized: trio.Event = field(default_factory=trio.Event)
+    parts: list[_Part]
     expires_at: float = math.inf  # set when the local round ends: serve pulls until the round's deadline
-    averaged: Float32Array | None = None
-    encoded: list[bytes | memoryview] = field(default_factory=list)  # views of ``averaged`` for codec none
-    error: str | None = None
-    finalizing: bool = False
     pulls_left: int = 0  # parts the other members have yet to fetch; at 0 the duty is dropped at once
+    excluded: dict[PeerId, str] = field(default_factory=dict)
+
+    def exclude(self, peer: PeerId, reason: str) -> None:
+        self.excluded.setdefault(peer, reason)
+        for part in self.parts:
+            if not part.finalizing:
+                with contextlib.suppress(ValueError):  # weight-0 members are not senders
+                    part.reducer.drop_sender(peer, reason)
+
+    def completeness(self) -> Completeness:
+        """Who made it into every part (and who was dropped or banned anywhere, with why)."""
+        reports = [p.reducer.completeness() for p in self.parts]
+        contributors = set(reports[0].contributors).intersection(*(r.contributors for r in reports[1:]))
+        banned = {peer: reason for r in reports for peer, reason in r.banned}
+        dropped = {peer: why for r in reports for peer, why in r.dropped if peer not in banned}
+        incomplete = (
+            {peer for r in reports for peer in r.incomplete} - contributors - banned.keys() - dropped.keys()
+        )
+        return Completeness(
+            contributors=tuple(sorted(contributors)),
+            total_weight=min(r.total_weight for r in reports),
+            incomplete=tuple(sorted(incomplete)),
+            dropped=tuple(sorted(dropped.items())),
+            banned=tuple(sorted(banned.items())),
+        )
 
 
 class Averager:
@@ -193,12 +230,19 @@ class Averager:
         return RoundResult(outcome, completeness, trio.current_time() - started)
 
     def _completeness(self, plan: GroupPlan, duty: _Aggregation | None, me: int) -> dict[int, Completeness]:
-        return {me: duty.reducer.completeness()} if duty is not None and duty.error is None else {}
+        if duty is None or any(part.error for part in duty.parts):
+            return {}
+        return {me: duty.completeness()}
 
     def _take_duty(self, plan: GroupPlan, slice_: Slice, me: int) -> _Aggregation:
         senders = {m.peer_id: m.weight for m in plan.members if m.weight > 0}
-        reducer = SliceReducer(slice_.numel, senders, plan.max_norm, part_numel=plan.part_numel)
-        duty = _Aggregation(plan, slice_, reducer)
+        parts = []
+        for k in range(num_parts(slice_.numel, plan.part_numel)):
+            lo, hi = part_bounds(slice_.numel, plan.part_numel, k)
+            parts.append(
+                _Part(SliceReducer(hi - lo, senders, plan.max_norm, part_numel=max(1, hi - lo)), lo, hi)
+            )
+        duty = _Aggregation(plan, slice_, parts)
         duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)
         key = (plan.group_id, plan.round)
         self._duties[key] = duty
@@ -221,15 +265,17 @@ class Averager:
             if j == me:
                 duty = self._duties[(plan.group_id, plan.round)]
                 if weight > 0:
-                    for k in range(num_parts(slice_j.numel, plan.part_numel)):
-                        lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
-                        header = _part_header(plan, k, lo, hi, weight)
-                        duty.reducer.add_part(self.host.peer_id, header, local[lo:hi])
-                    await self._maybe_finalize(duty)
-                await duty.finalized.wait()
-                if duty.averaged is None:
-                    raise NothingToAverage(duty.reducer.completeness())
-                averaged[j] = duty.averaged
+                    for k, part in enumerate(duty.parts):
+                        header = _part_header(plan, 0, 0, part.hi - part.lo, weight)
+                        part.reducer.add_part(self.host.peer_id, header, local[part.lo : part.hi])
+                        await self._maybe_finalize(duty, k)
+                result = np.empty(slice_j.numel, dtype=np.float32)
+                for part in duty.parts:
+                    await part.done.wait()
+                    if part.averaged is None:
+                        raise NothingToAverage(part.reducer.completeness())
+                    result[part.lo : part.hi] = part.averaged
+                averaged[j] = result
                 return
             address = plan.members[j].address
             assert address is not None  # checked by GroupPlan
@@ -333,16 +379,22 @@ class Averager:
                     lambda: codec.decode(bytes(raw), part.numel, out=values), limiter=COMPUTE
                 )
         except PeerUnavailable:
-            duty.reducer.drop_sender(ctx.peer_id, "connection lost mid-part")
-            await self._maybe_finalize(duty)
+            duty.exclude(ctx.peer_id, "connection lost mid-part")
+            await self._finalize_ready(duty)
             raise
+        if not 0 <= part.part_index < len(duty.parts):
+            raise ProtocolError(f"part {part.part_index} is outside the slice")
+        target = duty.parts[part.part_index]
+        local = msgspec.structs.replace(part, part_index=0, offset=part.offset - target.lo)
         try:
-            duty.reducer.add_part(ctx.peer_id, part, values)
+            target.reducer.add_part(ctx.peer_id, local, values)
         except PartRejected as exc:
             logger.warning("round %d: rejected a part from %s: %s", plan.round, ctx.peer_id, exc)
-            await self._maybe_finalize(duty)
+            if exc.reason.bans:
+                duty.exclude(ctx.peer_id, f"banned: {exc.reason.value}")
+            await self._finalize_ready(duty)
             raise ProtocolError(f"part rejected: {exc}") from exc
-        await self._maybe_finalize(duty)
+        await self._maybe_finalize(duty, part.part_index)
         return b""
 
     async def _on_pull(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
@@ -350,13 +402,14 @@ class Averager:
         duty = await self._duty_for(request.group_id, request.round)
         if ctx.peer_id not in {m.peer_id for m in duty.plan.members}:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
-        await duty.finalized.wait()
-        if duty.error is not None or duty.averaged is None:
-            raise RemoteError(ErrorCode.NOT_FOUND, f"slice not averaged: {duty.error}")
-        if not 0 <= request.part_index < len(duty.encoded):
+        if not 0 <= request.part_index < len(duty.parts):
             raise ProtocolError(f"part {request.part_index} out of range")
-        lo, hi = part_bounds(duty.slice.numel, duty.plan.part_numel, request.part_index)
-        completeness = duty.reducer.completeness()
+        part = duty.parts[request.part_index]
+        await part.done.wait()
+        if part.error is not None or part.encoded is None:
+            raise RemoteError(ErrorCode.NOT_FOUND, f"part not averaged: {part.error}")
+        lo, hi = part.lo, part.hi
+        completeness = part.reducer.completeness()
         meta = encode_header(
             AveragedHeader(
                 group_id=duty.plan.group_id,
@@ -365,12 +418,12 @@ class Averager:
                 offset=lo,
                 numel=hi - lo,
                 codec=duty.plan.codec,
-                nbytes=len(duty.encoded[request.part_index]),
+                nbytes=len(part.encoded),
                 total_weight=completeness.total_weight,
                 contributors=len(completeness.contributors),
             )
         )
-        reply = BulkReply(meta, memoryview(duty.encoded[request.part_index]))
+        reply = BulkReply(meta, memoryview(part.encoded))
         duty.pulls_left -= 1
         if duty.pulls_left <= 0 and duty.expires_at < math.inf:  # our round is over and all have pulled
             key = (duty.plan.group_id, duty.plan.round)
@@ -378,39 +431,41 @@ class Averager:
             self._started.pop(key, None)
         return reply
 
-    async def _maybe_finalize(self, duty: _Aggregation) -> None:
-        if duty.finalizing or duty.reducer.missing():
+    async def _maybe_finalize(self, duty: _Aggregation, k: int) -> None:
+        """Reduce part ``k`` once every sender still in the round has delivered it."""
+        part = duty.parts[k]
+        if part.finalizing or part.reducer.missing():
             return
-        duty.finalizing = True
+        part.finalizing = True
         codec = codec_by_name(duty.plan.codec)
 
-        def reduce() -> tuple[Float32Array, list[bytes | memoryview]]:
-            average = duty.reducer.finalize()
-            bounds = [
-                part_bounds(duty.slice.numel, duty.plan.part_numel, k)
-                for k in range(num_parts(duty.slice.numel, duty.plan.part_numel))
-            ]
+        def reduce() -> tuple[Float32Array, bytes | memoryview]:
+            average = part.reducer.finalize()
             if duty.plan.codec == "none":  # the average itself is the wire format: no copy
-                return average, [average[lo:hi].data.cast("B") for lo, hi in bounds]
-            encoded: list[bytes | memoryview] = [codec.encode(average[lo:hi]) for lo, hi in bounds]
-            # keep exactly what every other member will decode
-            return _roundtrip(codec, encoded, duty.slice.numel, duty.plan.part_numel), encoded
+                return average, average.data.cast("B")
+            encoded = codec.encode(average)
+            return codec.decode(encoded, average.size), encoded  # what every other member will decode
 
         try:
             with trio.CancelScope(shield=True):
-                duty.averaged, duty.encoded = await trio.to_thread.run_sync(reduce, limiter=COMPUTE)
+                part.averaged, part.encoded = await trio.to_thread.run_sync(reduce, limiter=COMPUTE)
         except NothingToAverage as exc:
-            duty.error = f"nothing to average: {exc}"
+            part.error = f"nothing to average: {exc}"
         finally:
-            duty.finalized.set()
+            part.done.set()
+
+    async def _finalize_ready(self, duty: _Aggregation) -> None:
+        for k in range(len(duty.parts)):
+            await self._maybe_finalize(duty, k)
 
     async def _finalize_at_deadline(self, duty: _Aggregation, deadline: float) -> None:
         """At 90 % of the round's time, give up on missing senders so members can still pull in time."""
         start = trio.current_time()
         await trio.sleep_until(start + 0.9 * (deadline - start))
-        for peer in duty.reducer.missing():
-            duty.reducer.drop_sender(peer, "missed the deadline")
-        await self._maybe_finalize(duty)
+        for part in duty.parts:
+            for peer in part.reducer.missing():
+                duty.exclude(peer, "missed the deadline")
+        await self._finalize_ready(duty)
 
 
 def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
@@ -424,13 +479,3 @@ def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> Pa
         weight=weight,
         nbytes=encoded_nbytes(plan.codec, hi - lo),
     )
-
-
-def _roundtrip(
-    codec: Codec, encoded: Sequence[bytes | memoryview], numel: int, part_numel: int
-) -> Float32Array:
-    out = np.empty(numel, dtype=np.float32)
-    for k, data in enumerate(encoded):
-        lo, hi = part_bounds(numel, part_numel, k)
-        codec.decode(data, hi - lo, out=out[lo:hi])
-    return out
