@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 import numpy as np
@@ -60,7 +62,7 @@ from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
 from .compression import codec_by_name
-from .partition import DEFAULT_PART_NUMEL, Slice, make_slices, num_parts, part_bounds
+from .partition import Slice, auto_part_numel, make_slices, num_parts, part_bounds
 from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
 
 __all__ = ["COMPUTE", "Averager", "GroupPlan", "Member", "RoundResult"]
@@ -90,7 +92,7 @@ class GroupPlan:
     slice_sizes: tuple[int, ...]  # per member, summing to the vector's length
     deadline: float  # seconds for the whole round, from its start
     codec: CodecName = "none"
-    part_numel: int = DEFAULT_PART_NUMEL
+    part_numel: int = 0  # elements per part; 0: chosen from the slice sizes (auto_part_numel)
     max_norm: float = math.inf  # largest L2 norm of one part an aggregator accepts
 
     def __post_init__(self) -> None:
@@ -103,6 +105,10 @@ class GroupPlan:
                 raise ValueError(f"{member.peer_id} accepts no connections but owns a slice")
         if not self.deadline > 0:
             raise ValueError(f"deadline must be positive, got {self.deadline}")
+        if self.part_numel < 0:
+            raise ValueError(f"part_numel must be >= 0, got {self.part_numel}")
+        if self.part_numel == 0:  # every member derives the same value from the same plan
+            object.__setattr__(self, "part_numel", auto_part_numel(self.slice_sizes))
 
     @property
     def numel(self) -> int:
@@ -279,11 +285,32 @@ class Averager:
                 return
             address = plan.members[j].address
             assert address is not None  # checked by GroupPlan
-            if weight > 0:
-                await self._push_slice(address, plan, slice_j, local, weight)
             result = np.empty(slice_j.numel, dtype=np.float32)
-            for k in range(num_parts(slice_j.numel, plan.part_numel)):
-                await self._pull_part(address, plan, k, slice_j, result)
+            errors: list[Exception] = []
+
+            async def guarded(work: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
+                try:
+                    await work()
+                except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
+                    errors.append(exc)
+                    scope.cancel()
+
+            async def pull_all() -> None:
+                for k in range(num_parts(slice_j.numel, plan.part_numel)):
+                    await self._pull_part(address, plan, k, slice_j, result)
+
+            # Pushing and pulling run side by side (on separate pooled connections): part k comes back
+            # as soon as every sender delivered it, while our later parts are still going out.
+            async with trio.open_nursery() as both:
+                if weight > 0:
+                    both.start_soon(
+                        guarded,
+                        partial(self._push_slice, address, plan, slice_j, local, weight),
+                        both.cancel_scope,
+                    )
+                both.start_soon(guarded, pull_all, both.cancel_scope)
+            if errors:
+                raise errors[0]
             averaged[j] = result
         except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
             failed[j] = f"{type(exc).__name__}: {exc}"

@@ -34,7 +34,7 @@ from ..net.addresses import parse_multiaddr
 from .allreduce import GroupPlan, Member
 from .groups import adaptive_deadline
 from .load_balance import PeerSpec, plan_averaging
-from .partition import DEFAULT_PART_NUMEL
+from .partition import auto_part_numel
 
 __all__ = ["Matchmaker", "MatchmakingConfig"]
 
@@ -48,7 +48,7 @@ class MatchmakingConfig:
     window: float = 2.0  # seconds between publishing a ticket and reading the others
     plan_wait: float = 10.0  # how long members wait for the leader's plan
     codec: CodecName = "none"
-    part_numel: int = DEFAULT_PART_NUMEL
+    part_numel: int = 0  # 0: chosen from the plan's slices (auto_part_numel)
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Matchmaker:
             members=[AssemblyMember(m, tickets[m].addr, tickets[m].weight) for m in members],
             slice_sizes=list(plan.slices),
             codec=self.config.codec,
-            part_numel=self.config.part_numel,
+            part_numel=self.config.part_numel or auto_part_numel(plan.slices),
             deadline=deadline,
             predicted_seconds=plan.averaging_seconds,
         )

@@ -48,6 +48,17 @@ Float32Array = npt.NDArray[np.float32]
 PART_BYTES = 4 * 1024 * 1024
 #: Elements per part such that even uncompressed float32 parts stay within :data:`PART_BYTES`.
 DEFAULT_PART_NUMEL = PART_BYTES // 4
+#: The smallest part size chosen automatically: below it a part's round trip costs more than its bytes.
+MIN_AUTO_PART_NUMEL = 16 * 1024
+
+
+def auto_part_numel(slice_sizes: Sequence[int], parts_per_slice: int = 8) -> int:
+    """A part size that cuts the largest slice into about ``parts_per_slice`` parts, so that averaged
+    parts flow back while later ones still arrive, within ``[MIN_AUTO_PART_NUMEL, DEFAULT_PART_NUMEL]``."""
+    if parts_per_slice < 1:
+        raise ValueError(f"parts_per_slice must be >= 1, got {parts_per_slice}")
+    largest = max(slice_sizes, default=0)
+    return max(MIN_AUTO_PART_NUMEL, min(DEFAULT_PART_NUMEL, -(-largest // parts_per_slice)))
 
 
 @dataclass(frozen=True, slots=True)
