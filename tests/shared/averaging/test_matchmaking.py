@@ -81,3 +81,44 @@ async def test_matchmaking_alone_returns_none(nursery: trio.Nursery) -> None:
     (node,) = await start_nodes(nursery, 1)
     matchmaker = Matchmaker(node.dht, config=MatchmakingConfig(window=0.2))
     assert await matchmaker.assemble(1, ticket(node, 1.0), 100) is None
+
+
+async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_own_group(
+    nursery: trio.Nursery,
+) -> None:
+    nodes = await start_nodes(nursery, 6)
+    numel = 30_000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(6)]
+    keys = ["a", "a", "a", "b", "b", "b"]  # two groups, as Moshpit grid keys would assign them
+    averagers = [Averager(node.host) for node in nodes]
+    config = MatchmakingConfig(window=1.0)
+    results: dict[int, object] = {}
+
+    async def member(i: int) -> None:
+        plan = await Matchmaker(nodes[i].dht, config=config).assemble(
+            2, ticket(nodes[i], 1.0), numel, keys[i]
+        )
+        assert plan is not None
+        assert {m.peer_id for m in plan.members} == {nodes[j].peer_id for j in range(6) if keys[j] == keys[i]}
+        if i == 2:
+            nodes[2].host.abort()  # joined group a, then died before averaging
+            return
+        me = [m.peer_id for m in plan.members].index(nodes[i].peer_id)
+        plan = type(plan)(plan.group_id, plan.round, plan.members, plan.slice_sizes, 5.0, codec=plan.codec)
+        results[i] = await averagers[i].all_reduce(plan, vectors[i], me)
+
+    async with trio.open_nursery() as group:
+        for i in range(6):
+            group.start_soon(member, i)
+    for i in (3, 4, 5):  # group b never noticed
+        assert results[i].outcome.complete  # type: ignore[attr-defined]
+        assert np.all(vectors[i] == np.float32(4.0))
+    for i in (0, 1):  # group a lost the dead peer's slice, averaged the rest without it, and says so
+        outcome = results[i].outcome  # type: ignore[attr-defined]
+        assert not outcome.complete
+        for start, stop in outcome.unaveraged():
+            assert np.all(vectors[i][start:stop] == np.float32(i))
+        averaged = np.ones(numel, dtype=bool)
+        for start, stop in outcome.unaveraged():
+            averaged[start:stop] = False
+        assert np.all(vectors[i][averaged] == np.float32(0.5))
