@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.auth.authority import Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
+from shared.dht.node import DHTConfig
 from shared.node import Node, open_node
 
 
@@ -44,7 +45,7 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-async def bench(nodes: int, keys: int, value_bytes: int, pinned: bool) -> dict[str, object]:
+async def bench(nodes: int, keys: int, value_bytes: int, pinned: bool, replicas: int) -> dict[str, object]:
     started: list[float] = []
     authority = Authority(Identity.generate()) if pinned else None
     run_id = pin_run_id("bench", authority) if authority else "bench"
@@ -71,6 +72,7 @@ async def bench(nodes: int, keys: int, value_bytes: int, pinned: bool) -> dict[s
                     listen=["/ip4/127.0.0.1/tcp/0"],
                     initial_peers=initial,
                     authenticator=authenticator(identity),
+                    dht_config=DHTConfig(num_replicas=replicas),
                 )
             )
             if i:
@@ -96,6 +98,7 @@ async def bench(nodes: int, keys: int, value_bytes: int, pinned: bool) -> dict[s
             "value_bytes": value_bytes,
             "nodes_share_one_process": True,
             "authenticated": pinned,
+            "replicas": replicas,
             "startup_s_median": statistics.median(started),
             "startup_s_max": max(started),
             "store_ms_median": statistics.median(store_times) * 1e3,
@@ -112,10 +115,13 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=200)
     parser.add_argument("--value-bytes", type=int, default=64)
     parser.add_argument("--pinned", action="store_true", help="a pinned run: every RPC signed and checked")
+    parser.add_argument(
+        "--replicas", type=int, default=5, help="nodes per record (5, as the reference stores)"
+    )
     args = parser.parse_args()
     if args.nodes < 2 or args.keys < 1:
         parser.error("need at least 2 nodes and 1 key")
-    result = trio.run(bench, args.nodes, args.keys, args.value_bytes, args.pinned)
+    result = trio.run(bench, args.nodes, args.keys, args.value_bytes, args.pinned, args.replicas)
     result["loadavg"] = os.getloadavg()
     print(json.dumps(result, indent=2))
 
