@@ -20,6 +20,14 @@ def run(*argv: str, within: float = 30.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, timeout=within, env=ENV)
 
 
+def join_argv(
+    peer: str, data_dir: Path, *extra: str, run_id: str = "sys-run", panel: bool = False
+) -> list[str]:
+    """`volunteer join` of an open run through ``peer``, listening on loopback."""
+    argv = ["volunteer", "join", run_id, "--initial-peer", peer, "--data-dir", str(data_dir), *extra]
+    return cli(*argv, *([] if panel else ["--no-panel"]))
+
+
 def test_backbone_start_prints_full_multiaddr_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     proc, address = start_backbone(tmp_path / "bb")
     assert "/tcp/" in address and "/p2p/12D3KooW" in address
@@ -41,21 +49,7 @@ def test_second_backbone_and_volunteers_join_and_see_each_other(tmp_path: Path) 
     bb1, address = start_backbone(tmp_path / "bb1")
     bb2, _ = start_backbone(tmp_path / "bb2", "--initial-peer", address)
     volunteers = [
-        spawn(
-            cli(
-                "volunteer",
-                "join",
-                "sys-run",
-                "--initial-peer",
-                address,
-                "--data-dir",
-                str(tmp_path / f"v{i}"),
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--no-panel",
-            )
-        )
-        for i in range(2)
+        spawn(join_argv(address, tmp_path / f"v{i}", "--listen", "/ip4/127.0.0.1/tcp/0")) for i in range(2)
     ]
     try:
         for i, proc in enumerate(volunteers):
@@ -75,20 +69,7 @@ def test_second_backbone_and_volunteers_join_and_see_each_other(tmp_path: Path) 
 
 def test_volunteer_ctrl_c_leaves_cleanly(tmp_path: Path) -> None:
     bb, address = start_backbone(tmp_path / "bb")
-    vol = spawn(
-        cli(
-            "volunteer",
-            "join",
-            "sys-run",
-            "--initial-peer",
-            address,
-            "--data-dir",
-            str(tmp_path / "v"),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--no-panel",
-        )
-    )
+    vol = spawn(join_argv(address, tmp_path / "v", "--listen", "/ip4/127.0.0.1/tcp/0"))
     try:
         wait_status(tmp_path / "v", lambda s: s["routing_table_size"] >= 1, vol)
         code, _out, err = stop(vol, signal.SIGINT)
@@ -103,18 +84,7 @@ def test_volunteer_join_refuses_a_backbone_of_another_run(tmp_path: Path) -> Non
     bb, address = start_backbone(tmp_path / "bb", run_id="run-a")
     try:
         started = time.monotonic()
-        result = run(
-            *cli(
-                "volunteer",
-                "join",
-                "run-b",
-                "--initial-peer",
-                address,
-                "--data-dir",
-                str(tmp_path / "v"),
-                "--no-panel",
-            )
-        )
+        result = run(*join_argv(address, tmp_path / "v", run_id="run-b"))
         assert time.monotonic() - started < 30
     finally:
         stop(bb)
@@ -129,18 +99,7 @@ def test_volunteer_join_with_unreachable_initial_peer_fails_clearly(tmp_path: Pa
     with socket.socket() as s:  # a port nobody listens on: bind, read it, close
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = run(
-        *cli(
-            "volunteer",
-            "join",
-            "sys-run",
-            "--initial-peer",
-            f"/ip4/127.0.0.1/tcp/{port}",
-            "--data-dir",
-            str(tmp_path / "v"),
-            "--no-panel",
-        )
-    )
+    result = run(*join_argv(f"/ip4/127.0.0.1/tcp/{port}", tmp_path / "v"))
     assert result.returncode == 1
     assert "ECONNREFUSED" in result.stderr and "Traceback" not in result.stderr
 
@@ -212,17 +171,7 @@ def test_volunteer_join_shows_a_live_panel_on_a_terminal(tmp_path: Path) -> None
     bb, address = start_backbone(tmp_path / "bb")
     controller, terminal = pty.openpty()
     proc = subprocess.Popen(
-        cli(
-            "volunteer",
-            "join",
-            "sys-run",
-            "--initial-peer",
-            address,
-            "--data-dir",
-            str(tmp_path / "v"),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-        ),
+        join_argv(address, tmp_path / "v", "--listen", "/ip4/127.0.0.1/tcp/0", panel=True),
         stdin=terminal,
         stdout=terminal,
         stderr=terminal,
