@@ -15,9 +15,11 @@ from rich.console import Console
 from rich.table import Table
 
 from protocols.api import Invite, encode_invite
+from protocols.training import TrainingSpec
 from shared.console import fail, locked_data_dir, run_service, setup_logging, validate_run_id
 from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
+from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
 
 from .ledger import LedgerStore
@@ -80,6 +82,13 @@ def start(
     public_url: Annotated[
         list[str] | None, typer.Option("--public-url", help="API URL volunteers should use (repeatable).")
     ] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            "--manifest",
+            help="TOML/JSON file: the task, target batch, optimizer, dataset… (default: the built-in task).",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a backbone node. Prints `listening on <multiaddr>` per address, then (pinned runs) the run id
@@ -91,6 +100,7 @@ def start(
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
+        training = load_training_spec(manifest) if manifest is not None else TrainingSpec()
         with locked_data_dir(data_dir):
             options = BackboneOptions(
                 run_id,
@@ -103,6 +113,7 @@ def start(
                 database_url,
                 api_listen,
                 public_url or [],
+                training,
             )
             await serve_backbone(options, shutdown)
 

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -26,6 +26,7 @@ from hypercorn.trio import serve as serve_http
 
 from protocols.api import Manifest
 from protocols.auth import DEFAULT_TOKEN_LIFETIME, SignedRevocation, SignedToken
+from protocols.training import TrainingSpec
 from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
@@ -62,6 +63,7 @@ class BackboneOptions:
     database_url: str | None = None
     api_listen: str = "0.0.0.0:0"
     public_urls: Sequence[str] = ()
+    training: TrainingSpec = field(default_factory=TrainingSpec)  # ``--manifest FILE``; default: built-in
 
 
 @contextlib.asynccontextmanager
@@ -162,6 +164,7 @@ async def _serve_pinned(
             authority_public_key=authority.identity.public_key_bytes,
             backbones=node.host.listen_addrs[:64],
             api=public_urls[:16],
+            training=options.training,
         )
 
     async def user_removed(username: str) -> None:

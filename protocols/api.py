@@ -39,6 +39,7 @@ from typing import Annotated
 import msgspec
 
 from .auth import SignedRevocation, SignedToken
+from .training import TrainingSpec
 from .types import Bytes32, Bytes64, MultiaddrStr, PeerIdStr, RunIdStr
 
 __all__ = [
@@ -70,6 +71,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     authority_public_key: Bytes32
     backbones: Annotated[list[MultiaddrStr], msgspec.Meta(max_length=64)] = []
     api: Annotated[list[UrlStr], msgspec.Meta(max_length=16)] = []
+    training: TrainingSpec | None = None  # what the run trains (``backbone start --manifest FILE``)
 
 
 class Invite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

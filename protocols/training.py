@@ -1,0 +1,182 @@
+"""What a run trains and how peers tell each other where they are (DESIGN §1, D6, D8; seed 000 §3.1).
+
+**The training spec** (:class:`TrainingSpec`) is the part of the run manifest that says *what* is trained:
+the task (a built-in name such as ``tiny-mlm`` plus its options), the global target batch, the optimizer
+and the learning-rate schedule as a function of the global step, the dataset source, the gradient codec,
+delayed parameter updates on/off, and the run's step limit. ``backbone start --manifest FILE`` serves it
+inside :class:`protocols.api.Manifest`; every volunteer of a run trains exactly this.
+
+**Progress records** (DHT): key :data:`PROGRESS_KEY`, subkey = the writer's peer id, value = msgpack
+:class:`Progress`, written only by that peer (subkey-owner validation), expiring after
+:data:`PROGRESS_TTL`. A peer re-publishes whenever its numbers change noticeably and at least every
+:data:`PROGRESS_PERIOD` seconds. ``step`` is how many optimizer steps its parameters have taken; ``samples``
+how many samples it has accumulated toward step ``step + 1``. When the samples of the peers at the
+collaboration's step reach ``target_batch``, those peers average and step (see
+:mod:`volunteer.collab.progress`).
+
+**Checkpoint records** (DHT): key :data:`CHECKPOINT_KEY`, subkey = the writer's peer id, value = msgpack
+:class:`StateAnnouncement`: "I can serve the state of step ``step``, ``nbytes`` long, whose SHA-256 is
+``digest``". Volunteers announce the state they hold; backbones announce their newest stored checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import msgspec
+
+from .averaging import CodecName
+from .types import Bytes32
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "PROGRESS_KEY",
+    "PROGRESS_PERIOD",
+    "PROGRESS_TTL",
+    "DatasetSpec",
+    "OptimizerSpec",
+    "Progress",
+    "ScheduleSpec",
+    "StateAnnouncement",
+    "TrainingSpec",
+]
+
+PROGRESS_KEY = "train.progress"
+CHECKPOINT_KEY = "train.state"
+PROGRESS_TTL = 30.0
+PROGRESS_PERIOD = 1.0
+
+_MAX_STEP = 2**40
+_MAX_SAMPLES = 2**40
+Step = Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)]
+Samples = Annotated[int, msgspec.Meta(ge=0, le=_MAX_SAMPLES)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+OptionValue = int | float | str | bool
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+class OptimizerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The optimizer every peer applies to the averaged gradient (``lr`` is the schedule's peak)."""
+
+    name: Literal["adamw", "adam", "sgd", "lamb"] = "adamw"
+    lr: PositiveFloat = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 1e-8
+    weight_decay: Annotated[float, msgspec.Meta(ge=0, le=1.0)] = 0.0
+    momentum: Annotated[float, msgspec.Meta(ge=0, lt=1.0)] = 0.0  # sgd only
+    clip_grad_norm: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0  # 0: no clipping
+
+    def __post_init__(self) -> None:
+        for beta in self.betas:
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+
+
+class ScheduleSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Learning rate as a function of the global step: linear warm-up, then constant, linear or cosine
+    decay to ``final_fraction`` times the peak at ``total_steps``."""
+
+    kind: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: Step = 0
+    total_steps: Annotated[int, msgspec.Meta(ge=1, le=_MAX_STEP)] = 1000
+    final_fraction: Annotated[float, msgspec.Meta(ge=0, le=1.0)] = 0.0
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak learning rate for the optimizer step that takes ``step`` to ``step + 1``."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        decay = 1.0 - progress if self.kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.final_fraction + (1.0 - self.final_fraction) * decay
+
+
+class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where examples come from (DESIGN D6). Every peer streams them in its own random shard order through
+    a shuffle buffer of ``shuffle_buffer`` examples.
+
+    * ``backbone``: JSON-lines shards served over HTTPS by the run's backbones (``files`` restricts the
+      names; empty = all). With ``generate`` set, a backbone that has no shards writes that many shards of
+      the project's synthetic corpus first.
+    * ``files``: local paths or globs on each volunteer's machine (JSON lines or text).
+    * ``hub``: a dataset id of a dataset hub, streamed (``hub_config``, ``split``).
+    """
+
+    source: Literal["backbone", "files", "hub"] = "backbone"
+    files: Annotated[list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=4096)] = []
+    hub_id: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    hub_config: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    split: Annotated[str, msgspec.Meta(max_length=64)] = "train"
+    text_field: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "text"
+    shuffle_buffer: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
+    generate: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0  # shards of synthetic corpus (backbone)
+    examples_per_shard: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 2_000
+
+    def __post_init__(self) -> None:
+        if self.source == "files" and not self.files:
+            raise ValueError("dataset source 'files' needs at least one path or glob in 'files'")
+        if self.source == "hub" and not self.hub_id:
+            raise ValueError("dataset source 'hub' needs 'hub_id'")
+
+
+class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the run trains: see the module docstring."""
+
+    task: Name = "tiny-mlm"
+    task_options: Annotated[dict[Name, OptionValue], msgspec.Meta(max_length=64)] = {}
+    target_batch: Annotated[int, msgspec.Meta(ge=1, le=2**30)] = 256
+    local_batch: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 16  # samples per forward/backward
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    dataset: DatasetSpec = DatasetSpec(generate=8)
+    codec: CodecName = "none"
+    dpu: bool = False  # delayed parameter updates: overlap the next compute with averaging
+    max_steps: Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)] = 0  # 0: no limit
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # initial parameters
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=_MAX_STEP)] = 10  # steps, backbones
+    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+
+    def __post_init__(self) -> None:
+        for key, value in self.task_options.items():
+            if isinstance(value, float):
+                _finite(f"task option {key}", value)
+            if isinstance(value, str) and len(value) > 256:
+                raise ValueError(f"task option {key} is longer than 256 characters")
+
+
+class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One peer's training progress (see the module docstring)."""
+
+    step: Step
+    samples: Samples  # accumulated toward step + 1
+    samples_per_second: Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+    time: float  # unix time of this snapshot
+    loss: float | None = None  # mean local loss of the recent micro-batches
+    client_mode: bool = False
+
+    def __post_init__(self) -> None:
+        _finite("time", self.time)
+        _finite("samples_per_second", self.samples_per_second)
+        if self.loss is not None and not math.isfinite(self.loss):
+            object.__setattr__(self, "loss", None)
+
+
+class StateAnnouncement(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A peer can serve the training state of ``step``: ``nbytes`` bytes whose SHA-256 is ``digest``."""
+
+    step: Step
+    digest: Bytes32
+    nbytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+    time: float
+    backbone: bool = False
+
+    def __post_init__(self) -> None:
+        _finite("time", self.time)

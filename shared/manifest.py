@@ -1,0 +1,66 @@
+"""Reading a run's training spec from a manifest file (TOML or JSON), with errors that say what is wrong.
+
+A manifest file holds the fields of :class:`protocols.training.TrainingSpec` at its top level, or under a
+``[training]`` table (then the file may carry other tables, which are ignored)::
+
+    task = "tiny-mlm"
+    target_batch = 256
+    max_steps = 200
+    [optimizer]
+    lr = 0.003
+    [dataset]
+    source = "backbone"
+    generate = 8
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from protocols.training import TrainingSpec
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["load_training_spec", "parse_training_spec"]
+
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+def parse_training_spec(data: bytes, name: str = "manifest") -> TrainingSpec:
+    """Raises ConfigError naming the file and the offending field."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ConfigError(f"{name} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name} is not UTF-8 text") from exc
+    raw: Any
+    try:
+        raw = json.loads(text) if text.lstrip().startswith("{") else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{name} is neither valid TOML nor JSON: {exc}") from exc
+    if isinstance(raw, dict) and isinstance(raw.get("training"), dict):
+        raw = raw["training"]
+    try:
+        return msgspec.convert(raw, TrainingSpec)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
+
+
+def load_training_spec(path: Path) -> TrainingSpec:
+    """Raises ConfigError if the file is missing, unreadable or not a valid training spec."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read manifest {path}: {exc.strerror}") from exc
+    return parse_training_spec(data, str(path))
