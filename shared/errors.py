@@ -16,7 +16,9 @@
     ├── AuthError                   we refuse a request or answer: bad/expired/foreign token, replay, …
     ├── RecordRejected              a DHT record failed validation (signature, expiry, validator)
     ├── DiscoveryError              no backbone for the run could be found
-    └── AdmissionError              the run's backbones do not admit us (no/bad invite, removed user)
+    ├── AdmissionError              the run's backbones do not admit us (no/bad invite, removed user)
+    ├── StateError                  a training-state blob is malformed or does not match its digest
+    └── StateUnavailable            no peer could provide the announced training state
 
 Rules: translate foreign exceptions at one boundary with ``raise … from exc``; never swallow
 ``trio.Cancelled``; "peer did not answer" is :class:`PeerUnavailable`, which callers must handle.
@@ -43,6 +45,8 @@ __all__ = [
     "ProtocolError",
     "RecordRejected",
     "RemoteError",
+    "StateError",
+    "StateUnavailable",
     "WrongRun",
     "remote_error",
 ]
@@ -127,6 +131,20 @@ AUTH_CODES = frozenset(
 
 class AdmissionError(ProjectError):
     """The run's backbones do not admit this peer: no invite, a rejected invite, or a removed user."""
+
+
+class StateError(ProjectError):
+    """A training-state blob (a safetensors file, see :mod:`shared.state.blob`) is malformed, is not of the
+    project's state format, or its bytes do not hash to the digest they were announced with."""
+
+
+class StateUnavailable(ProjectError):
+    """No source could provide the requested training state: each one was unreachable, refused, or served
+    bytes that did not match the announced digest. ``reasons`` lists what happened with each."""
+
+    def __init__(self, message: str, reasons: tuple[str, ...] = ()) -> None:
+        super().__init__(f"{message}: {'; '.join(reasons)}" if reasons else message)
+        self.reasons = reasons
 
 
 def remote_error(code: int, message: str) -> RemoteError:

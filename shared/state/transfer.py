@@ -1,0 +1,475 @@
+"""Serving and downloading training state between peers (DESIGN §1, §6; seed 000 §3.1).
+
+A peer that holds a state offers it to a :class:`StateServer` and announces it in the DHT under
+:data:`~protocols.training.CHECKPOINT_KEY` (:func:`announce_state`). A peer that needs the state reads the
+announcements, ranks them with :func:`trusted_state`, and downloads one with :func:`fetch_state`, chunk by
+chunk over the bulk lane (:mod:`protocols.state`), from any of the peers that announced that digest.
+
+Trust: a blob is accepted only if its SHA-256 equals the announced digest, so a server cannot slip in
+other bytes than those announced. Which *announcement* to believe is :func:`trusted_state`'s job: among the
+newest steps, the digest announced by the most distinct writers comes first, so one liar announcing
+another digest for a step that two honest peers agree on is tried only after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import trio
+
+from protocols.bulk import BulkHeader
+from protocols.codes import ErrorCode
+from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
+from protocols.presence import PRESENCE_KEY, Presence
+from protocols.state import (
+    MAX_CHUNK_BYTES,
+    STATE_TOPIC,
+    StateChunk,
+    StateRequest,
+    decode_state_chunk,
+    decode_state_request,
+    encode_state_meta,
+)
+from protocols.training import CHECKPOINT_KEY, StateAnnouncement
+
+from ..dht.node import DHTNode
+from ..errors import ConfigError, RemoteError, StateUnavailable
+from ..net.addresses import PeerAddress, parse_multiaddr
+from ..net.bulk import BulkReader, BulkReply
+from ..net.host import CALL_FAILURES, Host
+from ..net.rpc import RequestContext
+from .blob import state_digest
+
+__all__ = [
+    "ANNOUNCE_PERIOD",
+    "ANNOUNCE_TTL",
+    "DEFAULT_CHUNK_BYTES",
+    "STATE_IO",
+    "StateServer",
+    "StateServerStatistics",
+    "announce_state",
+    "fetch_state",
+    "presence_addresses",
+    "read_announcements",
+    "trusted_state",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Worker threads reading and writing state files and hashing blobs, process-wide.
+STATE_IO = trio.CapacityLimiter(4)
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+#: Blobs a server keeps in memory; older offers are dropped (files are not counted: they cost no memory).
+MAX_BLOBS_IN_MEMORY = 2
+#: A state announcement lives this long in the DHT and is re-published every ``ANNOUNCE_PERIOD`` seconds.
+ANNOUNCE_TTL = 60.0
+ANNOUNCE_PERIOD = 20.0
+#: A chunk slower than this on top of the host's bulk stall limit counts as a failed source.
+_MIN_CHUNK_RATE = 64 * 1024  # bytes/s
+_ANNOUNCEMENT = msgspec.msgpack.Decoder(StateAnnouncement)
+_PRESENCE = msgspec.msgpack.Decoder(Presence)
+
+Source = tuple[PeerAddress, StateAnnouncement]
+
+
+# ------------------------------------------------------------------------------------------ serving
+
+
+@dataclass(frozen=True)
+class _Offer:
+    announcement: StateAnnouncement
+    blob: bytes | None = None
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class StateServerStatistics:
+    offered: int
+    chunks_served: int
+    bytes_served: int
+    refused: int
+
+
+class StateServer:
+    """Serves offered states to peers on the bulk topic :data:`~protocols.state.STATE_TOPIC`.
+
+    Args:
+        host: the node's host; the server registers its bulk handler there.
+        backbone: whether the announcements it makes carry ``backbone=True``.
+    """
+
+    def __init__(self, host: Host, *, backbone: bool = False) -> None:
+        self.host = host
+        self.backbone = backbone
+        self._blobs: dict[bytes, _Offer] = {}  # oldest offer first
+        self._files: dict[bytes, _Offer] = {}
+        self._chunks = self._bytes = self._refused = 0
+        host.bulk_handlers[STATE_TOPIC] = self._on_get
+
+    def offer(self, step: int, blob: bytes, *, digest: bytes | None = None) -> StateAnnouncement:
+        """Serve ``blob`` (the state after ``step`` optimizer steps) from memory; return its announcement.
+
+        Only the :data:`MAX_BLOBS_IN_MEMORY` most recent offers stay in memory. Hashing a large blob
+        blocks: pass ``digest`` if it is already known (e.g. computed in a worker thread).
+        """
+        if not blob:
+            raise ValueError("cannot offer an empty state")
+        digest = state_digest(blob) if digest is None else digest
+        offer = _Offer(self._announcement(step, digest, len(blob)), blob=blob)
+        self._blobs.pop(digest, None)
+        self._blobs[digest] = offer
+        while len(self._blobs) > MAX_BLOBS_IN_MEMORY:
+            del self._blobs[next(iter(self._blobs))]
+        return offer.announcement
+
+    def offer_file(self, step: int, path: Path, digest: bytes, nbytes: int) -> StateAnnouncement:
+        """Serve the state stored in ``path`` (``nbytes`` long, SHA-256 ``digest``) until :meth:`forget`."""
+        if nbytes <= 0:
+            raise ValueError("cannot offer an empty state")
+        offer = _Offer(self._announcement(step, digest, nbytes), path=Path(path))
+        self._files[digest] = offer
+        return offer.announcement
+
+    def forget(self, digest: bytes) -> None:
+        """Stop serving ``digest`` (chunks already being sent still complete)."""
+        self._blobs.pop(digest, None)
+        self._files.pop(digest, None)
+
+    def offered(self) -> list[StateAnnouncement]:
+        """What this server can serve, newest step first."""
+        offers = {**self._files, **self._blobs}.values()
+        return sorted((o.announcement for o in offers), key=lambda a: (a.step, a.time), reverse=True)
+
+    def statistics(self) -> StateServerStatistics:
+        return StateServerStatistics(
+            offered=len({*self._blobs, *self._files}),
+            chunks_served=self._chunks,
+            bytes_served=self._bytes,
+            refused=self._refused,
+        )
+
+    def _announcement(self, step: int, digest: bytes, nbytes: int) -> StateAnnouncement:
+        if len(digest) != 32:
+            raise ValueError(f"digest must be 32 bytes (SHA-256), got {len(digest)}")
+        return StateAnnouncement(
+            step=step, digest=digest, nbytes=nbytes, time=time.time(), backbone=self.backbone
+        )
+
+    async def _on_get(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        try:
+            return await self._serve(header)
+        except (ProtocolError, RemoteError):
+            self._refused += 1
+            raise
+
+    async def _serve(self, header: BulkHeader) -> BulkReply:
+        if header.nbytes:
+            raise ProtocolError(f"a state request carries no payload, got {header.nbytes} bytes")
+        request = decode_state_request(header.meta)
+        offer = self._blobs.get(request.digest) or self._files.get(request.digest)
+        if offer is None:
+            raise RemoteError(ErrorCode.NOT_FOUND, f"no state {request.digest.hex()[:16]} here")
+        total = offer.announcement.nbytes
+        if request.offset >= total:
+            raise ProtocolError(f"offset {request.offset} is beyond the state's {total} bytes")
+        length = min(request.length, total - request.offset)
+        if offer.blob is not None:
+            data = memoryview(offer.blob)[request.offset : request.offset + length]
+        else:
+            assert offer.path is not None
+            try:
+                chunk = await trio.to_thread.run_sync(
+                    _read_range, offer.path, request.offset, length, limiter=STATE_IO
+                )
+            except OSError as exc:
+                logger.warning("cannot serve state %s: %s", request.digest.hex()[:16], exc)
+                raise RemoteError(ErrorCode.NOT_FOUND, "state file unreadable") from exc
+            if len(chunk) != length:
+                logger.warning("state file %s is shorter than announced", offer.path)
+                raise RemoteError(ErrorCode.NOT_FOUND, "state file truncated")
+            data = memoryview(chunk)
+        meta = encode_state_meta(StateChunk(digest=request.digest, offset=request.offset, total=total))
+        self._chunks += 1
+        self._bytes += length
+        return BulkReply(meta, data)
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as file:
+        file.seek(offset)
+        return file.read(length)
+
+
+# ------------------------------------------------------------------------------------------ fetching
+
+
+async def fetch_state(
+    host: Host,
+    sources: Sequence[Source],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    partial_dir: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> bytes:
+    """Download the state announced by ``sources[0]`` from the sources that announce the same digest.
+
+    Chunks are requested in order from the first working source; when one fails (connection lost,
+    refusal, timeout, a malformed reply) the download continues at the same offset from the next. The
+    finished blob must hash to the digest; if it does not, it is refused with a warning naming the
+    source(s) it came from, and the download restarts from zero without the source that served it alone
+    (after a mixed download, whose culprit is unknown, the surviving source is retried alone first).
+
+    Args:
+        host: our host (the downloads use its bulk connections, so client-mode peers can download).
+        sources: where the state can be found, as (address, announcement); sources announcing another
+            digest than the first are skipped.
+        chunk_bytes: bytes per request (at most :data:`~protocols.state.MAX_CHUNK_BYTES`).
+        partial_dir: if given, progress is kept in ``<partial_dir>/<hex digest>.partial`` so that a
+            download interrupted by a restart resumes there (the whole blob is verified anyway).
+        on_progress: called with ``(bytes_done, total)`` after each chunk.
+
+    Returns:
+        The blob, whose SHA-256 is the announced digest.
+
+    Raises:
+        StateUnavailable: no source could provide the state; ``reasons`` says what each one did.
+        ConfigError: the partial-download file cannot be created in ``partial_dir``.
+        ValueError: ``chunk_bytes`` is out of range.
+    """
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    if not sources:
+        raise StateUnavailable("no peer announces a state")
+    wanted = sources[0][1]
+    name = f"state {wanted.digest.hex()[:16]} of step {wanted.step}"
+    reasons: list[str] = []
+    candidates: list[PeerAddress] = []
+    for address, announcement in sources:
+        if announcement.digest != wanted.digest:
+            logger.debug("skipping %s: it announces another state than %s", address, name)
+        elif announcement.nbytes != wanted.nbytes:
+            reasons.append(f"{address} announces {announcement.nbytes} bytes, not {wanted.nbytes}")
+        else:
+            candidates.append(address)
+    download = _Download(wanted, partial_dir)
+    try:
+        await download.resume()
+        while True:
+            if download.done and on_progress is not None:
+                on_progress(download.done, wanted.nbytes)
+            while download.done < wanted.nbytes:
+                if not candidates:
+                    raise StateUnavailable(f"{name} could not be downloaded", tuple(reasons))
+                address = candidates[0]
+                try:
+                    await download.chunk_from(host, address, chunk_bytes)
+                except CALL_FAILURES as exc:
+                    logger.info("%s: %s failed (%s); trying the next source", name, address, exc)
+                    reasons.append(f"{address}: {exc}")
+                    candidates.pop(0)
+                    continue
+                if on_progress is not None:
+                    on_progress(download.done, wanted.nbytes)
+            if await download.verified():
+                return download.blob()
+            culprits = download.contributors
+            logger.warning(
+                "refused %s from %s: its bytes do not hash to the announced digest", name, ", ".join(culprits)
+            )
+            reasons.append(f"{', '.join(culprits)}: served bytes that do not match the digest")
+            if candidates and culprits == [str(candidates[0])]:  # the only contributor: the culprit
+                bad = candidates[0].peer_id
+                candidates = [c for c in candidates if c.peer_id != bad]
+            await download.restart()
+    finally:
+        download.close()
+
+
+class _Download:
+    """One blob being assembled in memory, mirrored to a partial file if asked."""
+
+    def __init__(self, wanted: StateAnnouncement, partial_dir: Path | None) -> None:
+        self.wanted = wanted
+        self.buffer = bytearray(wanted.nbytes)
+        self.done = 0
+        self.contributors: list[str] = []
+        self.partial = partial_dir / f"{wanted.digest.hex()}.partial" if partial_dir is not None else None
+        self._fd: int | None = None
+
+    async def resume(self) -> None:
+        if self.partial is None:
+            return
+        try:
+            await trio.to_thread.run_sync(self._open_partial, limiter=STATE_IO)
+        except OSError as exc:
+            raise ConfigError(f"cannot keep a partial download in {self.partial}: {exc}") from exc
+        if self.done:
+            logger.info("resuming the download of %s at byte %d", self.partial.name, self.done)
+            self.contributors.append(f"the partial download {self.partial}")
+
+    def _open_partial(self) -> None:
+        assert self.partial is not None
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o600)
+        size = os.fstat(self._fd).st_size
+        if size > self.wanted.nbytes:
+            os.ftruncate(self._fd, 0)
+            size = 0
+        view = memoryview(self.buffer)
+        while self.done < size:
+            n = os.preadv(self._fd, [view[self.done : size]], self.done)
+            if n <= 0:
+                break
+            self.done += n
+
+    async def chunk_from(self, host: Host, address: PeerAddress, chunk_bytes: int) -> None:
+        digest, total, offset = self.wanted.digest, self.wanted.nbytes, self.done
+        length = min(chunk_bytes, total - offset)
+        scratch = bytearray(0)  # a fresh buffer per chunk: an abandoned transfer thread writes nowhere
+
+        def sink(meta: bytes, nbytes: int) -> memoryview:
+            nonlocal scratch
+            chunk = decode_state_chunk(meta)
+            if chunk.digest != digest or chunk.offset != offset:
+                raise ProtocolError(
+                    f"chunk of {chunk.digest.hex()[:16]}@{chunk.offset} answers another request"
+                )
+            if chunk.total != total:
+                raise ProtocolError(f"the source's state is {chunk.total} bytes, announced {total}")
+            if not 0 < nbytes <= length:
+                raise ProtocolError(f"chunk of {nbytes} bytes for a request of {length}")
+            scratch = bytearray(nbytes)
+            return memoryview(scratch)
+
+        request = encode_state_meta(StateRequest(digest=digest, offset=offset, length=length))
+        with trio.fail_after(host.config.bulk_stall + length / _MIN_CHUNK_RATE):
+            await host.send_bulk(address, STATE_TOPIC, b"", request, sink=sink)
+        if not scratch:
+            raise ProtocolError("the source answered without any bytes")
+        self.buffer[offset : offset + len(scratch)] = scratch
+        if self._fd is not None:
+            await trio.to_thread.run_sync(os.pwrite, self._fd, scratch, offset, limiter=STATE_IO)
+        self.done += len(scratch)
+        if str(address) not in self.contributors:
+            self.contributors.append(str(address))
+
+    async def verified(self) -> bool:
+        digest = await trio.to_thread.run_sync(state_digest, self.buffer, limiter=STATE_IO)
+        return digest == self.wanted.digest
+
+    def blob(self) -> bytes:
+        if self.partial is not None:
+            self.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.partial.unlink()
+        return bytes(self.buffer)
+
+    async def restart(self) -> None:
+        self.done = 0
+        self.contributors = []
+        if self._fd is not None:
+            await trio.to_thread.run_sync(os.ftruncate, self._fd, 0, limiter=STATE_IO)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+# ------------------------------------------------------------------------------------------ choosing
+
+
+def trusted_state(
+    announcements: Mapping[str, StateAnnouncement], *, min_step: int = 0
+) -> list[tuple[StateAnnouncement, list[str]]]:
+    """Rank the announced states, most trustworthy first, with the peers that announced each.
+
+    Announcements are grouped by (step, digest, nbytes). Groups come newest step first; within a step,
+    the state announced by the most distinct writers comes first, then one a backbone announced, then
+    by digest (so the order never depends on the mapping's order). Steps below ``min_step`` are left out.
+
+    Args:
+        announcements: each writer's (peer id's) current announcement.
+        min_step: the oldest step of interest.
+
+    Returns:
+        ``(announcement, writers)`` per group: the announcement carries the newest ``time`` of the group
+        and ``backbone=True`` if any writer is a backbone; ``writers`` lists backbones first, then the
+        most recent announcers.
+    """
+    groups: dict[tuple[int, bytes, int], list[tuple[str, StateAnnouncement]]] = {}
+    for writer, announcement in announcements.items():
+        if announcement.step >= min_step:
+            key = (announcement.step, announcement.digest, announcement.nbytes)
+            groups.setdefault(key, []).append((writer, announcement))
+    ranked = []
+    for (step, digest, nbytes), members in groups.items():
+        members.sort(key=lambda m: (not m[1].backbone, -m[1].time, m[0]))
+        backbone = any(a.backbone for _, a in members)
+        newest = max(a.time for _, a in members)
+        summary = StateAnnouncement(step=step, digest=digest, nbytes=nbytes, time=newest, backbone=backbone)
+        ranked.append((summary, [writer for writer, _ in members]))
+    ranked.sort(key=lambda r: (-r[0].step, -len(r[1]), not r[0].backbone, r[0].digest, r[0].nbytes))
+    return ranked
+
+
+# ------------------------------------------------------------------------------------------ DHT
+
+
+async def read_announcements(dht: DHTNode) -> dict[str, StateAnnouncement]:
+    """Every peer's current state announcement (malformed entries and other peers' subkeys are ignored).
+
+    Raises:
+        whatever :meth:`DHTNode.get` raises.
+    """
+    found = await dht.get(CHECKPOINT_KEY, latest=True)
+    out: dict[str, StateAnnouncement] = {}
+    for subkey, record in found.entries.items() if found is not None else ():
+        if subkey != record.writer.encode():
+            continue
+        try:
+            out[record.writer] = _ANNOUNCEMENT.decode(record.value)
+        except (msgspec.DecodeError, ValueError):
+            logger.debug("ignoring a malformed state announcement by %s", record.writer)
+    return out
+
+
+async def presence_addresses(dht: DHTNode) -> dict[str, list[PeerAddress]]:
+    """Where each present peer listens (peers in client mode have no addresses and are left out)."""
+    found = await dht.get(PRESENCE_KEY, latest=True)
+    out: dict[str, list[PeerAddress]] = {}
+    for subkey, record in found.entries.items() if found is not None else ():
+        if subkey != record.writer.encode():
+            continue
+        try:
+            presence = _PRESENCE.decode(record.value)
+        except (msgspec.DecodeError, ValueError):
+            continue
+        addresses = []
+        for text in presence.addrs:
+            try:
+                addresses.append(parse_multiaddr(text).with_peer(PeerId(record.writer)))
+            except ConfigError:
+                continue
+        if addresses:
+            out[record.writer] = addresses
+    return out
+
+
+async def announce_state(dht: DHTNode, announcement: StateAnnouncement) -> int:
+    """Store our announcement under :data:`CHECKPOINT_KEY` for :data:`ANNOUNCE_TTL` seconds.
+
+    Returns:
+        On how many nodes it is stored (0: nowhere).
+    """
+    value = msgspec.msgpack.encode(announcement)
+    subkey = dht.host.peer_id.encode()
+    return await dht.store(CHECKPOINT_KEY, value, time.time() + ANNOUNCE_TTL, subkey=subkey)

@@ -1,0 +1,133 @@
+"""The backbone collects, stores, serves and announces checkpoints through a real DHT and bulk lane."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import trio
+
+from backbone.checkpointer import Checkpointer, keep_checkpoints
+from backbone.checkpoints import CheckpointStore
+from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
+from protocols.training import StateAnnouncement, TrainingSpec
+from shared.auth.keys import Identity
+from shared.node import Node, open_node
+from shared.state.blob import encode_state, state_digest
+from shared.state.transfer import (
+    StateServer,
+    announce_state,
+    fetch_state,
+    presence_addresses,
+    read_announcements,
+)
+
+RUN = "ckpt-test"
+
+
+def blob_of(step: int) -> bytes:
+    tensors = {"model/w": np.full(5000, step, dtype=np.float32), "optim/m": np.zeros(100, np.float32)}
+    return encode_state(tensors, {"step": str(step), "run_id": RUN, "task": "tiny-mlm"})
+
+
+async def start_node(nursery: trio.Nursery, role: str, initial: Node | None = None) -> Node:
+    async def run(task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(
+            Identity.generate(),
+            RUN,
+            role,  # type: ignore[arg-type]
+            listen=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=[initial.host.listen_addrs[0]] if initial else [],
+        ) as node:
+            task_status.started(node)
+            await trio.sleep_forever()
+
+    node: Node = await nursery.start(run)
+    presence = Presence(role=role, addrs=node.host.listen_addrs[:8])  # type: ignore[arg-type]
+    await node.dht.store(
+        PRESENCE_KEY,
+        msgspec.msgpack.encode(presence),
+        time.time() + PRESENCE_TTL,
+        subkey=node.peer_id.encode(),
+    )
+    return node
+
+
+async def volunteer_offering(nursery: trio.Nursery, backbone: Node, blob: bytes, step: int) -> StateServer:
+    node = await start_node(nursery, "volunteer", backbone)
+    server = StateServer(node.host)
+    await announce_state(node.dht, server.offer(step, blob))
+    return server
+
+
+async def test_checkpointer_stores_the_trusted_state_once_due(nursery: trio.Nursery, tmp_path: Path) -> None:
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path / "checkpoints", keep=2)
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    assert await checkpointer.poll_once() is None  # nobody announces anything
+
+    honest = blob_of(10)
+    servers = [await volunteer_offering(nursery, backbone, honest, 10) for _ in range(2)]
+    liar = blob_of(11)
+    liar_node = await start_node(nursery, "volunteer", backbone)
+    await announce_state(liar_node.dht, StateServer(liar_node.host).offer(10, liar))  # same step, other state
+
+    entry = await checkpointer.poll_once()
+
+    assert entry is not None
+    assert (entry.step, entry.digest) == (10, state_digest(honest))
+    assert store.path(entry.digest).read_bytes() == honest
+    assert sum(s.statistics().bytes_served for s in servers) == len(honest)
+
+    # step 15 is not checkpoint_every (10) steps past 10: not fetched; step 20 is
+    servers = [await volunteer_offering(nursery, backbone, blob_of(15), 15)]
+    assert await checkpointer.poll_once() is None
+    assert servers[0].statistics().bytes_served == 0
+    await volunteer_offering(nursery, backbone, blob_of(20), 20)
+    entry = await checkpointer.poll_once()
+    assert entry is not None and entry.step == 20
+    assert [e.step for e in store.entries()] == [10, 20]
+
+
+async def test_keep_checkpoints_serves_and_announces_the_stored_checkpoint_after_a_restart(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    blob = blob_of(30)
+    CheckpointStore(tmp_path, keep=3).save(blob, 30)  # stored by an earlier run of the backbone
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path, keep=3)
+    await nursery.start(
+        keep_checkpoints, backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec()
+    )
+    newcomer = await start_node(nursery, "volunteer", backbone)
+
+    with trio.fail_after(10):
+        while backbone.peer_id not in (found := await read_announcements(newcomer.dht)):
+            await trio.sleep(0.05)
+    announcement = found[backbone.peer_id]
+    assert isinstance(announcement, StateAnnouncement)
+    assert (announcement.step, announcement.digest, announcement.backbone) == (30, state_digest(blob), True)
+    addresses = await presence_addresses(newcomer.dht)
+    sources = [(a, announcement) for a in addresses[backbone.peer_id]]
+    assert await fetch_state(newcomer.host, sources) == blob
+
+
+async def test_keep_checkpoints_fetches_a_new_state_and_announces_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path, keep=3)
+    blob = blob_of(10)
+    await volunteer_offering(nursery, backbone, blob, 10)
+    await nursery.start(
+        keep_checkpoints, backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec()
+    )
+
+    with trio.fail_after(10):
+        while store.newest() is None:
+            await trio.sleep(0.05)
+        while not (own := (await read_announcements(backbone.dht)).get(backbone.peer_id)):
+            await trio.sleep(0.05)
+    assert (own.step, own.digest, own.backbone) == (10, state_digest(blob), True)

@@ -1,0 +1,105 @@
+"""`backbone export`: a stored checkpoint's model tensors as a safetensors file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from typer.testing import CliRunner
+
+from backbone.checkpoints import CheckpointStore
+from backbone.cli import app
+from shared.state.blob import encode_state
+
+runner = CliRunner()
+
+
+def save_checkpoint(data_dir: Path, step: int) -> dict[str, np.ndarray]:
+    model = {
+        "embed.weight": np.full((4, 3), step, dtype=np.float32),
+        "head.bias": np.arange(3, dtype=np.float32) + step,
+    }
+    tensors = {f"model/{k}": v for k, v in model.items()} | {
+        "optim/embed.weight.exp_avg": np.ones((4, 3), np.float32)
+    }
+    blob = encode_state(tensors, {"step": str(step), "run_id": "my-run@abc", "task": "tiny-mlm"})
+    CheckpointStore(data_dir / "checkpoints", keep=3).save(blob, step)
+    return model
+
+
+def export(data_dir: Path, output: Path, *extra: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["export", "--data-dir", str(data_dir), "--output", str(output), *extra])
+    return result.exit_code, " ".join(result.output.split())  # rich wraps long error lines
+
+
+def test_export_writes_the_newest_checkpoints_model_tensors(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 10)
+    model = save_checkpoint(tmp_path, 20)
+    output = tmp_path / "model.safetensors"
+
+    code, printed = export(tmp_path, output, "--format", "safetensors")
+
+    assert code == 0, printed
+    assert str(output) in printed and "step 20" in printed and "2 tensors" in printed
+    loaded = safetensors.numpy.load_file(output)
+    assert loaded.keys() == model.keys()  # no `model/` prefix, no optimizer tensors
+    for name, array in model.items():
+        np.testing.assert_array_equal(loaded[name], array)
+    with safetensors.safe_open(output, framework="numpy") as opened:
+        metadata = opened.metadata()
+    assert metadata == {
+        "format": "pt",
+        "state_format": "dedloc-state-v1",
+        "step": "20",
+        "run_id": "my-run@abc",
+        "task": "tiny-mlm",
+    }
+
+
+def test_export_writes_the_checkpoint_of_a_given_step(tmp_path: Path) -> None:
+    model = save_checkpoint(tmp_path, 10)
+    save_checkpoint(tmp_path, 20)
+    output = tmp_path / "m10.safetensors"
+
+    code, printed = export(tmp_path, output, "--step", "10")
+
+    assert code == 0, printed
+    np.testing.assert_array_equal(safetensors.numpy.load_file(output)["head.bias"], model["head.bias"])
+
+
+@pytest.mark.parametrize(
+    ("setup", "extra", "message"),
+    [
+        (False, (), "no checkpoint"),
+        (True, ("--step", "11"), "kept steps: 10"),
+        (True, ("--format", "onnx"), "only 'safetensors'"),
+    ],
+)
+def test_export_fails_with_exit_2_and_a_reason(
+    tmp_path: Path, setup: bool, extra: tuple[str, ...], message: str
+) -> None:
+    if setup:
+        save_checkpoint(tmp_path, 10)
+    output = tmp_path / "out.safetensors"
+
+    code, printed = export(tmp_path, output, *extra)
+
+    assert code == 2
+    assert message in printed
+    assert not output.exists()
+
+
+def test_export_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 10)
+    (path,) = (tmp_path / "checkpoints").glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes
+    path.write_bytes(bytes(data))
+
+    code, printed = export(tmp_path, tmp_path / "out.safetensors")
+
+    assert code == 2
+    assert "damaged" in printed
