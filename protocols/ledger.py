@@ -8,8 +8,12 @@ backbone keeps the original bytes and signature, so every credited row can be re
 ``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
 sent twice (a retry after a lost reply, a second backbone) is credited once.
 
-:class:`Capabilities` is what a peer *measured* about itself (samples/s on the run's model, bandwidth);
-the ledger's plausibility checks compare reports against it.
+:class:`Capabilities` is what a peer *measured* about itself (samples/s on the run's model, bandwidth;
+see :mod:`protocols.probe`); the ledger's plausibility checks compare reports against it. A peer sends
+them as :class:`SignedCapabilities` (``POST capabilities``): the msgpack bytes of its
+:class:`Capabilities`, its peer id, the run id and a unix timestamp, signed by its identity key over
+:func:`capabilities_payload`. The backbone accepts them only within ``protocols.auth.MAX_CLOCK_SKEW`` of
+its clock, so an old message cannot be replayed later to overwrite newer numbers.
 
 Example (volunteer side)::
 
@@ -24,14 +28,20 @@ from typing import Annotated
 
 import msgspec
 
+from .errors import ProtocolError
 from .types import Bytes64, PeerIdStr, RunIdStr
 
 __all__ = [
+    "MAX_CAPABILITIES_BYTES",
     "MAX_COUNT",
     "MAX_REPORT_BYTES",
     "Capabilities",
+    "CapabilitiesReceipt",
     "ContributionReport",
+    "SignedCapabilities",
     "SignedReport",
+    "capabilities_payload",
+    "decode_capabilities",
     "report_payload",
 ]
 
@@ -43,6 +53,8 @@ _MAX_TIME = 1e12
 #: Capability ceilings, far above any real device or link (1e13 B/s = 80 Tbit/s).
 _MAX_RATE = 1e13
 _REPORT_DOMAIN = b"dedloc-report-v1"
+_CAPABILITIES_DOMAIN = b"dedloc-capabilities-v1"
+MAX_CAPABILITIES_BYTES = 1024
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=_MAX_TIME)]
@@ -110,3 +122,43 @@ class Capabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _check("download_bps", self.download_bps, 0, _MAX_RATE)
         if len(self.device) > 128:
             raise ValueError(f"device name has {len(self.device)} characters, at most 128 are allowed")
+
+
+class SignedCapabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A peer's msgpack-encoded :class:`Capabilities`, signed by it over :func:`capabilities_payload`."""
+
+    run_id: RunIdStr
+    peer_id: PeerIdStr
+    timestamp: UnixTime
+    capabilities: Annotated[bytes, msgspec.Meta(max_length=MAX_CAPABILITIES_BYTES)]
+    signature: Bytes64
+
+
+def capabilities_payload(run_id: str, peer_id: str, timestamp: float, capabilities_bytes: bytes) -> bytes:
+    """The bytes a volunteer signs for its capabilities: a domain tag, then msgpack of (run id, peer id,
+    timestamp, the capabilities' msgpack bytes)."""
+    return _CAPABILITIES_DOMAIN + msgspec.msgpack.encode((run_id, peer_id, timestamp, capabilities_bytes))
+
+
+_CAPABILITIES_DECODER = msgspec.msgpack.Decoder(Capabilities)
+
+
+def decode_capabilities(data: bytes | memoryview) -> Capabilities:
+    """Decode msgpack :class:`Capabilities` (as inside :class:`SignedCapabilities`).
+
+    Raises:
+        ProtocolError: more than :data:`MAX_CAPABILITIES_BYTES`, malformed, or a value out of range.
+    """
+    if len(data) > MAX_CAPABILITIES_BYTES:
+        raise ProtocolError(f"capabilities of {len(data)} bytes exceed {MAX_CAPABILITIES_BYTES}")
+    try:
+        return _CAPABILITIES_DECODER.decode(data)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:  # __post_init__ checks too
+        raise ProtocolError(f"invalid capabilities: {exc}") from exc
+
+
+class CapabilitiesReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The backbone's answer to ``POST capabilities``: what it now holds for ``peer_id``."""
+
+    peer_id: PeerIdStr
+    capabilities: Capabilities

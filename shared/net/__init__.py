@@ -8,6 +8,7 @@ Modules (lowest first):
     rpc          RpcChannel: typed, multiplexed, bidirectional request/response; HandlerRegistry
     bulk         the bulk lane: raw bytes through worker threads, for gradients and state
     host         Host: listeners, connection pool, call(), send_bulk(), statistics()
+    probe        ProbeService and the clients measure_bandwidth(), check_reachable() (capabilities)
 """
 
 from __future__ import annotations

@@ -161,10 +161,15 @@ class BulkReader:
 
 @dataclass(frozen=True)
 class BulkReply:
-    """A handler's answer with a payload: ``meta`` in the ack, then ``data`` as raw bytes."""
+    """A handler's answer with a payload: ``meta`` in the ack, then ``data`` as raw bytes.
+
+    ``on_sent``, if given, is called once the payload has been sent or the attempt failed, so a handler
+    can hold a resource (a concurrency slot, a buffer) until its reply is on the wire.
+    """
 
     meta: bytes
     data: memoryview
+    on_sent: Callable[[], None] | None = None
 
 
 #: Called by the sender with the ack's meta and the reply size; returns where to put the reply bytes.
@@ -197,7 +202,9 @@ async def serve_bulk_lane(
                     envelope.auth,
                 )
                 nonce = verified.nonce
-                context = RequestContext(conn.remote_peer, conn.remote_addrs, verified.username)
+                context = RequestContext(
+                    conn.remote_peer, conn.remote_addrs, verified.username, conn.remote_host
+                )
                 if handler is None:
                     raise ProtocolError(f"no bulk handler for topic {header.topic!r}", ErrorCode.UNKNOWN_KIND)
                 answer = await handler(context, header, reader)
@@ -216,15 +223,21 @@ async def serve_bulk_lane(
                 if drain:
                     continue
                 return
-            if reader.remaining:
-                await reader.discard()
             reply = answer if isinstance(answer, BulkReply) else BulkReply(answer, memoryview(b""))
-            payload = reply.data.cast("B") if reply.data.format != "B" or reply.data.ndim != 1 else reply.data
-            ack = encode_payload(BulkAck(meta=reply.meta, nbytes=payload.nbytes))
-            credentials = auth.sign_response(nonce, BulkAck.kind, ack)
-            await conn.send_frame(frame_payload(BulkAck.kind, ack, 0, Flags.RESPONSE, credentials))
-            if payload.nbytes:
-                await _in_thread(conn, conn.tls.send_all_blocking, payload, stall)
+            try:
+                if reader.remaining:
+                    await reader.discard()
+                payload = (
+                    reply.data.cast("B") if reply.data.format != "B" or reply.data.ndim != 1 else reply.data
+                )
+                ack = encode_payload(BulkAck(meta=reply.meta, nbytes=payload.nbytes))
+                credentials = auth.sign_response(nonce, BulkAck.kind, ack)
+                await conn.send_frame(frame_payload(BulkAck.kind, ack, 0, Flags.RESPONSE, credentials))
+                if payload.nbytes:
+                    await _in_thread(conn, conn.tls.send_all_blocking, payload, stall)
+            finally:
+                if reply.on_sent is not None:
+                    reply.on_sent()
     except ProtocolError as exc:
         logger.warning("closing bulk lane from %s: %s", conn.remote_peer, exc)
     except PeerUnavailable as exc:

@@ -82,6 +82,12 @@ class SecureConnection:
         self.initiator = initiator
         self._write_lock = trio.StrictFIFOLock()
 
+    @property
+    def remote_host(self) -> str:
+        """The remote end's host as this side sees it: the IP an accepted connection comes from, or the
+        host we dialed (``tls.peer`` is ``host:port``; IPv6 hosts contain colons, the port never does)."""
+        return self.tls.peer.rpartition(":")[0].strip("[]")
+
     async def send_frame(self, frame: bytes) -> None:
         async with self._write_lock:
             await self.tls.send_all(frame)

@@ -316,6 +316,26 @@ class Host:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._dial_locks.pop(key, None)
 
+    async def dial_fresh(self, address: PeerAddress) -> PeerId:
+        """Open a *new* connection to ``address`` (never a pooled one), authenticate it, close it, and
+        return the peer id it proved. Reachability probes use it: only a fresh dial shows that the peer
+        accepts connections there. The bulk lane is used so the peer's RPC pool is left alone.
+
+        Raises:
+            PeerUnavailable: nobody answered within ``dial_deadline``, or the connection broke.
+            HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
+        """
+        self._require_running()
+        try:
+            with trio.fail_after(self.config.dial_deadline):
+                conn = await dial(self.endpoint, address, "bulk")
+        except trio.TooSlowError as exc:
+            raise PeerUnavailable(
+                f"{address} did not complete a handshake within {self.config.dial_deadline} s"
+            ) from exc
+        conn.close()
+        return conn.remote_peer
+
     def _live_channel(self, address: PeerAddress) -> RpcChannel | None:
         peer = address.peer_id or self._by_address.get((address.host, address.port))
         channel = self._channels.get(peer) if peer else None

@@ -63,12 +63,13 @@ N = TypeVar("N", bound=Message)
 
 @dataclass(frozen=True)
 class RequestContext:
-    """Who sent a request: a proven peer id, the addresses it says it listens on, and in pinned runs the
-    admitted user it belongs to."""
+    """Who sent a request: a proven peer id, the addresses it says it listens on, in pinned runs the
+    admitted user it belongs to, and the host (IP) its connection comes from as this node sees it."""
 
     peer_id: PeerId
     listen_addrs: tuple[str, ...]
     username: str | None = None
+    remote_host: str = ""
 
 
 Handler = Callable[[RequestContext, Any], Awaitable[Message]]
@@ -131,7 +132,7 @@ class RpcChannel:
         self.peer_id = conn.remote_peer
         self._registry = registry
         self._auth: Authenticator = authenticator or OpenAuthenticator()
-        self._context = RequestContext(conn.remote_peer, conn.remote_addrs)
+        self._context = RequestContext(conn.remote_peer, conn.remote_addrs, remote_host=conn.remote_host)
         self._max_inflight = max_inflight
         self._handler_deadline = handler_deadline
         self._ids = itertools.count(1)

@@ -1,0 +1,286 @@
+"""Measured capabilities: the device string, throughput timing, drift, and measuring + publishing against
+a real backbone-like node (volunteer.capabilities)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+
+import msgspec
+import pytest
+import torch
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocols.ledger import Capabilities
+from protocols.probe import CAPABILITIES_KEY, decode_capability_record
+from shared.auth.keys import Identity
+from shared.errors import RecordRejected
+from shared.net.probe import ProbeService
+from shared.node import Node, open_node
+from volunteer.capabilities import (
+    DriftTracker,
+    MeasuredCapabilities,
+    device_description,
+    measure_capabilities,
+    measure_samples_per_second,
+    publish_capabilities,
+)
+
+RUN_ID = "caps-test"
+HANG_GUARD_S = 20
+MiB = 1 << 20
+
+# ---------------------------------------------------------------- device
+
+
+def test_device_description_names_the_device_and_fits_the_wire_limit() -> None:
+    text = device_description()
+    assert 0 < len(text) <= 128
+    if torch.cuda.is_available():
+        assert torch.cuda.get_device_name(0) in text and text.endswith("GiB")
+    else:
+        assert text.startswith("CPU: ") and text.endswith(f", {os.cpu_count()} cores")
+    Capabilities(samples_per_second=1.0, upload_bps=1.0, download_bps=1.0, device=text)  # valid on the wire
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def test_measure_samples_per_second_times_a_real_training_step_after_its_warm_up() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    data, target = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    calls: list[float] = []
+    readings: list[float] = []
+    progress: list[float] = []
+
+    def step() -> int:
+        calls.append(time.perf_counter())
+        loss = torch.nn.functional.cross_entropy(model(data), target)
+        loss.backward()
+        return len(data)
+
+    def clock() -> float:
+        readings.append(time.perf_counter())
+        return readings[-1]
+
+    rate = measure_samples_per_second(
+        step, warmup_steps=3, seconds=0.2, on_progress=progress.append, clock=clock
+    )
+
+    timed = len(calls) - 3
+    assert timed >= 1 and len(progress) == timed
+    assert all(calls[i] < readings[0] for i in range(3))  # the warm-up ran before the clock started
+    assert progress == sorted(progress) and progress[-1] == 1.0 and all(0 < p <= 1 for p in progress)
+    assert rate == pytest.approx(16 * timed / (readings[-1] - readings[0]))
+    assert readings[-1] - readings[0] >= 0.2
+    assert model[0].weight.grad is not None  # the steps really ran backward
+
+
+#: durations in 1/1024 s: sums of these are exact in floating point, so the assertions can be too
+ticks = st.integers(1, 100_000).map(lambda k: k / 1024)
+
+
+@given(
+    warmup=st.lists(st.tuples(st.integers(0, 1000), ticks), max_size=5),
+    timed=st.lists(st.tuples(st.integers(0, 1000), ticks), min_size=1, max_size=20),
+    seconds=ticks,
+)
+def test_measure_samples_per_second_counts_only_steps_after_warm_up(
+    warmup: list[tuple[int, float]], timed: list[tuple[int, float]], seconds: float
+) -> None:
+    # A virtual clock that each step advances by its duration: warm-up steps never count, however slow.
+    now = [0.0]
+    plan = itertools.chain(warmup, timed, itertools.repeat((1, 1.0)))
+    done: list[tuple[int, float]] = []
+
+    def step() -> int:
+        samples, duration = next(plan)
+        now[0] += duration
+        done.append((samples, duration))
+        return samples
+
+    rate = measure_samples_per_second(step, warmup_steps=len(warmup), seconds=seconds, clock=lambda: now[0])
+
+    measured = done[len(warmup) :]
+    elapsed = sum(d for _, d in measured)
+    assert elapsed >= seconds and elapsed - measured[-1][1] < seconds  # stops at the first step past it
+    assert rate == pytest.approx(sum(n for n, _ in measured) / elapsed)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, None])
+def test_measure_samples_per_second_rejects_a_step_that_does_not_return_a_sample_count(bad: object) -> None:
+    with pytest.raises(ValueError, match="samples"):
+        measure_samples_per_second(lambda: bad, warmup_steps=0, seconds=0.01)  # type: ignore[arg-type, return-value]
+
+
+@pytest.mark.parametrize(("warmup", "seconds"), [(-1, 1.0), (0, 0.0), (0, math.nan), (0, math.inf)])
+def test_measure_samples_per_second_rejects_bad_arguments(warmup: int, seconds: float) -> None:
+    with pytest.raises(ValueError, match=r"warmup_steps|seconds"):
+        measure_samples_per_second(lambda: 1, warmup_steps=warmup, seconds=seconds)
+
+
+# ---------------------------------------------------------------- drift
+
+rates = st.floats(0.0, 1e12)
+positive_rates = st.floats(1e-3, 1e12)
+thresholds = st.floats(0.01, 0.9)
+
+
+def caps(sps: float = 100.0, up: float = 1e6, down: float = 1e6, device: str = "cpu") -> Capabilities:
+    return Capabilities(samples_per_second=sps, upload_bps=up, download_bps=down, device=device)
+
+
+@given(rate=rates, threshold=thresholds)
+def test_drift_tracker_publishes_the_first_value_and_not_the_same_one_again(
+    rate: float, threshold: float
+) -> None:
+    tracker = DriftTracker(threshold)
+    assert tracker.update(rate) is True
+    assert tracker.update(rate) is False
+    assert tracker.published == rate
+
+
+@given(rate=positive_rates, threshold=thresholds, within=st.floats(-0.99, 0.99))
+def test_drift_tracker_ignores_changes_within_the_threshold(
+    rate: float, threshold: float, within: float
+) -> None:
+    tracker = DriftTracker(threshold)
+    tracker.update(rate)
+    assert tracker.update(rate * (1 + within * threshold)) is False
+    assert tracker.published == rate  # still the published value
+
+
+@given(rate=positive_rates, threshold=thresholds, beyond=st.floats(1.01, 5.0), up=st.booleans())
+def test_drift_tracker_republishes_changes_beyond_the_threshold(
+    rate: float, threshold: float, beyond: float, up: bool
+) -> None:
+    tracker = DriftTracker(threshold)
+    tracker.update(rate)
+    factor = 1 + beyond * threshold if up else max(0.0, 1 - beyond * threshold)
+    assert tracker.update(rate * factor) is True
+    assert tracker.published == rate * factor
+
+
+@given(rate=positive_rates, threshold=thresholds)
+def test_drift_tracker_catches_a_slow_creep_against_the_published_value(
+    rate: float, threshold: float
+) -> None:
+    # Each step moves only a third of the threshold, yet the third step is beyond it from the published value.
+    tracker = DriftTracker(threshold)
+    tracker.update(rate)
+    answers = [tracker.update(rate * (1 + threshold / 3) ** k) for k in (1, 2, 3)]
+    assert answers == [False, False, True]
+
+
+@given(
+    sps=positive_rates, up=positive_rates, down=positive_rates, which=st.integers(0, 2), threshold=thresholds
+)
+def test_drift_tracker_watches_every_rate_of_the_capabilities(
+    sps: float, up: float, down: float, which: int, threshold: float
+) -> None:
+    tracker = DriftTracker(threshold)
+    tracker.update(caps(sps, up, down))
+    moved = [sps, up, down]
+    moved[which] *= 1 + 2 * threshold
+    assert tracker.update(caps(*moved)) is True
+
+
+def test_drift_tracker_republishes_on_any_change_of_device_or_reachability() -> None:
+    tracker = DriftTracker()
+    reachable = MeasuredCapabilities(caps(), ("/ip4/203.0.113.7/tcp/4001",))
+    assert tracker.update(reachable) is True
+    assert tracker.update(MeasuredCapabilities(caps(), ("/ip4/203.0.113.7/tcp/4001",), 5.0)) is False
+    assert tracker.update(MeasuredCapabilities(caps(), ())) is True  # became client mode
+    assert tracker.update(MeasuredCapabilities(caps(device="other"), ())) is True
+    assert tracker.update(caps(device="other")) is True  # another kind of value
+
+
+def test_drift_tracker_from_zero_drifts_to_anything_positive() -> None:
+    tracker = DriftTracker()
+    tracker.update(0.0)
+    assert tracker.update(0.0) is False
+    assert tracker.update(1e-9) is True
+
+
+@pytest.mark.parametrize("threshold", [0.0, -0.1, math.nan, math.inf])
+def test_drift_tracker_rejects_a_threshold_that_is_not_positive_and_finite(threshold: float) -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        DriftTracker(threshold)
+
+
+@pytest.mark.parametrize("rate", [-1.0, math.nan, math.inf])
+def test_drift_tracker_rejects_impossible_rates(rate: float) -> None:
+    with pytest.raises(ValueError, match="rates"):
+        DriftTracker().update(rate)
+
+
+# ---------------------------------------------------------------- measuring and publishing
+
+
+async def _nodes(nursery: trio.Nursery, client_mode: bool = False) -> tuple[Node, Node, ProbeService]:
+    async def run(listen: list[str], initial: list[str], task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(
+            Identity.generate(), RUN_ID, "volunteer", listen=listen, initial_peers=initial
+        ) as n:
+            task_status.started(n)
+            await trio.sleep_forever()
+
+    backbone: Node = await nursery.start(run, ["/ip4/127.0.0.1/tcp/0"], [])
+    probes = ProbeService(backbone.host)
+    listen = [] if client_mode else ["/ip4/127.0.0.1/tcp/0"]
+    volunteer: Node = await nursery.start(run, listen, [backbone.host.listen_addrs[0]])
+    return backbone, volunteer, probes
+
+
+async def test_measure_capabilities_against_a_probe_server_and_publish_them_in_the_dht(
+    nursery: trio.Nursery,
+) -> None:
+    backbone, volunteer, probes = await _nodes(nursery)
+    with trio.fail_after(HANG_GUARD_S):
+        measured = await measure_capabilities(
+            volunteer.host, backbone.host.listen_addrs[0], 123.5, probe_bytes=MiB
+        )
+        stored = await publish_capabilities(volunteer.dht, measured)
+        found = await backbone.dht.get(CAPABILITIES_KEY, latest=True)
+
+    assert measured.capabilities.samples_per_second == 123.5
+    assert measured.capabilities.upload_bps > 0 and measured.capabilities.download_bps > 0
+    assert measured.capabilities.device == device_description()
+    assert measured.reachable == tuple(volunteer.host.listen_addrs) and not measured.client_mode
+    assert abs(measured.measured_at - time.time()) < 60
+    assert probes.statistics().bytes_sent == MiB
+    assert stored >= 1
+    assert found is not None
+    record = decode_capability_record(found.entries[volunteer.peer_id.encode()].value)
+    assert record == measured.record()
+    assert record.reachable == list(measured.reachable) and record.client_mode is False
+
+
+async def test_measure_capabilities_of_a_client_mode_peer(nursery: trio.Nursery) -> None:
+    backbone, volunteer, _ = await _nodes(nursery, client_mode=True)
+    with trio.fail_after(HANG_GUARD_S):
+        measured = await measure_capabilities(
+            volunteer.host, backbone.host.listen_addrs[0], 0.0, probe_bytes=MiB
+        )
+
+    assert measured.client_mode and measured.reachable == ()
+    assert measured.capabilities.download_bps > 0  # downloaded over the connection it opened
+    assert measured.record().client_mode is True
+
+
+async def test_capability_records_are_written_only_by_the_peer_they_describe(nursery: trio.Nursery) -> None:
+    backbone, volunteer, _ = await _nodes(nursery)
+    value = msgspec.msgpack.encode(MeasuredCapabilities(caps()).record())
+    with pytest.raises(RecordRejected):
+        await volunteer.dht.store(CAPABILITIES_KEY, value, time.time() + 60, subkey=backbone.peer_id.encode())
+
+
+async def test_measure_capabilities_rejects_an_impossible_throughput(nursery: trio.Nursery) -> None:
+    backbone, volunteer, _ = await _nodes(nursery)
+    with pytest.raises(ValueError, match="throughput"):
+        await measure_capabilities(volunteer.host, backbone.host.listen_addrs[0], -1.0)
