@@ -1,0 +1,61 @@
+"""A real pinned backbone API in the test's own trio run: Hypercorn over HTTPS with the authority's
+certificate (the backbone's own ``_serve_api``), a SQLite ledger, and an optional shard directory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from backbone.api import ApiState
+from backbone.ledger import LedgerStore
+from backbone.service import BackboneOptions, _serve_api
+from protocols.api import Manifest
+from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
+
+
+@dataclass(frozen=True)
+class PinnedApi:
+    run_id: str  # pinned: name@fingerprint
+    urls: list[str]  # https://127.0.0.1:PORT
+    authority: Authority
+
+
+@contextlib.asynccontextmanager
+async def serve_pinned_api(
+    data_dir: Path, shards_dir: Path | None = None, run_id: str = "api-run"
+) -> AsyncIterator[PinnedApi]:
+    authority = await trio.to_thread.run_sync(Authority.load_or_create, data_dir / AUTHORITY_FILE)
+    pinned = pin_run_id(run_id, authority)
+    store = await trio.to_thread.run_sync(LedgerStore.open, f"sqlite:///{data_dir / 'ledger.sqlite3'}")
+    urls: list[str] = []
+
+    async def no_op(username: str) -> None:
+        return None
+
+    state = ApiState(
+        run_id=pinned,
+        authority=authority,
+        store=store,
+        admin_token="test-admin-token",
+        manifest=lambda: Manifest(
+            run_id=pinned, authority_public_key=authority.identity.public_key_bytes, api=urls
+        ),
+        revocations=list,
+        on_user_removed=no_op,
+        shards_dir=shards_dir,
+    )
+    options = BackboneOptions(
+        run_id=pinned, data_dir=data_dir, listen=(), initial_peers=(), api_listen="127.0.0.1:0"
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            served: list[str] = await nursery.start(_serve_api, state, authority, options)
+            urls.extend(u for u in served if "127.0.0.1" in u)
+            yield PinnedApi(pinned, urls, authority)
+            nursery.cancel_scope.cancel()
+    finally:
+        await trio.to_thread.run_sync(store.close)
