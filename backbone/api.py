@@ -12,13 +12,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from protocols.api import (
@@ -32,17 +33,25 @@ from protocols.api import (
     RefreshResponse,
     ReportReceipt,
     RevocationList,
+    ShardList,
     Username,
     encode_invite,
     join_payload,
     refresh_payload,
 )
 from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, SignedRevocation
-from protocols.ledger import SignedReport
+from protocols.ledger import (
+    CapabilitiesReceipt,
+    SignedCapabilities,
+    SignedReport,
+    capabilities_payload,
+    decode_capabilities,
+)
 from protocols.peer_id import peer_id_from_public_key
 from shared.auth.authority import Authority
-from shared.auth.keys import verify
-from shared.errors import AuthError
+from shared.auth.keys import verify, verify_by_peer_id
+from shared.data.shards import ShardCatalog
+from shared.errors import AuthError, ProtocolError
 
 from .ledger import InviteRejected, LedgerStore, ReportRejected, UnknownPeer, UnknownUser, verify_report
 from .ratelimit import RateLimiter
@@ -52,6 +61,7 @@ __all__ = ["ApiState", "DB_READ", "DB_WRITE", "build_app"]
 logger = logging.getLogger("backbone.api")
 DB_WRITE = trio.CapacityLimiter(1)
 DB_READ = trio.CapacityLimiter(4)
+FILES = trio.CapacityLimiter(2)  # listing and hashing dataset shards
 #: how long after expiry a token may still be refreshed (a laptop that slept overnight)
 REFRESH_GRACE = 24 * 3600.0
 T = TypeVar("T", bound=msgspec.Struct)
@@ -80,6 +90,7 @@ class ApiState:
     clock: Callable[[], float] = time.time
     join_by_address: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.5, burst=10))
     join_by_invite: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.2, burst=5))
+    shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -234,6 +245,46 @@ def build_app(state: ApiState) -> Starlette:
             return _json(ReportReceipt(recorded=False, credited=False, reason="duplicate"))
         return _json(ReportReceipt(recorded=True, credited=verdict.credited, reason=verdict.reason))
 
+    @route("capabilities", ["POST"])
+    async def capabilities(request: Request) -> Response:
+        signed = await _body(request, SignedCapabilities)
+        now = state.clock()
+        _check_proof(signed.run_id, state.run_id, signed.timestamp, now)
+        try:
+            measured = decode_capabilities(signed.capabilities)
+        except ProtocolError as exc:
+            raise HttpError(422, "invalid", str(exc)) from exc
+        payload = capabilities_payload(signed.run_id, signed.peer_id, signed.timestamp, signed.capabilities)
+        if not verify_by_peer_id(signed.peer_id, signed.signature, payload):
+            raise HttpError(401, "bad_signature", f"the capabilities are not signed by peer {signed.peer_id}")
+        if await db(state.store.active_user_of_peer, signed.peer_id) is None:
+            raise HttpError(
+                403, "unknown_peer", f"peer {signed.peer_id} belongs to no active user of this run"
+            )
+        try:
+            await db(state.store.update_capabilities, signed.peer_id, measured, now=now, write=True)
+        except UnknownPeer as exc:  # removed between the two calls
+            raise HttpError(403, "unknown_peer", str(exc)) from exc
+        logger.debug("capabilities of %s: %s", signed.peer_id, measured)
+        return _json(CapabilitiesReceipt(peer_id=signed.peer_id, capabilities=measured))
+
+    catalog = ShardCatalog(state.shards_dir) if state.shards_dir is not None else None
+
+    @route("shards", ["GET"])
+    async def list_shards(request: Request) -> Response:
+        if catalog is None:
+            return _json(ShardList(shards=[]))
+        return _json(ShardList(shards=await trio.to_thread.run_sync(catalog.list, limiter=FILES)))
+
+    @route("shards/{name:path}", ["GET"])  # ``:path`` so that ``a/../b`` gets the JSON 404 too
+    async def get_shard(request: Request) -> Response:
+        name = request.path_params["name"]
+        found = await trio.to_thread.run_sync(catalog.find, name, limiter=FILES) if catalog else None
+        if found is None:
+            raise HttpError(404, "unknown_shard", f"this backbone serves no shard {name[:80]!r}")
+        info, path = found
+        return FileResponse(path, media_type="application/jsonl", headers={"x-sha256": info.sha256})
+
     @route("admin/users", ["POST"], admin=True)
     async def add_user(request: Request) -> Response:
         body = await _body(request, NewUser)
@@ -273,6 +324,9 @@ def build_app(state: ApiState) -> Starlette:
             revocations,
             ledger,
             reports,
+            capabilities,
+            list_shards,
+            get_shard,
             add_user,
             list_users,
             remove_user,

@@ -22,9 +22,10 @@ from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
 
+from .export import export_checkpoint
 from .ledger import LedgerStore
 from .runinfo import RunInfo, read_run_info
-from .service import BackboneOptions, serve_backbone
+from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 
 __all__ = ["app", "main"]
 
@@ -229,6 +230,29 @@ def ledger(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = 
             str(row.flagged_reports),
         )
     out.print(table)
+
+
+@app.command()
+def export(
+    data_dir: DataDir,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write.")],
+    fmt: Annotated[
+        str, typer.Option("--format", help="Output format (only `safetensors` for now).")
+    ] = "safetensors",
+    step: Annotated[
+        int | None, typer.Option("--step", help="Export this step's checkpoint (default: the newest).")
+    ] = None,
+) -> None:
+    """Write a stored checkpoint's model parameters to a file: tensors named as in the model (without the
+    `model/` prefix), metadata with the step, run id and task."""
+    if fmt != "safetensors":
+        fail(f"--format {fmt!r} is not supported: only 'safetensors' is, for now", 2)
+    try:
+        written = export_checkpoint(data_dir / CHECKPOINTS_DIR, output, step)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+        raise
+    print(written)
 
 
 def _run_info(data_dir: Path) -> RunInfo:

@@ -1,10 +1,13 @@
 """The backbone's root nursery: one node of the run, its HTTPS API, the ledger and the allowlist.
 
 Pinned runs (the default): the authority key (``authority.key``) pins the run id; the backbone issues
-itself an access token, serves the API (join, refresh, manifest, revocations, ledger, reports, admin),
-and turns every user the allowlist revokes — through the API or ``backbone allow remove`` in another
-process — into an authority-signed revocation in the DHT within a second or two.
+itself an access token, serves the API (join, refresh, manifest, revocations, ledger, reports,
+capabilities, admin), and turns every user the allowlist revokes — through the API or ``backbone allow
+remove`` in another process — into an authority-signed revocation in the DHT within a second or two.
 Open runs (``--open``): no authority, no API, no admission; for local experiments.
+Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve them to peers
+(:mod:`backbone.checkpointer`).
+Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves.
 """
 
 from __future__ import annotations
@@ -30,17 +33,23 @@ from protocols.training import TrainingSpec
 from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
+from shared.data.corpus import SHARD_PATTERN, shard_name, write_shards
 from shared.discovery import advertise_run
 from shared.errors import ConfigError, DiscoveryError, RecordRejected
 from shared.lifecycle import Shutdown
 from shared.net.addresses import expand_unspecified, parse_multiaddr
+from shared.net.probe import ProbeService
 from shared.net.tls import self_signed_certificate
 from shared.node import Node, open_node
 from shared.panel import status_line
+from shared.state.transfer import StateServer
 
 from .api import DB_READ, ApiState, build_app
+from .checkpointer import keep_checkpoints
+from .checkpoints import CheckpointStore
 from .ledger import LedgerStore
 from .runinfo import RunInfo, write_run_info
+from .steps import record_steps_forever
 
 __all__ = ["BackboneOptions", "serve_backbone"]
 
@@ -49,6 +58,8 @@ STATUS_PERIOD = 1.0
 LOG_PERIOD = 30.0
 REVOCATION_SYNC = 1.0  # seconds between looks at the allowlist for newly removed users
 REVOCATION_REPUBLISH = 3600.0
+CHECKPOINTS_DIR = "checkpoints"  # the run's stored states, in the data dir (see backbone.checkpoints)
+SHARDS_DIR = "shards"  # dataset shards served by the API, in the data dir
 
 
 @dataclass(frozen=True)
@@ -134,11 +145,17 @@ def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedT
 async def _serve_node(
     node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown, authority_key: bytes | None = None
 ) -> None:
+    ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     async with mdns, trio.open_nursery() as nursery:
         nursery.start_soon(node.publish_presence_forever)
         nursery.start_soon(node.measure_latency_forever)
         nursery.start_soon(_report_forever, node, options.data_dir)
+        checkpoints = await trio.to_thread.run_sync(
+            CheckpointStore, options.data_dir / CHECKPOINTS_DIR, options.training.keep_checkpoints
+        )
+        server = StateServer(node.host, backbone=True)
+        await nursery.start(keep_checkpoints, node, server, checkpoints, options.training)
         shutdown.ready()
         await shutdown.requested.wait()
         logger.info("leaving the run")
@@ -181,7 +198,9 @@ async def _serve_pinned(
         revocations=lambda: list(revocations.values()),
         on_user_removed=user_removed,
         peer_id=node.peer_id,
+        shards_dir=options.data_dir / SHARDS_DIR,
     )
+    await _prepare_shards(options.training, options.data_dir / SHARDS_DIR)
 
     async def sync_revocations() -> None:
         nonlocal changed
@@ -224,8 +243,36 @@ async def _serve_pinned(
             print(f"api on {url}", flush=True)
         nursery.start_soon(sync_revocations)
         nursery.start_soon(refresh_own_token)
+        nursery.start_soon(record_steps_forever, node, store, options.training)
         await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
         nursery.cancel_scope.cancel()
+
+
+async def _prepare_shards(training: TrainingSpec, directory: Path) -> None:
+    """Write the synthetic corpus's shards when the run asks for them (``dataset.generate``) and the
+    directory holds no shards of the organizer's own; complete shards from an earlier start are kept."""
+    dataset = training.dataset
+    if dataset.source != "backbone" or dataset.generate == 0:
+        return
+
+    def prepare() -> None:
+        present = {p.name for p in directory.glob("*.jsonl")} if directory.is_dir() else set()
+        if any(not SHARD_PATTERN.match(name) for name in present):
+            logger.info("serving the shards in %s (not generating: it holds other shards)", directory)
+            return
+        missing = len({shard_name(i) for i in range(dataset.generate)} - present)
+        if missing:
+            logger.info(
+                "writing %d shards of the synthetic corpus (%d examples each, seed %d) to %s",
+                missing,
+                dataset.examples_per_shard,
+                training.seed,
+                directory,
+            )
+            write_shards(directory, dataset.generate, dataset.examples_per_shard, training.seed)
+        logger.info("the synthetic corpus is ready in %s", directory)
+
+    await trio.to_thread.run_sync(prepare)
 
 
 def _admin_token(data_dir: Path) -> str:

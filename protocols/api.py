@@ -9,8 +9,11 @@ GET      ``manifest``            :class:`Manifest` (authority key, backbone mult
 POST     ``join``                :class:`JoinRequest` -> :class:`JoinResponse` (redeem an invite)
 POST     ``refresh``             :class:`RefreshRequest` -> :class:`RefreshResponse`
 GET      ``revocations``         :class:`RevocationList`
+GET      ``shards``              :class:`ShardList`: the dataset shards this backbone serves
+GET      ``shards/<name>``       the bytes of one shard (JSON lines; check them against its ShardInfo)
 GET      ``ledger``              the leaderboard (see ``backbone ledger``)
 POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
+POST     ``capabilities``        a peer's signed measured capabilities (``protocols.ledger``) -> receipt
 POST     ``admin/users``         admin: allow a user, get an invite (Bearer admin token)
 GET      ``admin/users``         admin: list users
 DELETE   ``admin/users/<name>``  admin: remove a user (revokes at once)
@@ -53,6 +56,9 @@ __all__ = [
     "RefreshResponse",
     "ReportReceipt",
     "RevocationList",
+    "SHARD_NAME_PATTERN",
+    "ShardInfo",
+    "ShardList",
     "Username",
     "decode_invite",
     "encode_invite",
@@ -108,6 +114,21 @@ class RefreshResponse(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class RevocationList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     revocations: list[SignedRevocation]
+
+
+SHARD_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"
+
+
+class ShardInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One dataset shard a backbone serves: ``nbytes`` bytes whose SHA-256 is ``sha256`` (hex)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=255, pattern=SHARD_NAME_PATTERN)]
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+    sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ShardList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    shards: Annotated[list[ShardInfo], msgspec.Meta(max_length=100_000)]
 
 
 class ReportReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -159,7 +159,10 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
     samples: Samples  # accumulated toward step + 1
     samples_per_second: Annotated[float, msgspec.Meta(ge=0, le=1e9)]
     time: float  # unix time of this snapshot
-    loss: float | None = None  # mean local loss of the recent micro-batches
+    loss: float | None = None  # mean local loss of the micro-batches toward step + 1
+    params: Annotated[bytes, msgspec.Meta(max_length=16)] = b""  # fingerprint of the parameters at step
+    ready: bool = False  # it has entered averaging for step -> step + 1
+    syncing: bool = False  # it is downloading the state (peers at the collaboration's step announce theirs)
     client_mode: bool = False
 
     def __post_init__(self) -> None:

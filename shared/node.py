@@ -21,6 +21,8 @@ import trio
 from protocols.auth import REVOCATIONS_KEY, SignedRevocation
 from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
+from protocols.probe import CAPABILITIES_KEY
+from protocols.training import CHECKPOINT_KEY, PROGRESS_KEY
 
 from .auth.guard import Authenticator, RunAuthenticator
 from .auth.keys import Identity
@@ -47,12 +49,14 @@ logger = logging.getLogger(__name__)
 
 
 def run_validator(authenticator: Authenticator | None = None) -> CompositeValidator:
-    """Record validation for a run: signed, sane expiry, presence entries written by their owner, and in
-    pinned runs revocations signed by the run's authority."""
+    """Record validation for a run: signed, sane expiry, per-peer entries (presence, progress, state,
+    capabilities) written by their owner, and in pinned runs revocations signed by the run's authority."""
     validators: list[RecordValidator] = [
         SignatureValidator(),
         ExpiryValidator(),
-        SubkeyOwnerValidator([key_id(PRESENCE_KEY)]),
+        SubkeyOwnerValidator(
+            [key_id(PRESENCE_KEY), key_id(PROGRESS_KEY), key_id(CHECKPOINT_KEY), key_id(CAPABILITIES_KEY)]
+        ),
     ]
     if isinstance(authenticator, RunAuthenticator):
         validators.append(RevocationValidator(authenticator.run_id, authenticator.authority))

@@ -8,10 +8,10 @@ from rich.table import Table
 
 from .node import NodeStatus
 
-__all__ = ["render_status", "status_line"]
+__all__ = ["format_bytes", "render_status", "status_line"]
 
 
-def _bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     size = float(n)
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000:
@@ -36,7 +36,7 @@ def render_status(status: NodeStatus, headline: str) -> Panel:
     table.add_row("DHT size", f"≈ {status.dht_size_estimate} nodes")
     table.add_row("online now", f"{status.members_online} nodes publish presence")
     table.add_row("RPC latency", _latency(status))
-    table.add_row("traffic", f"↑ {_bytes(status.bytes_sent)}  ↓ {_bytes(status.bytes_received)}")
+    table.add_row("traffic", f"↑ {format_bytes(status.bytes_sent)}  ↓ {format_bytes(status.bytes_received)}")
     table.add_row("uptime", f"{status.uptime_s:.0f} s")
     return Panel(Group(table), title=f"[bold]{status.role}[/] · {headline}", border_style="green")
 

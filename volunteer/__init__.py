@@ -3,6 +3,7 @@
 Modules:
     cli       ``volunteer join`` (typer)
     daemon    the volunteer's root nursery: discovery, node, presence, live panel
+    capabilities  measured device, samples/s, bandwidth, reachability; publishing them; drift
 """
 
 from __future__ import annotations

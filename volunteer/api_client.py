@@ -7,6 +7,7 @@ until one answers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import ssl
 import time
@@ -25,16 +26,25 @@ from protocols.api import (
     ApiError,
     JoinRequest,
     JoinResponse,
+    Manifest,
     RefreshRequest,
     RefreshResponse,
     ReportReceipt,
+    ShardInfo,
+    ShardList,
     join_payload,
     refresh_payload,
 )
 from protocols.auth import SignedToken, authority_fingerprint, split_run_id
-from protocols.ledger import SignedReport
+from protocols.ledger import (
+    Capabilities,
+    CapabilitiesReceipt,
+    SignedCapabilities,
+    SignedReport,
+    capabilities_payload,
+)
 from shared.auth.keys import Identity
-from shared.errors import AdmissionError, PeerUnavailable
+from shared.errors import AdmissionError, PeerUnavailable, ProtocolError
 
 __all__ = ["ApiClient"]
 
@@ -74,30 +84,93 @@ class ApiClient:
         context.check_hostname = False
         return context
 
-    async def _post(self, path: str, body: msgspec.Struct, reply: type[T]) -> T:
+    async def _request(
+        self, method: str, path: str, body: msgspec.Struct | None, refusals: tuple[int, ...]
+    ) -> bytes:
+        """The body of the first 200 answer, trying the URLs in order; a status in ``refusals`` ends the
+        search with :class:`AdmissionError`, any other failure moves on to the next URL."""
         errors: list[str] = []
         for url in self.urls:
             try:
                 context = await self._pinned_context(url)
                 async with httpx.AsyncClient(verify=context, timeout=REQUEST_DEADLINE) as client:
-                    response = await client.post(
+                    response = await client.request(
+                        method,
                         f"{url}/v1/runs/{self.run_id}/{path}",
-                        content=msgspec.json.encode(body),
-                        headers={"content-type": "application/json"},
+                        content=None if body is None else msgspec.json.encode(body),
+                        headers=None if body is None else {"content-type": "application/json"},
                     )
             except (OSError, httpx.HTTPError, ValueError) as exc:
                 errors.append(f"{url}: {exc or type(exc).__name__}")
                 continue
             if response.status_code == 200:
-                return msgspec.json.decode(response.content, type=reply)
+                return response.content
             try:
                 error = msgspec.json.decode(response.content, type=ApiError)
             except msgspec.DecodeError:
                 error = ApiError("http_error", f"HTTP {response.status_code}")
-            if response.status_code in (401, 403, 404, 422):
+            if response.status_code in refusals:
                 raise AdmissionError(f"the backbone refused: {error.message} ({error.error})")
             errors.append(f"{url}: {error.message}")
         raise PeerUnavailable(f"no backbone API of run {self.run_id} answered: " + "; ".join(errors))
+
+    async def _post(self, path: str, body: msgspec.Struct, reply: type[T]) -> T:
+        content = await self._request("POST", path, body, refusals=(401, 403, 404, 422))
+        return msgspec.json.decode(content, type=reply)
+
+    async def _get(self, path: str) -> bytes:
+        """GET ``path`` from the first backbone that has it: a 404 moves on to the next URL (backbones of
+        one run may serve different shards); 401 and 403 end the search with :class:`AdmissionError`."""
+        return await self._request("GET", path, None, refusals=(401, 403))
+
+    async def list_shards(self) -> ShardList:
+        """The dataset shards the first answering backbone serves (DESIGN D6).
+
+        Raises:
+            PeerUnavailable: no API URL answered.
+            ProtocolError: the answer is not a valid shard list.
+        """
+        content = await self._get("shards")
+        try:
+            return msgspec.json.decode(content, type=ShardList)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"the backbone's shard list is malformed: {exc}") from exc
+
+    async def fetch_shard(self, info: ShardInfo) -> bytes:
+        """The bytes of a shard, checked against ``info``'s length and SHA-256.
+
+        Raises:
+            PeerUnavailable: no backbone could serve it.
+            ProtocolError: the bytes served are not the shard announced (length or digest differ).
+        """
+        content = await self._get(f"shards/{info.name}")
+        if len(content) != info.nbytes:
+            raise ProtocolError(
+                f"shard {info.name} should be {info.nbytes} bytes long, the backbone sent {len(content)}"
+            )
+        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
+        if digest != info.sha256:
+            raise ProtocolError(f"shard {info.name} does not match its SHA-256 (the backbone sent {digest})")
+        return content
+
+    async def manifest(self) -> Manifest:
+        """The run's current manifest (training spec, backbones, API URLs) from a backbone of the run.
+
+        Raises:
+            PeerUnavailable: no API URL answered.
+            ProtocolError: the answer is not a valid manifest of this run.
+        """
+        content = await self._get("manifest")
+        try:
+            manifest = msgspec.json.decode(content, type=Manifest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"the backbone's manifest is malformed: {exc}") from exc
+        if (
+            manifest.run_id != self.run_id
+            or authority_fingerprint(manifest.authority_public_key) != self.fingerprint
+        ):
+            raise ProtocolError(f"the manifest served is not one of run {self.run_id}")
+        return manifest
 
     async def join(self, invite_secret: str, identity: Identity) -> JoinResponse:
         """Redeem an invite for ``identity``'s peer.
@@ -118,6 +191,25 @@ class ApiClient:
             signature=signature,
         )
         return await self._post("join", request, JoinResponse)
+
+    async def capabilities(self, identity: Identity, capabilities: Capabilities) -> CapabilitiesReceipt:
+        """Record ``identity``'s measured capabilities in the ledger (signed; see
+        :class:`protocols.ledger.SignedCapabilities`).
+
+        Raises:
+            AdmissionError: refused (not an admitted peer, removed user, bad clock) or an impostor server.
+            PeerUnavailable: no API URL answered.
+        """
+        now = time.time()
+        data = msgspec.msgpack.encode(capabilities)
+        signed = SignedCapabilities(
+            run_id=self.run_id,
+            peer_id=identity.peer_id,
+            timestamp=now,
+            capabilities=data,
+            signature=identity.sign(capabilities_payload(self.run_id, identity.peer_id, now, data)),
+        )
+        return await self._post("capabilities", signed, CapabilitiesReceipt)
 
     async def report(self, signed: SignedReport) -> ReportReceipt:
         """Submit a signed contribution report; resubmitting the same one changes nothing."""

@@ -59,9 +59,20 @@ def join(
         str | None,
         typer.Option("--invite", envvar="VOLUNTEER_INVITE", help="Invite code from the run's organizers."),
     ] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            "--manifest", help="Training spec file (TOML/JSON) for open runs; pinned runs get theirs."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="torch device: auto, cpu, cuda, cuda:1…")] = "auto",
+    threads: Annotated[
+        int, typer.Option("--threads", help="CPU threads for torch (0: torch's default).")
+    ] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Join a run: find it, join its DHT, and show a live panel until Ctrl+C / SIGTERM."""
+    """Join a run: find it, get admitted, train with the others and show a live panel until Ctrl+C /
+    SIGTERM (or the run's step limit)."""
     setup_logging(verbose)
     console = Console()
 
@@ -72,6 +83,8 @@ def join(
             parse_multiaddr(text)
         if discovery_wait <= 0:
             raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
+        if threads < 0:
+            raise ConfigError(f"--threads must be >= 0, got {threads}")
         directory = data_dir or default_data_dir("volunteer")
         with locked_data_dir(directory):
             options = VolunteerOptions(
@@ -82,6 +95,9 @@ def join(
                 discovery_wait,
                 console.is_terminal if panel is None else panel,
                 invite=invite,
+                manifest=manifest,
+                device=device,
+                threads=threads,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -1,4 +1,9 @@
-"""The volunteer's root nursery: find the run, join its DHT, show a live panel, leave cleanly."""
+"""The volunteer's root nursery: find the run, get admitted, join its DHT, measure this machine, train with
+the others (see :mod:`volunteer.training`), show a live panel, report contributions, leave cleanly.
+
+The training spec comes from ``--manifest FILE`` if given (open runs), else from the run's backbone API
+(pinned runs; the manifest saved at admission if no backbone answers). A run without a training spec is
+joined as a plain member (presence only)."""
 
 from __future__ import annotations
 
@@ -11,14 +16,18 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
+from protocols.training import TrainingSpec
 from shared.auth.keys import Identity
 from shared.discovery import discover_run
-from shared.errors import DiscoveryError
+from shared.errors import AdmissionError, DiscoveryError, PeerUnavailable
 from shared.lifecycle import Shutdown
+from shared.manifest import load_training_spec
 from shared.node import Node, open_node
 from shared.panel import render_status, status_line
 
-from .admission import admit, keep_admitted
+from .admission import Admission, admit, keep_admitted
+from .api_client import ApiClient
+from .session import TrainingSession
 
 __all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
 
@@ -36,6 +45,9 @@ class VolunteerOptions:
     panel: bool = True
     log_period: float = 10.0
     invite: str | None = None
+    manifest: Path | None = None
+    device: str = "auto"
+    threads: int = 0  # torch intra-op threads; 0: torch's default
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -62,6 +74,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
     identity = Identity.load_or_create(options.data_dir)
     admission = await admit(options.run_id, options.data_dir, identity, options.invite, options.initial_peers)
     initial = await find_initial_peers(options, admission.initial_peers)
+    training = await _training_spec(options, admission)
     async with open_node(
         identity,
         options.run_id,
@@ -75,12 +88,31 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
             nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
-            nursery.start_soon(_show_forever, node, options, console)
-            shutdown.ready()
-            await shutdown.requested.wait()
+            if training is None:
+                logger.warning("run %s has no training spec: joining as a plain member", options.run_id)
+                nursery.start_soon(_show_forever, node, options, console)
+                shutdown.ready()
+                await shutdown.requested.wait()
+            else:
+                session = TrainingSession(node, identity, admission, training, options, initial)
+                await session.run(shutdown, console)
             nursery.cancel_scope.cancel()
         console.print("leaving the run…", highlight=False)
     console.print("left the run cleanly", highlight=False)
+
+
+async def _training_spec(options: VolunteerOptions, admission: Admission) -> TrainingSpec | None:
+    if options.manifest is not None:
+        return load_training_spec(options.manifest)
+    credential = admission.credential
+    if credential is None:
+        return None
+    try:
+        manifest = await ApiClient(options.run_id, credential.manifest.api).manifest()
+    except (PeerUnavailable, AdmissionError) as exc:
+        logger.warning("using the manifest saved at admission (the API did not answer: %s)", exc)
+        manifest = credential.manifest
+    return manifest.training
 
 
 async def _show_forever(node: Node, options: VolunteerOptions, console: Console) -> None:

@@ -40,6 +40,7 @@ from protocols.envelope import (
 from protocols.errors import ProtocolError
 from protocols.handshake import ClientProof, ServerHello, Welcome
 from protocols.peer_id import peer_id_from_public_key
+from protocols.probe import ReachReply, ReachRequest
 
 PEER = peer_id_from_public_key(bytes(range(32)))
 ADDR = "/ip4/203.0.113.7/tcp/4001/p2p/" + PEER
@@ -78,6 +79,8 @@ SAMPLES: list[Message] = [
     LeaveNotice(),
     BulkHeader(topic="grad.avg-1", nbytes=2**40, meta=b"\x00meta"),
     BulkAck(meta=b"ack"),
+    ReachRequest(addrs=[ADDR, "/ip6/::1/tcp/4001"]),
+    ReachReply(reachable=[ADDR], observed="203.0.113.7"),
 ]
 
 

@@ -1,0 +1,146 @@
+"""Where the collaboration stands, from the peers' progress records (pure; seed 000 §3.1).
+
+Every peer publishes a :class:`~protocols.training.Progress` (its step, the samples it accumulated toward
+the next step, its throughput, a fingerprint of its parameters). :func:`summarize` turns the records a peer
+read from the DHT into a :class:`CollabView`:
+
+1. **Plausibility.** A record is ignored when it is stale (older than ``PROGRESS_TTL`` plus the allowed
+   clock skew, or from the future beyond it), claims more than :data:`MAX_SAMPLES_FACTOR` times the target
+   batch (honest peers stop accumulating at the target), or more than :data:`MAX_SAMPLES_PER_SECOND`.
+2. **Support.** Honest peers are never more than one step apart for long: a peer that steps is followed
+   by every peer of the round within seconds, and laggards download the state. So a step claim ``s`` is
+   *credible* only if another peer's claim (or our own, once we hold real state) is at least ``s - 1``, or
+   if the claimant is the only other peer we know of. A single peer announcing an absurd step is ignored,
+   whatever it writes. (Two colluding admitted peers could still fake a step; the allowlist and the
+   ledger are the defence there.)
+3. **The collaboration's step** is the highest credible step; **its samples** are the credible samples of
+   the peers at that step, each extrapolated by its own throughput since its record was written (for at
+   most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on time, not one publishing period
+   late.
+4. **Divergence.** Peers at one step should hold identical parameters; if the fingerprints at our step
+   disagree, the fingerprint held by more peers wins (ties: the smaller fingerprint), and a peer holding
+   another one must re-download the state.
+
+``ready`` is true when the samples at the collaboration's step reach the target batch, or when any peer
+of that step already entered averaging (so the others follow it into the same round) — never while
+nobody there has a sample (a round of zero weight averages nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from protocols.auth import MAX_CLOCK_SKEW
+from protocols.training import PROGRESS_TTL, Progress
+
+__all__ = ["MAX_SAMPLES_FACTOR", "MAX_SAMPLES_PER_SECOND", "CollabView", "plausible", "summarize"]
+
+MAX_SAMPLES_FACTOR = 4
+MAX_SAMPLES_PER_SECOND = 1e7
+#: Records are extrapolated by their throughput for at most this long (a peer that stalls stops counting).
+MAX_EXTRAPOLATION = 3.0
+
+
+@dataclass(frozen=True)
+class CollabView:
+    step: int  # the collaboration's step (highest credible; ours if nobody else is credible)
+    samples: float  # samples accumulated toward step + 1 by the peers at ``step`` (ours included)
+    samples_per_second: float  # sum over the peers at ``step``
+    peers: int  # credible peers (ourselves included)
+    peers_at_step: int
+    ready: bool  # the target batch is reached: average now
+    diverged: bool  # our parameters differ from the majority at our step
+    ignored: tuple[str, ...]  # peers whose records were implausible or unsupported
+    syncing: tuple[str, ...]  # credible peers that are downloading the state
+    loss: float | None  # samples-weighted mean of the losses reported at ``step``
+
+    def eta(self, target_batch: int) -> float | None:
+        """Seconds until the target batch is reached at the current rate, or None if nobody computes."""
+        if self.samples >= target_batch:
+            return 0.0
+        if self.samples_per_second <= 0:
+            return None
+        return (target_batch - self.samples) / self.samples_per_second
+
+
+def plausible(progress: Progress, now: float, target_batch: int) -> bool:
+    """Rule 1 of the module docstring."""
+    age = now - progress.time
+    return (
+        -MAX_CLOCK_SKEW <= age <= PROGRESS_TTL + MAX_CLOCK_SKEW
+        and progress.samples <= MAX_SAMPLES_FACTOR * target_batch
+        and progress.samples_per_second <= MAX_SAMPLES_PER_SECOND
+    )
+
+
+def summarize(
+    records: Mapping[str, Progress],
+    me: str,
+    mine: Progress,
+    *,
+    now: float,
+    target_batch: int,
+    anchored: bool = True,
+) -> CollabView:
+    """The collaboration as seen by ``me`` (see the module docstring).
+
+    Args:
+        records: progress by peer id, as read from the DHT (ours, if present, is replaced by ``mine``).
+        mine: our own current progress.
+        anchored: our own step is real (we trained or downloaded state); False for a fresh newcomer, whose
+            step 0 supports nobody.
+    """
+    others = {peer: p for peer, p in records.items() if peer != me}
+    fresh = {peer: p for peer, p in others.items() if plausible(p, now, target_batch)}
+    ignored = set(others) - set(fresh)
+    credible: dict[str, Progress] = {}
+    for peer, progress in fresh.items():
+        supporters = [q.step for q_peer, q in fresh.items() if q_peer != peer]
+        if anchored:
+            supporters.append(mine.step)
+        if (not supporters and len(fresh) == 1) or any(s >= progress.step - 1 for s in supporters):
+            credible[peer] = progress
+        else:
+            ignored.add(peer)
+    everyone = {**credible, me: mine}
+    step = max((p.step for p in everyone.values()), default=mine.step)
+    if not anchored and credible:
+        step = max(p.step for p in credible.values())
+    at_step = {peer: p for peer, p in everyone.items() if p.step == step and not p.syncing}
+    samples = 0.0
+    for peer, p in at_step.items():
+        extra = (
+            0.0
+            if peer == me or p.ready
+            else p.samples_per_second * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
+        )
+        samples += p.samples + extra
+    sps = sum(p.samples_per_second for p in at_step.values())
+    weights = [(p.loss, p.samples) for p in at_step.values() if p.loss is not None and p.samples > 0]
+    total = sum(w for _, w in weights)
+    loss = sum(value * w for value, w in weights) / total if total else None
+    return CollabView(
+        step=step,
+        samples=min(samples, float(MAX_SAMPLES_FACTOR * target_batch)),
+        samples_per_second=sps,
+        peers=len(everyone),
+        peers_at_step=len(at_step),
+        ready=samples > 0 and (samples >= target_batch or any(p.ready for p in at_step.values())),
+        diverged=_diverged(everyone, me, mine) if anchored else False,
+        ignored=tuple(sorted(ignored)),
+        syncing=tuple(sorted(peer for peer, p in credible.items() if p.syncing)),
+        loss=loss if loss is None or math.isfinite(loss) else None,
+    )
+
+
+def _diverged(everyone: Mapping[str, Progress], me: str, mine: Progress) -> bool:
+    if not mine.params:
+        return False
+    votes = Counter(p.params for p in everyone.values() if p.step == mine.step and p.params and not p.syncing)
+    if not votes:  # we are re-syncing ourselves
+        return False
+    best = max(votes.items(), key=lambda item: (item[1], [-b for b in item[0]]))[0]
+    return best != mine.params

@@ -1,0 +1,34 @@
+"""Reading the run's progress records from the DHT (the I/O half of :mod:`shared.progress`)."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from protocols.training import PROGRESS_KEY, Progress
+
+from .dht.node import DHTNode
+
+__all__ = ["read_progress"]
+
+logger = logging.getLogger(__name__)
+_PROGRESS = msgspec.msgpack.Decoder(Progress)
+
+
+async def read_progress(dht: DHTNode) -> dict[str, Progress]:
+    """Every peer's progress by peer id (entries under another peer's subkey or malformed are skipped).
+
+    Raises:
+        whatever the DHT lookup raises (CALL_FAILURES).
+    """
+    found = await dht.get(PROGRESS_KEY, latest=True)
+    records: dict[str, Progress] = {}
+    for subkey, record in found.entries.items() if found is not None else ():
+        if subkey != record.writer.encode():
+            continue
+        try:
+            records[record.writer] = _PROGRESS.decode(record.value)
+        except msgspec.DecodeError:
+            logger.debug("ignoring a malformed progress record of %s", record.writer)
+    return records

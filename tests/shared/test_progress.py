@@ -1,0 +1,92 @@
+"""The pure summary of the collaboration's progress records."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocols.training import Progress
+from shared.progress import MAX_SAMPLES_FACTOR, summarize
+
+NOW = 1_000_000.0
+TARGET = 100
+
+
+def progress(step: int, samples: int = 0, *, sps: float = 0.0, age: float = 0.0, **kw: object) -> Progress:
+    return Progress(step=step, samples=samples, samples_per_second=sps, time=NOW - age, **kw)  # type: ignore[arg-type]
+
+
+def view(records: dict[str, Progress], mine: Progress, anchored: bool = True):  # type: ignore[no-untyped-def]
+    return summarize(records, "me", mine, now=NOW, target_batch=TARGET, anchored=anchored)
+
+
+def test_samples_of_the_peers_at_the_step_add_up_to_ready() -> None:
+    records = {"a": progress(3, 40), "b": progress(3, 30), "c": progress(2, 90)}
+    assert not view(records, progress(3, 20)).ready
+    assert view(records, progress(3, 30)).ready
+    summary = view(records, progress(3, 30))
+    assert (summary.step, summary.samples, summary.peers, summary.peers_at_step) == (3, 100, 4, 3)
+
+
+def test_records_are_extrapolated_by_their_throughput_for_a_few_seconds_only() -> None:
+    assert view({"a": progress(0, 10, sps=20.0, age=2.0)}, progress(0)).samples == 50
+    assert view({"a": progress(0, 10, sps=20.0, age=20.0)}, progress(0)).samples == 10 + 20 * 3
+
+
+def test_a_peer_that_entered_averaging_makes_its_step_ready() -> None:
+    assert view({"a": progress(5, 1, ready=True)}, progress(5)).ready
+    assert not view({"a": progress(4, 1, ready=True)}, progress(5)).ready
+    assert not view({"a": progress(5, 0, ready=True)}, progress(5)).ready  # nothing to average
+
+
+def test_stale_and_greedy_records_are_ignored() -> None:
+    records = {"old": progress(0, 50, age=3600), "greedy": progress(0, MAX_SAMPLES_FACTOR * TARGET + 1)}
+    summary = view(records, progress(0, 1))
+    assert set(summary.ignored) == {"old", "greedy"}
+    assert summary.samples == 1
+
+
+def test_an_unsupported_step_claim_is_ignored_but_a_lone_peer_is_believed_by_a_newcomer() -> None:
+    liar = {"liar": progress(10**6), "a": progress(7), "b": progress(7)}
+    assert view(liar, progress(7)).step == 7
+    assert "liar" in view(liar, progress(0), anchored=False).ignored
+    assert view({"a": progress(40)}, progress(0), anchored=False).step == 40  # a run resumed by one peer
+    assert view({"a": progress(8)}, progress(7)).step == 8  # one step ahead: it just stepped
+
+
+def test_divergence_is_decided_by_the_majority_of_fingerprints() -> None:
+    records = {"a": progress(2, params=b"x" * 8), "b": progress(2, params=b"x" * 8)}
+    assert view(records, progress(2, params=b"y" * 8)).diverged
+    assert not view(records, progress(2, params=b"x" * 8)).diverged
+    tie = {"a": progress(2, params=b"b" * 8)}
+    assert view(tie, progress(2, params=b"c" * 8)).diverged  # ties: the smaller fingerprint wins
+    assert not view(tie, progress(2, params=b"a" * 8)).diverged
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d", "e"]),
+        st.tuples(st.integers(0, 20), st.integers(0, 10 * TARGET), st.floats(0, 100), st.booleans()),
+        max_size=5,
+    ),
+    st.integers(0, 20),
+    st.integers(0, TARGET),
+)
+def test_view_invariants(raw: dict[str, tuple[int, int, float, bool]], my_step: int, my_samples: int) -> None:
+    records = {
+        peer: progress(step, samples, sps=sps, syncing=syncing)
+        for peer, (step, samples, sps, syncing) in raw.items()
+    }
+    summary = view(records, progress(my_step, my_samples))
+    assert summary.step >= my_step
+    assert 1 <= summary.peers <= len(records) + 1
+    assert summary.peers_at_step <= summary.peers
+    assert 0 <= summary.samples <= MAX_SAMPLES_FACTOR * TARGET
+    assert set(summary.ignored) <= set(records)
+    credible_steps = [records[p].step for p in records if p not in summary.ignored]
+    assert summary.step == max([my_step, *credible_steps])
+    # No credible claim is more than one step ahead of every other peer's claim.
+    for peer in records:
+        if peer not in summary.ignored:
+            others = [my_step] + [records[q].step for q in records if q != peer]
+            assert any(s >= records[peer].step - 1 for s in others)

@@ -1,0 +1,266 @@
+"""The local half of collaborative training: a model, its optimizer, and accumulated gradients (torch).
+
+Everything here is synchronous and runs in worker threads; one lock serializes the methods, so a
+micro-batch and an optimizer step never touch the parameters at the same time (with delayed parameter
+updates the two are requested concurrently).
+
+**Accumulation.** ``accumulate(batch)`` runs forward/backward on the task's *mean* loss scaled by the
+batch's sample count, so ``param.grad`` holds the *sum* of per-sample gradients. ``take_gradients()`` hands
+that sum out as one flat float32 vector (and clears the accumulators); the averaging sends
+``sum / samples`` (the local mean) with weight ``samples``, and the group's weighted mean is exactly the
+mean gradient of the whole global batch — what one process would compute with the same samples.
+
+**Stepping.** ``apply(mean_gradient)`` writes the averaged vector into ``param.grad`` (keeping any
+gradients accumulated meanwhile aside), clips if the spec says so, sets the learning rate from the schedule
+at the current global step, takes one optimizer step and increments ``step``.
+
+**State.** ``state_blob()`` is the safetensors encoding of ``model/<name>`` (parameters and buffers) and
+``optim/<param index>/<key>`` (the optimizer's per-parameter tensors) with the step, run id and task in
+the metadata (see :mod:`shared.state.blob`); ``load_state_blob`` restores all of it and drops accumulated
+gradients. ``fingerprint()`` is a short hash of a fixed sample of the parameters, cheap enough for every
+step, that peers compare to detect divergence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from protocols.training import OptimizerSpec, TrainingSpec
+from shared.errors import StateError
+from shared.state.blob import STATE_FORMAT, decode_state, encode_state
+
+if TYPE_CHECKING:
+    from ..tasks import Task
+
+__all__ = ["Accumulated", "LocalTrainer", "make_optimizer"]
+
+FINGERPRINT_SAMPLE = 65_536
+Float32Array = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """Gradients taken out of the model: their sum over ``samples`` samples, and the mean loss."""
+
+    gradient_sum: Float32Array
+    samples: int
+    loss: float | None
+    compute_seconds: float
+
+    def mean(self) -> Float32Array:
+        mean: Float32Array = self.gradient_sum / np.float32(max(1, self.samples))
+        return mean
+
+
+def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if spec.name == "sgd":
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    if spec.name == "adam":
+        return torch.optim.Adam(
+            params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        )
+    if spec.name == "lamb":
+        raise StateError("the lamb optimizer is not available in this build; use adamw")
+    return torch.optim.AdamW(
+        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+    )
+
+
+class LocalTrainer:
+    def __init__(self, task: Task, spec: TrainingSpec, run_id: str, device: str = "cpu") -> None:
+        self.task = task
+        self.spec = spec
+        self.run_id = run_id
+        self.device = torch.device(device)
+        self.model = task.build_model().to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.optimizer = make_optimizer(spec.optimizer, self.params)
+        self.step = 0
+        self.samples = 0  # accumulated toward step + 1
+        self._loss_sum = 0.0
+        self._compute_seconds = 0.0
+        self._lock = threading.Lock()
+        self._stride = max(1, self.numel // FINGERPRINT_SAMPLE)
+
+    # ------------------------------------------------------------------ accumulation
+
+    def accumulate(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, float]:
+        """One forward/backward pass; returns (samples, mean loss of this batch)."""
+        with self._lock:
+            started = time.perf_counter()
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            n = self.task.batch_size(batch)
+            self.model.train()
+            loss = self.task.loss(self.model, batch)
+            (loss * n).backward()  # type: ignore[no-untyped-call]
+            value = float(loss.detach())
+            self.samples += n
+            self._loss_sum += value * n
+            self._compute_seconds += time.perf_counter() - started
+            return n, value
+
+    def take_gradients(self) -> Accumulated:
+        """Hand out (and clear) the accumulated gradient sum; see the module docstring."""
+        with self._lock:
+            flat = np.empty(self.numel, dtype=np.float32)
+            offset = 0
+            for p in self.params:
+                size = p.numel()
+                if p.grad is not None:
+                    flat[offset : offset + size] = p.grad.detach().reshape(-1).cpu().numpy()
+                    p.grad = None
+                else:
+                    flat[offset : offset + size] = 0.0
+                offset += size
+            taken = Accumulated(
+                flat,
+                self.samples,
+                self._loss_sum / self.samples if self.samples else None,
+                self._compute_seconds,
+            )
+            self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0
+            return taken
+
+    def restore_gradients(self, taken: Accumulated) -> None:
+        """Put gradients taken for a round that failed back into the accumulators."""
+        with self._lock:
+            self._add_into_grads(taken.gradient_sum)
+            self.samples += taken.samples
+            if taken.loss is not None:
+                self._loss_sum += taken.loss * taken.samples
+            self._compute_seconds += taken.compute_seconds
+
+    def discard_gradients(self) -> None:
+        with self._lock:
+            self._clear()
+
+    # ---------------------------------------------------------------------- stepping
+
+    def apply(self, mean_gradient: Float32Array) -> int:
+        """One optimizer step with ``mean_gradient`` (the collaboration's average); returns the new step."""
+        if mean_gradient.shape != (self.numel,):
+            raise ValueError(f"gradient has shape {mean_gradient.shape}, expected ({self.numel},)")
+        with self._lock:
+            pending = [p.grad for p in self.params]
+            source = torch.from_numpy(np.ascontiguousarray(mean_gradient))
+            offset = 0
+            for p in self.params:
+                size = p.numel()
+                p.grad = source[offset : offset + size].view_as(p).to(p.device, copy=True)
+                offset += size
+            if self.spec.optimizer.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.spec.optimizer.clip_grad_norm)
+            lr = self.spec.optimizer.lr * self.spec.schedule.factor(self.step)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            for p, grad in zip(self.params, pending, strict=True):
+                p.grad = grad
+            self.step += 1
+            return self.step
+
+    def fingerprint(self) -> bytes:
+        """8 bytes identifying the parameters (a fixed strided sample of them)."""
+        with self._lock:
+            digest = hashlib.blake2b(digest_size=8)
+            digest.update(self.step.to_bytes(8, "little"))
+            for p in self.params:
+                digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
+            return digest.digest()
+
+    def parameter_vector(self) -> Float32Array:
+        with self._lock:
+            return torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy()
+
+    # ------------------------------------------------------------------------- state
+
+    def state_blob(self) -> bytes:
+        """The full training state as a safetensors blob (see the module docstring)."""
+        with self._lock:
+            tensors: dict[str, np.ndarray] = {
+                f"model/{name}": value.detach().cpu().numpy()
+                for name, value in self.model.state_dict().items()
+            }
+            index = {id(p): i for i, p in enumerate(self.params)}
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"optim/{index[id(p)]}/{key}"] = value.detach().cpu().numpy()
+            metadata = {
+                "format": STATE_FORMAT,
+                "step": str(self.step),
+                "run_id": self.run_id,
+                "task": self.task.name,
+            }
+            return encode_state(tensors, metadata)
+
+    def load_state_blob(self, blob: bytes) -> int:
+        """Restore parameters, optimizer state and step from a state blob; returns the step.
+
+        Raises:
+            StateError: the blob is not a state of this run's task (format, names or shapes differ).
+        """
+        tensors, metadata = decode_state(blob)
+        if metadata.get("format") != STATE_FORMAT or metadata.get("task") != self.task.name:
+            raise StateError(f"not a {self.task.name} state: metadata {dict(metadata)}")
+        try:
+            step = int(metadata["step"])
+        except (KeyError, ValueError) as exc:
+            raise StateError("state without a valid step") from exc
+        model_state = {
+            k[len("model/") :]: torch.from_numpy(v.copy())
+            for k, v in tensors.items()
+            if k.startswith("model/")
+        }
+        optim: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optim/"):
+                _, index, name = key.split("/", 2)
+                optim.setdefault(int(index), {})[name] = torch.from_numpy(value.copy())
+        with self._lock:
+            try:
+                self.model.load_state_dict(model_state, strict=True)
+            except RuntimeError as exc:
+                raise StateError(f"state does not fit the model: {exc}") from exc
+            if any(i >= len(self.params) for i in optim):
+                raise StateError("state has optimizer entries for parameters the model does not have")
+            self.optimizer.state.clear()
+            for i, entry in optim.items():
+                param = self.params[i]
+                self.optimizer.state[param] = {
+                    k: v.to(param.device) if v.dim() > 0 else v for k, v in entry.items()
+                }
+            self.step = step
+            self._clear()
+            return step
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _clear(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0
+
+    def _add_into_grads(self, flat: Float32Array) -> None:
+        source = torch.from_numpy(np.ascontiguousarray(flat))
+        offset = 0
+        for p in self.params:
+            size = p.numel()
+            chunk = source[offset : offset + size].view_as(p).to(p.device)
+            p.grad = chunk.clone() if p.grad is None else p.grad + chunk
+            offset += size
+
+
+def finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

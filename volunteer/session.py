@@ -1,0 +1,253 @@
+"""One volunteer's training session: build the task, stream data, measure, train, report, leave.
+
+Order of events (each shown on the panel, or logged without one):
+
+1. the task's model is built (deterministic from the manifest's seed, so every peer starts equal);
+2. the data stream opens (shards in this peer's own random order through the shuffle buffer; the first
+   micro-batches arrive while the rest stream in);
+3. **warm-up**: a few micro-batches measure samples/s on the run's real model (their gradients are dropped);
+   then bandwidth and reachability are measured against a backbone and the capabilities are published to
+   the DHT (the LP's inputs) and to the ledger (the plausibility checks' reference); they are measured
+   again when the training throughput drifts;
+4. the training loop (:func:`volunteer.training.train_until_stopped`) until Ctrl+C / SIGTERM or the run's
+   step limit;
+5. the contribution reports still queued are sent (bounded wait), and ``steps.jsonl`` in the data dir
+   holds one line per step taken (step, parameter fingerprint, loss, samples) for monitors and tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+from rich.console import Console
+from rich.live import Live
+
+from protocols.training import TrainingSpec
+from shared.auth.keys import Identity
+from shared.errors import ProjectError
+from shared.lifecycle import Shutdown
+from shared.net.addresses import parse_multiaddr
+from shared.net.host import CALL_FAILURES
+from shared.node import Node
+
+from .admission import Admission
+from .api_client import ApiClient
+from .capabilities import (
+    DriftTracker,
+    MeasuredCapabilities,
+    device_description,
+    measure_capabilities,
+    measure_samples_per_second,
+    publish_capabilities,
+)
+from .collab.optimizer import TORCH, CollabConfig, CollaborativeOptimizer, StepRecord
+from .collab.trainer import LocalTrainer
+from .data import BackboneShards, Prefetcher, open_examples
+from .panel import render_training, training_line, training_status
+from .tasks import make_task
+from .training import Reporter, batches, train_until_stopped
+
+__all__ = ["TrainingSession"]
+
+logger = logging.getLogger("volunteer")
+WARMUP_STEPS = 2
+WARMUP_SECONDS = 2.0
+REPORT_FLUSH_DEADLINE = 10.0
+REFRESH = 0.5
+DRIFT_CHECK = 10.0
+
+
+class TrainingSession:
+    def __init__(
+        self,
+        node: Node,
+        identity: Identity,
+        admission: Admission,
+        spec: TrainingSpec,
+        options: Any,  # VolunteerOptions (not imported: the daemon imports this module)
+        initial_peers: list[str],
+    ) -> None:
+        self.node = node
+        self.identity = identity
+        self.spec = spec
+        self.options = options
+        self.data_dir: Path = options.data_dir
+        self.initial_peers = initial_peers
+        credential = admission.credential
+        self.client = ApiClient(options.run_id, credential.manifest.api) if credential is not None else None
+        self.reporter = Reporter(options.run_id, identity, self.client, self.data_dir)
+        self.headline = "starting"
+        self._drift = DriftTracker()
+        self._caps: MeasuredCapabilities | None = None
+
+    async def run(self, shutdown: Shutdown, console: Console) -> None:
+        """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
+        if self.options.threads:
+            import torch
+
+            torch.set_num_threads(self.options.threads)
+        task = make_task(self.spec)
+        device = _device(self.options.device)
+        trainer = await trio.to_thread.run_sync(LocalTrainer, task, self.spec, self.options.run_id, device)
+        seed = zlib.crc32(self.node.peer_id.encode())
+        shards = BackboneShards(self.client) if self.client is not None else None
+        examples = open_examples(
+            self.spec.dataset, seed=seed, shards=shards, cache_dir=self.data_dir / "shards"
+        )
+        prefetch = Prefetcher(batches(task.collate, examples, self.spec.local_batch), depth=16)
+        try:
+            collab = CollaborativeOptimizer(
+                self.node,
+                trainer,
+                self.spec,
+                data_dir=self.data_dir,
+                config=CollabConfig(),
+                on_step=self._on_step,
+            )
+            self.collab = collab
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._show_forever, console)
+                shutdown.ready()
+                with trio.CancelScope() as warmup:
+                    nursery.start_soon(_cancel_when, shutdown.requested, warmup)
+                    await self._measure(collab, prefetch)
+                if shutdown.requested.is_set():
+                    nursery.cancel_scope.cancel()
+                    return
+                await nursery.start(collab.run)
+                nursery.start_soon(self.reporter.send_forever)
+                nursery.start_soon(self._remeasure_on_drift, collab)
+                self.headline = "training (press Ctrl+C to leave)"
+                reason = await train_until_stopped(
+                    collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
+                )
+                self.headline = reason
+                console.print(f"{reason}; at step {trainer.step}", highlight=False)
+                self.reporter.close_interval()
+                with trio.move_on_after(REPORT_FLUSH_DEADLINE):
+                    await self.reporter.flush()
+                if self.reporter.pending:
+                    logger.warning("%d contribution reports could not be sent", self.reporter.pending)
+                nursery.cancel_scope.cancel()
+        finally:
+            prefetch.close()
+
+    async def _measure(self, collab: CollaborativeOptimizer, prefetch: Prefetcher[dict[str, Any]]) -> None:
+        trainer = collab.trainer
+        self.headline = "warming up: measuring samples/s on the run's model"
+
+        def step() -> int:
+            batch = prefetch.get(timeout=60.0)
+            if batch is None:
+                raise ProjectError("no training data arrived within 60 s")
+            return trainer.accumulate(batch)[0]
+
+        sps = await trio.to_thread.run_sync(
+            lambda: measure_samples_per_second(step, warmup_steps=WARMUP_STEPS, seconds=WARMUP_SECONDS),
+            limiter=TORCH,
+            abandon_on_cancel=True,
+        )
+        await trio.to_thread.run_sync(trainer.discard_gradients, limiter=TORCH)
+        collab.samples_per_second = sps
+        self.headline = "measuring bandwidth and reachability against a backbone"
+        backbone = parse_multiaddr(self.initial_peers[0]) if self.initial_peers else None
+        caps = None
+        if backbone is not None and backbone.peer_id is not None:
+            with contextlib.suppress(ProjectError, OSError, *CALL_FAILURES):
+                caps = await measure_capabilities(self.node.host, backbone, sps)
+        if caps is not None:
+            collab.client_mode = caps.client_mode
+            collab.config = CollabConfig(
+                upload_bps=max(caps.capabilities.upload_bps, 1.0),
+                download_bps=max(caps.capabilities.download_bps, 1.0),
+            )
+            await self._publish(caps)
+        logger.info(
+            "measured %.0f samples/s on %s%s",
+            sps,
+            device_description(),
+            ""
+            if caps is None
+            else f", ↑ {caps.capabilities.upload_bps / 1e6:.0f} MB/s ↓ "
+            f"{caps.capabilities.download_bps / 1e6:.0f} MB/s",
+        )
+        self._drift.update(sps)
+        self._caps = caps
+
+    async def _publish(self, caps: MeasuredCapabilities) -> None:
+        try:
+            await publish_capabilities(self.node.dht, caps, self.client)
+        except (ProjectError, *CALL_FAILURES) as exc:
+            logger.warning("capabilities not published: %s", exc)
+
+    async def _remeasure_on_drift(self, collab: CollaborativeOptimizer) -> None:
+        """Training throughput drifted from what we published (thermal throttling, another job): publish
+        the new numbers, so the LP and the ledger's checks use what this machine really does now."""
+        while True:
+            await trio.sleep(DRIFT_CHECK)
+            sps = collab.stats.local_sps
+            if sps > 0 and self._drift.update(sps):
+                logger.info("throughput drifted to %.0f samples/s: publishing it", sps)
+                collab.samples_per_second = sps
+                if self._caps is not None:
+                    caps = MeasuredCapabilities(
+                        msgspec.structs.replace(self._caps.capabilities, samples_per_second=sps),
+                        self._caps.reachable,
+                        measured_at=time.time(),
+                    )
+                    self._caps = caps
+                    await self._publish(caps)
+
+    def _on_step(self, record: StepRecord) -> None:
+        self.reporter.record(record)
+        line = {
+            "step": record.step,
+            "fingerprint": record.fingerprint.hex(),
+            "loss": record.loss,
+            "samples": record.samples,
+            "peers": record.peers,
+            "averaging_s": round(record.seconds, 4),
+            "time": record.finished_at,
+        }
+        with (self.data_dir / "steps.jsonl").open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
+    async def _show_forever(self, console: Console) -> None:
+        def render() -> Any:
+            status = training_status(self.collab, self.reporter.sent, self.reporter.pending)
+            return render_training(self.node.status(), status, self.headline)
+
+        if self.options.panel:
+            with Live(render(), console=console, refresh_per_second=4) as live:
+                while True:
+                    await trio.to_thread.run_sync(self.node.write_status, self.data_dir)
+                    live.update(render())
+                    await trio.sleep(REFRESH)
+        last = -self.options.log_period
+        while True:
+            await trio.to_thread.run_sync(self.node.write_status, self.data_dir)
+            if trio.current_time() - last >= self.options.log_period:
+                logger.info("%s: %s", self.headline, training_line(training_status(self.collab)))
+                last = trio.current_time()
+            await trio.sleep(REFRESH)
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,203 @@
+"""The volunteer's training loop and its contribution reports.
+
+:func:`train_until_stopped` alternates, forever or until the run's step limit or a stop request:
+
+* behind or diverged → download the collaboration's state (:meth:`CollaborativeOptimizer.sync_state`);
+* the collaboration reached the target batch → average and step (in the background with delayed
+  parameter updates, so the next micro-batches overlap the averaging);
+* otherwise → one micro-batch from the prefetcher (the data pipeline runs in its own thread; the trio
+  loop never waits on it except through a worker thread).
+
+A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its own deadline; then the loop
+returns and the daemon reports and leaves.
+
+:class:`Reporter` turns each step we took part in into a signed
+:class:`~protocols.ledger.ContributionReport` (consecutive, non-overlapping intervals; ``seq`` persisted in
+the data dir so a restart never reuses one) and posts it to the backbone's API, retrying later when no
+backbone answers. Nothing is lost while the queue (bounded) has room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from protocols.ledger import ContributionReport, SignedReport, report_payload
+from shared.auth.keys import Identity
+from shared.errors import AdmissionError, PeerUnavailable, StateUnavailable
+
+from .api_client import ApiClient
+from .collab.optimizer import CollaborativeOptimizer, StepRecord
+
+__all__ = ["Reporter", "train_until_stopped"]
+
+logger = logging.getLogger(__name__)
+MAX_PENDING_REPORTS = 10_000
+REPORT_RETRY = 5.0
+
+
+async def train_until_stopped(
+    collab: CollaborativeOptimizer,
+    next_batch: Callable[[], dict[str, Any] | None],
+    stop: trio.Event,
+) -> str:
+    """Run the loop of the module docstring; returns why it stopped."""
+    await collab.resume_if_behind()
+    async with trio.open_nursery() as background:
+        while not stop.is_set():
+            if collab.finished():
+                return f"the run reached its step limit ({collab.spec.max_steps})"
+            if collab.averaging:
+                if not collab.spec.dpu:
+                    await trio.sleep(0.01)
+                    continue
+            elif collab.behind():
+                try:
+                    await collab.sync_state()
+                except StateUnavailable as exc:
+                    collab.stats.waiting = f"waiting for a state to download: {exc}"
+                    logger.warning("%s", exc)
+                    await trio.sleep(2.0)
+                continue
+            elif collab.ready():
+                if collab.spec.dpu:
+                    collab.averaging = True  # before the task starts: ready() must not fire twice
+                    background.start_soon(collab.average_and_step)
+                else:
+                    await collab.average_and_step()
+                continue
+            batch = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
+            if batch is None:
+                collab.stats.waiting = "waiting for the first examples"
+                await trio.sleep(0.05)
+                continue
+            collab.stats.waiting = None
+            await collab.accumulate(batch)
+    return "stopped"
+
+
+class Reporter:
+    """Signed contribution reports to the backbone's API (see the module docstring).
+
+    Steps are credited in intervals of at least :data:`REPORT_INTERVAL` seconds (one report may cover
+    several steps): fewer rows, and the ledger's throughput check compares samples against compute time
+    over a stretch long enough for the measurement noise of single short steps to average out.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        identity: Identity,
+        client: ApiClient | None,
+        data_dir: Path,
+        interval: float = 10.0,
+    ) -> None:
+        self.run_id = run_id
+        self.identity = identity
+        self.client = client
+        self.interval = interval
+        self._seq_path = data_dir / "report.seq"
+        self._seq = self._load_seq()
+        self._pending: deque[SignedReport] = deque()
+        self._open: list[StepRecord] = []  # steps not in a report yet
+        self._last_end = time.time()
+        self._wakeup = trio.Event()
+        self._sending = trio.Lock()
+        self.sent = 0
+        self.credited = 0
+
+    def _load_seq(self) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return int(self._seq_path.read_text().strip())
+        return 0
+
+    def _save_seq(self) -> None:
+        tmp = self._seq_path.with_suffix(".tmp")
+        tmp.write_text(f"{self._seq}\n")
+        tmp.replace(self._seq_path)
+
+    def record(self, step: StepRecord) -> None:
+        """Note one step we took part in (called from the optimizer; never blocks)."""
+        self._open.append(step)
+        if step.finished_at - self._last_end >= self.interval:
+            self.close_interval()
+
+    def close_interval(self) -> None:
+        """Turn the steps noted so far into one signed report, queued for sending."""
+        if not self._open:
+            return
+        steps, self._open = self._open, []
+        end = max(max(s.finished_at for s in steps), self._last_end)
+        report = ContributionReport(
+            run_id=self.run_id,
+            peer_id=self.identity.peer_id,
+            seq=self._seq,
+            global_step=max(s.step for s in steps),
+            samples=sum(s.samples for s in steps),
+            compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
+            bytes_aggregated=sum(s.bytes_aggregated for s in steps),
+            bytes_relayed=0,
+            interval_start=self._last_end,
+            interval_end=end,
+        )
+        self._last_end = end
+        self._seq += 1
+        self._save_seq()
+        data = msgspec.msgpack.encode(report)
+        if len(self._pending) >= MAX_PENDING_REPORTS:
+            logger.warning("report queue full: dropping the oldest unsent report")
+            self._pending.popleft()
+        self._pending.append(SignedReport(report=data, signature=self.identity.sign(report_payload(data))))
+        self._wakeup.set()
+
+    async def send_forever(self) -> None:
+        while True:
+            await self.flush()
+            with trio.move_on_after(REPORT_RETRY):
+                await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    async def flush(self) -> None:
+        """Send what is queued; stops at the first failure (the rest waits for the next try)."""
+        async with self._sending:
+            if self.client is None:
+                self._pending.clear()
+                return
+            while self._pending:
+                signed = self._pending[0]
+                try:
+                    receipt = await self.client.report(signed)
+                except PeerUnavailable as exc:
+                    logger.info("contribution report not sent yet: %s", exc)
+                    return
+                except AdmissionError as exc:
+                    logger.warning("contribution report refused: %s", exc)
+                else:
+                    self.sent += 1
+                    self.credited += receipt.credited
+                    if not receipt.credited:
+                        logger.warning("contribution report flagged: %s", receipt.reason)
+                self._pending.popleft()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+def batches(
+    task_collate: Callable[[list[Any]], dict[str, Any]], examples: Iterator[Any], size: int
+) -> Iterator[dict[str, Any]]:
+    """Group a stream of examples into collated micro-batches of ``size``."""
+    while True:
+        chunk = [example for _, example in zip(range(size), examples, strict=False)]
+        if len(chunk) < size:
+            return
+        yield task_collate(chunk)
