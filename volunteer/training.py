@@ -69,8 +69,7 @@ async def train_until_stopped(
                 continue
             elif collab.ready():
                 if collab.spec.dpu:
-                    collab.averaging = True  # before the task starts: ready() must not fire twice
-                    background.start_soon(collab.average_and_step)
+                    await collab.start_step(background)
                 else:
                     await collab.average_and_step()
                 continue

@@ -14,9 +14,11 @@ import trio
 
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, OptimizerSpec, Progress, ScheduleSpec, TrainingSpec
 from shared.auth.keys import Identity
+from shared.data.corpus import generate_examples
 from shared.node import Node, open_node
-from volunteer.collab.optimizer import CollabConfig, CollaborativeOptimizer
+from volunteer.collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from volunteer.collab.trainer import LocalTrainer
+from volunteer.tasks import Task, make_task
 
 DIM = 8
 
@@ -93,8 +95,10 @@ async def start_nodes(nursery: trio.Nursery, n: int, run_id: str = "collab-test"
 CONFIG = CollabConfig(poll_period=0.1, publish_period=0.2, matchmaking_window=0.5, sync_patience=5.0)
 
 
-async def start_collab(nursery: trio.Nursery, node: Node, training: TrainingSpec) -> CollaborativeOptimizer:
-    trainer = LocalTrainer(LinearTask(), training, "collab-test")  # type: ignore[arg-type]
+async def start_collab(
+    nursery: trio.Nursery, node: Node, training: TrainingSpec, task: Task | None = None
+) -> CollaborativeOptimizer:
+    trainer = LocalTrainer(task or LinearTask(), training, "collab-test")  # type: ignore[arg-type]
     collab = CollaborativeOptimizer(node, trainer, training, config=CONFIG)
     await nursery.start(collab.run)
     return collab
@@ -192,3 +196,95 @@ async def test_absurd_progress_is_ignored(nursery: trio.Nursery) -> None:
         assert view.peers == 2
         assert not peer.behind()
         assert not peer.ready()
+
+
+MLM = TrainingSpec(
+    task="tiny-mlm",
+    task_options={"d_model": 32, "layers": 1, "heads": 2, "ffn": 64, "seq_len": 32},
+    target_batch=32,
+    local_batch=16,
+    optimizer=OptimizerSpec(name="adamw", lr=1e-3),
+    schedule=ScheduleSpec(kind="constant"),
+    checkpoint_every=1000,
+)
+
+
+async def run_pair(
+    nursery: trio.Nursery, training: TrainingSpec, texts: list[dict[str, str]], steps: int
+) -> tuple[list[CollaborativeOptimizer], list[float]]:
+    """Two peers, each fed its half of every global batch; with DPU the next half-batch is computed while
+    the step is averaged. Returns the peers and the per-step loss (mean of the two halves' losses)."""
+    task = make_task(training)
+    nodes = await start_nodes(nursery, 2)
+    peers = [await start_collab(nursery, node, training, task) for node in nodes]
+    records: list[list[StepRecord]] = [[], []]
+    for i, collab in enumerate(peers):
+        collab.on_step = records[i].append
+    await trio.sleep(0.5)
+    b = training.local_batch
+    halves = [
+        [task.collate(texts[2 * b * s + i * b : 2 * b * s + (i + 1) * b]) for s in range(steps)]
+        for i in range(2)
+    ]
+
+    async def peer(i: int) -> None:
+        collab = peers[i]
+        await collab.accumulate(halves[i][0])
+        for s in range(steps):
+            await collab.refresh_view()
+            if training.dpu:
+                async with trio.open_nursery() as round_:
+                    await collab.start_step(round_)
+                    if s + 1 < steps:
+                        await collab.accumulate(halves[i][s + 1])  # on the parameters before step s + 1
+            else:
+                assert await collab.average_and_step()
+                if s + 1 < steps:
+                    await collab.accumulate(halves[i][s + 1])
+            assert collab.trainer.step == s + 1
+
+    async with trio.open_nursery() as group:
+        for i in range(2):
+            group.start_soon(peer, i)
+    losses = [((a.loss or 0.0) + (b.loss or 0.0)) / 2 for a, b in zip(*records, strict=True)]
+    return peers, losses
+
+
+def reference_run(
+    training: TrainingSpec, texts: list[dict[str, str]], steps: int
+) -> tuple[LocalTrainer, list[float]]:
+    task = make_task(training)
+    trainer = LocalTrainer(task, training, "ref")
+    b = 2 * training.local_batch
+    losses = []
+    for s in range(steps):
+        trainer.accumulate(task.collate(texts[b * s : b * (s + 1)]))
+        taken = trainer.take_gradients()
+        losses.append(taken.loss)
+        trainer.apply(taken.mean())
+    return trainer, losses
+
+
+async def test_tiny_mlm_two_peers_equal_one_process_at_the_same_global_batch(nursery: trio.Nursery) -> None:
+    steps = 5
+    texts = [{"text": t} for t in generate_examples(7, 2 * MLM.local_batch * steps)]
+    peers, losses = await run_pair(nursery, MLM, texts, steps)
+    reference, expected = reference_run(MLM, texts, steps)
+    first, second = (p.trainer.parameter_vector() for p in peers)
+    assert np.array_equal(first, second)
+    np.testing.assert_allclose(first, reference.parameter_vector(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+
+async def test_tiny_mlm_with_delayed_parameter_updates_keeps_the_loss_within_one_percent(
+    nursery: trio.Nursery,
+) -> None:
+    steps = 8
+    training = msgspec.structs.replace(MLM, dpu=True)
+    texts = [{"text": t} for t in generate_examples(8, 2 * MLM.local_batch * steps)]
+    peers, losses = await run_pair(nursery, training, texts, steps)
+    _, expected = reference_run(MLM, texts, steps)
+    assert np.array_equal(peers[0].trainer.parameter_vector(), peers[1].trainer.parameter_vector())
+    for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
+        assert abs(got - want) <= 0.01 * want, (step, got, want)
+    assert losses != expected  # the updates really were delayed (one step of staleness)

@@ -242,15 +242,25 @@ class CollaborativeOptimizer:
     def finished(self) -> bool:
         return 0 < self.spec.max_steps <= self.trainer.step
 
-    async def average_and_step(self) -> bool:
-        """Steps 1 to 5 of the module docstring. Returns True if we took a step."""
+    async def start_step(self, nursery: trio.Nursery) -> None:
+        """Delayed parameter updates: take the gradients now, then average and step in ``nursery`` while
+        the caller goes on computing micro-batches (which count toward the step after)."""
+        self.averaging = True
+        self._round_step = self.trainer.step
+        taken = await trio.to_thread.run_sync(self.trainer.take_gradients, limiter=TORCH)
+        nursery.start_soon(self.average_and_step, taken)
+
+    async def average_and_step(self, taken: Accumulated | None = None) -> bool:
+        """Steps 1 to 5 of the module docstring (with ``taken``: gradients already taken out for step 1).
+        Returns True if we took a step."""
         step = self.trainer.step
         started = trio.current_time()
         self.averaging = True
         self._round_step = step
         try:
             for attempt in range(self.config.max_attempts):
-                taken = await trio.to_thread.run_sync(self.trainer.take_gradients, limiter=TORCH)
+                if taken is None:
+                    taken = await trio.to_thread.run_sync(self.trainer.take_gradients, limiter=TORCH)
                 self._round_samples = taken.samples
                 self.publish_soon()
                 outcome = await self._average(step, attempt, taken)
@@ -259,6 +269,7 @@ class CollaborativeOptimizer:
                     await self._apply(step, taken, vector, peers, aggregated, trio.current_time() - started)
                     return True
                 await trio.to_thread.run_sync(self.trainer.restore_gradients, taken, limiter=TORCH)
+                taken = None
                 self._round_samples = 0
                 self.stats.failed_rounds += 1
                 with contextlib.suppress(*CALL_FAILURES):
