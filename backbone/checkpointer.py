@@ -8,8 +8,9 @@
   when no volunteer is up;
 * every :data:`POLL_PERIOD` seconds it reads the peers' state announcements and, once the most trusted
   state (:func:`~shared.state.trusted_state`) is at least ``spec.checkpoint_every`` steps past the newest
-  stored one (or nothing is stored yet), downloads it from the peers that announced it, checks it, and
-  stores it; the store keeps the last ``spec.keep_checkpoints``.
+  stored one (or nothing is stored yet, or it is the run's final step ``spec.max_steps``), downloads it
+  from the peers that announced it, checks it, and stores it; the store keeps the last
+  ``spec.keep_checkpoints``.
 
 The blobs stay opaque: the backbone checks their digest and their header's format and step, never loads
 tensors, and needs no torch.
@@ -88,6 +89,8 @@ class Checkpointer:
         """Store the most trusted announced state if it is due; return the new checkpoint, if any."""
         newest = self.store.newest()
         min_step = 0 if newest is None else newest.step + self.spec.checkpoint_every
+        if newest is not None and 0 < self.spec.max_steps <= min_step and newest.step < self.spec.max_steps:
+            min_step = self.spec.max_steps  # the run's final state is always kept
         announcements = await read_announcements(self.node.dht)
         announcements.pop(self.node.peer_id, None)
         candidates = trusted_state(announcements, min_step=min_step)

@@ -164,6 +164,7 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
     ready: bool = False  # it has entered averaging for step -> step + 1
     syncing: bool = False  # it is downloading the state (peers at the collaboration's step announce theirs)
     client_mode: bool = False
+    left: bool = False  # its last word: it left the run (peers stop counting it at once)
 
     def __post_init__(self) -> None:
         _finite("time", self.time)

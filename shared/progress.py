@@ -4,6 +4,7 @@ Every peer publishes a :class:`~protocols.training.Progress` (its step, the samp
 the next step, its throughput, a fingerprint of its parameters). :func:`summarize` turns the records a peer
 read from the DHT into a :class:`CollabView`:
 
+0. A record saying its writer **left** the run is dropped.
 1. **Plausibility.** A record is ignored when it is stale (older than ``PROGRESS_TTL`` plus the allowed
    clock skew, or from the future beyond it), claims more than :data:`MAX_SAMPLES_FACTOR` times the target
    batch (honest peers stop accumulating at the target), or more than :data:`MAX_SAMPLES_PER_SECOND`.
@@ -93,7 +94,7 @@ def summarize(
         anchored: our own step is real (we trained or downloaded state); False for a fresh newcomer, whose
             step 0 supports nobody.
     """
-    others = {peer: p for peer, p in records.items() if peer != me}
+    others = {peer: p for peer, p in records.items() if peer != me and not p.left}
     fresh = {peer: p for peer, p in others.items() if plausible(p, now, target_batch)}
     ignored = set(others) - set(fresh)
     credible: dict[str, Progress] = {}

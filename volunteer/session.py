@@ -132,6 +132,7 @@ class TrainingSession:
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)
                 self.reporter.close_interval()
+                await collab.leave()
                 with trio.move_on_after(REPORT_FLUSH_DEADLINE):
                     await self.reporter.flush()
                 if self.reporter.pending:

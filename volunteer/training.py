@@ -54,6 +54,8 @@ async def train_until_stopped(
     async with trio.open_nursery() as background:
         while not stop.is_set():
             if collab.finished():
+                collab.stats.waiting = "the run is finished: handing the final state to a backbone"
+                await collab.hand_over_final_state(stop)
                 return f"the run reached its step limit ({collab.spec.max_steps})"
             if collab.averaging:
                 if not collab.spec.dpu:

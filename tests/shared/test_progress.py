@@ -39,6 +39,11 @@ def test_a_peer_that_entered_averaging_makes_its_step_ready() -> None:
     assert not view({"a": progress(5, 0, ready=True)}, progress(5)).ready  # nothing to average
 
 
+def test_peers_that_left_are_not_counted() -> None:
+    summary = view({"a": progress(3, 90, left=True), "b": progress(3, 5)}, progress(3, 5))
+    assert (summary.peers, summary.samples, summary.ignored) == (2, 10, ())
+
+
 def test_stale_and_greedy_records_are_ignored() -> None:
     records = {"old": progress(0, 50, age=3600), "greedy": progress(0, MAX_SAMPLES_FACTOR * TARGET + 1)}
     summary = view(records, progress(0, 1))

@@ -49,10 +49,10 @@ def free_port() -> int:
 
 
 class Backbone:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, manifest: str = MANIFEST) -> None:
         self.dir = root / "bb"
         self.dir.mkdir()
-        (root / "manifest.toml").write_text(MANIFEST)
+        (root / "manifest.toml").write_text(manifest)
         self.manifest = root / "manifest.toml"
         self.port, self.api_port = free_port(), free_port()
         self.proc: subprocess.Popen[str] | None = None
@@ -200,3 +200,51 @@ def test_volunteers_train_together_through_churn_and_a_backbone_restart(tmp_path
     assert {"alice", "bob", "dave"} <= credited, rows
     checkpoints = list((backbone.dir / "checkpoints").glob("*.safetensors"))
     assert 1 <= len(checkpoints) <= 2  # keep the last K = 2
+
+
+def test_a_run_resumes_from_the_backbone_checkpoint_ends_at_its_step_limit_and_exports(
+    tmp_path: Path,
+) -> None:
+    backbone = Backbone(
+        tmp_path, MANIFEST.replace("checkpoint_every = 2", "checkpoint_every = 2\nmax_steps = 9")
+    )
+    backbone.start()
+    first = [Volunteer(tmp_path, name, backbone) for name in ("alice", "bob")]
+    try:
+        wait_for(lambda: all(v.step() >= 4 for v in first), "2 volunteers at step 4", 120, first)
+        for v in first:
+            assert stop(v.proc, within=40)[0] == 0
+        left_at = max(v.step() for v in first)
+        carol = Volunteer(tmp_path, "carol", backbone)  # alone: the run resumes from the backbone
+        deadline = time.monotonic() + 150
+        while carol.alive() and time.monotonic() < deadline:
+            time.sleep(0.3)
+        code = carol.proc.wait(timeout=5)
+        log = carol.log.read_text()
+        assert code == 0, log[-3000:]
+        assert "the run reached its step limit (9)" in log
+        assert 2 < min(carol.steps()) <= left_at + 1, (carol.steps(), left_at)  # resumed, not restarted
+        assert max(carol.steps()) == 9
+
+        out = tmp_path / "model.safetensors"
+        deadline = time.monotonic() + 30
+        while True:  # the backbone stores the final state within a poll period or two
+            result = subprocess.run(
+                cli("backbone", "export", "--data-dir", str(backbone.dir), "--output", str(out), "--step=9"),
+                capture_output=True, text=True, env=ENV,
+            )  # fmt: skip
+            if result.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert result.returncode == 0, result.stderr
+        from safetensors import safe_open
+
+        with safe_open(str(out), framework="numpy") as exported:
+            assert exported.metadata()["step"] == "9"
+            assert any(key.startswith("encoder") or "embed" in key for key in exported.keys())  # noqa: SIM118
+    finally:
+        for v in first:
+            if v.alive():
+                stop(v.proc)
+        assert backbone.proc is not None
+        assert stop(backbone.proc, within=30)[0] == 0

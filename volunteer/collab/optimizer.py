@@ -148,6 +148,7 @@ class CollaborativeOptimizer:
         self._last_fingerprint = b""
         self._records: dict[str, Progress] = {}
         self._loss: float | None = None
+        self._left = False
         self._round_step = -1  # the step whose round we are in (while ``averaging``)
         self._round_samples = 0  # our weight in it
 
@@ -177,11 +178,23 @@ class CollaborativeOptimizer:
             client_mode=self.client_mode,
         )
 
+    async def leave(self) -> None:
+        """Tell the others we left (best effort, bounded): they stop waiting for our samples at once."""
+        self._left = True  # our publisher stays quiet from now on
+        final = msgspec.structs.replace(self.progress(), left=True, ready=False)
+        with trio.move_on_after(3.0), contextlib.suppress(*CALL_FAILURES):
+            await self.node.dht.store(
+                PROGRESS_KEY,
+                msgspec.msgpack.encode(final),
+                time.time() + PROGRESS_TTL,
+                subkey=self.node.peer_id.encode(),
+            )
+
     def publish_soon(self) -> None:
         self._progress_changed.set()
 
     async def _publish_forever(self) -> None:
-        while True:
+        while not self._left:
             with contextlib.suppress(*CALL_FAILURES):
                 value = msgspec.msgpack.encode(self.progress())
                 await self.node.dht.store(
@@ -470,6 +483,21 @@ class CollaborativeOptimizer:
     ) -> list[tuple[PeerAddress, StateAnnouncement]]:
         addresses = await presence_addresses(self.node.dht)
         return [(addresses[w][0], announcement) for w in writers if addresses.get(w)]
+
+    async def hand_over_final_state(self, stop: trio.Event, within: float = 60.0) -> bool:
+        """At the run's step limit: keep serving our final state until a backbone announces that it stored
+        it (the run's result must not leave with its last volunteers), ``within`` seconds at most."""
+        announcement = await self.announce_state()
+        with trio.move_on_after(within):
+            while not stop.is_set():
+                with contextlib.suppress(*CALL_FAILURES):
+                    found = await self._announcements()
+                    if any(a.backbone and a.digest == announcement.digest for a in found.values()):
+                        return True
+                with trio.move_on_after(1.0):
+                    await stop.wait()
+        logger.warning("no backbone confirmed storing the final state of step %d", announcement.step)
+        return False
 
     async def resume_if_behind(self) -> None:
         """A newcomer's first look: if peers or backbones announce a state beyond ours (a run resumed
