@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -23,11 +24,11 @@ from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
 
 from .export import export_checkpoint
-from .ledger import LedgerStore
+from .ledger import LedgerStore, StepRow
 from .runinfo import RunInfo, read_run_info
 from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 
-__all__ = ["app", "main"]
+__all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
 HELP = "Backbone nodes keep a training run's DHT alive, admit its volunteers and credit their work."
 app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -208,8 +209,25 @@ def allow_list(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Jso
 
 
 @app.command()
-def ledger(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False) -> None:
-    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers."""
+def ledger(
+    data_dir: DataDir,
+    database_url: DatabaseUrl = None,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            "--steps",
+            metavar="N",
+            min=1,
+            help="Instead of the leaderboard: the last N global steps and the run's loss curve.",
+        ),
+    ] = None,
+    as_json: Json = False,
+) -> None:
+    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers.
+    With `--steps N`: the run's last N global steps (finished at, loss, samples, peers) and its loss curve."""
+    if steps is not None:
+        _ledger_steps(data_dir, database_url, steps, as_json)
+        return
     with _ledger(data_dir, database_url) as store:
         rows = store.leaderboard()
     if as_json:
@@ -230,6 +248,95 @@ def ledger(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = 
             str(row.flagged_reports),
         )
     out.print(table)
+
+
+#: The loss curve covers at most this many of the run's latest steps (one query, a few MB at most).
+CURVE_STEPS = 100_000
+CURVE_POINTS = 8
+SPARKLINE_WIDTH = 48
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+@dataclass(frozen=True)
+class LossPoint:
+    """The mean loss of the steps ``first_step`` to ``last_step`` (those with a known loss)."""
+
+    first_step: int
+    last_step: int
+    loss: float
+
+
+def loss_curve(steps: Sequence[StepRow], points: int) -> list[LossPoint]:
+    """The loss of ``steps`` (any order) as ``points`` (or fewer) evenly spaced buckets, oldest first.
+
+    Steps without a loss (jumped over, or not finite) are left out; the rest are split by step order into
+    ``min(points, len(known))`` consecutive buckets whose sizes differ by at most one, and each bucket's
+    mean loss is one point: means, not single steps, because one step's loss is one batch's and noisy.
+    """
+    if points < 1:
+        raise ValueError(f"a loss curve needs at least one point, got {points}")
+    known = sorted((s for s in steps if s.loss is not None), key=lambda s: s.global_step)
+    count = min(points, len(known))
+    curve = []
+    for i in range(count):
+        bucket = known[i * len(known) // count : (i + 1) * len(known) // count]
+        losses = [s.loss for s in bucket if s.loss is not None]
+        curve.append(LossPoint(bucket[0].global_step, bucket[-1].global_step, sum(losses) / len(losses)))
+    return curve
+
+
+def sparkline(values: Sequence[float]) -> str:
+    """One block character per value, its height scaled between the smallest and largest value."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    if high == low:
+        return _SPARKS[len(_SPARKS) // 2] * len(values)
+    top = len(_SPARKS) - 1
+    return "".join(_SPARKS[round((v - low) / (high - low) * top)] for v in values)
+
+
+def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: bool) -> None:
+    limit = max(last, CURVE_STEPS)
+    with _ledger(data_dir, database_url) as store:
+        rows = store.recent_steps(limit=limit)  # newest first
+    recent = sorted(rows[:last], key=lambda r: r.global_step)
+    curve = loss_curve(rows, CURVE_POINTS)
+    if as_json:
+        print(msgspec.json.encode({"steps": recent, "curve": curve, "curve_steps": len(rows)}).decode())
+        return
+    recorded = str(len(rows)) if len(rows) < limit else f"at least {len(rows):,}"
+    table = Table(title=f"global steps (the last {len(recent)} of {recorded} recorded)")
+    for column in ("step", "finished at", "loss", "samples", "peers"):
+        table.add_column(column, justify="left" if column == "finished at" else "right")
+    for row in recent:
+        finished = datetime.fromtimestamp(row.finished_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        loss = "—" if row.loss is None else f"{row.loss:.4f}"
+        table.add_row(str(row.global_step), finished, loss, f"{row.samples:,}", str(row.peers))
+    out.print(table)
+    if not curve:
+        out.print("no step has a recorded loss yet", highlight=False)
+        return
+    known = sorted((r for r in rows if r.loss is not None), key=lambda r: r.global_step)
+    fine = loss_curve(known, SPARKLINE_WIDTH)
+    first, final = known[0], known[-1]
+    out.print(
+        f"loss curve, steps {first.global_step}-{final.global_step} (mean loss per span of steps):",
+        highlight=False,
+    )
+    losses = [p.loss for p in fine]
+    out.print(
+        f"  {sparkline(losses)}  ({_SPARKS[0]} {min(losses):.2f}, {_SPARKS[-1]} {max(losses):.2f})",
+        highlight=False,
+    )
+    for point in curve:
+        out.print(
+            f"  steps {point.first_step:>6}-{point.last_step:<6}  loss {point.loss:.4f}", highlight=False
+        )
+    out.print(
+        f"loss at step {first.global_step}: {first.loss:.4f}; at step {final.global_step}: {final.loss:.4f}",
+        highlight=False,
+    )
 
 
 @app.command()

@@ -1,186 +1,369 @@
-"""A local collaboration on loopback: one backbone, N invited volunteers, a live table, a clean stop.
+"""The main job: a backbone and N invited volunteers on loopback train the built-in task together.
 
-Each node is a real process started with the real CLIs: the backbone pins the run to its authority key,
-``backbone allow add`` mints one invite per volunteer, and each ``volunteer join <run-id> --invite``
-redeems it over the backbone's HTTPS API before joining the DHT. The table is read from the
-``status.json`` each node writes into its data dir. At the end every process gets SIGTERM and must exit
-0, and the allowlist is printed.
+Every node is a real process started with the real CLIs, exactly as organizers and volunteers run them:
+
+1. a demo manifest (``tiny-mlm``, a small target batch so that a step takes a second or two on a laptop's
+   CPU) is written into the work dir, and ``backbone start --manifest`` serves it in a run pinned to the
+   backbone's authority key (SQLite ledger in its data dir);
+2. ``backbone allow add`` mints one invite per volunteer, and ``volunteer join <run-id> --invite`` redeems
+   it over the backbone's HTTPS API, downloads the manifest and starts training with the others;
+3. a live table (refreshed every second) shows each volunteer's step, loss and samples/s (from the
+   ``steps.jsonl`` it appends after every step) and its connections (from its ``status.json``), and the
+   collaboration's step and loss as the backbone recorded them in its ledger;
+4. after ``--seconds``, every volunteer gets SIGTERM: it finishes the round it is in, sends its last
+   contribution reports and must exit 0; then ``backbone ledger`` prints who contributed what and
+   ``backbone ledger --steps`` the last steps and the loss curve; then the backbone is stopped.
+
+Each process writes its stdout and stderr to ``<name>.log`` in the work dir (a fresh temporary directory
+unless ``--work-dir`` is given); the demo prints where they are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from backbone.ledger import LedgerStore, StepRow
+
 RUN_NAME = "demo-run"
+REFRESH_S = 1.0
+STARTUP_S = 90.0  # the backbone generates its dataset shards before it prints the run id
+VOLUNTEER_EXIT_S = 120.0  # SIGTERM -> finish the round, send the last reports, leave the DHT
+BACKBONE_EXIT_S = 30.0
+SPS_WINDOW = 10  # steps over which a volunteer's samples/s is measured
+
+# A step every second or two with three volunteers sharing two CPU cores, and a loss that visibly falls
+# from 6.4 (chance over the corpus' vocabulary) within a minute: about 5.0 after 60 s, 4.3 after 180 s.
+# The task's default model (d_model 64, 2 layers); 32,000 synthetic examples (6 MB, written in about a
+# second), so that in a few minutes no volunteer sees an example twice.
+MANIFEST = """\
+task = "tiny-mlm"
+target_batch = 128
+local_batch = 16
+checkpoint_every = 25
+keep_checkpoints = 2
+
+[optimizer]
+name = "adamw"
+lr = 0.003
+
+[schedule]
+kind = "constant"
+
+[dataset]
+generate = 16
+examples_per_shard = 2000
+shuffle_buffer = 1000
+"""
+
 console = Console()
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def start_backbone(data: Path) -> tuple[subprocess.Popen[str], str]:
-    """Start the backbone; return it and the pinned run id it prints."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "backbone",
-            "start",
-            "--run-id",
-            RUN_NAME,
-            "--data-dir",
-            str(data / "backbone"),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--api-listen",
-            "127.0.0.1:0",
-            "--no-mdns",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=open(data / "backbone.log", "w"),
-        text=True,
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("run id "):
-            return proc, line.removeprefix("run id ").strip()
-    proc.kill()
-    raise SystemExit(f"backbone did not start; see {data / 'backbone.log'}")
+class Stop(Exception):
+    """SIGTERM or Ctrl+C reached the demo: stop the nodes cleanly and report."""
 
 
-def invite(data: Path, username: str) -> str:
+@dataclass
+class Node:
+    """One process of the demo, its data dir and the log that receives its stdout and stderr."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    data: Path
+    log: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def cli(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def spawn(name: str, argv: list[str], work: Path, data: Path) -> Node:
+    """Start ``argv`` in its own session (a Ctrl+C reaches only the demo, which stops the nodes in order),
+    its stdout and stderr into ``<work>/<name>.log``."""
+    log = work / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=ENV,
+            start_new_session=True,
+        )
+    return Node(name, proc, data, log)
+
+
+def start_backbone(work: Path, manifest: Path) -> tuple[Node, str, str]:
+    """Start the backbone; return it, its first address and the pinned run id it prints."""
+    data = work / "backbone"
+    argv = cli(
+        "backbone", "start", "--run-id", RUN_NAME, "--data-dir", str(data),
+        "--listen", "/ip4/127.0.0.1/tcp/0", "--api-listen", "127.0.0.1:0",
+        "--manifest", str(manifest), "--no-mdns",
+    )  # fmt: skip
+    node = spawn("backbone", argv, work, data)
+    deadline = time.monotonic() + STARTUP_S
+    address = run_id = ""
+    while not run_id:
+        if node.proc.poll() is not None or time.monotonic() > deadline:
+            stop([node], BACKBONE_EXIT_S)
+            raise SystemExit(f"the backbone did not start; the end of {node.log}:\n{node.tail()}")
+        time.sleep(0.2)
+        for line in node.log.read_text(errors="replace").splitlines():
+            if line.startswith("listening on ") and not address:
+                address = line.removeprefix("listening on ").strip()
+            elif line.startswith("run id "):
+                run_id = line.removeprefix("run id ").strip()
+    return node, address, run_id
+
+
+def invite(backbone: Node, username: str) -> str:
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "backbone",
-            "allow",
-            "add",
-            username,
-            "--data-dir",
-            str(data / "backbone"),
-            "--note",
-            "demo volunteer",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+        cli("backbone", "allow", "add", username, "--data-dir", str(backbone.data),
+            "--note", "demo volunteer", "--json"),
+        capture_output=True, text=True, env=ENV, check=False,
+    )  # fmt: skip
+    if result.returncode != 0:
+        raise SystemExit(f"backbone allow add {username} failed ({result.returncode}): {result.stderr}")
     return str(json.loads(result.stdout)["invite"])
 
 
-def start_volunteer(data: Path, name: str, run_id: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "volunteer",
-            "join",
-            run_id,
-            "--invite",
-            invite(data, name),
-            "--data-dir",
-            str(data / name),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-            "--no-panel",
-        ],
-        stdout=open(data / f"{name}.log", "w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def start_volunteer(work: Path, name: str, run_id: str, address: str, code: str) -> Node:
+    data = work / name
+    argv = cli(
+        "volunteer", "join", run_id, "--invite", code, "--data-dir", str(data),
+        "--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peer", address, "--no-panel", "--threads", "1",
+    )  # fmt: skip
+    return spawn(name, argv, work, data)
 
 
-def table(data: Path, names: list[str], remaining: float, run_id: str) -> Table:
-    t = Table(title=f"run {run_id} on loopback — stopping in {remaining:.0f} s (Ctrl+C to stop now)")
-    for column in ("node", "peer id", "peers", "conns", "DHT", "online", "RPC latency", "traffic ↑/↓"):
-        t.add_column(column, justify="right" if column not in ("node", "peer id") else "left", no_wrap=True)
-    for name in names:
+def recent_steps(data: Path, count: int) -> list[dict[str, Any]]:
+    """The last ``count`` lines of a volunteer's ``steps.jsonl`` (one per step it took)."""
+    try:
+        lines = (data / "steps.jsonl").read_text().splitlines()[-count:]
+    except FileNotFoundError:
+        return []
+    steps = []
+    for line in lines:
         try:
-            s = json.loads((data / name / "status.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            t.add_row(name, "starting…", *[""] * 6)
+            steps.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written right now
             continue
-        latency = "—" if s["rpc_latency_ms"] is None else f"{s['rpc_latency_ms']:.2f} ms"
-        traffic = f"{s['bytes_sent'] / 1e3:.1f}/{s['bytes_received'] / 1e3:.1f} kB"
+    return steps
+
+
+def samples_per_second(steps: list[dict[str, Any]]) -> float | None:
+    """This volunteer's samples per wall-clock second over its last steps (averaging time included)."""
+    if len(steps) < 2 or steps[-1]["time"] <= steps[0]["time"]:
+        return None
+    return float(sum(s["samples"] for s in steps[1:]) / (steps[-1]["time"] - steps[0]["time"]))
+
+
+def status(data: Path) -> dict[str, Any] | None:
+    try:
+        found: dict[str, Any] = json.loads((data / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return found
+
+
+def _loss(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, seconds: float) -> Table:
+    t = Table(title=f"{RUN_NAME} on loopback — {elapsed:.0f} of {seconds:.0f} s (Ctrl+C stops now)")
+    for column in ("node", "step", "loss", "samples/s", "peers", "conns", "state"):
+        t.add_column(column, justify="left" if column in ("node", "state") else "right", no_wrap=True)
+    total_sps = 0.0
+    for v in volunteers:
+        steps = recent_steps(v.data, SPS_WINDOW)
+        last = steps[-1] if steps else None
+        sps = samples_per_second(steps)
+        total_sps += sps or 0.0
+        node = status(v.data)
+        code = v.proc.poll()
+        state = f"exited {code}" if code is not None else "training" if last else "joining…"
         t.add_row(
-            name,
-            s["peer_id"][:12] + "…",
-            str(s["routing_table_size"]),
-            str(s["connected_peers"]),
-            f"≈{s['dht_size_estimate']}",
-            str(s["members_online"]),
-            latency,
-            traffic,
+            v.name,
+            "—" if last is None else str(last["step"]),
+            "—" if last is None else _loss(last["loss"]),
+            "—" if sps is None else f"{sps:.0f}",
+            "—" if last is None else str(last["peers"]),
+            "—" if node is None else str(node["connected_peers"]),
+            state,
+        )
+    t.add_section()
+    if latest is None:
+        t.add_row("collaboration", "—", "—", "", "", "", "(ledger)")
+    else:
+        t.add_row(
+            "collaboration",
+            str(latest.global_step),
+            _loss(latest.loss),
+            f"{total_sps:.0f}",
+            str(latest.peers),
+            "",
+            "(ledger)",
         )
     return t
 
 
-def stop_all(procs: dict[str, subprocess.Popen[str]]) -> dict[str, int]:
-    console.print("stopping every node with SIGTERM…")
-    for proc in reversed(procs.values()):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    codes = {}
-    for name, proc in procs.items():
+def watch(volunteers: list[Node], backbone: Node, seconds: float) -> None:
+    """Refresh the table every second until ``seconds`` pass; raise SystemExit if a node dies."""
+    started = time.monotonic()
+    ledger: LedgerStore | None = None
+    latest: StepRow | None = None
+    try:
+        with Live(table(volunteers, None, 0, seconds), console=console, auto_refresh=False) as live:
+            while (elapsed := time.monotonic() - started) < seconds:
+                for node in [backbone, *volunteers]:
+                    if node.proc.poll() is not None:
+                        live.update(table(volunteers, latest, elapsed, seconds), refresh=True)
+                        raise SystemExit(
+                            f"{node.name} exited with {node.proc.returncode}; the end of {node.log}:\n"
+                            f"{node.tail()}"
+                        )
+                if ledger is None:
+                    ledger = LedgerStore.open(f"sqlite:///{backbone.data / 'ledger.sqlite3'}")
+                recorded = ledger.recent_steps(limit=1)
+                latest = recorded[0] if recorded else latest
+                live.update(table(volunteers, latest, elapsed, seconds), refresh=True)
+                time.sleep(REFRESH_S)
+    finally:
+        if not console.is_terminal:
+            console.print()  # Live's last frame ends without a newline when it is not on a terminal
+        if ledger is not None:
+            ledger.close()
+
+
+def stop(nodes: list[Node], within: float) -> dict[str, int | None]:
+    """SIGTERM every node that still runs, then wait for all of them; None: it had to be SIGKILLed."""
+    for node in nodes:
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+    codes: dict[str, int | None] = {}
+    deadline = time.monotonic() + within
+    for node in nodes:
         try:
-            codes[name] = proc.wait(timeout=15)
+            codes[node.name] = node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            codes[name] = proc.wait()
+            node.proc.kill()
+            node.proc.wait()
+            codes[node.name] = None
     return codes
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=20.0, help="how long to run before stopping")
-    parser.add_argument("--volunteers", type=int, default=3)
-    args = parser.parse_args()
-    data = Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
-    console.print(f"data dirs and logs: {data}")
-    procs: dict[str, subprocess.Popen[str]] = {}
-    failed: list[str] = []
-    try:
-        procs["backbone"], run_id = start_backbone(data)
-        console.print(f"backbone up: run id [bold]{run_id}[/] (pinned to its authority key)")
-        for i in range(1, args.volunteers + 1):
-            procs[f"volunteer{i}"] = start_volunteer(data, f"volunteer{i}", run_id)
-        console.print(
-            f"invited {args.volunteers} volunteers with `backbone allow add`; they join with their codes"
-        )
-        deadline = time.monotonic() + args.seconds
-        with Live(
-            table(data, list(procs), args.seconds, run_id), console=console, refresh_per_second=2
-        ) as live:
-            while (left := deadline - time.monotonic()) > 0:
-                failed = [n for n, p in procs.items() if p.poll() is not None]
-                if failed:
-                    break
-                live.update(table(data, list(procs), left, run_id))
-                time.sleep(0.5)
-    except KeyboardInterrupt:
-        console.print("interrupted")
-    finally:
-        codes = stop_all(procs)
+def show_codes(codes: dict[str, int | None]) -> None:
     for name, code in codes.items():
-        console.print(f"  {name}: exit code {code}")
-    if procs:
-        subprocess.run(
-            [sys.executable, "-m", "backbone", "allow", "list", "--data-dir", str(data / "backbone")]
+        verdict = (
+            "[green]ok[/]"
+            if code == 0
+            else "[red]killed after no exit[/]"
+            if code is None
+            else "[red]failed[/]"
         )
-    ok = not failed and all(code == 0 for code in codes.values())
-    console.print(
-        "[green]all nodes left cleanly[/]" if ok else f"[red]some nodes failed; logs are in {data}[/]"
+        console.print(f"  {name}: exit code {'—' if code is None else code} {verdict}")
+
+
+def _raise_stop(signum: int, _frame: FrameType | None) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def prepare_work_dir(given: Path | None) -> Path:
+    if given is None:
+        return Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
+    if given.exists() and any(given.iterdir()):
+        raise SystemExit(f"--work-dir {given} is not empty; give a new or empty directory")
+    given.mkdir(parents=True, exist_ok=True)
+    return given.resolve()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description="A backbone and N volunteers train the built-in task on loopback, then print the ledger."
     )
+    parser.add_argument("--seconds", type=float, default=180.0, help="how long to train (default 180)")
+    parser.add_argument("--volunteers", type=int, default=3, help="how many volunteers (default 3)")
+    parser.add_argument(
+        "--work-dir", type=Path, help="an empty dir for data and logs (default: a fresh temp dir)"
+    )
+    args = parser.parse_args()
+    if args.volunteers < 1 or args.seconds <= 0:
+        parser.error("--volunteers must be at least 1 and --seconds positive")
+    began = time.monotonic()
+    work = prepare_work_dir(args.work_dir)
+    manifest = work / "manifest.toml"
+    manifest.write_text(MANIFEST)
+    console.print(f"work dir (data dirs, manifest, one log per process): {work}")
+    signal.signal(signal.SIGTERM, _raise_stop)
+
+    backbone: Node | None = None
+    volunteers: list[Node] = []
+    codes: dict[str, int | None] = {}
+    ok = True
+    try:
+        backbone, address, run_id = start_backbone(work, manifest)
+        console.print(
+            f"backbone up: run id [bold]{run_id}[/] (pinned to its authority key), ledger in SQLite"
+        )
+        names = [f"volunteer{i}" for i in range(1, args.volunteers + 1)]
+        codes_by_name = {name: invite(backbone, name) for name in names}
+        console.print(f"invited {', '.join(names)} with `backbone allow add`; each joins with its code")
+        volunteers = [start_volunteer(work, n, run_id, address, code) for n, code in codes_by_name.items()]
+        console.print(
+            "step, loss (of its own batches) and samples/s: each volunteer's steps.jsonl; peers: in its "
+            "last averaging round; conns: open connections (its status.json)",
+            highlight=False,
+        )
+        watch(volunteers, backbone, args.seconds)
+    except (KeyboardInterrupt, Stop):
+        console.print("interrupted: stopping now")
+    except SystemExit as exc:
+        console.print(f"[red]{exc}[/]")
+        ok = False
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not leave orphans
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if volunteers:
+            console.print("SIGTERM to every volunteer: each finishes its round, sends its reports, leaves")
+            codes = stop(volunteers, VOLUNTEER_EXIT_S)
+            show_codes(codes)
+    if backbone is not None and backbone.proc.poll() is None:
+        # Not on a terminal (a log, CI): wide enough that the tables need not abbreviate.
+        env = ENV if console.is_terminal else {**ENV, "COLUMNS": "120"}
+        for extra in ([], ["--steps", "10"]):
+            argv = cli("backbone", "ledger", "--data-dir", str(backbone.data), *extra)
+            subprocess.run(argv, env=env, check=False)
+    if backbone is not None:
+        console.print("stopping the backbone")
+        backbone_code = stop([backbone], BACKBONE_EXIT_S)
+        show_codes(backbone_code)
+        codes |= backbone_code
+    ok = ok and bool(codes) and all(code == 0 for code in codes.values())
+    console.print(f"logs: {work}/<node>.log; total time {time.monotonic() - began:.0f} s")
+    console.print("[green]every node left cleanly[/]" if ok else "[red]some node failed; see its log[/]")
     return 0 if ok else 1
 
 

@@ -1,0 +1,122 @@
+"""`backbone ledger --steps N`: the run's recent global steps and its loss curve (the leaderboard stays the
+default view)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from backbone.cli import LossPoint, app, loss_curve, sparkline
+from backbone.ledger import LedgerStore, StepRow
+
+runner = CliRunner()
+T0 = 1_700_000_000.0
+
+
+def record_falling_loss(data_dir: Path, steps: int) -> None:
+    """Steps 1..steps, two seconds apart, loss 7 - step / 10 (step 5 jumped over: no loss, no samples)."""
+    with LedgerStore.open(f"sqlite:///{data_dir / 'ledger.sqlite3'}") as store:
+        for step in range(1, steps + 1):
+            if step == 5:
+                store.record_step(step, finished_at=T0 + 2 * step, loss=None, samples=0, peers=0)
+            else:
+                store.record_step(step, finished_at=T0 + 2 * step, loss=7 - step / 10, samples=128, peers=3)
+
+
+def ledger(data_dir: Path, *extra: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["ledger", "--data-dir", str(data_dir), *extra])
+    return result.exit_code, result.output
+
+
+def row(step: int, loss: float | None) -> StepRow:
+    return StepRow(step, T0 + step, loss, 128, 3)
+
+
+def test_loss_curve_means_evenly_sized_buckets_in_step_order() -> None:
+    steps = [row(s, float(s)) for s in range(10, 0, -1)]  # newest first, as the store returns them
+
+    curve = loss_curve(steps, 3)
+
+    assert curve == [LossPoint(1, 3, 2.0), LossPoint(4, 6, 5.0), LossPoint(7, 10, 8.5)]
+
+
+def test_loss_curve_skips_steps_without_a_loss_and_has_at_most_one_point_per_step() -> None:
+    steps = [row(1, 6.0), row(2, None), row(3, 5.0)]
+
+    assert loss_curve(steps, 8) == [LossPoint(1, 1, 6.0), LossPoint(3, 3, 5.0)]
+    assert loss_curve([row(1, None)], 8) == []
+    with pytest.raises(ValueError, match="at least one point"):
+        loss_curve(steps, 0)
+
+
+def test_sparkline_scales_between_the_smallest_and_largest_value() -> None:
+    assert sparkline([6.0, 5.0, 4.0]) == "█▅▁"
+    assert sparkline([2.0, 2.0]) == "▅▅"
+    assert sparkline([]) == ""
+
+
+def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_curve(tmp_path: Path) -> None:
+    record_falling_loss(tmp_path, 40)
+
+    code, output = ledger(tmp_path, "--steps", "3", "--json")
+
+    assert code == 0, output
+    shown = json.loads(output)
+    assert [s["global_step"] for s in shown["steps"]] == [38, 39, 40]
+    assert shown["steps"][-1] == {
+        "global_step": 40,
+        "finished_at": T0 + 80,
+        "loss": pytest.approx(3.0),
+        "samples": 128,
+        "peers": 3,
+    }
+    assert shown["curve_steps"] == 40
+    curve = shown["curve"]
+    assert len(curve) == 8
+    assert curve[0]["first_step"] == 1 and curve[-1]["last_step"] == 40
+    losses = [point["loss"] for point in curve]
+    assert losses == sorted(losses, reverse=True)  # the loss fell
+
+
+def test_ledger_steps_table_shows_steps_the_sparkline_and_first_and_last_loss(tmp_path: Path) -> None:
+    record_falling_loss(tmp_path, 12)
+
+    code, output = ledger(tmp_path, "--steps", "10")
+
+    assert code == 0, output
+    assert "the last 10 of 12 recorded" in output
+    assert "2023-11-14 22:13:44 UTC" in output  # step 12 at T0 + 24
+    assert "—" in output  # step 5 has no loss
+    assert "▁" in output and "█" in output
+    assert "loss at step 1: 6.9000; at step 12: 5.8000" in output
+
+
+def test_ledger_steps_says_when_no_step_has_a_loss(tmp_path: Path) -> None:
+    LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").close()
+
+    code, output = ledger(tmp_path, "--steps", "5")
+
+    assert code == 0, output
+    assert "no step has a recorded loss yet" in output
+
+
+def test_ledger_without_steps_still_prints_the_leaderboard(tmp_path: Path) -> None:
+    record_falling_loss(tmp_path, 3)
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        store.add_user("alice", now=T0)
+
+    code, output = ledger(tmp_path, "--json")
+
+    assert code == 0, output
+    assert [r["username"] for r in json.loads(output)] == ["alice"]
+
+
+def test_ledger_steps_refuses_a_count_below_one(tmp_path: Path) -> None:
+    record_falling_loss(tmp_path, 3)
+
+    code, _ = ledger(tmp_path, "--steps", "0")
+
+    assert code == 2
