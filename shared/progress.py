@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from protocols.auth import MAX_CLOCK_SKEW
 from protocols.training import PROGRESS_TTL, Progress
 
-__all__ = ["MAX_SAMPLES_FACTOR", "MAX_SAMPLES_PER_SECOND", "CollabView", "plausible", "summarize"]
+__all__ = [
+    "MAX_EXTRAPOLATION",
+    "MAX_SAMPLES_FACTOR",
+    "MAX_SAMPLES_PER_SECOND",
+    "CollabView",
+    "plausible",
+    "summarize",
+]
 
 MAX_SAMPLES_FACTOR = 4
 MAX_SAMPLES_PER_SECOND = 1e7

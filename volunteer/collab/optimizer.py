@@ -60,7 +60,7 @@ from shared.errors import ProjectError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
-from shared.progress import CollabView, summarize
+from shared.progress import MAX_EXTRAPOLATION, CollabView, summarize
 from shared.progress_records import read_progress
 from shared.state.blob import state_digest
 from shared.state.transfer import (
@@ -149,6 +149,7 @@ class CollaborativeOptimizer:
         self._records: dict[str, Progress] = {}
         self._loss: float | None = None
         self._left = False
+        self._view_at, self._view_own = 0.0, 0  # when the view was taken, and our samples then
         self._round_step = -1  # the step whose round we are in (while ``averaging``)
         self._round_samples = 0  # our weight in it
 
@@ -206,7 +207,11 @@ class CollaborativeOptimizer:
 
     async def _poll_forever(self) -> None:
         while True:
-            await trio.sleep(self.config.poll_period)
+            # Read more often as the target nears, so peers enter the round together, close to the target.
+            eta = self.view.eta(self.spec.target_batch) if self.view is not None else None
+            await trio.sleep(
+                self.config.poll_period if eta is None else min(self.config.poll_period, max(0.05, eta / 2))
+            )
             with contextlib.suppress(*CALL_FAILURES):
                 await self.refresh_view()
             await self._announce_if_asked()
@@ -214,6 +219,7 @@ class CollaborativeOptimizer:
     async def refresh_view(self) -> CollabView:
         records = await read_progress(self.node.dht)
         self._records = records
+        self._view_at, self._view_own = time.time(), self.trainer.samples
         self.view = summarize(
             records,
             self.node.peer_id,
@@ -246,7 +252,15 @@ class CollaborativeOptimizer:
         if self.trainer.samples >= self.spec.target_batch:
             return True
         view = self.view
-        return view is not None and view.step == self.trainer.step and view.ready
+        if view is None or view.step != self.trainer.step:
+            return False
+        if view.ready:
+            return True
+        # Between two reads of the DHT the others keep computing: extrapolate from the last view.
+        elapsed = min(MAX_EXTRAPOLATION, max(0.0, time.time() - self._view_at))
+        others_rate = max(0.0, view.samples_per_second - (self.stats.local_sps or self.samples_per_second))
+        estimate = view.samples + (self.trainer.samples - self._view_own) + 0.8 * others_rate * elapsed
+        return estimate >= self.spec.target_batch
 
     def behind(self) -> bool:
         view = self.view
