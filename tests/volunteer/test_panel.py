@@ -1,0 +1,80 @@
+"""The training panel and its log line show what the issue asks for: role, global step, samples/s here
+and in the collaboration, peers, traffic, ETA to the next step, download progress, why it waits."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from shared.node import NodeStatus
+from volunteer.panel import TrainingStatus, render_training, training_line
+
+NODE = NodeStatus(
+    run_id="run@abc",
+    peer_id="12D3KooWpeer",
+    role="volunteer",
+    listen_addrs=["/ip4/127.0.0.1/tcp/1"],
+    routing_table_size=3,
+    connected_peers=2,
+    dht_size_estimate=4,
+    members_online=4,
+    rpc_latency_ms=1.0,
+    bytes_sent=2_500_000,
+    bytes_received=1_000,
+    uptime_s=10.0,
+    updated_at=0.0,
+)
+
+
+def status(**changes: object) -> TrainingStatus:
+    base = dict(
+        role="compute + aggregate",
+        step=41,
+        collab_step=41,
+        max_steps=100,
+        local_sps=812.4,
+        collab_sps=2405.0,
+        samples=96.0,
+        target_batch=128,
+        peers=3,
+        eta_s=0.013,
+        loss=4.5678,
+        last_round_s=0.9,
+        waiting=None,
+        download=None,
+        reports_sent=7,
+        reports_pending=1,
+    )
+    base.update(changes)
+    return TrainingStatus(**base)  # type: ignore[arg-type]
+
+
+def render(s: TrainingStatus) -> str:
+    console = Console(width=120, record=True, color_system=None)
+    console.print(render_training(NODE, s, "training"))
+    return console.export_text()
+
+
+def test_panel_shows_the_training_facts() -> None:
+    text = render(status())
+    for expected in (
+        "compute + aggregate",
+        "41 of 100",
+        "812 here",
+        "2405 collaboration",
+        "96 / 128",
+        "4.5678",
+    ):
+        assert expected in text, (expected, text)
+    assert "2.5 MB" in text and "3 training" in text and "< 1 s" in text
+
+
+def test_panel_shows_download_progress_and_why_it_waits() -> None:
+    text = render(status(step=3, collab_step=41, download=(500, 1000), waiting="re-syncing: downloading"))
+    assert "collaboration at 41" in text and "re-syncing: downloading" in text
+    assert "━" in text  # the progress bar
+
+
+def test_log_line_carries_the_same_facts() -> None:
+    line = training_line(status(waiting="waiting for the first examples"))
+    assert "step 41" in line and "812 samples/s here" in line and "96/128" in line
+    assert line.endswith("waiting for the first examples")
