@@ -1,0 +1,482 @@
+"""Benchmark what the volunteer stack costs one peer: its training throughput against a plain PyTorch loop.
+
+Usage: scripts/bench_overhead.py [--seconds S] [--repeats R] [--warmup W] [--threads T] [--local-batch B]
+                                 [--target-batch N] [--option KEY=VALUE ...] [--matchmaking-window W]
+                                 [--dpu] [--shards K] [--examples-per-shard E]
+
+Both sides train the built-in ``tiny-mlm`` task (``make_task``; its default options unless ``--option``
+says otherwise) from the same fresh initial parameters, on the same examples: a few shards of the synthetic
+corpus (``write_shards``) in a temporary directory, read through the volunteer's own pipeline
+(``open_examples`` + ``batches`` + ``Prefetcher``, same seed, so the same micro-batches in the same order),
+with the same local batch, the same target batch and AdamW from the spec, one optimizer step per target
+batch, and the same ``torch.set_num_threads``.
+
+* **plain**: the loop a careful user writes by hand: per micro-batch ``(loss * n).backward()``; once the
+  accumulated samples reach the target batch, divide the gradients by the samples, set the learning rate
+  from the schedule, ``optimizer.step()``, ``zero_grad()``.
+* **volunteer**: the real stack in this process: a node (``open_node``, loopback, publishing its presence),
+  a ``LocalTrainer``, a ``CollaborativeOptimizer`` (``run`` in a nursery) and ``train_until_stopped`` with
+  ``prefetch.get(timeout=0.5)``, stopped after ``--seconds``. Alone in its run, the volunteer finds no
+  group at matchmaking and steps with its own gradient; whatever that costs per step is counted.
+
+Each run is a fresh process (``--child``), so no run inherits another's threads. That matters: torch's
+OpenMP runtime (libgomp) gives every thread that runs torch operations a team of its own, and once a process
+holds more OpenMP threads than cores, libgomp stops spin-waiting between parallel regions and every small
+operation pays a futex wake-up (micro-batches of the default model about twice as slow on 2 cores). A plain
+run's main thread followed by a volunteer's worker thread in one process would measure that, not the stack.
+The volunteer run builds its ``LocalTrainer`` in a worker thread, as the daemon does.
+
+Throughput = samples stepped between the first step that ends after ``--warmup`` seconds and the last step
+of the run, over the time between those two steps (whole steps only: the cost between micro-batches and
+the cost of a step are both in it; ``window``: "steps"). A run with fewer than two steps after the warm-up
+is measured between micro-batches instead (``window``: "micro-batches"). The runs alternate (plain,
+volunteer, plain, …); the medians of each and ``ratio`` = volunteer median / plain median are reported
+(target >= 0.95, DESIGN §5, not asserted).
+
+``breakdown_ms_per_step`` says where each side's time per step goes, from timers wrapped around the calls
+the loops make (a few ``perf_counter`` reads per micro-batch): waiting for a batch, the micro-batches
+(for the volunteer: the torch time inside ``LocalTrainer.accumulate`` and the trio-side time around it,
+i.e. the ``to_thread`` hop), the optimizer step and, for the volunteer, each part of ``average_and_step``
+(taking the gradients, matchmaking, applying, the parameter fingerprint, state announcements) and the DHT
+traffic of the background tasks (progress publishing and polling, presence). ``unaccounted`` is the rest
+of the step period (the batch fetch's own ``to_thread`` hop, loop overhead, GIL contention).
+``cpu_ms_per_step`` is the CPU time of the whole process per step (all its threads), and
+``foreign_cpu_seconds`` the CPU time other processes of the machine took during the run: a run with much of
+it was measured on a busy machine (with as many torch threads as cores, a busy core can halve throughput).
+Prints ONE JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from protocols.training import DatasetSpec, OptionValue, TrainingSpec
+from shared.auth.keys import Identity
+from shared.data.corpus import write_shards
+from shared.node import open_node
+from volunteer.collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
+from volunteer.collab.trainer import LocalTrainer
+from volunteer.data import Prefetcher, open_examples
+from volunteer.tasks import Task, make_task
+from volunteer.training import batches, train_until_stopped
+
+RUN_ID = "bench-overhead"
+DATA_SEED = 1  # the examples' order: the same for both sides
+PREFETCH_DEPTH = 16  # as the volunteer daemon
+FIRST_BATCH_TIMEOUT = 60.0
+R = TypeVar("R")
+
+
+@dataclass
+class Timers:
+    """Durations by name, each stamped with its end (``perf_counter``), and the end times of steps and of
+    micro-batches with the cumulative samples; :meth:`summary` keeps what falls into the measured window."""
+
+    warmup: float
+    target_batch: int
+    started: float = field(default_factory=time.perf_counter)
+    spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (end time, samples stepped so far)
+    cpu: dict[float, float] = field(default_factory=dict)  # step end time -> CPU time of the process
+    micro: list[tuple[float, int]] = field(default_factory=list)  # (end time, samples computed so far)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans.setdefault(name, []).append((time.perf_counter(), seconds))
+
+    def step(self, samples_so_far: int) -> None:
+        now = time.perf_counter()
+        self.steps.append((now, samples_so_far))
+        self.cpu[now] = time.process_time()
+
+    def wrap(self, name: str, fn: Callable[..., R]) -> Callable[..., R]:
+        def timed(*args: Any, **kwargs: Any) -> R:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - began)
+
+        return timed
+
+    def wrap_async(self, name: str, fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+        async def timed(*args: Any, **kwargs: Any) -> R:
+            began = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - began)
+
+        return timed
+
+    def instrument(self, owner: object, attribute: str, name: str) -> None:
+        method = getattr(owner, attribute)
+        wrap = self.wrap_async if inspect.iscoroutinefunction(method) else self.wrap
+        setattr(owner, attribute, wrap(name, method))
+
+    def micro_batch(self, samples: int) -> None:
+        self.micro.append((time.perf_counter(), (self.micro[-1][1] if self.micro else 0) + samples))
+
+    def summary(self) -> dict[str, Any]:
+        """Samples/s over the measured window (see the module docstring) and ms per step in it. With fewer
+        than two steps after the warm-up, the window runs between micro-batches instead (``window``)."""
+        window, marks = "steps", self.steps
+        after = [i for i, (t, _) in enumerate(marks) if t - self.started >= self.warmup]
+        if len(after) < 2:
+            window, marks = "micro-batches", self.micro
+            after = [i for i, (t, _) in enumerate(marks) if t - self.started >= self.warmup]
+        if len(after) < 2:
+            raise SystemExit(f"fewer than 2 micro-batches after the {self.warmup} s warm-up: run longer")
+        (t0, s0), (t1, s1) = marks[after[0]], marks[after[-1]]
+        steps = after[-1] - after[0] if window == "steps" else (s1 - s0) / self.target_batch
+        breakdown = {
+            name: round(1e3 * sum(d for t, d in spans if t0 < t <= t1) / steps, 3)
+            for name, spans in sorted(self.spans.items())
+        }
+        return {
+            "samples_per_second": (s1 - s0) / (t1 - t0),
+            "steps": len(self.steps),
+            "window": window,
+            "measured_steps": round(steps, 2),
+            "measured_seconds": round(t1 - t0, 3),
+            "ms_per_step": round(1e3 * (t1 - t0) / steps, 3),
+            "breakdown_ms_per_step": breakdown,
+            # all threads of the process (torch, data pipeline, trio loop); None in the micro-batch window
+            "cpu_ms_per_step": round(1e3 * (self.cpu[t1] - self.cpu[t0]) / steps, 3)
+            if window == "steps"
+            else None,
+        }
+
+
+def open_batches(task: Task, spec: TrainingSpec) -> Prefetcher[dict[str, Any]]:
+    """The volunteer's pipeline, with its first batch already read (so start-up is not timed)."""
+    examples = open_examples(spec.dataset, seed=DATA_SEED)
+    prefetch = Prefetcher(batches(task.collate, examples, spec.local_batch), depth=PREFETCH_DEPTH)
+    if prefetch.get(timeout=FIRST_BATCH_TIMEOUT) is None:
+        prefetch.close()
+        raise SystemExit(f"no batch within {FIRST_BATCH_TIMEOUT} s")
+    return prefetch
+
+
+# ---------------------------------------------------------------------------------------------- plain
+
+
+def run_plain(spec: TrainingSpec, seconds: float, warmup: float) -> dict[str, Any]:
+    task = make_task(spec)
+    model = task.build_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = spec.optimizer
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    model.train()
+    prefetch = open_batches(task, spec)
+    try:
+        timers = Timers(warmup, spec.target_batch)
+        deadline = timers.started + seconds
+        accumulated = stepped = step = 0
+        while time.perf_counter() < deadline:
+            began = time.perf_counter()
+            batch = prefetch.get(timeout=0.5)
+            computing = time.perf_counter()
+            timers.add("data_wait", computing - began)
+            if batch is None:
+                continue
+            n = task.batch_size(batch)
+            loss = task.loss(model, batch)
+            (loss * n).backward()  # type: ignore[no-untyped-call]
+            accumulated += n
+            timers.micro_batch(n)
+            stepping = time.perf_counter()
+            timers.add("compute", stepping - computing)
+            if accumulated >= spec.target_batch:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad /= accumulated
+                if o.clip_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(params, o.clip_grad_norm)
+                for group in optimizer.param_groups:
+                    group["lr"] = o.lr * spec.schedule.factor(step)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                stepped += accumulated
+                accumulated = 0
+                timers.add("optimizer_step", time.perf_counter() - stepping)
+                timers.step(stepped)
+        return timers.summary()
+    finally:
+        prefetch.close()
+
+
+# ------------------------------------------------------------------------------------------ volunteer
+
+
+async def volunteer(
+    spec: TrainingSpec, config: CollabConfig, seconds: float, warmup: float
+) -> dict[str, Any]:
+    task = make_task(spec)
+    # as the daemon does: torch runs in worker threads only (see the module docstring)
+    trainer = await trio.to_thread.run_sync(LocalTrainer, task, spec, RUN_ID)
+    prefetch = await trio.to_thread.run_sync(open_batches, task, spec)
+    try:
+        async with (
+            open_node(Identity.generate(), RUN_ID, "volunteer", listen=["/ip4/127.0.0.1/tcp/0"]) as node,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(node.publish_presence_forever)
+            timers = Timers(warmup, spec.target_batch)
+            stepped = 0
+
+            def on_step(record: StepRecord) -> None:
+                nonlocal stepped
+                stepped += record.samples
+                timers.step(stepped)
+
+            collab = CollaborativeOptimizer(node, trainer, spec, config=config, on_step=on_step)
+            accumulate = collab.accumulate
+
+            async def counted(batch: dict[str, torch.Tensor]) -> int:
+                samples = await accumulate(batch)
+                timers.micro_batch(samples)
+                return samples
+
+            setattr(collab, "accumulate", counted)  # noqa: B010 (mypy: no assigning to a method)
+            # Timers around the calls the stack makes: instance attributes that shadow the methods.
+            for owner, attribute, name in [
+                (collab, "accumulate", "accumulate_trio"),
+                (trainer, "accumulate", "accumulate_torch"),
+                (collab, "average_and_step", "average_and_step"),
+                (collab.matchmaker, "assemble", "average_and_step.matchmaking"),
+                (collab, "announce_state", "average_and_step.announce_state"),
+                (trainer, "take_gradients", "average_and_step.take_gradients"),
+                (trainer, "apply", "average_and_step.apply"),
+                (trainer, "fingerprint", "fingerprint"),
+                (node.dht, "store", "dht_store_all"),
+                (node.dht, "get", "dht_get_all"),
+            ]:
+                timers.instrument(owner, attribute, name)
+            next_batch = timers.wrap("data_wait", lambda: prefetch.get(timeout=0.5))
+            await nursery.start(collab.run)
+            timers.started = time.perf_counter()
+            stop = trio.Event()
+
+            async def stop_later() -> None:
+                await trio.sleep(seconds)
+                stop.set()
+
+            nursery.start_soon(stop_later)
+            await train_until_stopped(collab, next_batch, stop)
+            nursery.cancel_scope.cancel()
+        result = timers.summary()
+        b = result["breakdown_ms_per_step"]
+        # dht_*_all: every DHT call, matchmaking's (inside average_and_step) and the background tasks'
+        # (publishing, polling, presence), which run concurrently with the micro-batches.
+        b["accumulate_hop"] = round(b.get("accumulate_trio", 0.0) - b.get("accumulate_torch", 0.0), 3)
+        return result
+    finally:
+        prefetch.close()
+
+
+def run_volunteer(spec: TrainingSpec, config: CollabConfig, seconds: float, warmup: float) -> dict[str, Any]:
+    return trio.run(volunteer, spec, config, seconds, warmup)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def parse_option(text: str) -> tuple[str, OptionValue]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    value: OptionValue
+    try:
+        value = int(raw)
+    except ValueError:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = raw
+    return key, value
+
+
+def finish(breakdown: dict[str, float], ms_per_step: float) -> dict[str, float]:
+    """``unaccounted``: the step period less the sequential parts (background DHT calls overlap)."""
+    sequential = ["data_wait", "compute", "optimizer_step", "accumulate_trio", "average_and_step"]
+    out = dict(breakdown)
+    out["unaccounted"] = round(ms_per_step - sum(breakdown.get(k, 0.0) for k in sequential), 3)
+    return out
+
+
+def busy_seconds() -> tuple[float, float]:
+    """CPU seconds used so far by the whole machine (``/proc/stat``; 0 where unreadable) and by us with
+    our finished children."""
+    ours = os.times()
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+        machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        machine = 0.0
+    return machine, ours.user + ours.system + ours.children_user + ours.children_system
+
+
+def run_child(side: str, spec: TrainingSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """One run in a fresh process (see the module docstring), with ``foreign_cpu_seconds``: CPU time
+    other processes took meanwhile (a busy machine makes that run's numbers unreliable)."""
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        side,
+        "--spec",
+        msgspec.json.encode(spec).decode(),
+        "--seconds",
+        str(args.seconds),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--matchmaking-window",
+        str(args.matchmaking_window),
+    ]
+    machine, ours = busy_seconds()
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    machine_after, ours_after = busy_seconds()
+    if done.returncode != 0:
+        raise SystemExit(f"the {side} run failed (exit code {done.returncode})")
+    result: dict[str, Any] = json.loads(done.stdout)
+    result["breakdown_ms_per_step"] = finish(result["breakdown_ms_per_step"], result["ms_per_step"])
+    foreign = (machine_after - machine) - (ours_after - ours)
+    result["foreign_cpu_seconds"] = round(max(0.0, foreign), 2)
+    return result
+
+
+def child(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    spec = msgspec.json.decode(args.spec, type=TrainingSpec)
+    if args.child == "plain":
+        result = run_plain(spec, args.seconds, args.warmup)
+    else:
+        config = CollabConfig(matchmaking_window=args.matchmaking_window)
+        result = run_volunteer(spec, config, args.seconds, args.warmup)
+    result["torch_threads"] = torch.get_num_threads()
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="wall time of each run (default 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating (default 3)")
+    parser.add_argument("--warmup", type=float, default=1.5, help="seconds not measured at a run's start")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
+    parser.add_argument("--local-batch", type=int, default=TrainingSpec().local_batch)
+    parser.add_argument("--target-batch", type=int, default=TrainingSpec().target_batch)
+    parser.add_argument(
+        "--option", type=parse_option, action="append", default=[], help="tiny-mlm option KEY=VALUE"
+    )
+    parser.add_argument(
+        "--matchmaking-window",
+        type=float,
+        default=CollabConfig().matchmaking_window,
+        help="CollabConfig.matchmaking_window of the volunteer (default: the daemon's)",
+    )
+    parser.add_argument(
+        "--dpu",
+        action="store_true",
+        help="volunteer with delayed parameter updates (TrainingSpec.dpu)",
+    )
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--examples-per-shard", type=int, default=4000)
+    parser.add_argument("--child", choices=["plain", "volunteer"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as directory:
+        paths = write_shards(Path(directory), args.shards, args.examples_per_shard)
+        spec = TrainingSpec(
+            task="tiny-mlm",
+            task_options=dict(args.option),
+            target_batch=args.target_batch,
+            local_batch=args.local_batch,
+            dpu=args.dpu,
+            dataset=DatasetSpec(source="files", files=[str(p) for p in paths]),
+        )
+        make_task(spec)  # a bad --option fails here, before any run
+        plain: list[dict[str, Any]] = []
+        lone: list[dict[str, Any]] = []
+        for _ in range(args.repeats):
+            plain.append(run_child("plain", spec, args))
+            lone.append(run_child("volunteer", spec, args))
+    plain_sps = statistics.median(r["samples_per_second"] for r in plain)
+    volunteer_sps = statistics.median(r["samples_per_second"] for r in lone)
+    model = make_task(spec).build_model()
+    config = CollabConfig(matchmaking_window=args.matchmaking_window)
+    result = {
+        "ratio": volunteer_sps / plain_sps,
+        "target": 0.95,
+        "plain_samples_per_second": plain_sps,
+        "volunteer_samples_per_second": volunteer_sps,
+        "plain_runs": plain,
+        "volunteer_runs": lone,
+        "settings": {
+            "task": spec.task,
+            "task_options": spec.task_options,
+            "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "local_batch": spec.local_batch,
+            "target_batch": spec.target_batch,
+            "optimizer": {"name": spec.optimizer.name, "lr": spec.optimizer.lr},
+            "schedule": spec.schedule.kind,
+            "checkpoint_every": spec.checkpoint_every,
+            "dpu": spec.dpu,
+            "shards": args.shards,
+            "examples_per_shard": args.examples_per_shard,
+            "shuffle_buffer": spec.dataset.shuffle_buffer,
+            "seconds": args.seconds,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "collab_config": {
+                "matchmaking_window": config.matchmaking_window,
+                "poll_period": config.poll_period,
+                "publish_period": config.publish_period,
+            },
+        },
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "cpu": {"cores": os.cpu_count(), "usable": len(os.sched_getaffinity(0)), "model": cpu_model()},
+        "python": platform.python_version(),
+        "loadavg_at_end": os.getloadavg(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()
