@@ -74,6 +74,7 @@ from shared.auth.keys import Identity
 from shared.data.corpus import write_shards
 from shared.node import open_node
 from volunteer.collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
+from volunteer.collab.torch_thread import run_torch
 from volunteer.collab.trainer import LocalTrainer
 from volunteer.data import Prefetcher, open_examples
 from volunteer.tasks import Task, make_task
@@ -233,7 +234,7 @@ async def volunteer(
 ) -> dict[str, Any]:
     task = make_task(spec)
     # as the daemon does: torch runs in worker threads only (see the module docstring)
-    trainer = await trio.to_thread.run_sync(LocalTrainer, task, spec, RUN_ID)
+    trainer = await run_torch(LocalTrainer, task, spec, RUN_ID)
     prefetch = await trio.to_thread.run_sync(open_batches, task, spec)
     try:
         async with (

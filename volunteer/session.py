@@ -48,7 +48,8 @@ from .capabilities import (
     measure_samples_per_second,
     publish_capabilities,
 )
-from .collab.optimizer import TORCH, CollabConfig, CollaborativeOptimizer, StepRecord
+from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
+from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
 from .panel import render_training, training_line, training_status
@@ -96,7 +97,7 @@ class TrainingSession:
             torch.set_num_threads(self.options.threads)
         task = make_task(self.spec)
         device = _device(self.options.device)
-        trainer = await trio.to_thread.run_sync(LocalTrainer, task, self.spec, self.options.run_id, device)
+        trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device)
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
         examples = open_examples(
@@ -151,12 +152,10 @@ class TrainingSession:
                 raise ProjectError("no training data arrived within 60 s")
             return trainer.accumulate(batch)[0]
 
-        sps = await trio.to_thread.run_sync(
-            lambda: measure_samples_per_second(step, warmup_steps=WARMUP_STEPS, seconds=WARMUP_SECONDS),
-            limiter=TORCH,
-            abandon_on_cancel=True,
+        sps = await run_torch(
+            lambda: measure_samples_per_second(step, warmup_steps=WARMUP_STEPS, seconds=WARMUP_SECONDS)
         )
-        await trio.to_thread.run_sync(trainer.discard_gradients, limiter=TORCH)
+        await run_torch(trainer.discard_gradients)
         collab.samples_per_second = sps
         self.headline = "measuring bandwidth and reachability against a backbone"
         backbone = parse_multiaddr(self.initial_peers[0]) if self.initial_peers else None

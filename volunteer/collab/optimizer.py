@@ -72,12 +72,12 @@ from shared.state.transfer import (
     trusted_state,
 )
 
+from .torch_thread import run_torch
 from .trainer import Accumulated, LocalTrainer
 
 __all__ = ["CollabConfig", "CollaborativeOptimizer", "StepRecord"]
 
 logger = logging.getLogger(__name__)
-TORCH = trio.CapacityLimiter(1)  # one torch call at a time per process (the trainer also locks)
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class CollaborativeOptimizer:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Publish our progress, read everyone's, announce our state when asked. Runs until cancelled."""
-        self._last_fingerprint = await trio.to_thread.run_sync(self.trainer.fingerprint, limiter=TORCH)
+        self._last_fingerprint = await run_torch(self.trainer.fingerprint)
         await self.refresh_view()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._publish_forever)
@@ -235,7 +235,7 @@ class CollaborativeOptimizer:
     async def accumulate(self, batch: Mapping[str, torch.Tensor]) -> int:
         """One micro-batch in a worker thread; returns the samples it added."""
         started = trio.current_time()
-        samples, loss = await trio.to_thread.run_sync(self.trainer.accumulate, batch, limiter=TORCH)
+        samples, loss = await run_torch(self.trainer.accumulate, batch)
         elapsed = trio.current_time() - started
         if elapsed > 0:
             rate = samples / elapsed
@@ -274,7 +274,7 @@ class CollaborativeOptimizer:
         the caller goes on computing micro-batches (which count toward the step after)."""
         self.averaging = True
         self._round_step = self.trainer.step
-        taken = await trio.to_thread.run_sync(self.trainer.take_gradients, limiter=TORCH)
+        taken = await run_torch(self.trainer.take_gradients)
         nursery.start_soon(self.average_and_step, taken)
 
     async def average_and_step(self, taken: Accumulated | None = None) -> bool:
@@ -287,7 +287,7 @@ class CollaborativeOptimizer:
         try:
             for attempt in range(self.config.max_attempts):
                 if taken is None:
-                    taken = await trio.to_thread.run_sync(self.trainer.take_gradients, limiter=TORCH)
+                    taken = await run_torch(self.trainer.take_gradients)
                 self._round_samples = taken.samples
                 self.publish_soon()
                 outcome = await self._average(step, attempt, taken)
@@ -295,7 +295,7 @@ class CollaborativeOptimizer:
                     vector, peers, aggregated = outcome
                     await self._apply(step, taken, vector, peers, aggregated, trio.current_time() - started)
                     return True
-                await trio.to_thread.run_sync(self.trainer.restore_gradients, taken, limiter=TORCH)
+                await run_torch(self.trainer.restore_gradients, taken)
                 taken = None
                 self._round_samples = 0
                 self.stats.failed_rounds += 1
@@ -364,8 +364,8 @@ class CollaborativeOptimizer:
     async def _apply(
         self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float
     ) -> None:
-        new_step = await trio.to_thread.run_sync(self.trainer.apply, vector, limiter=TORCH)
-        self._last_fingerprint = await trio.to_thread.run_sync(self.trainer.fingerprint, limiter=TORCH)
+        new_step = await run_torch(self.trainer.apply, vector)
+        self._last_fingerprint = await run_torch(self.trainer.fingerprint)
         self.anchored = True
         self._loss = None
         logger.info(
@@ -404,7 +404,7 @@ class CollaborativeOptimizer:
             blob = self.trainer.state_blob()
             return self.trainer.step, blob, state_digest(blob)
 
-        step, blob, digest = await trio.to_thread.run_sync(snapshot, limiter=TORCH)
+        step, blob, digest = await run_torch(snapshot)
         announcement = self.server.offer(step, blob, digest=digest)
         with contextlib.suppress(*CALL_FAILURES):
             await announce_state(self.node.dht, announcement)
@@ -484,8 +484,8 @@ class CollaborativeOptimizer:
         if partial is not None:
             partial.mkdir(exist_ok=True)
         blob = await fetch_state(self.node.host, sources, partial_dir=partial, on_progress=progress)
-        step = await trio.to_thread.run_sync(self.trainer.load_state_blob, blob, limiter=TORCH)
-        self._last_fingerprint = await trio.to_thread.run_sync(self.trainer.fingerprint, limiter=TORCH)
+        step = await run_torch(self.trainer.load_state_blob, blob)
+        self._last_fingerprint = await run_torch(self.trainer.fingerprint)
         self.anchored = True
         self.server.offer(step, blob)
         logger.info("loaded the state of step %d (%d bytes) from %s", step, len(blob), sources[0][0].peer_id)
