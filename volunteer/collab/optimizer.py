@@ -16,7 +16,10 @@ read every ``poll_period`` and summarized by :func:`shared.progress.summarize`.
 4. if the round failed (a member died, a slice's aggregator vanished), the gradients go back into the
    accumulators and the survivors retry the round (a new matchmaking key per attempt): no accumulated
    sample is lost. A peer left out of the round while others stepped re-downloads the state.
-5. Alone at our step (nobody else credible there), we step with our own gradient.
+5. Alone in the run (no other credible peer), we step with our own gradient at once, without
+   matchmaking; alone at our step after a matchmaking that found nobody, likewise. Two peers that each
+   believed themselves alone diverge for a step at most: the fingerprints disagree and the minority
+   re-downloads the state.
 
 With **delayed parameter updates** (``spec.dpu``), the daemon runs steps 1 to 4 in the background while the
 next micro-batches are computed on the current parameters; the update lands between two micro-batches
