@@ -92,6 +92,16 @@ async def start_nodes(nursery: trio.Nursery, n: int, run_id: str = "collab-test"
     return nodes
 
 
+async def see_each_other(peers: Sequence[CollaborativeOptimizer]) -> None:
+    """Wait until every peer's view counts all of them (their progress records are out)."""
+    with trio.fail_after(10):
+        while True:
+            views = [await peer.refresh_view() for peer in peers]
+            if all(view.peers == len(peers) for view in views):
+                return
+            await trio.sleep(0.05)
+
+
 CONFIG = CollabConfig(poll_period=0.1, publish_period=0.2, matchmaking_window=0.5, sync_patience=5.0)
 
 
@@ -112,7 +122,7 @@ async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(nursery: t
     reference = LocalTrainer(LinearTask(), training, "ref")  # type: ignore[arg-type]
     data = examples(1, 2 * b * steps)
     task = LinearTask()
-    await trio.sleep(0.5)  # both progress records are out
+    await see_each_other(peers)
     for step in range(steps):
         chunk = data[2 * b * step : 2 * b * (step + 1)]
         reference.accumulate(task.collate(chunk))
@@ -140,7 +150,7 @@ async def test_a_newcomer_downloads_the_state_and_steps_with_the_others(nursery:
     first, second = [await start_collab(nursery, node, training) for node in nodes[:2]]
     task = LinearTask()
     data = examples(2, 200)
-    await trio.sleep(0.5)
+    await see_each_other([first, second])
     for step in range(2):  # two steps without the newcomer
 
         async def peer_step(peer: CollaborativeOptimizer, offset: int, step: int = step) -> None:
@@ -220,7 +230,7 @@ async def run_pair(
     records: list[list[StepRecord]] = [[], []]
     for i, collab in enumerate(peers):
         collab.on_step = records[i].append
-    await trio.sleep(0.5)
+    await see_each_other(peers)
     b = training.local_batch
     halves = [
         [task.collate(texts[2 * b * s + i * b : 2 * b * s + (i + 1) * b]) for s in range(steps)]

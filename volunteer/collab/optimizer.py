@@ -149,7 +149,6 @@ class CollaborativeOptimizer:
         self._progress_changed = trio.Event()
         self._announced_step = -1
         self._last_fingerprint = b""
-        self._records: dict[str, Progress] = {}
         self._loss: float | None = None
         self._left = False
         self._view_at, self._view_own = 0.0, 0  # when the view was taken, and our samples then
@@ -221,7 +220,6 @@ class CollaborativeOptimizer:
 
     async def refresh_view(self) -> CollabView:
         records = await read_progress(self.node.dht)
-        self._records = records
         self._view_at, self._view_own = time.time(), self.trainer.samples
         self.view = summarize(
             records,

@@ -24,7 +24,6 @@ step, that peers compare to detect divergence.
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -260,7 +259,3 @@ class LocalTrainer:
             chunk = source[offset : offset + size].view_as(p).to(p.device)
             p.grad = chunk.clone() if p.grad is None else p.grad + chunk
             offset += size
-
-
-def finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
