@@ -68,9 +68,13 @@ T = TypeVar("T", bound=msgspec.Struct)
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    """A 4xx answer. ``close``: the request body was not read, so the connection cannot carry another
+    request; the answer says ``Connection: close`` and the server closes it (a client that reused it
+    would see its next request fail with "server disconnected")."""
+
+    def __init__(self, status: int, code: str, message: str, *, close: bool = False) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.close = status, code, message, close
 
 
 @dataclass
@@ -99,13 +103,14 @@ def _json(value: Any, status: int = 200) -> Response:
 
 async def _body(request: Request, kind: type[T]) -> T:
     declared = request.headers.get("content-length")
+    too_large = f"request bodies are limited to {MAX_BODY_BYTES} bytes"
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
-        raise HttpError(413, "too_large", f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+        raise HttpError(413, "too_large", too_large, close=True)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise HttpError(413, "too_large", f"request bodies are limited to {MAX_BODY_BYTES} bytes")
+            raise HttpError(413, "too_large", too_large, close=True)
         chunks.append(chunk)
     try:
         return msgspec.json.decode(b"".join(chunks), type=kind)
@@ -132,7 +137,10 @@ def build_app(state: ApiState) -> Starlette:
                     logger.warning(
                         "%s %s from %s: %s %s", request.method, path, client, exc.status, exc.message
                     )
-                    return _json(ApiError(exc.code, exc.message), exc.status)
+                    response = _json(ApiError(exc.code, exc.message), exc.status)
+                    if exc.close:
+                        response.headers["connection"] = "close"
+                    return response
 
             return Route(f"/v1/runs/{{run_id}}/{path}", endpoint, methods=methods)
 

@@ -29,6 +29,7 @@ from typing import Annotated
 import msgspec
 
 from .errors import ProtocolError
+from .receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT, PulledSlice, SignedReceipt
 from .types import Bytes64, PeerIdStr, RunIdStr
 
 __all__ = [
@@ -45,7 +46,8 @@ __all__ = [
     "report_payload",
 ]
 
-MAX_REPORT_BYTES = 4 * 1024
+#: A report with its full load of receipts and pull records (about 12 KiB) fits with room to spare.
+MAX_REPORT_BYTES = 24 * 1024
 #: Upper bound of every integer field: exact as a float, far beyond any real interval's work.
 MAX_COUNT = 2**53
 #: Unix times beyond this (year ~33658) are garbage, not clocks.
@@ -82,6 +84,10 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     bytes_relayed: Count
     interval_start: UnixTime
     interval_end: UnixTime
+    #: receipts other peers signed for this peer's work (see :mod:`protocols.receipts`)
+    receipts: Annotated[list[SignedReceipt], msgspec.Meta(max_length=MAX_RECEIPTS_PER_REPORT)] = []
+    #: averaged bytes this peer pulled from each aggregator (evidence of *their* aggregation work)
+    pulled: Annotated[list[PulledSlice], msgspec.Meta(max_length=MAX_PULLED_PER_REPORT)] = []
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed"):
@@ -89,6 +95,11 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         _check("compute_seconds", self.compute_seconds, 0, _MAX_TIME)
         _check("interval_start", self.interval_start, -_MAX_TIME, _MAX_TIME)
         _check("interval_end", self.interval_end, -_MAX_TIME, _MAX_TIME)
+        if len(self.receipts) > MAX_RECEIPTS_PER_REPORT or len(self.pulled) > MAX_PULLED_PER_REPORT:
+            raise ValueError(
+                f"a report carries at most {MAX_RECEIPTS_PER_REPORT} receipts and "
+                f"{MAX_PULLED_PER_REPORT} pull records"
+            )
         if self.interval_end < self.interval_start:
             raise ValueError(
                 f"interval_end {self.interval_end!r} is before interval_start {self.interval_start!r}"

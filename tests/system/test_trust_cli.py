@@ -163,6 +163,13 @@ def test_api_answers_bad_input_with_clear_4xx_json(tmp_path: Path) -> None:
             for response, status, error in cases:
                 assert response.status_code == status, response.text
                 assert response.json()["error"] == error
+            # The 413 answered before its body was read: it must close the connection visibly, or the
+            # client's next request on it fails with "server disconnected" (flaked under load).
+            assert cases[2][0].headers["connection"] == "close"
+            for _ in range(5):
+                early = client.post(f"{base}/join", content=b"x" * 200_000)
+                assert early.status_code == 413 and early.headers["connection"] == "close"
+                assert client.get(f"{base}/manifest").status_code == 200
             admin = (tmp_path / "bb" / "admin.token").read_text().strip()
             made = client.post(
                 f"{base}/admin/users",

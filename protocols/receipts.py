@@ -1,0 +1,136 @@
+"""Receipts: what other peers saw a peer do, signed by them (DESIGN D5, D10 (e)).
+
+A volunteer's contribution report is its own claim. What the ledger credits must be backed by what
+*others* observed, so every averaging round leaves two kinds of evidence:
+
+* **Part receipts** (aggregator -> sender). When aggregator ``A`` finalizes its slice of round
+  ``(group_id, round)`` for global step ``step``, it signs one :class:`PartReceipt` per sender ``S`` whose
+  parts it averaged in: the weight it actually used for ``S`` (after its own bounds, never more than ``S``
+  claimed) and the bytes it accepted from ``S``. ``A`` hands the signed receipt to ``S`` with the averaged
+  slice ``S`` pulls. ``S`` keeps it and forwards it, unchanged, inside its next
+  :class:`~protocols.ledger.ContributionReport` (``receipts``). Anyone can check it: the signer's public
+  key is inside ``aggregator``.
+* **Pull records** (member -> aggregator). A member lists, in its own signed report (``pulled``), the
+  averaged bytes it pulled from each aggregator per step (:class:`PulledSlice`). Aggregation work of ``A``
+  is credited from the pull records that *other* peers signed about ``A``, never from ``A``'s own
+  ``bytes_aggregated`` claim alone.
+
+Both are bounded before they are believed: a receipt's weight is what the aggregator used, and honest
+aggregators bound a member's weight by the group's statistics (see :mod:`shared.averaging`); the ledger
+credits each ``(sender, step)`` at most once, only from receipts signed by a peer of *another* user, and
+never beyond the run's recorded steps (see :mod:`backbone.ledger.accounting`).
+
+Sizes: a signed receipt is at most :data:`MAX_RECEIPT_BYTES` + 64 bytes; a report carries at most
+:data:`MAX_RECEIPTS_PER_REPORT` receipts and :data:`MAX_PULLED_PER_REPORT` pull records, so a report fits
+in :data:`protocols.ledger.MAX_REPORT_BYTES`. A member keeps at most :data:`RECEIPTS_PER_STEP` receipts per
+step (from distinct aggregators other than itself, when it has them).
+
+Example (aggregator side; ``identity`` is its :class:`shared.auth.keys.Identity`)::
+
+    body = encode_receipt(PartReceipt(...))
+    signed = SignedReceipt(receipt=body, signature=identity.sign(receipt_payload(body)))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+from .errors import ProtocolError
+from .types import Bytes64, PeerIdStr, RunIdStr
+
+__all__ = [
+    "MAX_PULLED_PER_REPORT",
+    "MAX_RECEIPTS_PER_REPORT",
+    "MAX_RECEIPT_BYTES",
+    "RECEIPTS_PER_STEP",
+    "PartReceipt",
+    "PulledSlice",
+    "SignedReceipt",
+    "decode_receipt",
+    "encode_receipt",
+    "receipt_payload",
+]
+
+MAX_RECEIPT_BYTES = 512
+MAX_RECEIPTS_PER_REPORT = 32
+MAX_PULLED_PER_REPORT = 32
+RECEIPTS_PER_STEP = 2
+_MAX_COUNT = 2**53
+_MAX_TIME = 1e12
+_RECEIPT_DOMAIN = b"dedloc-part-receipt-v1"
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_COUNT)]
+_Weight = Annotated[float, msgspec.Meta(ge=0, le=float(_MAX_COUNT))]
+_UnixTime = Annotated[float, msgspec.Meta(ge=0, le=_MAX_TIME)]
+_GroupId = Annotated[bytes, msgspec.Meta(max_length=32)]
+
+
+class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Aggregator ``aggregator`` averaged ``sender``'s parts for ``step`` with weight ``weight``."""
+
+    run_id: RunIdStr
+    aggregator: PeerIdStr  # the signer
+    sender: PeerIdStr
+    step: _Count  # the global step this round averaged for
+    group_id: _GroupId
+    round: _Count
+    weight: _Weight  # the weight the aggregator used (samples), after its bounds
+    nbytes: _Count  # encoded bytes of the sender's parts it accepted
+    issued_at: _UnixTime
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.weight) and 0 <= self.weight <= _MAX_COUNT):
+            raise ValueError(f"weight {self.weight!r} is not within [0, 2**53]")
+        if not (math.isfinite(self.issued_at) and 0 <= self.issued_at <= _MAX_TIME):
+            raise ValueError(f"issued_at {self.issued_at!r} is not a unix time")
+        for name in ("step", "round", "nbytes"):
+            if not 0 <= getattr(self, name) <= _MAX_COUNT:
+                raise ValueError(f"{name} {getattr(self, name)!r} is not within [0, 2**53]")
+
+
+class SignedReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The msgpack bytes of a :class:`PartReceipt` and the aggregator's signature over
+    :func:`receipt_payload` of those exact bytes."""
+
+    receipt: Annotated[bytes, msgspec.Meta(max_length=MAX_RECEIPT_BYTES)]
+    signature: Bytes64
+
+
+class PulledSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """In a member's report: it pulled ``nbytes`` averaged bytes from ``aggregator`` for ``step``."""
+
+    aggregator: PeerIdStr
+    step: _Count
+    nbytes: _Count
+
+
+def receipt_payload(receipt_bytes: bytes) -> bytes:
+    """The bytes an aggregator signs: a domain tag, then the receipt's msgpack bytes."""
+    return _RECEIPT_DOMAIN + receipt_bytes
+
+
+def encode_receipt(receipt: PartReceipt) -> bytes:
+    data = msgspec.msgpack.encode(receipt)
+    if len(data) > MAX_RECEIPT_BYTES:  # cannot happen with valid fields; checked so it never ships
+        raise ValueError(f"receipt of {len(data)} bytes exceeds {MAX_RECEIPT_BYTES}")
+    return data
+
+
+_DECODER = msgspec.msgpack.Decoder(PartReceipt)
+
+
+def decode_receipt(data: bytes | memoryview) -> PartReceipt:
+    """Decode the msgpack bytes of a :class:`PartReceipt` (the signature is the caller's to check).
+
+    Raises:
+        ProtocolError: over :data:`MAX_RECEIPT_BYTES`, malformed, or a value out of range.
+    """
+    if len(data) > MAX_RECEIPT_BYTES:
+        raise ProtocolError(f"receipt of {len(data)} bytes exceeds {MAX_RECEIPT_BYTES}")
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"invalid receipt: {exc}") from exc

@@ -1,0 +1,94 @@
+"""The receipts a volunteer holds until its next contribution report carries them (protocols.receipts).
+
+The averaging side (``volunteer.collab``) adds what each finished round left: the part receipts
+aggregators signed for this peer, and what this peer pulled from each aggregator. The reporting side
+(``volunteer.session``) takes at most one report's worth at a time. The book is bounded: it keeps at most
+:data:`RECEIPTS_PER_STEP` receipts per step (preferring aggregators other than this peer) and at most
+:data:`MAX_HELD_STEPS` steps' worth; the oldest go first when it overflows (counted in ``dropped``), so a
+backbone that is unreachable for hours cannot make a volunteer grow without bound.
+
+Plain Python, no trio, no locks: every call runs on the trio thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from protocols.receipts import (
+    MAX_PULLED_PER_REPORT,
+    MAX_RECEIPTS_PER_REPORT,
+    RECEIPTS_PER_STEP,
+    PulledSlice,
+    SignedReceipt,
+)
+
+__all__ = ["MAX_HELD_STEPS", "ReceiptBook"]
+
+#: Steps whose receipts a volunteer holds before dropping the oldest (hours of steps at 1 step/s).
+MAX_HELD_STEPS = 4096
+
+
+@dataclass
+class _Step:
+    receipts: list[SignedReceipt] = field(default_factory=list)
+    pulled: list[PulledSlice] = field(default_factory=list)
+
+
+@dataclass
+class ReceiptBook:
+    peer_id: str
+    max_steps: int = MAX_HELD_STEPS
+    dropped: int = 0  # steps dropped on overflow
+    _steps: OrderedDict[int, _Step] = field(default_factory=OrderedDict)
+
+    def add(
+        self,
+        step: int,
+        receipts: Iterable[tuple[str, SignedReceipt]],
+        pulled: Iterable[PulledSlice] = (),
+    ) -> None:
+        """Hold what one round of ``step`` left. ``receipts``: (aggregator peer id, signed receipt)."""
+        entry = self._steps.setdefault(step, _Step())
+        others = [(a, r) for a, r in receipts if a != self.peer_id]
+        own = [(a, r) for a, r in receipts if a == self.peer_id]
+        for _, receipt in [*others, *own]:
+            if len(entry.receipts) >= RECEIPTS_PER_STEP:
+                break
+            if receipt not in entry.receipts:
+                entry.receipts.append(receipt)
+        entry.pulled.extend(pulled)
+        while len(self._steps) > self.max_steps:
+            self._steps.popitem(last=False)
+            self.dropped += 1
+
+    def take(
+        self, max_receipts: int = MAX_RECEIPTS_PER_REPORT, max_pulled: int = MAX_PULLED_PER_REPORT
+    ) -> tuple[list[SignedReceipt], list[PulledSlice]]:
+        """Remove and return the oldest receipts and pull records, at most one report's worth."""
+        receipts: list[SignedReceipt] = []
+        pulled: list[PulledSlice] = []
+        while self._steps:
+            step, entry = next(iter(self._steps.items()))
+            room_r, room_p = max_receipts - len(receipts), max_pulled - len(pulled)
+            if room_r <= 0 and room_p <= 0:
+                break
+            receipts += entry.receipts[:room_r]
+            pulled += entry.pulled[:room_p]
+            entry.receipts = entry.receipts[room_r:]
+            entry.pulled = entry.pulled[room_p:]
+            if entry.receipts or entry.pulled:
+                break
+            del self._steps[step]
+        return receipts, pulled
+
+    def put_back(self, step: int, receipts: list[SignedReceipt], pulled: list[PulledSlice]) -> None:
+        """Return what a report that failed to reach any backbone carried (it goes out again later)."""
+        entry = self._steps.setdefault(step, _Step())
+        entry.receipts[:0] = receipts
+        entry.pulled[:0] = pulled
+        self._steps.move_to_end(step, last=False)
+
+    def __len__(self) -> int:
+        return sum(len(e.receipts) + len(e.pulled) for e in self._steps.values())
