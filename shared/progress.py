@@ -23,8 +23,17 @@ read from the DHT into a :class:`CollabView`:
    another one must re-download the state.
 
 ``ready`` is true when the samples at the collaboration's step reach the target batch, or when any peer
-of that step already entered averaging (so the others follow it into the same round) — never while
-nobody there has a sample (a round of zero weight averages nothing).
+of that step already entered averaging (``entered``: the others follow it into the same round) — never
+while nobody there has a sample (a round of zero weight averages nothing).
+
+**Holding a round for a peer that is downloading the state** (:func:`held_for`). A newcomer or laggard
+downloads the state of the collaboration's step S and then joins round S with the others. If the others
+enter round S the moment the target is reached, a download that takes about as long as a round makes
+the newcomer miss every round: it loads S while the others finish S, is behind again, loads S+1, and so
+on (seen under load: a joiner stuck at step 0 for minutes while the others stepped). So peers at step S
+that see a credible peer flagged ``syncing`` hold their round (before anyone entered it) until that peer
+has loaded the state, for at most ``grace`` seconds per peer in any ``window`` seconds: a peer that flips
+its flag forever can slow the run by at most ``grace / window`` of its time, never stall it.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ __all__ = [
     "MAX_SAMPLES_FACTOR",
     "MAX_SAMPLES_PER_SECOND",
     "CollabView",
+    "held_for",
     "plausible",
     "summarize",
 ]
@@ -64,6 +74,7 @@ class CollabView:
     ignored: tuple[str, ...]  # peers whose records were implausible or unsupported
     syncing: tuple[str, ...]  # credible peers that are downloading the state
     loss: float | None  # samples-weighted mean of the losses reported at ``step``
+    entered: bool = False  # a peer at ``step`` already entered averaging (its round is under way)
 
     def eta(self, target_batch: int) -> float | None:
         """Seconds until the target batch is reached at the current rate, or None if nobody computes."""
@@ -141,7 +152,30 @@ def summarize(
         ignored=tuple(sorted(ignored)),
         syncing=tuple(sorted(peer for peer, p in credible.items() if p.syncing)),
         loss=loss if loss is None or math.isfinite(loss) else None,
+        entered=any(p.ready for p in at_step.values()),
     )
+
+
+def held_for(
+    syncing: tuple[str, ...], since: dict[str, float], now: float, *, grace: float, window: float
+) -> tuple[str, ...]:
+    """The syncing peers a round is still held for (see the module docstring).
+
+    ``since`` maps a peer to the start of its current hold window and is updated in place: a peer seen
+    syncing for the first time, or whose window is over, starts a new window at ``now``. Entries of
+    peers whose window is over and that no longer sync are dropped, so ``since`` stays bounded by the
+    number of peers that synced within the last ``window`` seconds.
+    """
+    for peer in [p for p, start in since.items() if now - start >= window and p not in syncing]:
+        del since[peer]
+    held = []
+    for peer in syncing:
+        start = since.get(peer)
+        if start is None or now - start >= window:
+            since[peer] = start = now
+        if now - start < grace:
+            held.append(peer)
+    return tuple(held)
 
 
 def _diverged(everyone: Mapping[str, Progress], me: str, mine: Progress) -> bool:

@@ -75,6 +75,9 @@ async def train_until_stopped(
                 else:
                     await collab.average_and_step()
                 continue
+            elif collab.trainer.samples >= collab.spec.target_batch and collab.holding():
+                await trio.sleep(0.05)  # our share is done; more would exceed what peers find plausible
+                continue
             batch = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
             if batch is None:
                 collab.stats.waiting = "waiting for the first examples"

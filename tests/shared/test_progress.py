@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.training import Progress
-from shared.progress import MAX_SAMPLES_FACTOR, summarize
+from shared.progress import MAX_SAMPLES_FACTOR, held_for, summarize
 
 NOW = 1_000_000.0
 TARGET = 100
@@ -95,3 +97,43 @@ def test_view_invariants(raw: dict[str, tuple[int, int, float, bool]], my_step: 
         if peer not in summary.ignored:
             others = [my_step] + [records[q].step for q in records if q != peer]
             assert any(s >= records[peer].step - 1 for s in others)
+
+
+def test_entered_is_set_once_a_peer_at_the_step_averages() -> None:
+    assert view({"a": progress(5, 10, ready=True), "b": progress(5, 10)}, progress(5)).entered
+    assert not view({"b": progress(5, 10)}, progress(5)).entered
+
+
+def test_a_round_is_held_for_a_syncing_peer_until_its_grace_runs_out() -> None:
+    since: dict[str, float] = {}
+    assert held_for(("d",), since, 0.0, grace=10, window=60) == ("d",)
+    assert held_for(("d",), since, 9.9, grace=10, window=60) == ("d",)
+    assert held_for(("d",), since, 10.0, grace=10, window=60) == ()
+    assert held_for(("d",), since, 59.0, grace=10, window=60) == ()  # used up in this window
+    assert held_for(("d",), since, 60.0, grace=10, window=60) == ("d",)  # a new window
+    assert held_for((), since, 200.0, grace=10, window=60) == () and since == {}
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 5, allow_nan=False), st.sets(st.sampled_from("abc"), max_size=3)), max_size=80
+    ),
+    st.floats(0.5, 20),
+    st.floats(1, 100),
+)
+def test_a_peer_holds_rounds_at_most_its_grace_per_window(
+    events: list[tuple[float, set[str]]], grace: float, window: float
+) -> None:
+    since: dict[str, float] = {}
+    now = 0.0
+    starts: dict[str, list[float]] = {}
+    for step, syncing in events:
+        now += step
+        for peer in held_for(tuple(sorted(syncing)), since, now, grace=grace, window=window):
+            start = since[peer]
+            assert now - start < grace  # held only within the grace of its window's start
+            if not starts.get(peer) or starts[peer][-1] != start:
+                starts.setdefault(peer, []).append(start)
+        assert len(since) <= 3
+    for windows in starts.values():  # windows of holding start at least ``window`` apart
+        assert all(b - a >= window for a, b in itertools.pairwise(windows))

@@ -29,7 +29,7 @@ def spawn(argv: Sequence[str], wrap: Callable[[list[str]], list[str]] | None = N
 _PENDING: weakref.WeakKeyDictionary[subprocess.Popen[str], bytearray] = weakref.WeakKeyDictionary()
 
 
-def read_line(proc: subprocess.Popen[str], within: float = 20.0) -> str:
+def read_line(proc: subprocess.Popen[str], within: float = 60.0) -> str:
     """The next stdout line, failing (with stderr shown) if the process dies or stays silent.
 
     Reads the pipe's fd directly: ``select`` cannot see lines already buffered by a text wrapper.
@@ -89,7 +89,7 @@ def start_pinned_backbone(
 
 
 def wait_status(
-    data_dir: Path, ready: Callable[[dict[str, Any]], bool], proc: subprocess.Popen[str], within: float = 30.0
+    data_dir: Path, ready: Callable[[dict[str, Any]], bool], proc: subprocess.Popen[str], within: float = 90.0
 ) -> dict[str, Any]:
     """Poll ``status.json`` (written every second by a running node) until ``ready`` holds."""
     deadline = time.monotonic() + within

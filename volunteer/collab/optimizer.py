@@ -63,7 +63,7 @@ from shared.errors import ProjectError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
-from shared.progress import MAX_EXTRAPOLATION, CollabView, summarize
+from shared.progress import MAX_EXTRAPOLATION, CollabView, held_for, summarize
 from shared.progress_records import read_progress
 from shared.state.blob import state_digest
 from shared.state.transfer import (
@@ -90,6 +90,8 @@ class CollabConfig:
     matchmaking_window: float = 1.0
     max_attempts: int = 3  # averaging attempts of one step before giving the samples back
     sync_patience: float = 15.0  # seconds to wait for a state at the collaboration's step
+    sync_grace: float = 10.0  # hold our round at most this long per peer downloading the state ...
+    sync_grace_window: float = 60.0  # ... in any window this long (shared.progress.held_for)
     announce_ttl: float = 60.0
     upload_bps: float = 1e8  # used until capabilities are measured
     download_bps: float = 1e8
@@ -154,6 +156,7 @@ class CollaborativeOptimizer:
         self._view_at, self._view_own = 0.0, 0  # when the view was taken, and our samples then
         self._round_step = -1  # the step whose round we are in (while ``averaging``)
         self._round_samples = 0  # our weight in it
+        self._held_since: dict[str, float] = {}  # peers we held a round for (shared.progress.held_for)
 
     # ------------------------------------------------------------------ background
 
@@ -248,8 +251,26 @@ class CollaborativeOptimizer:
         self.anchored = True
         return samples
 
+    def holding(self) -> bool:
+        """We hold our round for peers that are downloading the state of our step (they join it next)."""
+        view = self.view
+        if view is None or view.step != self.trainer.step or view.entered or not view.syncing:
+            return False
+        held = held_for(
+            view.syncing,
+            self._held_since,
+            time.monotonic(),
+            grace=self.config.sync_grace,
+            window=self.config.sync_grace_window,
+        )
+        if held:
+            self.stats.waiting = f"holding the round for {len(held)} peer(s) downloading the state"
+        return bool(held)
+
     def ready(self) -> bool:
         """The collaboration reached the target batch at our step (or its other peers started averaging)."""
+        if self.holding():
+            return False
         if self.trainer.samples >= self.spec.target_batch:
             return True
         view = self.view
