@@ -90,7 +90,9 @@ def run_dht_config(config: DHTConfig | None, authenticator: Authenticator | None
 
 
 async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL) -> None:
-    """Poll the run's revocation records and cut revoked users off (they stay revoked)."""
+    """Poll the run's revocation records and cut revoked users off (they stay revoked); drop the stored
+    DHT records of every revoked user, however the user got into ``auth.revoked`` (a backbone adds users
+    removed from its ledger directly)."""
     while True:
         with contextlib.suppress(*CALL_FAILURES):
             found = await dht.get(REVOCATIONS_KEY, latest=True)
@@ -103,7 +105,8 @@ async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float 
                 if username not in auth.revoked:
                     logger.warning("user %s has been removed from the run", username)
                     auth.revoked.add(username)
-                    dht.drop_user(username)
+        for username in auth.revoked:
+            dht.drop_user(username)
         await trio.sleep(period)
 
 

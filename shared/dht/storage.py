@@ -72,7 +72,7 @@ class StoreLimits:
     max_records: int = 100_000
     max_bytes: int = 256 * 2**20
     max_subkeys_per_key: int = 4096
-    owner_records: int = 2048
+    owner_records: int = 4096
     owner_bytes: int = 16 * 2**20
     exempt_keys: frozenset[bytes] = frozenset()
 

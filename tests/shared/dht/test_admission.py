@@ -5,8 +5,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from protocols.auth import REVOCATIONS_KEY, SignedToken
+from protocols.auth import (
+    REVOCATIONS_KEY,
+    SignedRevocation,
+    SignedToken,
+    revocation_payload,
+    token_payload,
+)
 from protocols.dht import SignedRecord
 from protocols.presence import PRESENCE_KEY
 from shared.auth.authority import Authority, pin_run_id
@@ -144,3 +152,30 @@ def test_open_runs_refuse_tokens_they_cannot_check() -> None:
 def test_admission_rejects_a_bad_grace() -> None:
     with pytest.raises(ValueError, match="token_grace"):
         AdmissionValidator(RUN, AUTHORITY.key, set(), token_grace=float("inf"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    body=st.binary(max_size=300),
+    by_authority=st.booleans(),
+    where=st.sampled_from(["token", "revocation", "revocation-raw"]),
+    subkey=st.one_of(st.none(), st.just(ALICE.peer_id.encode()), st.binary(max_size=40)),
+)
+def test_admission_refuses_arbitrary_tokens_and_revocations_only_with_record_rejected(
+    body: bytes, by_authority: bool, where: str, subkey: bytes | None
+) -> None:
+    """Attack: garbage (even garbage the authority signed) where a token or a revocation goes."""
+    signer = AUTHORITY.identity if by_authority else BOB
+    if where == "token":
+        signed = record(tok=SignedToken(body, signer.sign(token_payload(body))), subkey=subkey)
+    else:
+        value = body
+        if where == "revocation":
+            value = msgspec.msgpack.encode(
+                SignedRevocation(body[:512], signer.sign(revocation_payload(body[:512])))
+            )
+        signed = record(key=REVOCATIONS, value=value, subkey=subkey)
+    validator = run_validator(RunAuthenticator(RUN, AUTHORITY.key, ALICE))
+    with pytest.raises(RecordRejected):
+        validator.validate(signed, NOW)
+    assert record_user(signed) == ALICE.peer_id  # an unverifiable token names nobody

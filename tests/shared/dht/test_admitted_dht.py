@@ -166,6 +166,13 @@ async def test_dht_flooding_writer_cannot_displace_presence_progress_or_revocati
         assert backbone.dht.storage.get(key_id(REVOCATIONS_KEY), time.time())
         progress = backbone.dht.storage.get(key_id(PROGRESS_KEY), time.time())
         assert b"step 2" in [r.value for r in progress]
+
+        # a user revoked by another path than the DHT (a backbone's ledger) loses its records too
+        assert held_by(backbone, mallet.peer_id)
+        backbone.host.authenticator.revoked.add("mallet")  # type: ignore[attr-defined]
+        with trio.fail_after(30):
+            while held_by(backbone, mallet.peer_id):
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
 
 
