@@ -7,6 +7,11 @@ its own expiry: that is how per-peer progress lives under one key.
 Every record is signed by its writer (Ed25519; the public key is inside the writer's peer id) over
 :func:`record_payload`. Storing nodes keep the newest valid record per (key, subkey): the one with the
 latest expiration time, ties broken by the signature bytes so every node picks the same winner.
+
+In a pinned run a record also carries its writer's access token (:class:`~protocols.auth.SignedToken`,
+at most 1,088 bytes), covered by the writer's signature, so that any node holding a copy (not only the
+one the writer called) can check that the writer was admitted (see ``shared.dht.admission``). Open runs
+send ``token=None``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
+from .auth import SignedToken
 from .envelope import MAX_FRAME_BYTES, Message, Request, register
 from .types import Bytes20, Bytes64, MultiaddrStr, PeerIdStr, Subkey, ValueBytes
 
@@ -35,7 +41,7 @@ __all__ = [
 
 MAX_NODES_PER_REPLY = 32
 MAX_RECORDS_PER_MESSAGE = 256
-_RECORD_DOMAIN = b"dedloc-record-v1"
+_RECORD_DOMAIN = b"dedloc-record-v2"
 
 
 class NodeInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -52,6 +58,7 @@ class SignedRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expiration: float
     writer: PeerIdStr
     signature: Bytes64
+    token: SignedToken | None = None  # the writer's access token (pinned runs), signed over with the rest
 
     def __post_init__(self) -> None:
         if not (self.expiration == self.expiration and abs(self.expiration) < 1e12):
@@ -59,9 +66,10 @@ class SignedRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def record_payload(record: SignedRecord) -> bytes:
-    """The bytes a writer signs for ``record`` (everything but the signature)."""
+    """The bytes a writer signs for ``record`` (everything but the signature, the token included)."""
+    token = None if record.token is None else (record.token.token, record.token.signature)
     return _RECORD_DOMAIN + msgspec.msgpack.encode(
-        (record.key, record.subkey, record.value, record.expiration, record.writer)
+        (record.key, record.subkey, record.value, record.expiration, record.writer, token)
     )
 
 

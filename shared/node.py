@@ -7,6 +7,7 @@ first (hand-off and LEAVE notices need live connections), then the host closes e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -26,7 +27,8 @@ from protocols.training import CHECKPOINT_KEY, PROGRESS_KEY
 
 from .auth.guard import Authenticator, RunAuthenticator
 from .auth.keys import Identity
-from .auth.revocations import RevocationValidator, decode_revocation
+from .auth.revocations import decode_revocation
+from .dht.admission import AdmissionValidator, TokenlessValidator
 from .dht.keys import key_id
 from .dht.node import DHTConfig, DHTNode
 from .dht.records import (
@@ -40,7 +42,15 @@ from .errors import RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
 
-__all__ = ["Node", "NodeStatus", "open_node", "run_validator", "watch_revocations"]
+__all__ = [
+    "PER_PEER_KEYS",
+    "Node",
+    "NodeStatus",
+    "open_node",
+    "run_dht_config",
+    "run_validator",
+    "watch_revocations",
+]
 
 MEMBERS_REFRESH = 3.0  # seconds between counts of the presence entries
 REVOCATION_POLL = 2.0  # seconds between polls of the revocation records (how fast a removal bites)
@@ -48,23 +58,41 @@ REVOCATION_TTL = 23 * 3600.0  # revocation records are re-published well before 
 logger = logging.getLogger(__name__)
 
 
+PER_PEER_KEYS = (PRESENCE_KEY, PROGRESS_KEY, CHECKPOINT_KEY, CAPABILITIES_KEY)
+
+
 def run_validator(authenticator: Authenticator | None = None) -> CompositeValidator:
-    """Record validation for a run: signed, sane expiry, per-peer entries (presence, progress, state,
-    capabilities) written by their owner, and in pinned runs revocations signed by the run's authority."""
-    validators: list[RecordValidator] = [
-        SignatureValidator(),
-        ExpiryValidator(),
-        SubkeyOwnerValidator(
-            [key_id(PRESENCE_KEY), key_id(PROGRESS_KEY), key_id(CHECKPOINT_KEY), key_id(CAPABILITIES_KEY)]
-        ),
-    ]
+    """Record validation for a run (the rules of :mod:`shared.dht.admission`), cheapest checks first.
+
+    Every run: sane expiry, subkeys only the writer's own (per-peer keys: presence, progress, state,
+    capabilities take no plain record), the writer's signature. Pinned runs: the writer is admitted and
+    unrevoked (its token, carried in the record), and the revocations key holds authority revocations only
+    (from any carrier). Open runs: records carry no token.
+    """
+    per_peer = [key_id(key) for key in PER_PEER_KEYS]
     if isinstance(authenticator, RunAuthenticator):
-        validators.append(RevocationValidator(authenticator.run_id, authenticator.authority))
-    return CompositeValidator(validators)
+        admission: RecordValidator = AdmissionValidator(
+            authenticator.run_id, authenticator.authority, authenticator.revoked
+        )
+        owners = SubkeyOwnerValidator(per_peer, exempt_keys=[key_id(REVOCATIONS_KEY)])
+    else:
+        admission, owners = TokenlessValidator(), SubkeyOwnerValidator(per_peer)
+    return CompositeValidator([ExpiryValidator(), owners, admission, SignatureValidator()])
+
+
+def run_dht_config(config: DHTConfig | None, authenticator: Authenticator | None) -> DHTConfig:
+    """``config`` with what the run requires: in a pinned run, revocations stored outside every quota."""
+    config = config or DHTConfig()
+    if not isinstance(authenticator, RunAuthenticator):
+        return config
+    exempt = config.store.exempt_keys | {key_id(REVOCATIONS_KEY)}
+    return dataclasses.replace(config, store=dataclasses.replace(config.store, exempt_keys=exempt))
 
 
 async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL) -> None:
-    """Poll the run's revocation records and cut revoked users off (they stay revoked)."""
+    """Poll the run's revocation records and cut revoked users off (they stay revoked); drop the stored
+    DHT records of every revoked user, however the user got into ``auth.revoked`` (a backbone adds users
+    removed from its ledger directly)."""
     while True:
         with contextlib.suppress(*CALL_FAILURES):
             found = await dht.get(REVOCATIONS_KEY, latest=True)
@@ -77,6 +105,8 @@ async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float 
                 if username not in auth.revoked:
                     logger.warning("user %s has been removed from the run", username)
                     auth.revoked.add(username)
+        for username in auth.revoked:
+            dht.drop_user(username)
         await trio.sleep(period)
 
 
@@ -199,7 +229,13 @@ async def open_node(
         HandshakeError: the initial peer is not who its address says, or serves another run.
     """
     host = Host(identity, run_id, host_config, authenticator)
-    dht = DHTNode(host, dht_config, validator=run_validator(authenticator))
+    credentials = (lambda: authenticator.token) if isinstance(authenticator, RunAuthenticator) else None
+    dht = DHTNode(
+        host,
+        run_dht_config(dht_config, authenticator),
+        validator=run_validator(authenticator),
+        credentials=credentials,
+    )
     # The host is shielded from whatever cancels this node, so that the DHT can still say goodbye
     # through it; it is stopped explicitly once the DHT has left (bounded by the DHT's leave deadline).
     host_scope = trio.CancelScope(shield=True)

@@ -10,17 +10,21 @@ read from the DHT into a :class:`CollabView`:
    batch (honest peers stop accumulating at the target), or more than :data:`MAX_SAMPLES_PER_SECOND`.
 2. **Support.** Honest peers are never more than one step apart for long: a peer that steps is followed
    by every peer of the round within seconds, and laggards download the state. So a step claim ``s`` is
-   *credible* only if another peer's claim (or our own, once we hold real state) is at least ``s - 1``, or
-   if the claimant is the only other peer we know of. A single peer announcing an absurd step is ignored,
-   whatever it writes. (Two colluding admitted peers could still fake a step; the allowlist and the
-   ledger are the defence there.)
+   *credible* only if a peer of *another user* claims at least ``s - 1`` (or we do, once we hold real
+   state), or if the claimant's user is the only other user we know of. A single user announcing an
+   absurd step is ignored, whatever it writes and under however many peer ids. (Two colluding admitted
+   users could still fake a step; the allowlist and the ledger are the defence there.)
 3. **The collaboration's step** is the highest credible step; **its samples** are the credible samples of
    the peers at that step, each extrapolated by its own throughput since its record was written (for at
    most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on time, not one publishing period
    late.
 4. **Divergence.** Peers at one step should hold identical parameters; if the fingerprints at our step
-   disagree, the fingerprint held by more peers wins (ties: the smaller fingerprint), and a peer holding
-   another one must re-download the state.
+   disagree, the fingerprint held by more distinct *users* wins (ties: the smaller fingerprint), and a
+   peer holding another one must re-download the state. Votes are counted in users, not peer ids, because
+   one admitted user may run many peer ids: each user's peers cast one vote per fingerprint.
+
+**Users.** ``users`` maps a peer id to the user it speaks for (``DHTValue.users``, the admitted username
+of its DHT records: see ``shared.dht.admission``); a peer missing from it is its own user (open runs).
 
 ``ready`` is true when the samples at the collaboration's step reach the target batch, or when any peer
 of that step already entered averaging (``entered``: the others follow it into the same round) — never
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from protocols.auth import MAX_CLOCK_SKEW
@@ -103,6 +107,7 @@ def summarize(
     now: float,
     target_batch: int,
     anchored: bool = True,
+    users: Mapping[str, str] | None = None,
 ) -> CollabView:
     """The collaboration as seen by ``me`` (see the module docstring).
 
@@ -111,16 +116,23 @@ def summarize(
         mine: our own current progress.
         anchored: our own step is real (we trained or downloaded state); False for a fresh newcomer, whose
             step 0 supports nobody.
+        users: the user of each peer id (see "Users" above); by default every peer is its own user.
     """
+    user_of = users or {}
+
+    def user(peer: str) -> str:
+        return user_of.get(peer, peer)
+
     others = {peer: p for peer, p in records.items() if peer != me and not p.left}
     fresh = {peer: p for peer, p in others.items() if plausible(p, now, target_batch)}
     ignored = set(others) - set(fresh)
     credible: dict[str, Progress] = {}
+    fresh_users = {user(peer) for peer in fresh}
     for peer, progress in fresh.items():
-        supporters = [q.step for q_peer, q in fresh.items() if q_peer != peer]
+        supporters = [q.step for q_peer, q in fresh.items() if user(q_peer) != user(peer)]
         if anchored:
             supporters.append(mine.step)
-        if (not supporters and len(fresh) == 1) or any(s >= progress.step - 1 for s in supporters):
+        if (not supporters and len(fresh_users) == 1) or any(s >= progress.step - 1 for s in supporters):
             credible[peer] = progress
         else:
             ignored.add(peer)
@@ -148,7 +160,7 @@ def summarize(
         peers=len(everyone),
         peers_at_step=len(at_step),
         ready=samples > 0 and (samples >= target_batch or any(p.ready for p in at_step.values())),
-        diverged=_diverged(everyone, me, mine) if anchored else False,
+        diverged=_diverged(everyone, mine, user) if anchored else False,
         ignored=tuple(sorted(ignored)),
         syncing=tuple(sorted(peer for peer, p in credible.items() if p.syncing)),
         loss=loss if loss is None or math.isfinite(loss) else None,
@@ -178,10 +190,15 @@ def held_for(
     return tuple(held)
 
 
-def _diverged(everyone: Mapping[str, Progress], me: str, mine: Progress) -> bool:
+def _diverged(everyone: Mapping[str, Progress], mine: Progress, user: Callable[[str], str]) -> bool:
     if not mine.params:
         return False
-    votes = Counter(p.params for p in everyone.values() if p.step == mine.step and p.params and not p.syncing)
+    voters = {
+        (p.params, user(peer))
+        for peer, p in everyone.items()
+        if p.step == mine.step and p.params and not p.syncing
+    }
+    votes = Counter(params for params, _ in voters)
     if not votes:  # we are re-syncing ourselves
         return False
     best = max(votes.items(), key=lambda item: (item[1], [-b for b in item[0]]))[0]

@@ -4,8 +4,9 @@ Modules:
     keys      the 160-bit id space: node ids from peer ids, key ids from user keys, XOR distance
     routing   Contact and RoutingTable: k-buckets that return the contact to ping, never doing I/O
     lookup    Lookup: the iterative node lookup as a state machine (next_queries / on_response / on_failure)
-    storage   RecordStore: signed records by (key, subkey), newest wins, expiry heap, bounded size
-    records   sign_record, the newest-wins order, and record validators (signature, expiry, subkey owner)
+    storage   RecordStore: signed records by (key, subkey), newest wins, expiry heap, per-writer quotas
+    records   sign_record, the newest-wins order, and record validators (signature, expiry, own subkeys)
+    admission who may write: admitted, unrevoked writers (token in the record), the rule per key, users
     node      DHTNode trio service: serves the RPCs, drives the cores above, refreshes, leaves gracefully
 
 Everything here but ``node`` is pure: no trio, no sockets, time passed in as ``now``.
@@ -13,6 +14,10 @@ Everything here but ``node`` is pure: no trio, no sockets, time passed in as ``n
 
 from __future__ import annotations
 
+from .admission import TOKEN_GRACE as TOKEN_GRACE
+from .admission import AdmissionValidator as AdmissionValidator
+from .admission import TokenlessValidator as TokenlessValidator
+from .admission import record_user as record_user
 from .keys import ID_BYTES as ID_BYTES
 from .keys import KEY_BITS as KEY_BITS
 from .keys import check_id as check_id
@@ -38,11 +43,16 @@ from .routing import BucketInfo as BucketInfo
 from .routing import Contact as Contact
 from .routing import RoutingTable as RoutingTable
 from .routing import random_id_in as random_id_in
+from .storage import PutResult as PutResult
 from .storage import RecordStore as RecordStore
+from .storage import StoreLimits as StoreLimits
+from .storage import record_cost as record_cost
 
 __all__ = [
     "ID_BYTES",
     "KEY_BITS",
+    "TOKEN_GRACE",
+    "AdmissionValidator",
     "BucketInfo",
     "CompositeValidator",
     "Contact",
@@ -52,11 +62,14 @@ __all__ = [
     "DHTValue",
     "ExpiryValidator",
     "Lookup",
+    "PutResult",
     "RecordStore",
     "RecordValidator",
     "RoutingTable",
     "SignatureValidator",
+    "StoreLimits",
     "SubkeyOwnerValidator",
+    "TokenlessValidator",
     "check_id",
     "default_validator",
     "distance",
@@ -66,5 +79,7 @@ __all__ = [
     "newer",
     "node_id_of",
     "random_id_in",
+    "record_cost",
+    "record_user",
     "sign_record",
 ]

@@ -10,6 +10,12 @@ validation); this module only does I/O and time:
 * **lookups** — the iterative lookup (§2.3) with ``alpha`` queries in flight. A value lookup stops as
   soon as ``quorum`` nodes returned records (default 1), or runs to convergence with ``latest=True``,
   merging every record seen (newest per subkey wins).
+* **admission and quotas** — every record a STORE brings or a lookup returns goes through the node's
+  validator (in a pinned run: admitted, unrevoked writer, own subkeys only; see :mod:`.admission`), and
+  the store holds each writer to its quota (:mod:`.storage`); refusals are counted
+  (:meth:`DHTNode.statistics`) and logged one line per STORE. Records we sign carry our access token
+  (``credentials``). :attr:`DHTValue.users` names the user each returned record speaks for, so that
+  callers count majorities in users, not peer ids.
 * **store** — sign the record, validate it as any receiver would (so a bad expiry fails *here*, with a
   clear message), find the ``num_replicas`` nodes closest to the key (ourselves included) and store on
   all of them in parallel. Our own records are re-published every ``republish_interval`` until expiry.
@@ -25,15 +31,17 @@ routing tables (it has nowhere to be dialed).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
+from protocols.auth import SignedToken
 from protocols.dht import (
     MAX_NODES_PER_REPLY,
     FindNodeRequest,
@@ -55,16 +63,18 @@ from ..errors import PeerUnavailable, RecordRejected, RemoteError
 from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext, RpcChannel
+from .admission import record_user
 from .keys import KEY_BITS, id_bytes, key_id, key_int, node_id_of
 from .lookup import Lookup
 from .records import RecordValidator, default_validator, newer, sign_record
 from .routing import Contact, RoutingTable, random_id_in
-from .storage import RecordStore
+from .storage import PutResult, RecordStore, StoreLimits, record_cost
 
 __all__ = ["DHTConfig", "DHTNode", "DHTStatistics", "DHTValue"]
 
 logger = logging.getLogger(__name__)
 _CALL_ERRORS = CALL_FAILURES
+_CAPACITY_REFUSALS = (PutResult.OWNER_QUOTA, PutResult.KEY_FULL, PutResult.STORE_FULL)
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,7 @@ class DHTConfig:
     expiry_sweep_interval: float = 60.0
     leave_deadline: float = 2.0
     max_handoff_records: int = 10_000
+    store: StoreLimits = field(default_factory=StoreLimits)  # per-writer quotas and global caps
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,14 @@ class DHTValue:
     def value(self) -> bytes | None:
         return self.plain.value if self.plain is not None else None
 
+    @functools.cached_property
+    def users(self) -> dict[bytes | None, str]:
+        """The user each record speaks for, by subkey (``None``: the plain record): in a pinned run the
+        admitted username from the writer's verified token, in an open run the writer's peer id. Count
+        majorities over these, not over peer ids (one user may hold several peer ids)."""
+        records = ([] if self.plain is None else [(None, self.plain)]) + list(self.entries.items())
+        return {subkey: record_user(record) for subkey, record in records}
+
 
 @dataclass(frozen=True)
 class DHTStatistics:
@@ -100,6 +119,8 @@ class DHTStatistics:
     own_records: int
     lookups: int
     rpc_failures: int
+    rejected_records: int = 0  # refused by the validator (not admitted, revoked, foreign subkey, forged...)
+    refused_records: int = 0  # valid, but refused by the store (over quota, store or key full)
 
 
 class DHTNode:
@@ -113,6 +134,7 @@ class DHTNode:
         validator: RecordValidator | None = None,
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        credentials: Callable[[], SignedToken | None] | None = None,
     ) -> None:
         self.host = host
         self.config = config or DHTConfig()
@@ -121,7 +143,9 @@ class DHTNode:
         self._rng = rng or random.Random()
         self.node_id = node_id_of(host.peer_id)
         self.routing = RoutingTable(self.node_id, k=self.config.k)
-        self.storage = RecordStore()
+        self.storage = RecordStore(self.config.store)
+        self._credentials = credentials or (lambda: None)
+        self._rejected = 0
         self._own: dict[tuple[bytes, bytes | None], SignedRecord] = {}
         self._pinging: set[int] = set()
         self._nursery: trio.Nursery | None = None
@@ -210,11 +234,22 @@ class DHTNode:
 
     async def _republish(self) -> None:
         now = self._clock()
+        token = self._credentials()
         for slot, record in list(self._own.items()):
             if record.expiration <= now:
                 del self._own[slot]
-            else:
-                await self._store_record(record)
+                continue
+            if record.token != token:  # our token was refreshed: vouch for the record with the fresh one
+                record = sign_record(
+                    self.host.endpoint.identity,
+                    record.key,
+                    record.value,
+                    record.expiration,
+                    record.subkey,
+                    token,
+                )
+                self._own[slot] = record
+            await self._store_record(record)
 
     async def _leave(self) -> None:
         handoff: dict[PeerId, list[SignedRecord]] = defaultdict(list)
@@ -287,16 +322,32 @@ class DHTNode:
 
     async def _on_store(self, ctx: RequestContext, request: StoreRequest) -> Message:
         self._learn_from(ctx)
-        now = self._clock()
         accepted = []
-        for record in request.records:
+        reasons: list[str] = []
+        for i, record in enumerate(request.records):
+            if i and i % 32 == 0:  # a signature check is ~0.1 ms: let other tasks run between batches
+                await trio.lowlevel.checkpoint()
+            now = self._clock()
             try:
                 self.validator.validate(record, now)
             except RecordRejected as exc:
-                logger.warning("rejected a record from %s: %s", ctx.peer_id, exc)
+                self._rejected += 1
+                reasons.append(str(exc))
                 accepted.append(False)
                 continue
-            accepted.append(self.storage.put(record, now) or self._holds(record))
+            result = self.storage.put(record, now)
+            held = bool(result) or self._holds(record)
+            if not held:
+                reasons.append(f"{result.value}: record of {record_user(record)} ({record.writer})")
+            accepted.append(held)
+        if reasons:
+            logger.warning(
+                "refused %d of %d records stored by %s; first: %s",
+                len(reasons),
+                len(request.records),
+                ctx.peer_id,
+                reasons[0],
+            )
         return StoreResponse(accepted=accepted)
 
     async def _on_leave(self, ctx: RequestContext, message: LeaveNotice) -> None:
@@ -396,6 +447,7 @@ class DHTNode:
         try:
             self.validator.validate(record, self._clock())
         except RecordRejected as exc:
+            self._rejected += 1
             logger.warning("ignoring an invalid record in a lookup: %s", exc)
             return False
         return True
@@ -412,7 +464,9 @@ class DHTNode:
             RecordRejected: the record would be refused by any node (expiry in the past or too far ahead).
             ValueError: the value or subkey exceeds the wire limits.
         """
-        record = sign_record(self.host.endpoint.identity, key_id(key), value, expiration, subkey)
+        record = sign_record(
+            self.host.endpoint.identity, key_id(key), value, expiration, subkey, self._credentials()
+        )
         self.validator.validate(record, self._clock())
         self._own[(record.key, record.subkey)] = record
         return await self._store_record(record)
@@ -457,6 +511,13 @@ class DHTNode:
             records.extend(found)
         return _merge(records)
 
+    def drop_user(self, user: str) -> int:
+        """Forget every stored record charged to ``user`` (a revoked user); return how many were dropped."""
+        dropped = self.storage.drop_owner(user)
+        if dropped:
+            logger.warning("dropped %d stored records of removed user %s", dropped, user)
+        return dropped
+
     # ---------------------------------------------------------------- metrics
 
     def estimated_network_size(self) -> int:
@@ -477,6 +538,8 @@ class DHTNode:
             own_records=len(self._own),
             lookups=self._lookups,
             rpc_failures=self._rpc_failures,
+            rejected_records=self._rejected,
+            refused_records=sum(self.storage.refusals[r] for r in _CAPACITY_REFUSALS),
         )
 
 
@@ -501,7 +564,7 @@ def _fit(records: list[SignedRecord]) -> list[SignedRecord]:
     budget = FindValueResponse.max_bytes - 64 * 1024
     out = []
     for record in sorted(records, key=lambda r: r.expiration, reverse=True)[:256]:
-        budget -= len(record.value) + len(record.subkey or b"") + 256
+        budget -= record_cost(record)
         if budget < 0:
             break
         out.append(record)

@@ -12,8 +12,10 @@ here every value is a :class:`~protocols.dht.SignedRecord`:
 * of two records for the same ``(key, subkey)``, the one that expires later wins, ties broken by the
   larger signature (:func:`newer`); this is a total order on distinct records, so every node keeps the
   same winner whatever order the records arrived in;
-* keys whose dictionary holds per-peer entries (training progress) may only be written by the peer
-  named in the subkey (:class:`SubkeyOwnerValidator`).
+* a writer writes only its own subkeys: a subkey is the writer's peer id, and keys whose dictionary
+  holds per-peer entries (presence, progress, ...) take no plain record (:class:`SubkeyOwnerValidator`);
+* in a pinned run the record carries the writer's access token, covered by the signature, and only
+  admitted, unrevoked writers are accepted (:mod:`shared.dht.admission`, which has the rule per key).
 
 Validators raise :class:`~shared.errors.RecordRejected` with the reason; :class:`CompositeValidator`
 chains them, cheapest first.
@@ -26,10 +28,12 @@ from typing import Protocol
 
 import msgspec
 
+from protocols.auth import SignedToken
 from protocols.dht import SignedRecord, record_payload
 
 from ..auth.keys import Identity, verify_by_peer_id
 from ..errors import RecordRejected
+from .admission import TokenlessValidator
 from .keys import ID_BYTES
 
 __all__ = [
@@ -57,6 +61,7 @@ def sign_record(
     value: bytes,
     expiration: float,
     subkey: bytes | None = None,
+    token: SignedToken | None = None,
 ) -> SignedRecord:
     """Return a record of ``value`` under ``(key, subkey)`` signed by ``identity``.
 
@@ -66,6 +71,7 @@ def sign_record(
         value: the payload, at most 64 KiB.
         expiration: absolute unix time after which nodes drop the record.
         subkey: ``None`` for the key's plain value, else the entry of the key's dictionary.
+        token: the writer's access token in a pinned run (carried in the record, covered by the signature).
 
     Raises:
         ValueError: a field violates the wire limits (key length, value or subkey size, expiration).
@@ -77,6 +83,7 @@ def sign_record(
         expiration=expiration,
         writer=identity.peer_id,
         signature=bytes(_SIGNATURE_BYTES),
+        token=token,
     )
     try:  # reuse the wire constraints instead of restating them here
         msgspec.msgpack.decode(msgspec.msgpack.encode(unsigned), type=SignedRecord)
@@ -142,26 +149,30 @@ class ExpiryValidator:
 
 
 class SubkeyOwnerValidator:
-    """For the given keys, only the peer named by the subkey may write it (per-peer progress records).
+    """A writer writes only its own subkeys (DESIGN D10b).
 
-    A record under one of ``key_ids`` must carry a subkey equal to its writer's peer id as ASCII bytes;
-    records under other keys pass.
+    Every record with a subkey must have its writer's peer id (ASCII bytes) as subkey, except under
+    ``exempt_keys`` (the revocations key of a pinned run, whose subkeys are usernames and whose content
+    another validator checks). Under ``per_peer_keys`` a plain record (no subkey) is refused too.
 
     Raises:
         ValueError: a key id is not 20 bytes.
     """
 
-    def __init__(self, key_ids: Iterable[bytes]) -> None:
-        self.key_ids = frozenset(bytes(key) for key in key_ids)
-        for key in self.key_ids:
+    def __init__(self, per_peer_keys: Iterable[bytes], exempt_keys: Iterable[bytes] = ()) -> None:
+        self.key_ids = frozenset(bytes(key) for key in per_peer_keys)
+        self.exempt_keys = frozenset(bytes(key) for key in exempt_keys)
+        for key in self.key_ids | self.exempt_keys:
             if len(key) != ID_BYTES:
                 raise ValueError(f"a key id has {ID_BYTES} bytes, got {len(key)}: {key!r}")
 
     def validate(self, record: SignedRecord, now: float) -> None:
-        if record.key not in self.key_ids:
+        if record.key in self.exempt_keys:
             return
         if record.subkey is None:
-            raise RecordRejected(f"{_describe(record)} needs the writer's peer id as subkey")
+            if record.key in self.key_ids:
+                raise RecordRejected(f"{_describe(record)} needs the writer's peer id as subkey")
+            return
         if record.subkey != record.writer.encode("utf-8"):
             raise RecordRejected(f"{_describe(record)}: only the peer named by the subkey may write it")
 
@@ -178,5 +189,5 @@ class CompositeValidator:
 
 
 def default_validator() -> CompositeValidator:
-    """Return the checks every node applies: expiry (cheap) then signature."""
-    return CompositeValidator([ExpiryValidator(), SignatureValidator()])
+    """Return the checks of a bare open-run node: expiry and no token (cheap), then signature."""
+    return CompositeValidator([ExpiryValidator(), TokenlessValidator(), SignatureValidator()])

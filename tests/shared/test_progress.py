@@ -70,6 +70,33 @@ def test_divergence_is_decided_by_the_majority_of_fingerprints() -> None:
     assert not view(tie, progress(2, params=b"a" * 8)).diverged
 
 
+def test_divergence_counts_distinct_users_not_peer_ids() -> None:
+    """Finding 8: one user's made-up peer ids cannot outvote honest users' fingerprints."""
+    sybils = {f"m{i}": progress(2, params=b"z" * 8) for i in range(4)}
+    records = {**sybils, "a": progress(2, params=b"x" * 8), "b": progress(2, params=b"x" * 8)}
+    users = {**dict.fromkeys(sybils, "mallory"), "a": "alice", "b": "bob", "me": "carol"}
+    mine = progress(2, params=b"x" * 8)
+    assert view(records, mine).diverged  # counted in peer ids, the sybils win 4 to 3
+    assert not summarize(records, "me", mine, now=NOW, target_batch=TARGET, users=users).diverged
+    # one user's several honest devices still cast one vote: two users outvote a user with two devices
+    two_devices = {"a1": progress(2, params=b"y" * 8), "a2": progress(2, params=b"y" * 8)}
+    two_devices |= {"b": progress(2, params=b"x" * 8)}
+    users = {"a1": "alice", "a2": "alice", "b": "bob", "me": "carol"}
+    assert not summarize(two_devices, "me", mine, now=NOW, target_batch=TARGET, users=users).diverged
+
+
+def test_a_step_claim_needs_support_from_another_user() -> None:
+    records = {"m1": progress(10**6), "m2": progress(10**6 - 1), "a": progress(7)}
+    assert view(records, progress(7)).step == 10**6  # two peer ids back each other up
+    users = {"m1": "mallory", "m2": "mallory", "a": "alice"}
+    for anchored in (True, False):
+        got = summarize(
+            records, "me", progress(7), now=NOW, target_batch=TARGET, anchored=anchored, users=users
+        )
+        assert got.step == 7
+        assert {"m1", "m2"} <= set(got.ignored)
+
+
 @given(
     st.dictionaries(
         st.sampled_from(["a", "b", "c", "d", "e"]),

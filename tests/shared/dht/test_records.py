@@ -39,7 +39,7 @@ def record(
 
 
 def test_signed_record_passes_the_default_validator() -> None:
-    signed = record(subkey=b"s")
+    signed = record(subkey=ALICE.peer_id.encode())
     assert signed.writer == ALICE.peer_id
     assert len(signed.signature) == 64
     default_validator().validate(signed, NOW)
@@ -138,7 +138,18 @@ def test_subkey_owner_validator_lets_only_the_named_peer_write_its_subkey() -> N
         validator.validate(record(subkey=BOB.peer_id.encode()), NOW)
     with pytest.raises(RecordRejected, match="needs the writer's peer id"):
         validator.validate(record(subkey=None), NOW)
-    validator.validate(record(key=key_id("other"), subkey=b"anything"), NOW)
+
+
+def test_subkey_owner_validator_applies_to_every_key_but_exempt_ones() -> None:
+    other = key_id("avg.7.")  # e.g. a matchmaking key: not a per-peer key, still own subkeys only
+    validator = SubkeyOwnerValidator([KEY], exempt_keys=[key_id("run.revocations")])
+    with pytest.raises(RecordRejected, match="only the peer named"):
+        validator.validate(record(key=other, subkey=BOB.peer_id.encode()), NOW)
+    with pytest.raises(RecordRejected, match="only the peer named"):
+        validator.validate(record(key=other, subkey=b"anything"), NOW)
+    validator.validate(record(key=other, subkey=ALICE.peer_id.encode()), NOW)
+    validator.validate(record(key=other), NOW)  # a plain record of a non-per-peer key has no owner
+    validator.validate(record(key=key_id("run.revocations"), subkey=b"bob"), NOW)
 
 
 def test_subkey_owner_validator_rejects_malformed_key_ids() -> None:

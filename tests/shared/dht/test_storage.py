@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,7 +10,7 @@ from hypothesis import strategies as st
 from protocols.dht import SignedRecord
 from shared.dht.keys import key_id
 from shared.dht.records import newer
-from shared.dht.storage import RecordStore
+from shared.dht.storage import PutResult, RecordStore, StoreLimits, record_cost
 
 NOW = 1_000.0
 KEYS = [key_id(name) for name in ("a", "b", "c")]
@@ -178,3 +181,179 @@ def test_store_never_returns_expired_records_and_stays_bounded(
         assert all(r.expiration > now for r in store.records())
         assert len(store) == len(list(store.records()))
         assert all(sum(r.subkey is not None for r in store.get(key, now)) <= 1 for key in KEYS)
+
+
+# ---------------------------------------------------------------- per-writer quotas (issue 9, finding 4)
+
+HONEST, MALLORY, MALLORY2 = "honest-peer", "mallory-peer", "mallory-2"
+
+
+def by(writer: str, expiration: float, *, key: bytes = KEYS[0], subkey: bytes | None = None) -> SignedRecord:
+    """A record of ``writer`` (its owner, in an open run), distinct per (key, subkey, expiration)."""
+    signature = hashlib.sha512(repr((writer, key, subkey, expiration)).encode()).digest()
+    return SignedRecord(key, subkey, b"v", expiration, writer, signature)
+
+
+def flood_key(i: int) -> bytes:
+    return key_id(f"flood-{i}")
+
+
+def test_flooding_writer_cannot_displace_another_writers_records() -> None:
+    """Finding 4: a full store used to evict the soonest-expiring record, whoever wrote it."""
+    store = RecordStore(max_records=40)
+    presence = by(HONEST, NOW + 60, key=KEYS[0], subkey=HONEST.encode())
+    progress = by(HONEST, NOW + 30, key=KEYS[1], subkey=HONEST.encode())
+    assert store.put(presence, NOW) and store.put(progress, NOW)
+    for i in range(300):  # longer-lived than the honest records
+        store.put(by(MALLORY, NOW + 3600 + i, key=flood_key(i)), NOW)
+    assert store.get(KEYS[0], NOW) == [presence]
+    assert store.get(KEYS[1], NOW) == [progress]
+    assert len(store) == 40
+    # the honest writer can still write, in place and anew: the flooder makes room for it
+    assert store.put(by(HONEST, NOW + 31, key=KEYS[1], subkey=HONEST.encode()), NOW)
+    assert store.put(by(HONEST, NOW + 900, key=KEYS[2], subkey=HONEST.encode()), NOW)
+    assert store.usage(HONEST)[0] == 3
+    assert len(store) == 40
+
+
+def test_writer_over_its_quota_is_refused_with_a_reason_and_counted() -> None:
+    store = RecordStore(StoreLimits(owner_records=5, owner_bytes=10_000))
+    for i in range(5):
+        assert store.put(by(MALLORY, NOW + 10, key=flood_key(i)), NOW)
+    refused = store.put(by(MALLORY, NOW + 99, key=flood_key(5)), NOW)
+    assert refused is PutResult.OWNER_QUOTA and not refused
+    assert store.put(by(MALLORY, NOW + 11, key=flood_key(0)), NOW)  # replacing in place is no new record
+    assert store.put(by(HONEST, NOW + 10, key=flood_key(5)), NOW)
+    assert store.refusals[PutResult.OWNER_QUOTA] == 1
+    big = SignedRecord(KEYS[0], None, b"x" * 10_000, NOW + 10, HONEST, b"\x01" * 64)
+    assert store.put(big, NOW) is PutResult.OWNER_QUOTA  # bytes count too
+    assert record_cost(big) > 10_000
+
+
+def test_full_store_evicts_only_from_an_owner_holding_more_than_the_newcomer() -> None:
+    store = RecordStore(StoreLimits(max_records=4))
+    for i in range(2):
+        assert store.put(by(MALLORY, NOW + 10, key=flood_key(i)), NOW)
+        assert store.put(by(MALLORY2, NOW + 10, key=flood_key(10 + i)), NOW)
+    # each flooder holds 2; a newcomer holding 0 takes a place from one of them
+    assert store.put(by(HONEST, NOW + 5, key=KEYS[0]), NOW)
+    assert store.usage(HONEST)[0] == 1
+    # now a 2-1-1 split: a newcomer would hold 2, so nobody holds more and it is refused
+    assert store.put(by(HONEST, NOW + 5, key=KEYS[1]), NOW) is PutResult.STORE_FULL
+    assert store.put(by(HONEST, NOW + 99, key=KEYS[1]), NOW)  # ...unless it replaces its own sooner one
+    assert store.usage(HONEST)[0] == 1
+    assert store.get(KEYS[0], NOW) == []
+
+
+def test_full_key_dictionary_evicts_only_from_an_owner_holding_more_entries() -> None:
+    store = RecordStore(StoreLimits(max_subkeys_per_key=3))
+    for sub in (b"m1", b"m2", b"m3"):
+        assert store.put(by(MALLORY, NOW + 99, subkey=sub), NOW)
+    assert store.put(by(HONEST, NOW + 5, subkey=b"h"), NOW)  # mallory holds 3 > 1
+    assert store.put(by(MALLORY2, NOW + 5, subkey=b"n"), NOW)  # mallory holds 2 > 1
+    assert store.put(by("third", NOW + 500, subkey=b"t"), NOW) is PutResult.KEY_FULL  # 1-1-1
+    assert sorted(r.subkey or b"" for r in store.get(KEYS[0], NOW)) == [b"h", b"m3", b"n"]
+
+
+def test_exempt_records_are_stored_outside_every_limit_and_never_evicted() -> None:
+    revocations = KEYS[2]
+    store = RecordStore(StoreLimits(max_records=2, owner_records=1, exempt_keys=frozenset({revocations})))
+    for i in range(5):
+        assert store.put(by(HONEST, NOW + 10, key=revocations, subkey=b"user%d" % i), NOW)
+    assert store.put(by(MALLORY, NOW + 10, key=KEYS[0]), NOW)
+    assert store.put(by(MALLORY2, NOW + 10, key=KEYS[1]), NOW)
+    assert store.put(by("third", NOW + 10, key=flood_key(0)), NOW) is PutResult.STORE_FULL
+    assert len(store.get(revocations, NOW)) == 5
+    assert store.charged == (2, 2 * record_cost(by(MALLORY, NOW + 10)))
+    assert len(store) == 7
+
+
+def test_drop_owner_forgets_a_revoked_users_records_only() -> None:
+    store = RecordStore()
+    for i in range(3):
+        store.put(by(MALLORY, NOW + 10, key=flood_key(i)), NOW)
+    store.put(by(HONEST, NOW + 10), NOW)
+    assert store.drop_owner(MALLORY) == 3
+    assert store.drop_owner(MALLORY) == 0
+    assert [r.writer for r in store.records()] == [HONEST]
+    assert store.usage(MALLORY) == (0, 0)
+
+
+def test_store_limits_reject_bad_values() -> None:
+    for name in ("max_bytes", "owner_records", "owner_bytes"):
+        with pytest.raises(ValueError, match=name):
+            StoreLimits(**{name: 0})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="20 bytes"):
+        StoreLimits(exempt_keys=frozenset({b"short"}))
+
+
+OWNERS = [HONEST, MALLORY, MALLORY2, "third"]
+SMALL = StoreLimits(
+    max_records=8,
+    max_bytes=8 * 300,
+    max_subkeys_per_key=3,
+    owner_records=4,
+    owner_bytes=4 * 300,
+    exempt_keys=frozenset({KEYS[2]}),
+)
+puts = st.lists(
+    st.tuples(
+        st.sampled_from(OWNERS),
+        st.sampled_from([*KEYS, flood_key(0), flood_key(1)]),
+        st.sampled_from([None, b"a", b"b", b"c", b"d"]),
+        st.integers(1, 6),
+        st.integers(0, 40),  # value bytes: costs 256-300
+    ),
+    max_size=60,
+)
+
+
+def _usage(store: RecordStore) -> dict[str, tuple[int, int]]:
+    return {owner: store.usage(owner) for owner in OWNERS}
+
+
+@settings(max_examples=400, deadline=None)
+@given(puts)
+def test_store_quota_accounting_never_exceeds_limits_nor_evicts_a_smaller_owner(
+    ops: list[tuple[str, bytes, bytes | None, int, int]],
+) -> None:
+    store = RecordStore(SMALL)
+    for owner, key, subkey, ttl, size in ops:
+        signature = hashlib.sha512(repr((owner, key, subkey, ttl, size)).encode()).digest()
+        new = SignedRecord(key, subkey, b"x" * size, NOW + ttl, owner, signature)
+        before = {(r.key, r.subkey): r for r in store.records()}
+        usage_before = _usage(store)
+        result = store.put(new, NOW)
+        after = {(r.key, r.subkey): r for r in store.records()}
+        # accounting matches the records held, and stays within every limit
+        charged = [r for r in after.values() if r.key not in SMALL.exempt_keys]
+        for name in OWNERS:
+            mine = [r for r in charged if r.writer == name]
+            assert store.usage(name) == (len(mine), sum(record_cost(r) for r in mine))
+            assert len(mine) <= SMALL.owner_records
+            assert store.usage(name)[1] <= SMALL.owner_bytes
+        assert store.charged == (len(charged), sum(record_cost(r) for r in charged))
+        assert len(charged) <= SMALL.max_records and store.charged[1] <= SMALL.max_bytes
+        assert len(store) == len(after)
+        # only the slot written changes, unless records were evicted to make room for a stored record
+        gone = [r for slot, r in before.items() if slot not in after or after[slot] is not r]
+        gone = [r for r in gone if (r.key, r.subkey) != (key, subkey)]
+        if not result:
+            assert after == before
+            continue
+        newcomer = store.usage(owner)
+        in_key = Counter(r.writer for (k, sub), r in before.items() if k == key and sub is not None)
+        newcomer_in_key = sum(
+            r.writer == owner and sub is not None for (k, sub), r in after.items() if k == key
+        )
+        for victim in gone:
+            assert victim.key not in SMALL.exempt_keys  # exempt records are never evicted
+            if victim.writer != owner:  # another owner's record goes only if it held more: in the store,
+                held = usage_before[victim.writer]  # or in the full key dictionary
+                assert (
+                    held[0] > newcomer[0]
+                    or held[1] > newcomer[1]
+                    or (victim.key == key and in_key[victim.writer] > newcomer_in_key)
+                )
+            else:  # one's own record goes only for a longer-lived one
+                assert victim.expiration < new.expiration
