@@ -14,52 +14,108 @@
 
 The blobs stay opaque: the backbone checks their digest and their header's format and step, never loads
 tensors, and needs no torch.
+
+**Strangers' announcements** (DESIGN D10; issue 9, findings 2 and 8). Which state to believe is decided by
+distinct admitted users, not writers (:mod:`shared.state.trust`). An announced size is checked before
+anything is allocated or requested: against :class:`CheckpointLimits` ``max_state_bytes``, against
+:data:`~shared.state.limits.STATE_GROWTH` times the largest kept checkpoint (a state is the model plus
+optimizer slots proportional to it, so it grows at most ~3x, from step 0 without Adam's moments to any
+later step), and against the free disk beyond ``disk_reserve``. The download goes to a file under
+``partial/``, is verified and moved into place; nothing is sized by the claim. Every failure of one
+candidate -- a refused size, unreachable or lying sources, a blob that is not a state of the announced
+step, a full disk, any decoding error -- ends that candidate only: it is counted and logged once, its
+sources are skipped for a while (:class:`~shared.state.limits.SourceBook`), and an announcement refused
+outright is not tried again until its writer announces something else (a DHT record may live a day).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
+from protocols.errors import ProtocolError
 from protocols.training import StateAnnouncement, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.state.blob import read_metadata, state_step
+from shared.state.limits import DISK_RESERVE, SourceBook, checkpoint_size_limit
 from shared.state.transfer import (
     ANNOUNCE_PERIOD,
     STATE_IO,
     StateServer,
     announce_state,
-    fetch_state,
+    fetch_state_file,
     presence_addresses,
     read_announcements,
     trusted_state,
 )
+from shared.state.trust import Announced
 
 from .checkpoints import CheckpointEntry, CheckpointStore
 
-__all__ = ["POLL_PERIOD", "Checkpointer", "keep_checkpoints"]
+__all__ = ["DEFAULT_MAX_STATE_BYTES", "POLL_PERIOD", "CheckpointLimits", "Checkpointer", "keep_checkpoints"]
 
 logger = logging.getLogger("backbone.checkpoints")
 
 #: Seconds between looks at the peers' state announcements.
 POLL_PERIOD = 5.0
+#: The largest state a backbone stores unless its organizer says otherwise: a model of ~2.5 billion
+#: float32 parameters with Adam's two moments (raise it for larger models).
+DEFAULT_MAX_STATE_BYTES = 32 * 1024**3
+#: What one candidate state's download and storage may fail with; each is that candidate's failure (its
+#: sources are recorded in the SourceBook), never the checkpointer's.
+_CANDIDATE_FAILURES = (
+    *CALL_FAILURES,
+    StateError,
+    StateUnavailable,
+    ConfigError,
+    ProtocolError,
+    OSError,
+    MemoryError,
+    ValueError,
+)
+
+
+@dataclass(frozen=True)
+class CheckpointLimits:
+    """How large a state the backbone accepts (see :mod:`shared.state.limits`).
+
+    Attributes:
+        max_state_bytes: the organizer's maximum.
+        disk_reserve: bytes of disk left free under the checkpoint directory.
+    """
+
+    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+    disk_reserve: int = DISK_RESERVE
 
 
 class Checkpointer:
     """Decides which announced state to store and keeps the server and the DHT in line with the store."""
 
-    def __init__(self, node: Node, server: StateServer, store: CheckpointStore, spec: TrainingSpec) -> None:
+    def __init__(
+        self,
+        node: Node,
+        server: StateServer,
+        store: CheckpointStore,
+        spec: TrainingSpec,
+        limits: CheckpointLimits | None = None,
+    ) -> None:
         self.node = node
         self.server = server
         self.store = store
         self.spec = spec
+        self.limits = limits or CheckpointLimits()
+        self.book = SourceBook()  # failed sources, refused announcements
         self.changed = trio.Event()  # set when the newest checkpoint changes (announce it at once)
         self._offered: set[bytes] = set()
+        self._short_of_disk: set[bytes] = set()  # digests already reported as not fitting on disk
 
     def sync_offers(self) -> StateAnnouncement | None:
         """Serve exactly the stored checkpoints; return the announcement of the newest."""
@@ -86,61 +142,108 @@ class Checkpointer:
             self.changed = trio.Event()
 
     async def poll_once(self) -> CheckpointEntry | None:
-        """Store the most trusted announced state if it is due; return the new checkpoint, if any."""
+        """Store the most trusted announced state if it is due; return the new checkpoint, if any.
+
+        Every candidate's failure (a refused announcement, unreachable or lying sources, a blob that is
+        not a state, a full disk) is that candidate's: counted, logged once, and the next one is tried.
+
+        Raises:
+            whatever reading the DHT raises (:data:`~shared.net.host.CALL_FAILURES`).
+        """
         newest = self.store.newest()
         min_step = 0 if newest is None else newest.step + self.spec.checkpoint_every
         if newest is not None and 0 < self.spec.max_steps <= min_step and newest.step < self.spec.max_steps:
             min_step = self.spec.max_steps  # the run's final state is always kept
-        announcements = await read_announcements(self.node.dht)
-        announcements.pop(self.node.peer_id, None)
-        candidates = trusted_state(announcements, min_step=min_step)
+        announced = await read_announcements(self.node.dht)
+        announced.pop(self.node.peer_id, None)
+        candidates = trusted_state(announced, min_step=min_step)
         if not candidates:
             return None
         addresses = await presence_addresses(self.node.dht)
+        limit = self.size_limit()
+        stored = {e.digest for e in self.store.entries()}
         for announcement, writers in candidates:
-            if any(e.digest == announcement.digest for e in self.store.entries()):
+            writers = [w for w in writers if not self.book.refused(w, announced[w].announcement)]
+            if announcement.digest in stored or not writers:
+                continue
+            if announcement.nbytes > limit:
+                for writer in writers:
+                    self.book.refuse(
+                        writer, announcement, f"{announcement.nbytes} bytes, above the limit of {limit}"
+                    )
                 continue
             sources = [(a, announcement) for w in writers for a in addresses.get(w, [])]
             if not sources:
                 logger.debug("no reachable source for the state of step %d", announcement.step)
                 continue
-            entry = await self._fetch_and_store(announcement, sources)
+            entry = await self._fetch_and_store(announcement, sources, writers, announced)
             if entry is not None:
                 return entry
         return None
 
+    def size_limit(self) -> int:
+        """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`)."""
+        kept = [e.nbytes for e in self.store.entries()]
+        return checkpoint_size_limit(self.limits.max_state_bytes, kept, free_disk=1 << 62, reserve=0)
+
     async def _fetch_and_store(
-        self, announcement: StateAnnouncement, sources: list[tuple[PeerAddress, StateAnnouncement]]
+        self,
+        announcement: StateAnnouncement,
+        sources: list[tuple[PeerAddress, StateAnnouncement]],
+        writers: list[str],
+        announced: dict[str, Announced],
     ) -> CheckpointEntry | None:
         prefix = announcement.digest.hex()[:12]
+        free = await trio.to_thread.run_sync(_free_bytes, self.store.directory, limiter=STATE_IO)
+        if announcement.nbytes > free - self.limits.disk_reserve:
+            if announcement.digest not in self._short_of_disk:
+                self._short_of_disk.add(announcement.digest)
+                logger.error(
+                    "no disk for the state of step %d (%d bytes; %d free, %d kept in reserve)",
+                    announcement.step,
+                    announcement.nbytes,
+                    free,
+                    self.limits.disk_reserve,
+                )
+            return None
+        path: Path | None = None
         try:
-            blob = await fetch_state(self.node.host, sources, partial_dir=self.store.directory / "partial")
-        except StateUnavailable as exc:
-            logger.warning("could not download the state of step %d: %s", announcement.step, exc)
-            return None
-        except ConfigError as exc:  # the partial-download file cannot be written
-            logger.error("cannot download checkpoints: %s", exc)
-            return None
-        try:
-            step = state_step(read_metadata(blob))
-        except StateError as exc:
-            logger.warning("refusing the state of step %d (%s): %s", announcement.step, prefix, exc)
-            return None
-        if step != announcement.step:
-            logger.warning(
-                "refusing state %s: announced as step %d, its header says %d", prefix, announcement.step, step
+            path = await fetch_state_file(
+                self.node.host,
+                sources,
+                max_bytes=self.size_limit(),
+                directory=self.store.directory / "partial",
+                book=self.book,
             )
-            return None
-        try:
+            metadata = await trio.to_thread.run_sync(read_metadata, path, limiter=STATE_IO)
+            step = state_step(metadata)
+            if step != announcement.step:
+                raise StateError(f"announced as step {announcement.step}, its header says {step}")
             entry = await trio.to_thread.run_sync(
-                lambda: self.store.save(blob, step, digest=announcement.digest), limiter=STATE_IO
+                self.store.save_file, path, announcement.digest, step, limiter=STATE_IO
             )
-        except OSError as exc:
-            logger.error("could not store the checkpoint of step %d: %s", step, exc)
+        except StateError as exc:  # the state itself is bad: whoever announces it is not believed again
+            for writer in writers:
+                self.book.refuse(writer, announced[writer].announcement, f"state {prefix}: {exc}")
             return None
+        except StateUnavailable as exc:  # each source's failure is in the book
+            logger.info("could not download the state of step %d: %s", announcement.step, exc)
+            return None
+        except _CANDIDATE_FAILURES as exc:
+            logger.error("could not store the state of step %d (%s): %r", announcement.step, prefix, exc)
+            return None
+        finally:
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # still there unless it was moved into the store
         logger.info("stored checkpoint of step %d (%.1f MB, %s…)", step, entry.nbytes / 1e6, prefix)
         self.changed.set()
         return entry
+
+
+def _free_bytes(directory: Path) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
 
 
 async def keep_checkpoints(
@@ -149,10 +252,11 @@ async def keep_checkpoints(
     store: CheckpointStore,
     spec: TrainingSpec,
     *,
+    limits: CheckpointLimits | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve, announce and collect checkpoints until cancelled (see the module docstring)."""
-    checkpointer = Checkpointer(node, server, store, spec)
+    checkpointer = Checkpointer(node, server, store, spec, limits)
     newest = store.newest()
     if newest is not None:
         logger.info(
@@ -165,7 +269,13 @@ async def keep_checkpoints(
         checkpointer.sync_offers()
         nursery.start_soon(checkpointer.announce_forever)
         task_status.started()
+        unreadable = 0  # polls in a row that could not read the DHT
         while True:
-            with contextlib.suppress(*CALL_FAILURES):
+            try:
                 await checkpointer.poll_once()
+                unreadable = 0
+            except CALL_FAILURES as exc:
+                unreadable += 1
+                if unreadable == 1:
+                    logger.info("cannot read the peers' state announcements: %s", exc)
             await trio.sleep(POLL_PERIOD)

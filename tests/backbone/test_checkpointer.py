@@ -24,6 +24,8 @@ from shared.state.transfer import (
     read_announcements,
 )
 
+#: The largest state the tests expect.
+LIMIT = 1 << 24
 RUN = "ckpt-test"
 
 
@@ -106,12 +108,12 @@ async def test_keep_checkpoints_serves_and_announces_the_stored_checkpoint_after
     with trio.fail_after(10):
         while backbone.peer_id not in (found := await read_announcements(newcomer.dht)):
             await trio.sleep(0.05)
-    announcement = found[backbone.peer_id]
+    announcement = found[backbone.peer_id].announcement
     assert isinstance(announcement, StateAnnouncement)
     assert (announcement.step, announcement.digest, announcement.backbone) == (30, state_digest(blob), True)
     addresses = await presence_addresses(newcomer.dht)
     sources = [(a, announcement) for a in addresses[backbone.peer_id]]
-    assert await fetch_state(newcomer.host, sources) == blob
+    assert await fetch_state(newcomer.host, sources, max_bytes=LIMIT) == blob
 
 
 async def test_keep_checkpoints_fetches_a_new_state_and_announces_it(
@@ -128,6 +130,7 @@ async def test_keep_checkpoints_fetches_a_new_state_and_announces_it(
     with trio.fail_after(10):
         while store.newest() is None:
             await trio.sleep(0.05)
-        while not (own := (await read_announcements(backbone.dht)).get(backbone.peer_id)):
+        while not (mine := (await read_announcements(backbone.dht)).get(backbone.peer_id)):
             await trio.sleep(0.05)
+    own = mine.announcement
     assert (own.step, own.digest, own.backbone) == (10, state_digest(blob), True)

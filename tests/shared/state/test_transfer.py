@@ -22,6 +22,8 @@ from shared.net.rpc import RequestContext
 from shared.state.blob import encode_state, state_digest
 from shared.state.transfer import StateServer, fetch_state
 
+#: The largest state the tests expect.
+LIMIT = 1 << 24
 RUN = "state-test"
 CHUNK = 32 * 1024
 
@@ -77,6 +79,7 @@ async def test_fetch_state_downloads_in_chunks_to_a_client_mode_peer(nursery: tr
         [(address, announcement)],
         chunk_bytes=CHUNK,
         on_progress=lambda done, total: progress.append((done, total)),
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -105,6 +108,7 @@ async def test_fetch_state_continues_from_another_source_when_one_dies_mid_trans
         [(dying_addr, announcement), (healthy_addr, announcement)],
         chunk_bytes=CHUNK,
         on_progress=progress,
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -128,7 +132,10 @@ async def test_fetch_state_refuses_a_source_serving_other_bytes_and_fetches_else
 
     with caplog.at_level(logging.WARNING, logger="shared.state.transfer"):
         got = await fetch_state(
-            downloader, [(liar_addr, announcement), (honest_addr, announcement)], chunk_bytes=CHUNK
+            downloader,
+            [(liar_addr, announcement), (honest_addr, announcement)],
+            chunk_bytes=CHUNK,
+            max_bytes=LIMIT,
         )
 
     assert got == blob
@@ -145,7 +152,7 @@ async def test_fetch_state_gives_up_with_reasons_when_only_liars_remain(nursery:
     announcement = liar.offer(7, blob[:-1] + b"\0", digest=state_digest(blob))
 
     with pytest.raises(StateUnavailable, match="do not match the digest") as caught:
-        await fetch_state(downloader, [(liar_addr, announcement)], chunk_bytes=CHUNK)
+        await fetch_state(downloader, [(liar_addr, announcement)], chunk_bytes=CHUNK, max_bytes=LIMIT)
     assert len(caught.value.reasons) == 1
 
 
@@ -171,6 +178,7 @@ async def test_fetch_state_resumes_a_partial_download_after_a_restart(
             chunk_bytes=CHUNK,
             partial_dir=tmp_path,
             on_progress=crash,
+            max_bytes=LIMIT,
         )
     partial = tmp_path / f"{announcement.digest.hex()}.partial"
     assert partial.stat().st_size == 3 * CHUNK
@@ -183,6 +191,7 @@ async def test_fetch_state_resumes_a_partial_download_after_a_restart(
         chunk_bytes=CHUNK,
         partial_dir=tmp_path,
         on_progress=lambda done, total: progress.append(done),
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -200,7 +209,9 @@ async def test_fetch_state_discards_a_damaged_partial_download_and_starts_over(
     announcement = server.offer(7, blob)
     (tmp_path / f"{announcement.digest.hex()}.partial").write_bytes(b"\x01" * (2 * CHUNK))
 
-    got = await fetch_state(downloader, [(address, announcement)], chunk_bytes=CHUNK, partial_dir=tmp_path)
+    got = await fetch_state(
+        downloader, [(address, announcement)], chunk_bytes=CHUNK, partial_dir=tmp_path, max_bytes=LIMIT
+    )
 
     assert got == blob
     # the source finished the damaged attempt, then served the whole blob again on its own
@@ -217,14 +228,17 @@ async def test_fetch_state_needs_no_source_bytes_for_a_complete_partial_download
     partial = tmp_path / f"{announcement.digest.hex()}.partial"
     partial.write_bytes(blob)
 
-    assert await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path) == blob
+    assert (
+        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path, max_bytes=LIMIT)
+        == blob
+    )
     assert server.statistics().bytes_served == 0
     assert not partial.exists()
 
     partial.write_bytes(b"\0" * len(blob))  # complete but wrong, and the only source is gone
     server.forget(announcement.digest)
     with pytest.raises(StateUnavailable, match="partial download"):
-        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path)
+        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path, max_bytes=LIMIT)
 
 
 async def test_fetch_state_skips_sources_of_other_digests_and_reports_refusals(nursery: trio.Nursery) -> None:
@@ -234,13 +248,15 @@ async def test_fetch_state_skips_sources_of_other_digests_and_reports_refusals(n
     other = server.offer(3, make_blob(3))
 
     with pytest.raises(StateUnavailable) as caught:
-        await fetch_state(downloader, [(address, wanted), (address, other)], chunk_bytes=CHUNK)
+        await fetch_state(
+            downloader, [(address, wanted), (address, other)], chunk_bytes=CHUNK, max_bytes=LIMIT
+        )
 
     assert len(caught.value.reasons) == 1  # the second source was skipped, not tried
     assert "NOT_FOUND" in caught.value.reasons[0]
     assert server.statistics().bytes_served == 0
     with pytest.raises(StateUnavailable, match="no peer"):
-        await fetch_state(downloader, [])
+        await fetch_state(downloader, [], max_bytes=LIMIT)
 
 
 async def test_fetch_state_moves_on_from_a_source_that_never_answers(nursery: trio.Nursery) -> None:
@@ -261,6 +277,7 @@ async def test_fetch_state_moves_on_from_a_source_that_never_answers(nursery: tr
             downloader,
             [(parse_multiaddr(silent.listen_addrs[0]), announcement), (address, announcement)],
             chunk_bytes=CHUNK,
+            max_bytes=LIMIT,
         )
     assert got == blob
 
@@ -307,12 +324,12 @@ async def test_state_server_keeps_two_blobs_in_memory_and_serves_files_until_for
 
     assert [a.step for a in server.offered()] == [3, 2, 1]
     for blob, offer in zip(blobs, offers, strict=True):
-        assert await fetch_state(downloader, [(address, offer)], chunk_bytes=CHUNK) == blob
+        assert await fetch_state(downloader, [(address, offer)], chunk_bytes=CHUNK, max_bytes=LIMIT) == blob
 
     server.forget(from_file.digest)  # step 1 was dropped from memory by the third offer: now gone
     with pytest.raises(StateUnavailable, match="NOT_FOUND"):
-        await fetch_state(downloader, [(address, offers[0])])
+        await fetch_state(downloader, [(address, offers[0])], max_bytes=LIMIT)
     server.offer_file(1, path, offers[0].digest, len(blobs[0]))
     path.unlink()  # a file deleted under the server is refused, not a crash
     with pytest.raises(StateUnavailable, match="NOT_FOUND"):
-        await fetch_state(downloader, [(address, offers[0])])
+        await fetch_state(downloader, [(address, offers[0])], max_bytes=LIMIT)
