@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 import trio
 
-from backbone.checkpointer import Checkpointer, keep_checkpoints
+from backbone.checkpointer import Checkpointer, CheckpointLimits, keep_checkpoints
 from backbone.checkpoints import CheckpointStore
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
 from protocols.training import StateAnnouncement, TrainingSpec
 from shared.auth.keys import Identity
 from shared.node import Node, open_node
 from shared.state.blob import encode_state, state_digest
+from shared.state.limits import STATE_GROWTH
 from shared.state.transfer import (
     StateServer,
     announce_state,
@@ -134,3 +137,89 @@ async def test_keep_checkpoints_fetches_a_new_state_and_announces_it(
             await trio.sleep(0.05)
     own = mine.announcement
     assert (own.step, own.digest, own.backbone) == (10, state_digest(blob), True)
+
+
+# ------------------------------------------------------------------ strangers' claims (issue 9, finding 2)
+
+
+async def liar_announcing(
+    nursery: trio.Nursery, backbone: Node, step: int, nbytes: int
+) -> tuple[Node, StateServer]:
+    """An admitted peer announcing a state of ``nbytes`` it does not have (its server counts requests)."""
+    node = await start_node(nursery, "volunteer", backbone)
+    server = StateServer(node.host)
+    claim = StateAnnouncement(step=step, digest=bytes([step]) * 32, nbytes=nbytes, time=time.time())
+    await announce_state(node.dht, claim)
+    return node, server
+
+
+def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "refusing the state announced by" in r.getMessage()]
+
+
+async def test_keep_checkpoints_survives_a_2_to_the_40_announcement_and_stores_the_honest_state(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backbone = await start_node(nursery, "backbone")
+    honest = blob_of(10)
+    await volunteer_offering(nursery, backbone, honest, 10)
+    # ranked first (a newer step): it once made the backbone allocate bytearray(2**40) and exit
+    liar, liar_server = await liar_announcing(nursery, backbone, 20, 1 << 40)
+    store = CheckpointStore(tmp_path, keep=3)
+
+    with caplog.at_level(logging.INFO):
+        await nursery.start(
+            keep_checkpoints, backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec()
+        )
+        with trio.fail_after(20):
+            while store.newest() is None:
+                await trio.sleep(0.05)
+
+    newest = store.newest()
+    assert newest is not None and (newest.step, newest.digest) == (10, state_digest(honest))
+    assert liar_server.statistics().refused == 0  # refused before a single request
+    assert len(refusals(caplog)) == 1 and liar.peer_id in refusals(caplog)[0]
+
+
+async def test_checkpointer_refuses_bad_claims_once_and_goes_on_to_the_honest_state(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path, keep=3)
+    limits = CheckpointLimits(max_state_bytes=1 << 30, disk_reserve=0)
+    checkpointer = Checkpointer(
+        backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec(), limits
+    )
+    await volunteer_offering(nursery, backbone, blob_of(10), 10)
+    first = await checkpointer.poll_once()
+    assert first is not None and first.step == 10
+
+    # newer than the honest state, so tried first: far above what the kept checkpoint allows to grow to
+    # (within the configured maximum), and a blob that hashes right but is not a state
+    _, liar_server = await liar_announcing(nursery, backbone, 30, STATE_GROWTH * first.nbytes + 1)
+    garbage = await volunteer_offering(nursery, backbone, b"not a state " * 100, 30)
+    honest = await volunteer_offering(nursery, backbone, blob_of(20), 20)
+    with caplog.at_level(logging.WARNING):
+        entry = await checkpointer.poll_once()
+        assert entry is not None and entry.step == 20
+        assert honest.statistics().bytes_served == entry.nbytes
+        assert len(refusals(caplog)) == 2
+        # the next polls see the same (long-lived) records and try neither again
+        assert await checkpointer.poll_once() is None
+        assert await checkpointer.poll_once() is None
+    assert len(refusals(caplog)) == 2
+    assert checkpointer.book.statistics().refused == 2
+    assert liar_server.statistics().refused == 0
+    assert garbage.statistics().chunks_served == 1  # fetched once, refused, never again
+    assert [e.step for e in store.entries()] == [10, 20]
+
+    # a disk that cannot take a state: refused without a download, and the checkpointer goes on
+    tight = Checkpointer(
+        backbone,
+        StateServer(backbone.host, backbone=True),
+        CheckpointStore(tmp_path / "other"),
+        TrainingSpec(),
+        CheckpointLimits(disk_reserve=1 << 62),
+    )
+    assert await tight.poll_once() is None
+    assert honest.statistics().bytes_served == entry.nbytes

@@ -10,16 +10,25 @@ import numpy as np
 import pytest
 import trio
 
+from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
-from protocols.state import MAX_CHUNK_BYTES, STATE_TOPIC, StateRequest, encode_state_meta
+from protocols.state import (
+    MAX_CHUNK_BYTES,
+    STATE_TOPIC,
+    StateChunk,
+    StateRequest,
+    decode_state_request,
+    encode_state_meta,
+)
 from protocols.training import StateAnnouncement
 from shared.auth.keys import Identity
-from shared.errors import RemoteError, StateUnavailable
+from shared.errors import RemoteError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress, parse_multiaddr
-from shared.net.bulk import BulkReader
+from shared.net.bulk import BulkReader, BulkReply
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.state.blob import encode_state, state_digest
+from shared.state.limits import SourceBook
 from shared.state.transfer import StateServer, fetch_state
 
 #: The largest state the tests expect.
@@ -333,3 +342,101 @@ async def test_state_server_keeps_two_blobs_in_memory_and_serves_files_until_for
     path.unlink()  # a file deleted under the server is refused, not a crash
     with pytest.raises(StateUnavailable, match="NOT_FOUND"):
         await fetch_state(downloader, [(address, offers[0])], max_bytes=LIMIT)
+
+
+# ------------------------------------------------------------------ strangers' claims (issue 9, finding 2)
+
+
+async def test_fetch_state_refuses_an_oversized_announcement_before_any_allocation_or_io(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, server, address = await start_server(nursery)
+    downloader = await start_host(nursery)
+    blob = make_blob()
+    honest = server.offer(7, blob)
+    book = SourceBook()
+    for nbytes in (1 << 40, LIMIT + 1):  # the wire's ceiling (it once sized a bytearray), and above ours
+        claim = msgspec.structs.replace(honest, nbytes=nbytes)
+        with pytest.raises(StateError, match=f"announced as {nbytes} bytes"):
+            await fetch_state(
+                downloader, [(address, claim)], max_bytes=LIMIT, partial_dir=tmp_path, book=book
+            )
+    assert server.statistics().chunks_served == server.statistics().refused == 0  # nothing was asked
+    assert not (tmp_path / f"{honest.digest.hex()}.partial").exists()  # no partial file either
+    assert book.statistics().failures == 0  # the claim is refused, no source blamed by fetch_state
+    # and the same downloader still takes the honest state
+    assert await fetch_state(downloader, [(address, honest)], max_bytes=LIMIT, book=book) == blob
+
+
+class LyingServer:
+    """Answers state requests with a chunk that lies: ``more`` bytes more than asked, or a wrong total."""
+
+    def __init__(self, host: Host, blob: bytes, *, more: int = 0, total: int | None = None) -> None:
+        self.blob, self.more, self.total, self.requests = blob, more, total, 0
+        host.bulk_handlers[STATE_TOPIC] = self.answer
+
+    async def answer(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        self.requests += 1
+        request = decode_state_request(header.meta)
+        end = request.offset + request.length + self.more
+        padded = self.blob + b"\0" * self.more  # also past the blob's end
+        total = self.total if self.total is not None else len(self.blob)
+        meta = encode_state_meta(StateChunk(digest=request.digest, offset=request.offset, total=total))
+        return BulkReply(meta, memoryview(padded[request.offset : end]))
+
+
+@pytest.mark.parametrize(
+    ("more", "total"),
+    [(1, None), (CHUNK, None), (0, 1 << 40), (0, 1)],
+    ids=["one-byte-more", "a-chunk-more", "total-far-above", "total-below"],
+)
+async def test_fetch_state_drops_a_source_lying_about_chunk_sizes_and_takes_the_honest_one(
+    nursery: trio.Nursery, more: int, total: int | None
+) -> None:
+    liar_host = await start_host(nursery)
+    blob = make_blob()
+    liar = LyingServer(liar_host, blob, more=more, total=total)
+    _, honest, honest_addr = await start_server(nursery)
+    announcement = honest.offer(7, blob)
+    downloader = await start_host(nursery)
+    liar_addr = parse_multiaddr(liar_host.listen_addrs[0])
+    book = SourceBook()
+
+    got = await fetch_state(
+        downloader,
+        [(liar_addr, announcement), (honest_addr, announcement)],
+        chunk_bytes=CHUNK,
+        max_bytes=LIMIT,
+        book=book,
+    )
+
+    assert got == blob
+    assert liar.requests == 1  # dropped at its first lie
+    assert honest.statistics().bytes_served == len(blob)
+    assert book.statistics().faults == 1 and not book.usable(str(liar_host.peer_id))
+    # while it cools down it is not asked again
+    assert (
+        await fetch_state(
+            downloader, [(liar_addr, announcement), (honest_addr, announcement)], max_bytes=LIMIT, book=book
+        )
+        == blob
+    )
+    assert liar.requests == 1
+
+
+async def test_fetch_state_blames_a_source_serving_other_bytes_in_the_book(nursery: trio.Nursery) -> None:
+    _, liar, liar_addr = await start_server(nursery)
+    _, honest, honest_addr = await start_server(nursery)
+    downloader = await start_host(nursery)
+    blob = make_blob()
+    announcement = liar.offer(7, blob[:-1] + b"\0", digest=state_digest(blob))
+    honest.offer(7, blob)
+    book = SourceBook()
+
+    got = await fetch_state(
+        downloader, [(liar_addr, announcement), (honest_addr, announcement)], max_bytes=LIMIT, book=book
+    )
+
+    assert got == blob
+    assert book.statistics().faults == 1
+    assert not book.usable(str(liar_addr.peer_id)) and book.usable(str(honest_addr.peer_id))
