@@ -16,8 +16,13 @@ The blobs stay opaque: the backbone checks their digest and their header's forma
 tensors, and needs no torch.
 
 **Strangers' announcements** (DESIGN D10; issue 9, findings 2 and 8). Which state to believe is decided by
-distinct admitted users, not writers (:mod:`shared.state.trust`). An announced size is checked before
-anything is allocated or requested: against :class:`CheckpointLimits` ``max_state_bytes``, against
+distinct admitted users, not writers (:mod:`shared.state.trust`). Since a newer step ranks first, a state
+is stored only up to the collaboration's *credible* step (:func:`shared.progress.summarize` of the
+peers' progress: one peer claiming a step far ahead of the others is not credible); with nobody training,
+the lone peer's state is taken (a run with one volunteer, its final hand-over).
+
+An announced size is checked before anything is allocated or requested: against
+:class:`CheckpointLimits` ``max_state_bytes``, against
 :data:`~shared.state.limits.STATE_GROWTH` times the largest kept checkpoint (a state is the model plus
 optimizer slots proportional to it, so it grows at most ~3x, from step 0 without Adam's moments to any
 later step), and against the free disk beyond ``disk_reserve``. The download goes to a file under
@@ -33,17 +38,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 from protocols.errors import ProtocolError
-from protocols.training import StateAnnouncement, TrainingSpec
+from protocols.training import Progress, StateAnnouncement, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
+from shared.progress import summarize
+from shared.progress_records import read_progress
 from shared.state.blob import read_metadata, state_step
 from shared.state.limits import DISK_RESERVE, SourceBook, checkpoint_size_limit
 from shared.state.transfer import (
@@ -116,6 +124,7 @@ class Checkpointer:
         self.changed = trio.Event()  # set when the newest checkpoint changes (announce it at once)
         self._offered: set[bytes] = set()
         self._short_of_disk: set[bytes] = set()  # digests already reported as not fitting on disk
+        self._ahead: set[bytes] = set()  # digests already reported as beyond the credible step
 
     def sync_offers(self) -> StateAnnouncement | None:
         """Serve exactly the stored checkpoints; return the announcement of the newest."""
@@ -159,12 +168,23 @@ class Checkpointer:
         candidates = trusted_state(announced, min_step=min_step)
         if not candidates:
             return None
+        credible = await self._credible_step()
         addresses = await presence_addresses(self.node.dht)
         limit = self.size_limit()
         stored = {e.digest for e in self.store.entries()}
         for announcement, writers in candidates:
             writers = [w for w in writers if not self.book.refused(w, announced[w].announcement)]
             if announcement.digest in stored or not writers:
+                continue
+            if credible is not None and announcement.step > credible:
+                # not refused: the progress we read may merely lag behind a fresh step
+                if announcement.digest not in self._ahead:
+                    self._ahead.add(announcement.digest)
+                    logger.info(
+                        "not (yet) storing the state of step %d: the training peers are at step %d",
+                        announcement.step,
+                        credible,
+                    )
                 continue
             if announcement.nbytes > limit:
                 for writer in writers:
@@ -180,6 +200,22 @@ class Checkpointer:
             if entry is not None:
                 return entry
         return None
+
+    async def _credible_step(self) -> int | None:
+        """The collaboration's credible step from the peers' progress (:func:`shared.progress.summarize`:
+        a lone claim far ahead of the others is not credible), or ``None`` when nobody is training (then
+        the lone peer's state is the run's, as in :mod:`shared.state.trust`)."""
+        records = await read_progress(self.node.dht)
+        nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
+        view = summarize(
+            records,
+            self.node.peer_id,
+            nobody,
+            now=time.time(),
+            target_batch=self.spec.target_batch,
+            anchored=False,
+        )
+        return view.step if view.peers > 1 else None
 
     def size_limit(self) -> int:
         """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`)."""

@@ -14,7 +14,7 @@ import trio
 from backbone.checkpointer import Checkpointer, CheckpointLimits, keep_checkpoints
 from backbone.checkpoints import CheckpointStore
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
-from protocols.training import StateAnnouncement, TrainingSpec
+from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, StateAnnouncement, TrainingSpec
 from shared.auth.keys import Identity
 from shared.node import Node, open_node
 from shared.state.blob import encode_state, state_digest
@@ -223,3 +223,30 @@ async def test_checkpointer_refuses_bad_claims_once_and_goes_on_to_the_honest_st
     )
     assert await tight.poll_once() is None
     assert honest.statistics().bytes_served == entry.nbytes
+
+
+async def publish_progress(node: Node, step: int) -> None:
+    progress = Progress(step=step, samples=1, samples_per_second=10.0, time=time.time())
+    value = msgspec.msgpack.encode(progress)
+    await node.dht.store(PROGRESS_KEY, value, time.time() + PROGRESS_TTL, subkey=node.peer_id.encode())
+
+
+async def test_checkpointer_does_not_store_a_lone_state_far_ahead_of_the_training_peers(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # finding 8 without made-up identities: a newer step ranks first, so one admitted peer announcing a
+    # well-formed state of step 500 (and progress to match) was stored as the run's newest checkpoint
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path, keep=3)
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    honest = [await start_node(nursery, "volunteer", backbone) for _ in range(2)]
+    liar = await start_node(nursery, "volunteer", backbone)
+    for node, step in [(honest[0], 10), (honest[1], 10), (liar, 500)]:
+        await announce_state(node.dht, StateServer(node.host).offer(step, blob_of(step)))
+        await publish_progress(node, step)
+
+    entry = await checkpointer.poll_once()
+
+    assert entry is not None and entry.step == 10
+    assert await checkpointer.poll_once() is None  # and not later either, while the others are at 10
+    assert [e.step for e in store.entries()] == [10]
