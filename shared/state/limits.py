@@ -31,6 +31,7 @@ that lives for a day is not retried every period.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -67,23 +68,27 @@ _DIM_HEADER = 21
 _METADATA_HEADER = 256
 
 
-def state_size_bound(tensors: Iterable[tuple[int, int, int]], metadata_chars: int) -> int:
-    """The largest safetensors state blob holding ``tensors``.
+def state_size_bound(tensors: Iterable[tuple[str, int, int]], metadata: Iterable[str]) -> int:
+    """The largest safetensors state blob (:func:`~shared.state.blob.encode_state`) holding ``tensors``.
 
     Args:
-        tensors: ``(name length, data bytes, number of dimensions)`` of every tensor the state may hold.
-        metadata_chars: characters of the metadata values (run id, task name) besides format and step.
+        tensors: ``(name, data bytes, number of dimensions)`` of every tensor the state may hold.
+        metadata: the metadata values besides format and step (the run id, the task name).
 
     Returns:
-        8 bytes of header length, the JSON header (names escaped at worst as ``\\uXXXX``, i.e. 6 bytes
-        per character; padding to 8 bytes) and the tensors' bytes.
+        8 bytes of header length, the JSON header (each name and value as JSON with ASCII escapes, fixed
+        bytes per tensor and dimension, padding to 8 bytes) and the tensors' bytes.
     """
     data = header = 0
-    for name_chars, nbytes, ndim in tensors:
+    for name, nbytes, ndim in tensors:
         data += nbytes
-        header += 6 * name_chars + _TENSOR_HEADER + _DIM_HEADER * ndim
-    header += _METADATA_HEADER + 6 * metadata_chars + 7
+        header += _json_len(name) + _TENSOR_HEADER + _DIM_HEADER * ndim
+    header += _METADATA_HEADER + sum(_json_len(value) for value in metadata) + 7
     return 8 + header + data
+
+
+def _json_len(text: str) -> int:
+    return len(json.dumps(text, ensure_ascii=True))
 
 
 def checkpoint_size_limit(

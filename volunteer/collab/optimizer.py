@@ -571,13 +571,13 @@ def _state_bound(trainer: LocalTrainer) -> int:
     moments, SGD's momentum) plus a step scalar. Every peer builds the same model, so this bounds any honest
     peer's state at any step -- our own optimizer state, empty at step 0, is no guide."""
     tensors = [
-        (len(f"model/{name}"), value.numel() * value.element_size(), value.dim())
+        (f"model/{name}", value.numel() * value.element_size(), value.dim())
         for name, value in trainer.model.state_dict().items()
     ]
     for i, param in enumerate(trainer.params):
-        slot = (len(f"optim/{i}/momentum_buffer"), param.numel() * param.element_size(), param.dim())
-        tensors += [slot] * _OPTIMIZER_SLOTS + [(len(f"optim/{i}/momentum_buffer"), 8, 0)]
-    return state_size_bound(tensors, len(trainer.run_id) + len(trainer.task.name))
+        slot = (f"optim/{i}/momentum_buffer", param.numel() * param.element_size(), param.dim())
+        tensors += [slot] * _OPTIMIZER_SLOTS + [(f"optim/{i}/momentum_buffer", 8, 0)]
+    return state_size_bound(tensors, (trainer.run_id, trainer.task.name))
 
 
 _OPTIMIZER_SLOTS = 2
