@@ -519,13 +519,16 @@ async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = 
 
     Args:
         users: the user of each writer, where the caller knows them; otherwise the user the DHT reports
-            for the record (``record.username``, set by nodes that check writers' tokens), otherwise the
-            writer itself (see :mod:`shared.state.trust`).
+            for the record (``DHTValue.users``: the username of the writer's verified token), otherwise
+            the writer itself (see :mod:`shared.state.trust`).
 
     Raises:
         whatever :meth:`DHTNode.get` raises.
     """
     found = await dht.get(CHECKPOINT_KEY, latest=True)
+    # ``DHTValue.users`` (branch fix/dht): the admitted user of each record, from its verified token; when
+    # merged, read ``found.users`` directly
+    reported: Mapping[bytes | None, str] = getattr(found, "users", None) or {}
     out: dict[str, Announced] = {}
     for subkey, record in found.entries.items() if found is not None else ():
         if subkey != record.writer.encode():
@@ -535,8 +538,8 @@ async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = 
         except (msgspec.DecodeError, ValueError):
             logger.debug("ignoring a malformed state announcement by %s", record.writer)
             continue
-        user = (users or {}).get(record.writer) or getattr(record, "username", None) or record.writer
-        out[record.writer] = Announced(announcement, str(user))
+        user = (users or {}).get(record.writer) or reported.get(subkey) or record.writer
+        out[record.writer] = Announced(announcement, user)
     return out
 
 

@@ -25,6 +25,7 @@ from shared.state.transfer import (
     fetch_state,
     presence_addresses,
     read_announcements,
+    trusted_state,
 )
 
 #: The largest state the tests expect.
@@ -250,3 +251,20 @@ async def test_checkpointer_does_not_store_a_lone_state_far_ahead_of_the_trainin
     assert entry is not None and entry.step == 10
     assert await checkpointer.poll_once() is None  # and not later either, while the others are at 10
     assert [e.step for e in store.entries()] == [10]
+
+
+async def test_read_announcements_counts_the_users_behind_the_writers(nursery: trio.Nursery) -> None:
+    # finding 8: three identities of one user announce another state of the step two users agree on
+    backbone = await start_node(nursery, "backbone")
+    honest, forged = blob_of(10), blob_of(11)
+    nodes = [await start_node(nursery, "volunteer", backbone) for _ in range(5)]
+    for node, blob in zip(nodes, [honest, honest, forged, forged, forged], strict=True):
+        await announce_state(node.dht, StateServer(node.host).offer(10, blob))
+    users = {nodes[0].peer_id: "alice", nodes[1].peer_id: "bob"} | {n.peer_id: "mallory" for n in nodes[2:]}
+
+    by_writer = trusted_state(await read_announcements(backbone.dht))  # an open run: writers stand alone
+    by_user = trusted_state(await read_announcements(backbone.dht, users=users))
+
+    assert by_writer[0][0].digest == state_digest(forged)
+    assert by_user[0][0].digest == state_digest(honest)
+    assert sorted(by_user[0][1]) == sorted(n.peer_id for n in nodes[:2])
