@@ -192,9 +192,11 @@ class Checkpointer:
                         writer, announcement, f"{announcement.nbytes} bytes, above the limit of {limit}"
                     )
                 continue
-            sources = [(a, announcement) for w in writers for a in addresses.get(w, [])]
+            # sources cooling down after failures are skipped here, quietly: their failure was logged
+            usable = [w for w in writers if self.book.usable(w)]
+            sources = [(a, announcement) for w in usable for a in addresses.get(w, [])]
             if not sources:
-                logger.debug("no reachable source for the state of step %d", announcement.step)
+                logger.debug("no usable source for the state of step %d", announcement.step)
                 continue
             entry = await self._fetch_and_store(announcement, sources, writers, announced)
             if entry is not None:

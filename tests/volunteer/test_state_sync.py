@@ -12,6 +12,7 @@ import trio
 from protocols.training import OptimizerSpec, ScheduleSpec, StateAnnouncement, TrainingSpec
 from shared.data.corpus import generate_examples
 from shared.node import Node
+from shared.state.blob import decode_state, encode_state
 from shared.state.transfer import StateServer, announce_state
 from tests.volunteer.test_collab import (
     LinearTask,
@@ -71,9 +72,20 @@ async def test_sync_refuses_a_huge_claim_by_many_identities_and_takes_the_honest
         assert await newcomer.sync_state() == 1
         assert newcomer.state_sources.statistics().refused == 6
         assert await newcomer.sync_state() == 1  # remembered: not refused (nor logged) again
-    assert newcomer.state_sources.statistics().refused == 6
-    assert all(server.statistics().refused == 0 for server in liar_servers)  # never asked
-    assert sum("refusing the state announced by" in r.getMessage() for r in caplog.records) == 6
+        assert newcomer.state_sources.statistics().refused == 6
+        assert all(server.statistics().refused == 0 for server in liar_servers)  # never asked
+
+        # a well-formed state of this model, announced as step 1, whose header says step 1000: it once
+        # moved the newcomer to step 1000 with the liars' parameters
+        tensors, metadata = decode_state(first.trainer.state_blob())
+        tensors = {k: v + 1 if k.startswith("model/") else v for k, v in tensors.items()}
+        forged = encode_state(tensors, {**metadata, "step": "1000"})
+        for node, server in zip(liars, liar_servers, strict=True):
+            await announce_state(node.dht, server.offer(1, forged))
+        assert await newcomer.sync_state() == 1
+        assert newcomer.trainer.parameter_vector().tobytes() == first.trainer.parameter_vector().tobytes()
+        assert newcomer.state_sources.statistics().refused == 9
+    assert sum("refusing the state announced by" in r.getMessage() for r in caplog.records) == 9
 
 
 def test_state_bound_holds_the_run_models_state_at_every_step_and_is_tight() -> None:

@@ -65,7 +65,7 @@ from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.progress import MAX_EXTRAPOLATION, CollabView, summarize
 from shared.progress_records import read_progress
-from shared.state.blob import state_digest
+from shared.state.blob import read_metadata, state_digest, state_step
 from shared.state.limits import SourceBook, state_size_bound
 from shared.state.transfer import (
     StateServer,
@@ -459,7 +459,11 @@ class CollaborativeOptimizer:
                 for announcement, writers in usable:
                     # a state refused outright (too large, not loadable) is not retried until it changes;
                     # each source's failure is counted and logged once in ``state_sources``
-                    writers = [w for w in writers if not self.state_sources.refused(w, announcement)]
+                    writers = [
+                        w
+                        for w in writers
+                        if not self.state_sources.refused(w, announcement) and self.state_sources.usable(w)
+                    ]
                     sources = await self._sources(writers, announcement)
                     if not sources:
                         continue
@@ -507,6 +511,9 @@ class CollaborativeOptimizer:
             on_progress=progress,
             book=self.state_sources,
         )
+        announced = sources[0][1].step
+        if (header_step := await run_torch(lambda: state_step(read_metadata(blob)))) != announced:
+            raise StateError(f"state announced as step {announced} says step {header_step}")
         try:
             step = await run_torch(self.trainer.load_state_blob, blob)
         except (ValueError, KeyError, IndexError, TypeError, RuntimeError, MemoryError) as exc:
