@@ -77,6 +77,8 @@ POLL_PERIOD = 5.0
 #: The largest state a backbone stores unless its organizer says otherwise: a model of ~2.5 billion
 #: float32 parameters with Adam's two moments (raise it for larger models).
 DEFAULT_MAX_STATE_BYTES = 32 * 1024**3
+#: Digests remembered for "logged once" (bounded: announcements are strangers' to choose).
+_MAX_REMEMBERED = 1024
 #: What one candidate state's download and storage may fail with; each is that candidate's failure (its
 #: sources are recorded in the SourceBook), never the checkpointer's.
 _CANDIDATE_FAILURES = (
@@ -144,8 +146,10 @@ class Checkpointer:
         while True:
             newest = self.sync_offers()
             if newest is not None:
-                with contextlib.suppress(*CALL_FAILURES):
+                try:
                     await announce_state(self.node.dht, newest)
+                except CALL_FAILURES as exc:
+                    logger.debug("could not announce the checkpoint of step %d: %s", newest.step, exc)
             with trio.move_on_after(ANNOUNCE_PERIOD):
                 await self.changed.wait()
             self.changed = trio.Event()
@@ -178,8 +182,7 @@ class Checkpointer:
                 continue
             if credible is not None and announcement.step > credible:
                 # not refused: the progress we read may merely lag behind a fresh step
-                if announcement.digest not in self._ahead:
-                    self._ahead.add(announcement.digest)
+                if _first_time(self._ahead, announcement.digest):
                     logger.info(
                         "not (yet) storing the state of step %d: the training peers are at step %d",
                         announcement.step,
@@ -234,8 +237,7 @@ class Checkpointer:
         prefix = announcement.digest.hex()[:12]
         free = await trio.to_thread.run_sync(_free_bytes, self.store.directory, limiter=STATE_IO)
         if announcement.nbytes > free - self.limits.disk_reserve:
-            if announcement.digest not in self._short_of_disk:
-                self._short_of_disk.add(announcement.digest)
+            if _first_time(self._short_of_disk, announcement.digest):
                 logger.error(
                     "no disk for the state of step %d (%d bytes; %d free, %d kept in reserve)",
                     announcement.step,
@@ -277,6 +279,16 @@ class Checkpointer:
         logger.info("stored checkpoint of step %d (%.1f MB, %s…)", step, entry.nbytes / 1e6, prefix)
         self.changed.set()
         return entry
+
+
+def _first_time(seen: set[bytes], digest: bytes) -> bool:
+    """Whether ``digest`` is new to ``seen`` (then remembered; bounded: strangers choose digests)."""
+    if digest in seen:
+        return False
+    if len(seen) >= _MAX_REMEMBERED:
+        seen.clear()
+    seen.add(digest)
+    return True
 
 
 def _free_bytes(directory: Path) -> int:
