@@ -369,15 +369,19 @@ async def test_fetch_state_refuses_an_oversized_announcement_before_any_allocati
 
 
 class LyingServer:
-    """Answers state requests with a chunk that lies: ``more`` bytes more than asked, or a wrong total."""
+    """Answers state requests with a chunk that lies: ``more`` bytes more than asked, a wrong total, or
+    bytes from ``shift`` bytes further than asked (and says so)."""
 
-    def __init__(self, host: Host, blob: bytes, *, more: int = 0, total: int | None = None) -> None:
-        self.blob, self.more, self.total, self.requests = blob, more, total, 0
+    def __init__(
+        self, host: Host, blob: bytes, *, more: int = 0, total: int | None = None, shift: int = 0
+    ) -> None:
+        self.blob, self.more, self.total, self.shift, self.requests = blob, more, total, shift, 0
         host.bulk_handlers[STATE_TOPIC] = self.answer
 
     async def answer(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
         self.requests += 1
         request = decode_state_request(header.meta)
+        request = msgspec.structs.replace(request, offset=request.offset + self.shift)
         end = request.offset + request.length + self.more
         padded = self.blob + b"\0" * self.more  # also past the blob's end
         total = self.total if self.total is not None else len(self.blob)
@@ -386,16 +390,16 @@ class LyingServer:
 
 
 @pytest.mark.parametrize(
-    ("more", "total"),
-    [(1, None), (CHUNK, None), (0, 1 << 40), (0, 1)],
-    ids=["one-byte-more", "a-chunk-more", "total-far-above", "total-below"],
+    ("more", "total", "shift"),
+    [(1, None, 0), (CHUNK, None, 0), (0, 1 << 40, 0), (0, 1, 0), (0, None, 1)],
+    ids=["one-byte-more", "a-chunk-more", "total-far-above", "total-below", "other-offset"],
 )
 async def test_fetch_state_drops_a_source_lying_about_chunk_sizes_and_takes_the_honest_one(
-    nursery: trio.Nursery, more: int, total: int | None
+    nursery: trio.Nursery, more: int, total: int | None, shift: int
 ) -> None:
     liar_host = await start_host(nursery)
     blob = make_blob()
-    liar = LyingServer(liar_host, blob, more=more, total=total)
+    liar = LyingServer(liar_host, blob, more=more, total=total, shift=shift)
     _, honest, honest_addr = await start_server(nursery)
     announcement = honest.offer(7, blob)
     downloader = await start_host(nursery)
