@@ -22,15 +22,16 @@ peers' progress: one peer claiming a step far ahead of the others is not credibl
 the lone peer's state is taken (a run with one volunteer, its final hand-over).
 
 An announced size is checked before anything is allocated or requested: against
-:class:`CheckpointLimits` ``max_state_bytes``, against
-:data:`~shared.state.limits.STATE_GROWTH` times the largest kept checkpoint (a state is the model plus
-optimizer slots proportional to it, so it grows at most ~3x, from step 0 without Adam's moments to any
-later step), and against the free disk beyond ``disk_reserve``. The download goes to a file under
-``partial/``, is verified and moved into place; nothing is sized by the claim. Every failure of one
-candidate -- a refused size, unreachable or lying sources, a blob that is not a state of the announced
-step, a full disk, any decoding error -- ends that candidate only: it is counted and logged once, its
-sources are skipped for a while (:class:`~shared.state.limits.SourceBook`), and an announcement refused
-outright is not tried again until its writer announces something else (a DHT record may live a day).
+:class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
+the largest kept checkpoint when only one user vouches for it (a state is the model plus optimizer slots
+proportional to it, so it grows at most ~3x, from step 0 without Adam's moments to any later step; a
+state two users announce is exempt, so old checkpoints of another model cannot block the run for good);
+and against the free disk beyond ``disk_reserve``. The download goes to a file under ``partial/``, is
+verified and moved into place; nothing is sized by the claim. Every failure of one candidate -- a
+refused size, unreachable or lying sources, a blob that is not a state of the announced step, a full
+disk, any decoding error -- ends that candidate only: it is counted and logged once, its sources are
+skipped for a while (:class:`~shared.state.limits.SourceBook`), and an announcement refused outright is
+not tried again until its writer announces something else (a DHT record may live a day).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from shared.state.transfer import (
     read_announcements,
     trusted_state,
 )
-from shared.state.trust import Announced
+from shared.state.trust import Announced, support_of
 
 from .checkpoints import CheckpointEntry, CheckpointStore
 
@@ -174,9 +175,9 @@ class Checkpointer:
             return None
         credible = await self._credible_step()
         addresses = await presence_addresses(self.node.dht)
-        limit = self.size_limit()
         stored = {e.digest for e in self.store.entries()}
         for announcement, writers in candidates:
+            limit = self.size_limit(lone=support_of(announced, writers) < 2)
             writers = [w for w in writers if not self.book.refused(w, announced[w].announcement)]
             if announcement.digest in stored or not writers:
                 continue
@@ -201,7 +202,7 @@ class Checkpointer:
             if not sources:
                 logger.debug("no usable source for the state of step %d", announcement.step)
                 continue
-            entry = await self._fetch_and_store(announcement, sources, writers, announced)
+            entry = await self._fetch_and_store(announcement, sources, writers, announced, limit)
             if entry is not None:
                 return entry
         return None
@@ -222,9 +223,16 @@ class Checkpointer:
         )
         return view.step if view.peers > 1 else None
 
-    def size_limit(self) -> int:
-        """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`)."""
-        kept = [e.nbytes for e in self.store.entries()]
+    def size_limit(self, *, lone: bool = True) -> int:
+        """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`).
+
+        Args:
+            lone: the state has the support of one user only. The growth rule binds such states; a state
+                two or more users vouch for is bounded by the configured maximum alone, so that kept
+                checkpoints of another model (a reused data dir) or a poisoned small first checkpoint
+                cannot block the run's checkpoints for good.
+        """
+        kept = [e.nbytes for e in self.store.entries()] if lone else []
         return checkpoint_size_limit(self.limits.max_state_bytes, kept, free_disk=1 << 62, reserve=0)
 
     async def _fetch_and_store(
@@ -233,6 +241,7 @@ class Checkpointer:
         sources: list[tuple[PeerAddress, StateAnnouncement]],
         writers: list[str],
         announced: dict[str, Announced],
+        limit: int,
     ) -> CheckpointEntry | None:
         prefix = announcement.digest.hex()[:12]
         free = await trio.to_thread.run_sync(_free_bytes, self.store.directory, limiter=STATE_IO)
@@ -251,7 +260,7 @@ class Checkpointer:
             path = await fetch_state_file(
                 self.node.host,
                 sources,
-                max_bytes=self.size_limit(),
+                max_bytes=limit,
                 directory=self.store.directory / "partial",
                 book=self.book,
             )

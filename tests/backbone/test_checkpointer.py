@@ -214,6 +214,19 @@ async def test_checkpointer_refuses_bad_claims_once_and_goes_on_to_the_honest_st
     assert garbage.statistics().chunks_served == 1  # fetched once, refused, never again
     assert [e.step for e in store.entries()] == [10, 20]
 
+    # the growth rule binds lone claims only: a larger state that two users vouch for is stored (old
+    # checkpoints of a smaller model, or a poisoned small first one, cannot block the run for good)
+    large = encode_state(
+        {"model/w": np.ones(5 * STATE_GROWTH * 5000, np.float32)}, {"step": "40", "run_id": RUN, "task": "t"}
+    )
+    assert len(large) > STATE_GROWTH * max(e.nbytes for e in store.entries())
+    lone = await volunteer_offering(nursery, backbone, large, 40)
+    assert await checkpointer.poll_once() is None
+    assert lone.statistics().bytes_served == 0
+    await volunteer_offering(nursery, backbone, large, 40)
+    entry = await checkpointer.poll_once()
+    assert entry is not None and (entry.step, entry.nbytes) == (40, len(large))
+
     # a disk that cannot take a state: refused without a download, and the checkpointer goes on
     tight = Checkpointer(
         backbone,
@@ -223,7 +236,7 @@ async def test_checkpointer_refuses_bad_claims_once_and_goes_on_to_the_honest_st
         CheckpointLimits(disk_reserve=1 << 62),
     )
     assert await tight.poll_once() is None
-    assert honest.statistics().bytes_served == entry.nbytes
+    assert honest.statistics().bytes_served == len(blob_of(20))
 
 
 async def publish_progress(node: Node, step: int) -> None:
