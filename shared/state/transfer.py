@@ -333,9 +333,10 @@ async def _fetch(
                     await download.chunk_from(host, address, chunk_bytes)
                 except CALL_FAILURES as exc:
                     fault = isinstance(exc, ProtocolError | AuthError)
-                    logger.debug("%s: %s failed (%s); trying the next source", name, address, exc)
-                    if book is not None:
+                    if book is not None:  # counted there, logged once per streak
                         book.failed(_peer(address), f"{name}: {exc}", fault=fault)
+                    else:
+                        logger.info("%s: %s failed (%s); trying the next source", name, address, exc)
                     reasons.append(f"{address}: {exc}")
                     candidates.pop(0)
                     continue
