@@ -572,6 +572,18 @@ class CollaborativeOptimizer:
                     logger.warning("starting from the initial parameters: %s", exc)
 
 
+def _role(computes: bool, aggregates: bool) -> str:
+    if computes and aggregates:
+        return "compute + aggregate"
+    return "compute" if computes else ("aggregate" if aggregates else "receive")
+
+
+def eta_text(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"
+
+
 def _state_bound(trainer: LocalTrainer) -> int:
     """The largest state blob of this run (issue 9, finding 2; :mod:`shared.state.limits`): every tensor of
     the model, and per trainable parameter :data:`_OPTIMIZER_SLOTS` slots of its size (Adam/AdamW's two
@@ -588,15 +600,3 @@ def _state_bound(trainer: LocalTrainer) -> int:
 
 
 _OPTIMIZER_SLOTS = 2
-
-
-def _role(computes: bool, aggregates: bool) -> str:
-    if computes and aggregates:
-        return "compute + aggregate"
-    return "compute" if computes else ("aggregate" if aggregates else "receive")
-
-
-def eta_text(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "—"
-    return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"
