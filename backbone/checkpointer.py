@@ -14,52 +14,120 @@
 
 The blobs stay opaque: the backbone checks their digest and their header's format and step, never loads
 tensors, and needs no torch.
+
+**Strangers' announcements** (DESIGN D10; issue 9, findings 2 and 8). Which state to believe is decided by
+distinct admitted users, not writers (:mod:`shared.state.trust`). Since a newer step ranks first, a state
+is stored only up to the collaboration's *credible* step (:func:`shared.progress.summarize` of the
+peers' progress: one peer claiming a step far ahead of the others is not credible); with nobody training,
+the lone peer's state is taken (a run with one volunteer, its final hand-over).
+
+An announced size is checked before anything is allocated or requested: against
+:class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
+the largest kept checkpoint when only one user vouches for it (a state is the model plus optimizer slots
+proportional to it, so it grows at most ~3x, from step 0 without Adam's moments to any later step; a
+state two users announce is exempt, so old checkpoints of another model cannot block the run for good);
+and against the free disk beyond ``disk_reserve``. The download goes to a file under ``partial/``, is
+verified and moved into place; nothing is sized by the claim. Every failure of one candidate -- a
+refused size, unreachable or lying sources, a blob that is not a state of the announced step, a full
+disk, any decoding error -- ends that candidate only: it is counted and logged once, its sources are
+skipped for a while (:class:`~shared.state.limits.SourceBook`), and an announcement refused outright is
+not tried again until its writer announces something else (a DHT record may live a day).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
-from protocols.training import StateAnnouncement, TrainingSpec
+from protocols.errors import ProtocolError
+from protocols.training import Progress, StateAnnouncement, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
+from shared.progress import summarize
+from shared.progress_records import read_progress_with_users
 from shared.state.blob import read_metadata, state_step
+from shared.state.limits import DISK_RESERVE, SourceBook, checkpoint_size_limit
 from shared.state.transfer import (
     ANNOUNCE_PERIOD,
     STATE_IO,
     StateServer,
     announce_state,
-    fetch_state,
+    fetch_state_file,
     presence_addresses,
     read_announcements,
     trusted_state,
 )
+from shared.state.trust import Announced, support_of
 
 from .checkpoints import CheckpointEntry, CheckpointStore
 
-__all__ = ["POLL_PERIOD", "Checkpointer", "keep_checkpoints"]
+__all__ = ["DEFAULT_MAX_STATE_BYTES", "POLL_PERIOD", "CheckpointLimits", "Checkpointer", "keep_checkpoints"]
 
 logger = logging.getLogger("backbone.checkpoints")
 
 #: Seconds between looks at the peers' state announcements.
 POLL_PERIOD = 5.0
+#: The largest state a backbone stores unless its organizer says otherwise: a model of ~2.5 billion
+#: float32 parameters with Adam's two moments (raise it for larger models).
+DEFAULT_MAX_STATE_BYTES = 32 * 1024**3
+#: Digests remembered for "logged once" (bounded: announcements are strangers' to choose).
+_MAX_REMEMBERED = 1024
+#: What one candidate state's download and storage may fail with; each is that candidate's failure (its
+#: sources are recorded in the SourceBook), never the checkpointer's.
+_CANDIDATE_FAILURES = (
+    *CALL_FAILURES,
+    StateError,
+    StateUnavailable,
+    ConfigError,
+    ProtocolError,
+    OSError,
+    MemoryError,
+    ValueError,
+)
+
+
+@dataclass(frozen=True)
+class CheckpointLimits:
+    """How large a state the backbone accepts (see :mod:`shared.state.limits`).
+
+    Attributes:
+        max_state_bytes: the organizer's maximum.
+        disk_reserve: bytes of disk left free under the checkpoint directory.
+    """
+
+    max_state_bytes: int = DEFAULT_MAX_STATE_BYTES
+    disk_reserve: int = DISK_RESERVE
 
 
 class Checkpointer:
     """Decides which announced state to store and keeps the server and the DHT in line with the store."""
 
-    def __init__(self, node: Node, server: StateServer, store: CheckpointStore, spec: TrainingSpec) -> None:
+    def __init__(
+        self,
+        node: Node,
+        server: StateServer,
+        store: CheckpointStore,
+        spec: TrainingSpec,
+        limits: CheckpointLimits | None = None,
+    ) -> None:
         self.node = node
         self.server = server
         self.store = store
         self.spec = spec
+        self.limits = limits or CheckpointLimits()
+        self.book = SourceBook()  # failed sources, refused announcements
         self.changed = trio.Event()  # set when the newest checkpoint changes (announce it at once)
         self._offered: set[bytes] = set()
+        self._short_of_disk: set[bytes] = set()  # digests already reported as not fitting on disk
+        self._ahead: set[bytes] = set()  # digests already reported as beyond the credible step
 
     def sync_offers(self) -> StateAnnouncement | None:
         """Serve exactly the stored checkpoints; return the announcement of the newest."""
@@ -79,68 +147,163 @@ class Checkpointer:
         while True:
             newest = self.sync_offers()
             if newest is not None:
-                with contextlib.suppress(*CALL_FAILURES):
+                try:
                     await announce_state(self.node.dht, newest)
+                except CALL_FAILURES as exc:
+                    logger.debug("could not announce the checkpoint of step %d: %s", newest.step, exc)
             with trio.move_on_after(ANNOUNCE_PERIOD):
                 await self.changed.wait()
             self.changed = trio.Event()
 
     async def poll_once(self) -> CheckpointEntry | None:
-        """Store the most trusted announced state if it is due; return the new checkpoint, if any."""
+        """Store the most trusted announced state if it is due; return the new checkpoint, if any.
+
+        Every candidate's failure (a refused announcement, unreachable or lying sources, a blob that is
+        not a state, a full disk) is that candidate's: counted, logged once, and the next one is tried.
+
+        Raises:
+            whatever reading the DHT raises (:data:`~shared.net.host.CALL_FAILURES`).
+        """
         newest = self.store.newest()
         min_step = 0 if newest is None else newest.step + self.spec.checkpoint_every
         if newest is not None and 0 < self.spec.max_steps <= min_step and newest.step < self.spec.max_steps:
             min_step = self.spec.max_steps  # the run's final state is always kept
-        announcements = await read_announcements(self.node.dht)
-        announcements.pop(self.node.peer_id, None)
-        candidates = trusted_state(announcements, min_step=min_step)
+        announced = await read_announcements(self.node.dht)
+        announced.pop(self.node.peer_id, None)
+        candidates = trusted_state(announced, min_step=min_step)
         if not candidates:
             return None
+        credible = await self._credible_step()
         addresses = await presence_addresses(self.node.dht)
+        stored = {e.digest for e in self.store.entries()}
         for announcement, writers in candidates:
-            if any(e.digest == announcement.digest for e in self.store.entries()):
+            limit = self.size_limit(lone=support_of(announced, writers) < 2)
+            writers = [w for w in writers if not self.book.refused(w, announced[w].announcement)]
+            if announcement.digest in stored or not writers:
                 continue
-            sources = [(a, announcement) for w in writers for a in addresses.get(w, [])]
+            if credible is not None and announcement.step > credible:
+                # not refused: the progress we read may merely lag behind a fresh step
+                if _first_time(self._ahead, announcement.digest):
+                    logger.info(
+                        "not (yet) storing the state of step %d: the training peers are at step %d",
+                        announcement.step,
+                        credible,
+                    )
+                continue
+            if announcement.nbytes > limit:
+                for writer in writers:
+                    self.book.refuse(
+                        writer, announcement, f"{announcement.nbytes} bytes, above the limit of {limit}"
+                    )
+                continue
+            # sources cooling down after failures are skipped here, quietly: their failure was logged
+            usable = [w for w in writers if self.book.usable(w)]
+            sources = [(a, announcement) for w in usable for a in addresses.get(w, [])]
             if not sources:
-                logger.debug("no reachable source for the state of step %d", announcement.step)
+                logger.debug("no usable source for the state of step %d", announcement.step)
                 continue
-            entry = await self._fetch_and_store(announcement, sources)
+            entry = await self._fetch_and_store(announcement, sources, writers, announced, limit)
             if entry is not None:
                 return entry
         return None
 
+    async def _credible_step(self) -> int | None:
+        """The collaboration's credible step from the peers' progress (:func:`shared.progress.summarize`:
+        a lone claim far ahead of the others is not credible), or ``None`` when nobody is training (then
+        the lone peer's state is the run's, as in :mod:`shared.state.trust`)."""
+        records, users = await read_progress_with_users(self.node.dht)
+        nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
+        view = summarize(
+            records,
+            self.node.peer_id,
+            nobody,
+            now=time.time(),
+            target_batch=self.spec.target_batch,
+            anchored=False,
+            users=users,
+        )
+        return view.step if view.peers > 1 else None
+
+    def size_limit(self, *, lone: bool = True) -> int:
+        """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`).
+
+        Args:
+            lone: the state has the support of one user only. The growth rule binds such states; a state
+                two or more users vouch for is bounded by the configured maximum alone, so that kept
+                checkpoints of another model (a reused data dir) or a poisoned small first checkpoint
+                cannot block the run's checkpoints for good.
+        """
+        kept = [e.nbytes for e in self.store.entries()] if lone else []
+        return checkpoint_size_limit(self.limits.max_state_bytes, kept, free_disk=1 << 62, reserve=0)
+
     async def _fetch_and_store(
-        self, announcement: StateAnnouncement, sources: list[tuple[PeerAddress, StateAnnouncement]]
+        self,
+        announcement: StateAnnouncement,
+        sources: list[tuple[PeerAddress, StateAnnouncement]],
+        writers: list[str],
+        announced: dict[str, Announced],
+        limit: int,
     ) -> CheckpointEntry | None:
         prefix = announcement.digest.hex()[:12]
+        free = await trio.to_thread.run_sync(_free_bytes, self.store.directory, limiter=STATE_IO)
+        if announcement.nbytes > free - self.limits.disk_reserve:
+            if _first_time(self._short_of_disk, announcement.digest):
+                logger.error(
+                    "no disk for the state of step %d (%d bytes; %d free, %d kept in reserve)",
+                    announcement.step,
+                    announcement.nbytes,
+                    free,
+                    self.limits.disk_reserve,
+                )
+            return None
+        path: Path | None = None
         try:
-            blob = await fetch_state(self.node.host, sources, partial_dir=self.store.directory / "partial")
-        except StateUnavailable as exc:
-            logger.warning("could not download the state of step %d: %s", announcement.step, exc)
-            return None
-        except ConfigError as exc:  # the partial-download file cannot be written
-            logger.error("cannot download checkpoints: %s", exc)
-            return None
-        try:
-            step = state_step(read_metadata(blob))
-        except StateError as exc:
-            logger.warning("refusing the state of step %d (%s): %s", announcement.step, prefix, exc)
-            return None
-        if step != announcement.step:
-            logger.warning(
-                "refusing state %s: announced as step %d, its header says %d", prefix, announcement.step, step
+            path = await fetch_state_file(
+                self.node.host,
+                sources,
+                max_bytes=limit,
+                directory=self.store.directory / "partial",
+                book=self.book,
             )
-            return None
-        try:
+            metadata = await trio.to_thread.run_sync(read_metadata, path, limiter=STATE_IO)
+            step = state_step(metadata)
+            if step != announcement.step:
+                raise StateError(f"announced as step {announcement.step}, its header says {step}")
             entry = await trio.to_thread.run_sync(
-                lambda: self.store.save(blob, step, digest=announcement.digest), limiter=STATE_IO
+                self.store.save_file, path, announcement.digest, step, limiter=STATE_IO
             )
-        except OSError as exc:
-            logger.error("could not store the checkpoint of step %d: %s", step, exc)
+        except StateError as exc:  # the state itself is bad: whoever announces it is not believed again
+            for writer in writers:
+                self.book.refuse(writer, announced[writer].announcement, f"state {prefix}: {exc}")
             return None
+        except StateUnavailable as exc:  # each source's failure is in the book
+            logger.info("could not download the state of step %d: %s", announcement.step, exc)
+            return None
+        except _CANDIDATE_FAILURES as exc:
+            logger.error("could not store the state of step %d (%s): %r", announcement.step, prefix, exc)
+            return None
+        finally:
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()  # still there unless it was moved into the store
         logger.info("stored checkpoint of step %d (%.1f MB, %s…)", step, entry.nbytes / 1e6, prefix)
         self.changed.set()
         return entry
+
+
+def _first_time(seen: set[bytes], digest: bytes) -> bool:
+    """Whether ``digest`` is new to ``seen`` (then remembered; bounded: strangers choose digests)."""
+    if digest in seen:
+        return False
+    if len(seen) >= _MAX_REMEMBERED:
+        seen.clear()
+    seen.add(digest)
+    return True
+
+
+def _free_bytes(directory: Path) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
 
 
 async def keep_checkpoints(
@@ -149,10 +312,11 @@ async def keep_checkpoints(
     store: CheckpointStore,
     spec: TrainingSpec,
     *,
+    limits: CheckpointLimits | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve, announce and collect checkpoints until cancelled (see the module docstring)."""
-    checkpointer = Checkpointer(node, server, store, spec)
+    checkpointer = Checkpointer(node, server, store, spec, limits)
     newest = store.newest()
     if newest is not None:
         logger.info(
@@ -165,7 +329,13 @@ async def keep_checkpoints(
         checkpointer.sync_offers()
         nursery.start_soon(checkpointer.announce_forever)
         task_status.started()
+        unreadable = 0  # polls in a row that could not read the DHT
         while True:
-            with contextlib.suppress(*CALL_FAILURES):
+            try:
                 await checkpointer.poll_once()
+                unreadable = 0
+            except CALL_FAILURES as exc:
+                unreadable += 1
+                if unreadable == 1:
+                    logger.info("cannot read the peers' state announcements: %s", exc)
             await trio.sleep(POLL_PERIOD)

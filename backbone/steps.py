@@ -23,7 +23,7 @@ from protocols.training import Progress, TrainingSpec
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.progress import summarize
-from shared.progress_records import read_progress
+from shared.progress_records import read_progress_with_users
 
 from .api import DB_WRITE
 from .ledger import LedgerStore
@@ -66,7 +66,7 @@ async def record_steps_forever(
     nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
     while True:
         with contextlib.suppress(*CALL_FAILURES):
-            records = await read_progress(node.dht)
+            records, users = await read_progress_with_users(node.dht)
             if records:
                 view = summarize(
                     records,
@@ -75,6 +75,7 @@ async def record_steps_forever(
                     now=time.time(),
                     target_batch=spec.target_batch,
                     anchored=False,
+                    users=users,
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
                 for step, loss, samples, count in tracker.observe(view.step, view.samples, peers, view.loss):

@@ -6,16 +6,23 @@ announcements, ranks them with :func:`trusted_state`, and downloads one with :fu
 chunk over the bulk lane (:mod:`protocols.state`), from any of the peers that announced that digest.
 
 Trust: a blob is accepted only if its SHA-256 equals the announced digest, so a server cannot slip in
-other bytes than those announced. Which *announcement* to believe is :func:`trusted_state`'s job: among the
-newest steps, the digest announced by the most distinct writers comes first, so one liar announcing
-another digest for a step that two honest peers agree on is tried only after them.
+other bytes than those announced. Which *announcement* to believe is the job of
+:func:`~shared.state.trust.trusted_state` (majorities of distinct admitted users, not of writers).
+
+Limits (DESIGN D10 a, f; :mod:`shared.state.limits`): the announced size is checked against the caller's
+expectation before anything is allocated; chunks are checked against the request (digest, offset, total,
+at most the length asked) before their buffer is allocated and go to a file, never into a buffer sized by
+the claim; every failure of a source is that source's (recorded in a
+:class:`~shared.state.limits.SourceBook`), never the process's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,12 +48,15 @@ from protocols.state import (
 from protocols.training import CHECKPOINT_KEY, StateAnnouncement
 
 from ..dht.node import DHTNode
-from ..errors import ConfigError, RemoteError, StateUnavailable
+from ..errors import AuthError, ConfigError, RemoteError, StateUnavailable
 from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
 from .blob import state_digest
+from .limits import SourceBook, check_announced_size
+from .trust import Announced
+from .trust import trusted_state as trusted_state
 
 __all__ = [
     "ANNOUNCE_PERIOD",
@@ -57,6 +67,7 @@ __all__ = [
     "StateServerStatistics",
     "announce_state",
     "fetch_state",
+    "fetch_state_file",
     "presence_addresses",
     "read_announcements",
     "trusted_state",
@@ -74,6 +85,7 @@ ANNOUNCE_TTL = 60.0
 ANNOUNCE_PERIOD = 20.0
 #: A chunk slower than this on top of the host's bulk stall limit counts as a failed source.
 _MIN_CHUNK_RATE = 64 * 1024  # bytes/s
+_HASH_BLOCK = 8 * 1024 * 1024
 _ANNOUNCEMENT = msgspec.msgpack.Decoder(StateAnnouncement)
 _PRESENCE = msgspec.msgpack.Decoder(Presence)
 
@@ -215,40 +227,86 @@ async def fetch_state(
     host: Host,
     sources: Sequence[Source],
     *,
+    max_bytes: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     partial_dir: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    book: SourceBook | None = None,
 ) -> bytes:
     """Download the state announced by ``sources[0]`` from the sources that announce the same digest.
 
-    Chunks are requested in order from the first working source; when one fails (connection lost,
-    refusal, timeout, a malformed reply) the download continues at the same offset from the next. The
-    finished blob must hash to the digest; if it does not, it is refused with a warning naming the
-    source(s) it came from, and the download restarts from zero without the source that served it alone
-    (after a mixed download, whose culprit is unknown, the surviving source is retried alone first).
+    The announced size is checked against ``max_bytes`` before anything else (see
+    :mod:`shared.state.limits`). Chunks are written to a file as they arrive (``partial_dir``'s
+    ``<hex digest>.partial`` if given, so a download interrupted by a restart resumes there; an anonymous
+    temporary file otherwise) and requested in order from the first working source; when one fails
+    (connection lost, refusal, timeout, a malformed or lying reply) the download continues at the same
+    offset from the next. The finished file must hash to the digest; if it does not, it is refused with a
+    warning naming the source(s) it came from, and the download restarts from zero without the source that
+    served it alone (after a mixed download, whose culprit is unknown, the surviving source is retried
+    alone first). Only the verified blob is read into memory.
 
     Args:
         host: our host (the downloads use its bulk connections, so client-mode peers can download).
         sources: where the state can be found, as (address, announcement); sources announcing another
             digest than the first are skipped.
+        max_bytes: the largest state the caller expects (a volunteer: its model's bound; a backbone: its
+            checkpoint limit).
         chunk_bytes: bytes per request (at most :data:`~protocols.state.MAX_CHUNK_BYTES`).
-        partial_dir: if given, progress is kept in ``<partial_dir>/<hex digest>.partial`` so that a
-            download interrupted by a restart resumes there (the whole blob is verified anyway).
+        partial_dir: where to keep a resumable partial download.
         on_progress: called with ``(bytes_done, total)`` after each chunk.
+        book: failures of sources are recorded there, and sources it says to skip are skipped.
 
     Returns:
         The blob, whose SHA-256 is the announced digest.
 
     Raises:
-        StateUnavailable: no source could provide the state; ``reasons`` says what each one did.
+        StateError: the announcement is refused before any I/O (its size is out of bounds).
+        StateUnavailable: no source could provide the state, or the local disk could not take it;
+            ``reasons`` says what each source did.
         ConfigError: the partial-download file cannot be created in ``partial_dir``.
         ValueError: ``chunk_bytes`` is out of range.
     """
+    download = await _fetch(host, sources, max_bytes, chunk_bytes, partial_dir, on_progress, book)
+    try:
+        return await trio.to_thread.run_sync(download.read, limiter=STATE_IO)
+    except OSError as exc:
+        raise StateUnavailable(f"cannot read back the downloaded state: {exc}") from exc
+    finally:
+        download.close(remove=True)
+
+
+async def fetch_state_file(
+    host: Host,
+    sources: Sequence[Source],
+    *,
+    max_bytes: int,
+    directory: Path,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    book: SourceBook | None = None,
+) -> Path:
+    """Like :func:`fetch_state`, but the verified blob stays on disk: the returned file
+    (``<directory>/<hex digest>.partial``) is the caller's to move into place or delete."""
+    download = await _fetch(host, sources, max_bytes, chunk_bytes, directory, None, book)
+    download.close(remove=False)
+    assert download.partial is not None
+    return download.partial
+
+
+async def _fetch(
+    host: Host,
+    sources: Sequence[Source],
+    max_bytes: int,
+    chunk_bytes: int,
+    partial_dir: Path | None,
+    on_progress: Callable[[int, int], None] | None,
+    book: SourceBook | None,
+) -> _Download:
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     if not sources:
         raise StateUnavailable("no peer announces a state")
     wanted = sources[0][1]
+    check_announced_size(wanted, max_bytes)  # before a byte is allocated or a file created
     name = f"state {wanted.digest.hex()[:16]} of step {wanted.step}"
     reasons: list[str] = []
     candidates: list[PeerAddress] = []
@@ -257,11 +315,13 @@ async def fetch_state(
             logger.debug("skipping %s: it announces another state than %s", address, name)
         elif announcement.nbytes != wanted.nbytes:
             reasons.append(f"{address} announces {announcement.nbytes} bytes, not {wanted.nbytes}")
+        elif book is not None and not book.usable(_peer(address)):
+            reasons.append(f"{address}: skipped after earlier failures")
         else:
             candidates.append(address)
     download = _Download(wanted, partial_dir)
     try:
-        await download.resume()
+        await download.open()
         while True:
             if download.done and on_progress is not None:
                 on_progress(download.done, wanted.nbytes)
@@ -272,14 +332,21 @@ async def fetch_state(
                 try:
                     await download.chunk_from(host, address, chunk_bytes)
                 except CALL_FAILURES as exc:
-                    logger.info("%s: %s failed (%s); trying the next source", name, address, exc)
+                    fault = isinstance(exc, ProtocolError | AuthError)
+                    if book is not None:  # counted there, logged once per streak
+                        book.failed(_peer(address), f"{name}: {exc}", fault=fault)
+                    else:
+                        logger.info("%s: %s failed (%s); trying the next source", name, address, exc)
                     reasons.append(f"{address}: {exc}")
                     candidates.pop(0)
                     continue
                 if on_progress is not None:
                     on_progress(download.done, wanted.nbytes)
             if await download.verified():
-                return download.blob()
+                if book is not None:
+                    for address in download.sources:
+                        book.succeeded(_peer(address))
+                return download
             culprits = download.contributors
             logger.warning(
                 "refused %s from %s: its bytes do not hash to the announced digest", name, ", ".join(culprits)
@@ -287,48 +354,71 @@ async def fetch_state(
             reasons.append(f"{', '.join(culprits)}: served bytes that do not match the digest")
             if candidates and culprits == [str(candidates[0])]:  # the only contributor: the culprit
                 bad = candidates[0].peer_id
+                if book is not None:
+                    book.failed(
+                        _peer(candidates[0]), f"{name}: bytes that do not match the digest", fault=True
+                    )
                 candidates = [c for c in candidates if c.peer_id != bad]
             await download.restart()
-    finally:
-        download.close()
+    except BaseException:
+        download.close(remove=False)  # a partial file stays for a resume
+        raise
+
+
+def _peer(address: PeerAddress) -> str:
+    return str(address.peer_id) if address.peer_id else str(address)
 
 
 class _Download:
-    """One blob being assembled in memory, mirrored to a partial file if asked."""
+    """One blob being assembled in a file: ``<partial_dir>/<hex digest>.partial`` if asked (it survives a
+    restart), an anonymous temporary file otherwise. Nothing in memory grows with the announced size."""
 
     def __init__(self, wanted: StateAnnouncement, partial_dir: Path | None) -> None:
         self.wanted = wanted
-        self.buffer = bytearray(wanted.nbytes)
         self.done = 0
         self.contributors: list[str] = []
+        self.sources: list[PeerAddress] = []
         self.partial = partial_dir / f"{wanted.digest.hex()}.partial" if partial_dir is not None else None
         self._fd: int | None = None
 
-    async def resume(self) -> None:
-        if self.partial is None:
-            return
+    async def open(self) -> None:
         try:
-            await trio.to_thread.run_sync(self._open_partial, limiter=STATE_IO)
+            await trio.to_thread.run_sync(self._open, limiter=STATE_IO)
         except OSError as exc:
-            raise ConfigError(f"cannot keep a partial download in {self.partial}: {exc}") from exc
+            where = self.partial if self.partial is not None else "a temporary file"
+            raise ConfigError(f"cannot keep a download in {where}: {exc}") from exc
         if self.done:
-            logger.info("resuming the download of %s at byte %d", self.partial.name, self.done)
+            logger.info("resuming the download of %s at byte %d", self.partial, self.done)
             self.contributors.append(f"the partial download {self.partial}")
+        needed = self.wanted.nbytes - self.done
+        free = await trio.to_thread.run_sync(self._free_bytes, limiter=STATE_IO)
+        if needed > free:
+            raise StateUnavailable(
+                f"state of step {self.wanted.step} ({self.wanted.nbytes} bytes) does not fit on disk",
+                (f"{needed} bytes needed, {free} free",),
+            )
 
-    def _open_partial(self) -> None:
-        assert self.partial is not None
+    def _open(self) -> None:
+        if self.partial is None:
+            with tempfile.TemporaryFile() as file:
+                self._fd = os.dup(file.fileno())
+            return
         self.partial.parent.mkdir(parents=True, exist_ok=True)
+        for stale in self.partial.parent.glob("*.partial"):  # one download per directory: no disk leak
+            if stale != self.partial:
+                logger.info("deleting the abandoned partial download %s", stale.name)
+                stale.unlink(missing_ok=True)
         self._fd = os.open(self.partial, os.O_RDWR | os.O_CREAT, 0o600)
         size = os.fstat(self._fd).st_size
         if size > self.wanted.nbytes:
             os.ftruncate(self._fd, 0)
             size = 0
-        view = memoryview(self.buffer)
-        while self.done < size:
-            n = os.preadv(self._fd, [view[self.done : size]], self.done)
-            if n <= 0:
-                break
-            self.done += n
+        self.done = size
+
+    def _free_bytes(self) -> int:
+        assert self._fd is not None
+        stat = os.fstatvfs(self._fd)
+        return stat.f_bavail * stat.f_frsize
 
     async def chunk_from(self, host: Host, address: PeerAddress, chunk_bytes: int) -> None:
         digest, total, offset = self.wanted.digest, self.wanted.nbytes, self.done
@@ -346,7 +436,7 @@ class _Download:
                 raise ProtocolError(f"the source's state is {chunk.total} bytes, announced {total}")
             if not 0 < nbytes <= length:
                 raise ProtocolError(f"chunk of {nbytes} bytes for a request of {length}")
-            scratch = bytearray(nbytes)
+            scratch = bytearray(nbytes)  # at most ``length``: checked above, before allocating
             return memoryview(scratch)
 
         request = encode_state_meta(StateRequest(digest=digest, offset=offset, length=length))
@@ -354,91 +444,103 @@ class _Download:
             await host.send_bulk(address, STATE_TOPIC, b"", request, sink=sink)
         if not scratch:
             raise ProtocolError("the source answered without any bytes")
-        self.buffer[offset : offset + len(scratch)] = scratch
-        if self._fd is not None:
-            await trio.to_thread.run_sync(os.pwrite, self._fd, scratch, offset, limiter=STATE_IO)
+        assert self._fd is not None
+        try:
+            await trio.to_thread.run_sync(_pwrite_all, self._fd, scratch, offset, limiter=STATE_IO)
+        except OSError as exc:
+            raise StateUnavailable(f"cannot write the download of step {self.wanted.step}: {exc}") from exc
         self.done += len(scratch)
         if str(address) not in self.contributors:
             self.contributors.append(str(address))
+            self.sources.append(address)
 
     async def verified(self) -> bool:
-        digest = await trio.to_thread.run_sync(state_digest, self.buffer, limiter=STATE_IO)
-        return digest == self.wanted.digest
+        try:
+            return await trio.to_thread.run_sync(self._hash_matches, limiter=STATE_IO)
+        except OSError as exc:
+            step = self.wanted.step
+            raise StateUnavailable(f"cannot read back the download of step {step}: {exc}") from exc
 
-    def blob(self) -> bytes:
-        if self.partial is not None:
-            self.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.partial.unlink()
-        return bytes(self.buffer)
+    def _hash_matches(self) -> bool:
+        assert self._fd is not None
+        if os.fstat(self._fd).st_size != self.wanted.nbytes:
+            return False
+        digest = hashlib.sha256()
+        offset = 0
+        while offset < self.wanted.nbytes:
+            block = os.pread(self._fd, min(_HASH_BLOCK, self.wanted.nbytes - offset), offset)
+            if not block:
+                return False
+            digest.update(block)
+            offset += len(block)
+        return digest.digest() == self.wanted.digest
+
+    def read(self) -> bytes:
+        """The verified blob (at most the caller's ``max_bytes``), read from the file."""
+        assert self._fd is not None
+        parts = []
+        offset = 0
+        while offset < self.wanted.nbytes:
+            block = os.pread(self._fd, self.wanted.nbytes - offset, offset)
+            if not block:
+                raise StateUnavailable(f"the download of step {self.wanted.step} shrank on disk")
+            parts.append(block)
+            offset += len(block)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def restart(self) -> None:
         self.done = 0
         self.contributors = []
+        self.sources = []
         if self._fd is not None:
             await trio.to_thread.run_sync(os.ftruncate, self._fd, 0, limiter=STATE_IO)
 
-    def close(self) -> None:
+    def close(self, *, remove: bool) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if remove and self.partial is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.partial.unlink()
 
 
-# ------------------------------------------------------------------------------------------ choosing
-
-
-def trusted_state(
-    announcements: Mapping[str, StateAnnouncement], *, min_step: int = 0
-) -> list[tuple[StateAnnouncement, list[str]]]:
-    """Rank the announced states, most trustworthy first, with the peers that announced each.
-
-    Announcements are grouped by (step, digest, nbytes). Groups come newest step first; within a step,
-    the state announced by the most distinct writers comes first, then one a backbone announced, then
-    by digest (so the order never depends on the mapping's order). Steps below ``min_step`` are left out.
-
-    Args:
-        announcements: each writer's (peer id's) current announcement.
-        min_step: the oldest step of interest.
-
-    Returns:
-        ``(announcement, writers)`` per group: the announcement carries the newest ``time`` of the group
-        and ``backbone=True`` if any writer is a backbone; ``writers`` lists backbones first, then the
-        most recent announcers.
-    """
-    groups: dict[tuple[int, bytes, int], list[tuple[str, StateAnnouncement]]] = {}
-    for writer, announcement in announcements.items():
-        if announcement.step >= min_step:
-            key = (announcement.step, announcement.digest, announcement.nbytes)
-            groups.setdefault(key, []).append((writer, announcement))
-    ranked = []
-    for (step, digest, nbytes), members in groups.items():
-        members.sort(key=lambda m: (not m[1].backbone, -m[1].time, m[0]))
-        backbone = any(a.backbone for _, a in members)
-        newest = max(a.time for _, a in members)
-        summary = StateAnnouncement(step=step, digest=digest, nbytes=nbytes, time=newest, backbone=backbone)
-        ranked.append((summary, [writer for writer, _ in members]))
-    ranked.sort(key=lambda r: (-r[0].step, -len(r[1]), not r[0].backbone, r[0].digest, r[0].nbytes))
-    return ranked
+def _pwrite_all(fd: int, data: bytearray, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 # ------------------------------------------------------------------------------------------ DHT
 
 
-async def read_announcements(dht: DHTNode) -> dict[str, StateAnnouncement]:
-    """Every peer's current state announcement (malformed entries and other peers' subkeys are ignored).
+async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = None) -> dict[str, Announced]:
+    """Every peer's current state announcement and the admitted user behind it (malformed entries and other
+    peers' subkeys are ignored).
+
+    Args:
+        users: the user of each writer, where the caller knows them; otherwise the user the DHT reports
+            for the record (``DHTValue.users``: the username of the writer's verified token), otherwise
+            the writer itself (see :mod:`shared.state.trust`).
 
     Raises:
         whatever :meth:`DHTNode.get` raises.
     """
     found = await dht.get(CHECKPOINT_KEY, latest=True)
-    out: dict[str, StateAnnouncement] = {}
+    # ``DHTValue.users`` (branch fix/dht): the admitted user of each record, from its verified token; when
+    # merged, read ``found.users`` directly
+    reported: Mapping[bytes | None, str] = getattr(found, "users", None) or {}
+    out: dict[str, Announced] = {}
     for subkey, record in found.entries.items() if found is not None else ():
         if subkey != record.writer.encode():
             continue
         try:
-            out[record.writer] = _ANNOUNCEMENT.decode(record.value)
+            announcement = _ANNOUNCEMENT.decode(record.value)
         except (msgspec.DecodeError, ValueError):
             logger.debug("ignoring a malformed state announcement by %s", record.writer)
+            continue
+        user = (users or {}).get(record.writer) or reported.get(subkey) or record.writer
+        out[record.writer] = Announced(announcement, user)
     return out
 
 

@@ -64,8 +64,9 @@ from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.progress import MAX_EXTRAPOLATION, CollabView, held_for, summarize
-from shared.progress_records import read_progress
-from shared.state.blob import state_digest
+from shared.progress_records import read_progress_with_users
+from shared.state.blob import read_metadata, state_digest, state_step
+from shared.state.limits import SourceBook, state_size_bound
 from shared.state.transfer import (
     StateServer,
     announce_state,
@@ -74,6 +75,7 @@ from shared.state.transfer import (
     read_announcements,
     trusted_state,
 )
+from shared.state.trust import BACKBONE_USER, Announced
 
 from .torch_thread import run_torch
 from .trainer import Accumulated, LocalTrainer
@@ -157,6 +159,8 @@ class CollaborativeOptimizer:
         self._round_step = -1  # the step whose round we are in (while ``averaging``)
         self._round_samples = 0  # our weight in it
         self._held_since: dict[str, float] = {}  # peers we held a round for (shared.progress.held_for)
+        self.state_sources = SourceBook()  # failed state sources, refused announcements (issue 9)
+        self._max_state_bytes: int | None = None  # the largest state of this run's model
 
     # ------------------------------------------------------------------ background
 
@@ -222,7 +226,7 @@ class CollaborativeOptimizer:
             await self._announce_if_asked()
 
     async def refresh_view(self) -> CollabView:
-        records = await read_progress(self.node.dht)
+        records, users = await read_progress_with_users(self.node.dht)
         self._view_at, self._view_own = time.time(), self.trainer.samples
         self.view = summarize(
             records,
@@ -231,6 +235,7 @@ class CollaborativeOptimizer:
             now=time.time(),
             target_batch=self.spec.target_batch,
             anchored=self.anchored or self.trainer.step > 0,
+            users=users,
         )
         return self.view
 
@@ -474,12 +479,25 @@ class CollaborativeOptimizer:
                     if (c[0].step >= target or not patient) and (alone or c[0].step <= target)
                 ]
                 for announcement, writers in usable:
+                    # a state refused outright (too large, not loadable) is not retried until it changes;
+                    # each source's failure is counted and logged once in ``state_sources``
+                    writers = [
+                        w
+                        for w in writers
+                        if not self.state_sources.refused(w, announcement) and self.state_sources.usable(w)
+                    ]
                     sources = await self._sources(writers, announcement)
+                    if not sources:
+                        continue
                     try:
                         return await self._download(sources, on_progress)
-                    except (StateUnavailable, StateError) as exc:
+                    except StateUnavailable as exc:
                         errors.append(str(exc))
-                        logger.warning("state of step %d: %s", announcement.step, exc)
+                        logger.info("state of step %d: %s", announcement.step, exc)
+                    except StateError as exc:
+                        errors.append(str(exc))
+                        for writer in writers:
+                            self.state_sources.refuse(writer, announcement, str(exc))
                 if not patient:
                     raise StateUnavailable(
                         f"no trustworthy state of step {target} could be downloaded"
@@ -505,15 +523,30 @@ class CollaborativeOptimizer:
         partial = self.data_dir / "partial-state" if self.data_dir is not None else None
         if partial is not None:
             partial.mkdir(exist_ok=True)
-        blob = await fetch_state(self.node.host, sources, partial_dir=partial, on_progress=progress)
-        step = await run_torch(self.trainer.load_state_blob, blob)
+        if self._max_state_bytes is None:
+            self._max_state_bytes = await run_torch(_state_bound, self.trainer)
+        blob = await fetch_state(
+            self.node.host,
+            sources,
+            max_bytes=self._max_state_bytes,
+            partial_dir=partial,
+            on_progress=progress,
+            book=self.state_sources,
+        )
+        announced = sources[0][1].step
+        if (header_step := await run_torch(lambda: state_step(read_metadata(blob)))) != announced:
+            raise StateError(f"state announced as step {announced} says step {header_step}")
+        try:
+            step = await run_torch(self.trainer.load_state_blob, blob)
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError, MemoryError) as exc:
+            raise StateError(f"the state does not load: {exc!r}") from exc  # a decoder's failure
         self._last_fingerprint = await run_torch(self.trainer.fingerprint)
         self.anchored = True
         self.server.offer(step, blob)
         logger.info("loaded the state of step %d (%d bytes) from %s", step, len(blob), sources[0][0].peer_id)
         return step
 
-    async def _announcements(self) -> dict[str, StateAnnouncement]:
+    async def _announcements(self) -> dict[str, Announced]:
         found = await read_announcements(self.node.dht)
         found.pop(self.node.peer_id, None)
         return found
@@ -532,7 +565,12 @@ class CollaborativeOptimizer:
             while not stop.is_set():
                 with contextlib.suppress(*CALL_FAILURES):
                     found = await self._announcements()
-                    if any(a.backbone and a.digest == announcement.digest for a in found.values()):
+                    if any(
+                        e.announcement.backbone
+                        and e.announcement.digest == announcement.digest
+                        and e.user in (BACKBONE_USER, w)  # a credible backbone (shared.state.trust)
+                        for w, e in found.items()
+                    ):
                         return True
                 with trio.move_on_after(1.0):
                     await stop.wait()
@@ -566,3 +604,21 @@ def eta_text(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "—"
     return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"
+
+
+def _state_bound(trainer: LocalTrainer) -> int:
+    """The largest state blob of this run (issue 9, finding 2; :mod:`shared.state.limits`): every tensor of
+    the model, and per trainable parameter :data:`_OPTIMIZER_SLOTS` slots of its size (Adam/AdamW's two
+    moments, SGD's momentum) plus a step scalar. Every peer builds the same model, so this bounds any honest
+    peer's state at any step -- our own optimizer state, empty at step 0, is no guide."""
+    tensors = [
+        (f"model/{name}", value.numel() * value.element_size(), value.dim())
+        for name, value in trainer.model.state_dict().items()
+    ]
+    for i, param in enumerate(trainer.params):
+        slot = (f"optim/{i}/momentum_buffer", param.numel() * param.element_size(), param.dim())
+        tensors += [slot] * _OPTIMIZER_SLOTS + [(f"optim/{i}/momentum_buffer", 8, 0)]
+    return state_size_bound(tensors, (trainer.run_id, trainer.task.name))
+
+
+_OPTIMIZER_SLOTS = 2

@@ -10,18 +10,29 @@ import numpy as np
 import pytest
 import trio
 
+from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
-from protocols.state import MAX_CHUNK_BYTES, STATE_TOPIC, StateRequest, encode_state_meta
+from protocols.state import (
+    MAX_CHUNK_BYTES,
+    STATE_TOPIC,
+    StateChunk,
+    StateRequest,
+    decode_state_request,
+    encode_state_meta,
+)
 from protocols.training import StateAnnouncement
 from shared.auth.keys import Identity
-from shared.errors import RemoteError, StateUnavailable
+from shared.errors import RemoteError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress, parse_multiaddr
-from shared.net.bulk import BulkReader
+from shared.net.bulk import BulkReader, BulkReply
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.state.blob import encode_state, state_digest
+from shared.state.limits import SourceBook
 from shared.state.transfer import StateServer, fetch_state
 
+#: The largest state the tests expect.
+LIMIT = 1 << 24
 RUN = "state-test"
 CHUNK = 32 * 1024
 
@@ -77,6 +88,7 @@ async def test_fetch_state_downloads_in_chunks_to_a_client_mode_peer(nursery: tr
         [(address, announcement)],
         chunk_bytes=CHUNK,
         on_progress=lambda done, total: progress.append((done, total)),
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -105,6 +117,7 @@ async def test_fetch_state_continues_from_another_source_when_one_dies_mid_trans
         [(dying_addr, announcement), (healthy_addr, announcement)],
         chunk_bytes=CHUNK,
         on_progress=progress,
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -128,7 +141,10 @@ async def test_fetch_state_refuses_a_source_serving_other_bytes_and_fetches_else
 
     with caplog.at_level(logging.WARNING, logger="shared.state.transfer"):
         got = await fetch_state(
-            downloader, [(liar_addr, announcement), (honest_addr, announcement)], chunk_bytes=CHUNK
+            downloader,
+            [(liar_addr, announcement), (honest_addr, announcement)],
+            chunk_bytes=CHUNK,
+            max_bytes=LIMIT,
         )
 
     assert got == blob
@@ -145,7 +161,7 @@ async def test_fetch_state_gives_up_with_reasons_when_only_liars_remain(nursery:
     announcement = liar.offer(7, blob[:-1] + b"\0", digest=state_digest(blob))
 
     with pytest.raises(StateUnavailable, match="do not match the digest") as caught:
-        await fetch_state(downloader, [(liar_addr, announcement)], chunk_bytes=CHUNK)
+        await fetch_state(downloader, [(liar_addr, announcement)], chunk_bytes=CHUNK, max_bytes=LIMIT)
     assert len(caught.value.reasons) == 1
 
 
@@ -171,6 +187,7 @@ async def test_fetch_state_resumes_a_partial_download_after_a_restart(
             chunk_bytes=CHUNK,
             partial_dir=tmp_path,
             on_progress=crash,
+            max_bytes=LIMIT,
         )
     partial = tmp_path / f"{announcement.digest.hex()}.partial"
     assert partial.stat().st_size == 3 * CHUNK
@@ -183,6 +200,7 @@ async def test_fetch_state_resumes_a_partial_download_after_a_restart(
         chunk_bytes=CHUNK,
         partial_dir=tmp_path,
         on_progress=lambda done, total: progress.append(done),
+        max_bytes=LIMIT,
     )
 
     assert got == blob
@@ -200,7 +218,9 @@ async def test_fetch_state_discards_a_damaged_partial_download_and_starts_over(
     announcement = server.offer(7, blob)
     (tmp_path / f"{announcement.digest.hex()}.partial").write_bytes(b"\x01" * (2 * CHUNK))
 
-    got = await fetch_state(downloader, [(address, announcement)], chunk_bytes=CHUNK, partial_dir=tmp_path)
+    got = await fetch_state(
+        downloader, [(address, announcement)], chunk_bytes=CHUNK, partial_dir=tmp_path, max_bytes=LIMIT
+    )
 
     assert got == blob
     # the source finished the damaged attempt, then served the whole blob again on its own
@@ -217,14 +237,17 @@ async def test_fetch_state_needs_no_source_bytes_for_a_complete_partial_download
     partial = tmp_path / f"{announcement.digest.hex()}.partial"
     partial.write_bytes(blob)
 
-    assert await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path) == blob
+    assert (
+        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path, max_bytes=LIMIT)
+        == blob
+    )
     assert server.statistics().bytes_served == 0
     assert not partial.exists()
 
     partial.write_bytes(b"\0" * len(blob))  # complete but wrong, and the only source is gone
     server.forget(announcement.digest)
     with pytest.raises(StateUnavailable, match="partial download"):
-        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path)
+        await fetch_state(downloader, [(address, announcement)], partial_dir=tmp_path, max_bytes=LIMIT)
 
 
 async def test_fetch_state_skips_sources_of_other_digests_and_reports_refusals(nursery: trio.Nursery) -> None:
@@ -234,13 +257,15 @@ async def test_fetch_state_skips_sources_of_other_digests_and_reports_refusals(n
     other = server.offer(3, make_blob(3))
 
     with pytest.raises(StateUnavailable) as caught:
-        await fetch_state(downloader, [(address, wanted), (address, other)], chunk_bytes=CHUNK)
+        await fetch_state(
+            downloader, [(address, wanted), (address, other)], chunk_bytes=CHUNK, max_bytes=LIMIT
+        )
 
     assert len(caught.value.reasons) == 1  # the second source was skipped, not tried
     assert "NOT_FOUND" in caught.value.reasons[0]
     assert server.statistics().bytes_served == 0
     with pytest.raises(StateUnavailable, match="no peer"):
-        await fetch_state(downloader, [])
+        await fetch_state(downloader, [], max_bytes=LIMIT)
 
 
 async def test_fetch_state_moves_on_from_a_source_that_never_answers(nursery: trio.Nursery) -> None:
@@ -261,6 +286,7 @@ async def test_fetch_state_moves_on_from_a_source_that_never_answers(nursery: tr
             downloader,
             [(parse_multiaddr(silent.listen_addrs[0]), announcement), (address, announcement)],
             chunk_bytes=CHUNK,
+            max_bytes=LIMIT,
         )
     assert got == blob
 
@@ -307,12 +333,114 @@ async def test_state_server_keeps_two_blobs_in_memory_and_serves_files_until_for
 
     assert [a.step for a in server.offered()] == [3, 2, 1]
     for blob, offer in zip(blobs, offers, strict=True):
-        assert await fetch_state(downloader, [(address, offer)], chunk_bytes=CHUNK) == blob
+        assert await fetch_state(downloader, [(address, offer)], chunk_bytes=CHUNK, max_bytes=LIMIT) == blob
 
     server.forget(from_file.digest)  # step 1 was dropped from memory by the third offer: now gone
     with pytest.raises(StateUnavailable, match="NOT_FOUND"):
-        await fetch_state(downloader, [(address, offers[0])])
+        await fetch_state(downloader, [(address, offers[0])], max_bytes=LIMIT)
     server.offer_file(1, path, offers[0].digest, len(blobs[0]))
     path.unlink()  # a file deleted under the server is refused, not a crash
     with pytest.raises(StateUnavailable, match="NOT_FOUND"):
-        await fetch_state(downloader, [(address, offers[0])])
+        await fetch_state(downloader, [(address, offers[0])], max_bytes=LIMIT)
+
+
+# ------------------------------------------------------------------ strangers' claims (issue 9, finding 2)
+
+
+async def test_fetch_state_refuses_an_oversized_announcement_before_any_allocation_or_io(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    _, server, address = await start_server(nursery)
+    downloader = await start_host(nursery)
+    blob = make_blob()
+    honest = server.offer(7, blob)
+    book = SourceBook()
+    for nbytes in (1 << 40, LIMIT + 1):  # the wire's ceiling (it once sized a bytearray), and above ours
+        claim = msgspec.structs.replace(honest, nbytes=nbytes)
+        with pytest.raises(StateError, match=f"announced as {nbytes} bytes"):
+            await fetch_state(
+                downloader, [(address, claim)], max_bytes=LIMIT, partial_dir=tmp_path, book=book
+            )
+    assert server.statistics().chunks_served == server.statistics().refused == 0  # nothing was asked
+    assert not (tmp_path / f"{honest.digest.hex()}.partial").exists()  # no partial file either
+    assert book.statistics().failures == 0  # the claim is refused, no source blamed by fetch_state
+    # and the same downloader still takes the honest state
+    assert await fetch_state(downloader, [(address, honest)], max_bytes=LIMIT, book=book) == blob
+
+
+class LyingServer:
+    """Answers state requests with a chunk that lies: ``more`` bytes more than asked, a wrong total, or
+    bytes from ``shift`` bytes further than asked (and says so)."""
+
+    def __init__(
+        self, host: Host, blob: bytes, *, more: int = 0, total: int | None = None, shift: int = 0
+    ) -> None:
+        self.blob, self.more, self.total, self.shift, self.requests = blob, more, total, shift, 0
+        host.bulk_handlers[STATE_TOPIC] = self.answer
+
+    async def answer(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        self.requests += 1
+        request = decode_state_request(header.meta)
+        request = msgspec.structs.replace(request, offset=request.offset + self.shift)
+        end = request.offset + request.length + self.more
+        padded = self.blob + b"\0" * self.more  # also past the blob's end
+        total = self.total if self.total is not None else len(self.blob)
+        meta = encode_state_meta(StateChunk(digest=request.digest, offset=request.offset, total=total))
+        return BulkReply(meta, memoryview(padded[request.offset : end]))
+
+
+@pytest.mark.parametrize(
+    ("more", "total", "shift"),
+    [(1, None, 0), (CHUNK, None, 0), (0, 1 << 40, 0), (0, 1, 0), (0, None, 1)],
+    ids=["one-byte-more", "a-chunk-more", "total-far-above", "total-below", "other-offset"],
+)
+async def test_fetch_state_drops_a_source_lying_about_chunk_sizes_and_takes_the_honest_one(
+    nursery: trio.Nursery, more: int, total: int | None, shift: int
+) -> None:
+    liar_host = await start_host(nursery)
+    blob = make_blob()
+    liar = LyingServer(liar_host, blob, more=more, total=total, shift=shift)
+    _, honest, honest_addr = await start_server(nursery)
+    announcement = honest.offer(7, blob)
+    downloader = await start_host(nursery)
+    liar_addr = parse_multiaddr(liar_host.listen_addrs[0])
+    book = SourceBook()
+
+    got = await fetch_state(
+        downloader,
+        [(liar_addr, announcement), (honest_addr, announcement)],
+        chunk_bytes=CHUNK,
+        max_bytes=LIMIT,
+        book=book,
+    )
+
+    assert got == blob
+    assert liar.requests == 1  # dropped at its first lie
+    assert honest.statistics().bytes_served == len(blob)
+    assert book.statistics().faults == 1 and not book.usable(str(liar_host.peer_id))
+    # while it cools down it is not asked again
+    assert (
+        await fetch_state(
+            downloader, [(liar_addr, announcement), (honest_addr, announcement)], max_bytes=LIMIT, book=book
+        )
+        == blob
+    )
+    assert liar.requests == 1
+
+
+async def test_fetch_state_blames_a_source_serving_other_bytes_in_the_book(nursery: trio.Nursery) -> None:
+    _, liar, liar_addr = await start_server(nursery)
+    _, honest, honest_addr = await start_server(nursery)
+    downloader = await start_host(nursery)
+    blob = make_blob()
+    announcement = liar.offer(7, blob[:-1] + b"\0", digest=state_digest(blob))
+    honest.offer(7, blob)
+    book = SourceBook()
+
+    got = await fetch_state(
+        downloader, [(liar_addr, announcement), (honest_addr, announcement)], max_bytes=LIMIT, book=book
+    )
+
+    assert got == blob
+    assert book.statistics().faults == 1
+    assert not book.usable(str(liar_addr.peer_id)) and book.usable(str(honest_addr.peer_id))

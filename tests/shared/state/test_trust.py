@@ -1,4 +1,5 @@
-"""trusted_state: which announced state to believe (a pure function; property tests)."""
+"""trusted_state: which announced state to believe, by distinct admitted users (a pure function; property
+tests)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.training import StateAnnouncement
-from shared.state.transfer import trusted_state
+from shared.state.trust import BACKBONE_USER, Announced, support_of, trusted_state
 
 
 def ann(
@@ -20,88 +21,141 @@ def ann(
     )
 
 
-_announcements = st.dictionaries(
+def by(user: str, announcement: StateAnnouncement) -> Announced:
+    return Announced(announcement, user)
+
+
+def alone(announcements: dict[str, StateAnnouncement]) -> dict[str, Announced]:
+    """Each writer its own user (an open run)."""
+    return {w: Announced(a, w) for w, a in announcements.items()}
+
+
+_announcement = st.builds(
+    ann,
+    st.integers(0, 4),
+    st.integers(0, 3),
+    backbone=st.booleans(),
+    time=st.floats(0, 100, allow_nan=False),
+    nbytes=st.sampled_from([100, 101]),
+)
+_announced = st.dictionaries(
     st.text("abcdefgh", min_size=1, max_size=3),
-    st.builds(
-        ann,
-        st.integers(0, 4),
-        st.integers(0, 3),
-        backbone=st.booleans(),
-        time=st.floats(0, 100, allow_nan=False),
-        nbytes=st.sampled_from([100, 101]),
-    ),
+    st.builds(Announced, _announcement, st.sampled_from(["u1", "u2", "u3", BACKBONE_USER])),
     max_size=12,
 )
 
 
+def credible(writer: str, entry: Announced) -> bool:
+    return entry.announcement.backbone and entry.user in (BACKBONE_USER, writer)
+
+
 @settings(max_examples=300, deadline=None)
-@given(_announcements, st.integers(0, 5))
+@given(_announced, st.integers(0, 5))
 def test_trusted_state_lists_every_writer_once_in_its_own_group(
-    announcements: dict[str, StateAnnouncement], min_step: int
+    announced: dict[str, Announced], min_step: int
 ) -> None:
-    ranked = trusted_state(announcements, min_step=min_step)
+    ranked = trusted_state(announced, min_step=min_step)
     seen = [w for _, writers in ranked for w in writers]
-    assert sorted(seen) == sorted(w for w, a in announcements.items() if a.step >= min_step)
+    assert sorted(seen) == sorted(w for w, e in announced.items() if e.announcement.step >= min_step)
     for summary, writers in ranked:
         for writer in writers:
-            mine = announcements[writer]
+            mine = announced[writer].announcement
             assert (mine.step, mine.digest, mine.nbytes) == (summary.step, summary.digest, summary.nbytes)
-        assert summary.backbone == any(announcements[w].backbone for w in writers)
-        assert summary.time == max(announcements[w].time for w in writers)
-        # backbones are listed first as sources
-        flags = [announcements[w].backbone for w in writers]
+        assert summary.backbone == any(credible(w, announced[w]) for w in writers)
+        assert summary.time == max(announced[w].announcement.time for w in writers)
+        # credible backbones are listed first as sources
+        flags = [credible(w, announced[w]) for w in writers]
         assert flags == sorted(flags, reverse=True)
     keys = [(s.step, s.digest, s.nbytes) for s, _ in ranked]
     assert len(keys) == len(set(keys))
 
 
 @settings(max_examples=300, deadline=None)
-@given(_announcements)
-def test_trusted_state_orders_newest_step_then_most_writers_then_backbone(
-    announcements: dict[str, StateAnnouncement],
+@given(_announced)
+def test_trusted_state_orders_newest_step_then_most_users_then_backbone(
+    announced: dict[str, Announced],
 ) -> None:
-    ranked = trusted_state(announcements)
+    ranked = trusted_state(announced)
     for (a, wa), (b, wb) in itertools.pairwise(ranked):
         assert a.step >= b.step
         if a.step == b.step:
-            assert len(wa) >= len(wb)
-            if len(wa) == len(wb):
+            assert support_of(announced, wa) >= support_of(announced, wb)
+            if support_of(announced, wa) == support_of(announced, wb):
                 assert a.backbone >= b.backbone
 
 
 @settings(max_examples=200, deadline=None)
-@given(_announcements, st.randoms(use_true_random=False))
+@given(_announced, st.randoms(use_true_random=False))
 def test_trusted_state_does_not_depend_on_the_mapping_order(
-    announcements: dict[str, StateAnnouncement], rng: random.Random
+    announced: dict[str, Announced], rng: random.Random
 ) -> None:
-    items = list(announcements.items())
+    items = list(announced.items())
     rng.shuffle(items)
-    assert trusted_state(dict(items)) == trusted_state(announcements)
+    assert trusted_state(dict(items)) == trusted_state(announced)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     step=st.integers(0, 1000),
+    identities=st.integers(1, 40),
+    liar_digests=st.lists(st.integers(11, 14), min_size=1, max_size=40),
     liar_backbone=st.booleans(),
-    others=_announcements,
+    honest_machines=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    others=_announced,
 )
-def test_trusted_state_puts_a_single_liar_after_two_honest_peers(
-    step: int, liar_backbone: bool, others: dict[str, StateAnnouncement]
+def test_trusted_state_one_user_with_k_identities_never_outvotes_two_other_users(
+    step: int,
+    identities: int,
+    liar_digests: list[int],
+    liar_backbone: bool,
+    honest_machines: tuple[int, int],
+    others: dict[str, Announced],
 ) -> None:
-    # the liar claims the same step with another digest (even claiming to be a backbone)
-    announcements = {k: a for k, a in others.items() if a.step < step}
-    announcements |= {
-        "honest-1": ann(step, 10, time=1.0),
-        "honest-2": ann(step, 10, time=2.0),
-        "liar": ann(step, 11, backbone=liar_backbone, time=99.0),
-    }
-    ranked = trusted_state(announcements)
-    order = [s.digest[0] for s, _ in ranked if s.step == step]
-    assert order == [10, 11]
-    assert ranked[0][1] == ["honest-2", "honest-1"]  # most recent first
+    # finding 8: the liar makes up ``identities`` peer ids (all admitted as the one user "mallory"), each
+    # announcing some state of the same step, even claiming to be a backbone; two honest users (on one to
+    # three machines each) agree on digest 10
+    announced = {w: e for w, e in others.items() if e.announcement.step < step and e.user != "mallory"}
+    for i in range(identities):
+        digest = liar_digests[i % len(liar_digests)]
+        announced[f"mallory-{i}"] = by("mallory", ann(step, digest, backbone=liar_backbone, time=99.0))
+    for user, machines in zip(("alice", "bob"), honest_machines, strict=True):
+        for m in range(machines):
+            announced[f"{user}-{m}"] = by(user, ann(step, 10, time=float(m)))
+
+    ranked = trusted_state(announced)
+
+    first, writers = ranked[0]
+    assert (first.step, first.digest[0]) == (step, 10)
+    assert support_of(announced, writers) == 2
+    assert not first.backbone and all(not s.backbone for s, _ in ranked if s.step == step)
+    assert all(support_of(announced, w) == 1 for s, w in ranked[1:] if s.step == step)
 
 
-def test_trusted_state_breaks_a_tie_by_the_backbone() -> None:
-    ranked = trusted_state({"v": ann(5, 1), "b": ann(5, 2, backbone=True), "old": ann(4, 3)})
+@settings(max_examples=100, deadline=None)
+@given(identities=st.integers(3, 40))
+def test_trusted_state_counts_one_user_once_however_many_writers(identities: int) -> None:
+    announced = {f"m{i}": by("mallory", ann(5, 11, time=float(i))) for i in range(identities)}
+    announced |= {"a": by("alice", ann(5, 10)), "b": by("bob", ann(5, 10))}
+    ranked = trusted_state(announced)
+    assert [s.digest[0] for s, _ in ranked] == [10, 11]
+    # without the users (an open run: every writer stands for itself) the writers would win
+    writers_only = {w: Announced(e.announcement, w) for w, e in announced.items()}
+    assert trusted_state(writers_only)[0][0].digest[0] == 11
+
+
+def test_trusted_state_breaks_a_tie_by_a_credible_backbone_then_by_digest() -> None:
+    ranked = trusted_state(alone({"v": ann(5, 1), "b": ann(5, 2, backbone=True), "old": ann(4, 3)}))
     assert [(s.digest[0], w) for s, w in ranked] == [(2, ["b"]), (1, ["v"]), (3, ["old"])]
-    assert trusted_state({"v": ann(5, 1)}, min_step=6) == []
+    assert trusted_state(alone({"v": ann(5, 1)}), min_step=6) == []
+    # an admitted volunteer that flags its announcement "backbone" is not believed to be one
+    ranked = trusted_state({"v": by("alice", ann(5, 1)), "x": by("mallory", ann(5, 2, backbone=True))})
+    assert [(s.digest[0], s.backbone) for s, _ in ranked] == [(1, False), (2, False)]
+    ranked = trusted_state({"v": by("alice", ann(5, 2)), "b": by(BACKBONE_USER, ann(5, 1, backbone=True))})
+    assert [(s.digest[0], s.backbone) for s, _ in ranked] == [(1, True), (2, False)]
+
+
+def test_trusted_state_takes_a_lone_peer_when_nobody_contradicts_it() -> None:
+    announced = {"v": by("alice", ann(7, 1)), "w": by("bob", ann(6, 2)), "x": by("carol", ann(6, 2))}
+    ranked = trusted_state(announced)
+    # newest step first even with less support: whether a step is credible is the caller's question
+    assert [(s.step, support_of(announced, w)) for s, w in ranked] == [(7, 1), (6, 2)]
