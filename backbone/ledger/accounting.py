@@ -75,7 +75,15 @@ from dataclasses import dataclass
 import msgspec
 
 from protocols.errors import ProtocolError
-from protocols.ledger import MAX_REPORT_BYTES, Capabilities, ContributionReport, SignedReport, report_payload
+from protocols.ledger import (
+    MAX_INTERVAL_S,
+    MAX_REPORT_AGE_S,
+    MAX_REPORT_BYTES,
+    Capabilities,
+    ContributionReport,
+    SignedReport,
+    report_payload,
+)
 from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload
 from shared.auth.keys import verify_by_peer_id
 from shared.errors import ProjectError
@@ -108,8 +116,6 @@ __all__ = [
 CLOCK_SKEW_S = 300.0
 OVERLAP_TOLERANCE_S = 1.0
 COMPUTE_TOLERANCE_S = 1.0
-MAX_INTERVAL_S = 3600.0
-MAX_REPORT_AGE_S = 24 * 3600.0
 MAX_SAMPLES_PER_SECOND = 1e6
 MAX_BANDWIDTH_BPS = 1e11
 CAPABILITY_HISTORY_S = 60.0
