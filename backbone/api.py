@@ -400,7 +400,13 @@ def build_app(state: ApiState) -> Starlette:
         await state.on_user_removed(username)
         return _json({"username": username, "removed": True})
 
+    async def not_routed(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        code = "method_not_allowed" if status == 405 else "not_found"
+        return _json(ApiError(code, f"no {request.method} {request.url.path[:200]!r} here"), status)
+
     return Starlette(
+        exception_handlers={404: not_routed, 405: not_routed},
         routes=[
             health,
             manifest,
@@ -415,7 +421,7 @@ def build_app(state: ApiState) -> Starlette:
             add_user,
             list_users,
             remove_user,
-        ]
+        ],
     )
 
 
