@@ -1,5 +1,10 @@
 """The ledger's only SQL I/O: allowlist, peers and sessions, contribution reports, steps, leaderboard.
 
+Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
+assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``) and pull
+records, and credits it the increase of ``min(claims, evidence)``, all in one transaction under the
+reporting peer's row lock, so two backbones on one database cannot credit one receipt twice.
+
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
 ``DB_WRITE = trio.CapacityLimiter(1)`` for all writes (SQLite has one writer at a time anyway, and a

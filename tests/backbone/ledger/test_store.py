@@ -570,6 +570,38 @@ def test_open_refuses_a_database_with_a_newer_schema(ledger_url: str) -> None:
         LedgerStore.open(ledger_url)
 
 
+def test_open_migrates_a_version_1_ledger_keeping_its_credit_as_history(ledger_url: str) -> None:
+    with LedgerStore.open(ledger_url) as store:
+        join(store, "alice", LAPTOP)
+        join(store, "bob", SERVER)
+        old = make_report(LAPTOP, 0, samples=777, bytes_aggregated=5)
+        store.record_report(sign(LAPTOP, old), old, CREDITED, now=T0)
+    engine = sqlalchemy.create_engine(ledger_url)
+    try:  # make it the version-1 shape: no receipts or pulls tables, no credited_* columns
+        with engine.begin() as conn:
+            for table in ("receipts", "pulls"):
+                conn.execute(sqlalchemy.text(f"DROP TABLE {table}"))
+            for column in (
+                "credited_samples",
+                "credited_compute_seconds",
+                "credited_bytes_aggregated",
+                "scheme",
+                "notes",
+            ):
+                conn.execute(sqlalchemy.text(f"ALTER TABLE reports DROP COLUMN {column}"))
+            conn.execute(sqlalchemy.text("UPDATE schema_version SET version = 1"))
+    finally:
+        engine.dispose()
+    with LedgerStore.open(ledger_url) as store:
+        [alice, bob] = store.leaderboard()
+        assert (alice.samples, alice.bytes_aggregated, bob.samples) == (777, 5, 0)  # version 1's credit
+        steps(store, 1)
+        new = make_report(LAPTOP, 1, samples=100, receipts=[receipt(SERVER, LAPTOP, 1, 100)])
+        verdict = store.assess_and_record(sign(LAPTOP, new), new, now=T0 + 3600)
+        assert verdict is not None and verdict.samples == 100  # history does not eat into new credit
+        assert store.leaderboard()[0].samples == 877
+
+
 def test_closed_store_raises_ledger_error(store: LedgerStore) -> None:
     store.close()
     store.close()
