@@ -270,13 +270,14 @@ def build_app(state: ApiState) -> Starlette:
             access = state.authority.key.verify_token(body.token)
         except AuthError as exc:
             raise HttpError(401, "bad_token", str(exc)) from exc
-        _limit(state.refresh_by_peer, access.peer_id, now, "refreshes of this peer's token")
         if access.run_id != state.run_id or now > access.expires_at + REFRESH_GRACE:
             raise HttpError(401, "bad_token", "token of another run, or expired too long ago; join again")
         if not verify(
             access.public_key, body.signature, refresh_payload(body.run_id, body.token, body.timestamp)
         ):
             raise HttpError(401, "bad_signature", "the refresh request is not signed by the token's key")
+        # After the signature: tokens travel in every RPC, so whoever saw one must not spend its budget.
+        _limit(state.refresh_by_peer, access.peer_id, now, "refreshes of this peer's token")
         username = await db(state.store.active_user_of_peer, access.peer_id)
         if username != access.username:
             raise HttpError(

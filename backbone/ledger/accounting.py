@@ -33,8 +33,9 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   not counted — one person cannot vouch for themself). Each ``(sender, step)`` is stored once, ever
   (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
   receipts of that step in the first report that brought one; later receipts of that pair are
-  duplicates. The weight is capped by the step's recorded sample count when the ledger knows it (the
-  whole collaboration's batch of that step).
+  duplicates. The weight is capped by the step's recorded sample count (the whole collaboration's
+  batch of that step), or, for a step recorded without one (jumped over), by the largest batch the run
+  recorded.
 * a receipt's step must be one the run recorded (:mod:`backbone.steps` writes ``steps``): a receipt for a
   step not (yet) in ``steps`` is *held*: stored, not counted, and counted from the first report after
   the step is recorded (a report can race the step recorder by a second). One for a step the run never
@@ -54,6 +55,11 @@ another peer after this one) is credited with the peer's next report, a duplicat
 adds nothing, and no peer is ever credited more than both it claimed and others observed.
 ``bytes_relayed`` has no evidence yet (relays sign nothing) and is credited 0.
 
+**Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
+colluding users can credit each other at most one recorded batch per sender and step (samples), and
+aggregation bytes as large as their pull records say (the ledger does not know the model's size).
+Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
+
 **A lone volunteer** (no peer of another user in its rounds) gets no receipts it can use, so its work is
 recorded and credited 0. That is not a false negative of a check but the rule itself: nobody else saw
 that work, and work that only its author vouches for is exactly the claim finding 9 exploited. It counts
@@ -70,6 +76,7 @@ so a peer whose speed changed is never flagged for it (issue 11's false flags).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
@@ -109,6 +116,7 @@ __all__ = [
     "check_capabilities",
     "credit_due",
     "reason_codes",
+    "valid_receipts",
     "verify_receipt",
     "verify_report",
 ]
@@ -240,6 +248,23 @@ def verify_receipt(signed: SignedReceipt, run_id: str, sender: str) -> PartRecei
     if not verify_by_peer_id(receipt.aggregator, signed.signature, receipt_payload(signed.receipt)):
         raise ReceiptRejected("receipt_bad_signature", f"not signed by aggregator {receipt.aggregator}")
     return receipt
+
+
+def valid_receipts(
+    report: ContributionReport, run_id: str
+) -> tuple[dict[int, list[PartReceipt]], Counter[str]]:
+    """The report's receipts that pass :func:`verify_receipt`, by step, and how many did not, by code.
+    (Whose peer signed them is the store's to check; it then keeps the largest weight per step.)"""
+    valid: dict[int, list[PartReceipt]] = {}
+    rejected: Counter[str] = Counter()
+    for signed in report.receipts:
+        try:
+            receipt = verify_receipt(signed, run_id, report.peer_id)
+        except ReceiptRejected as exc:
+            rejected[exc.code] += 1
+            continue
+        valid.setdefault(receipt.step, []).append(receipt)
+    return valid, rejected
 
 
 def credit_due(claimed: Credit, evidence: Credit, credited: Credit) -> Credit:

@@ -66,13 +66,12 @@ from shared.errors import ConfigError
 from .accounting import (
     Assessment,
     Credit,
-    ReceiptRejected,
     assess,
     cap_capabilities,
     check_capabilities,
     credit_due,
     reason_codes,
-    verify_receipt,
+    valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
 from .schema import Invite, Peer, PeerSession, Pull, Receipt, Report, Step, User, create_schema
@@ -468,6 +467,7 @@ class LedgerStore:
         now: float,
     ) -> Verdict | None:
         values = _report_values(signed, report, now)
+        receipts, rejected = valid_receipts(report, report.run_id)  # signatures: outside the write lock
         try:
             with self._tx(write=True) as conn:
                 peer = _load_peer(conn, report.peer_id, for_update=True)
@@ -486,7 +486,7 @@ class LedgerStore:
                 key = result.inserted_primary_key
                 assert key is not None  # a single-row INSERT always has one
                 report_id = int(key[0])
-                notes = _store_evidence(conn, report, peer.user_id, report_id, self._run_id(report))
+                notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
                 credit = _credit(conn, report.peer_id) if assessment.credited else Credit()
                 conn.execute(
                     update(Report)
@@ -511,11 +511,6 @@ class LedgerStore:
             bytes_aggregated=credit.bytes_aggregated,
             notes=_format_notes(notes),
         )
-
-    @staticmethod
-    def _run_id(report: ContributionReport) -> str:
-        # verify_report checked report.run_id is this run's; receipts must name the same run
-        return report.run_id
 
     def previous_end(self, peer_id: str) -> float | None:
         """``interval_end`` of the peer's latest credited report, or None."""
@@ -872,34 +867,33 @@ def _recorded_steps(conn: Connection, steps: set[int]) -> set[int]:
 
 
 def _store_evidence(
-    conn: Connection, report: ContributionReport, user_id: int, report_id: int, run_id: str
+    conn: Connection,
+    report: ContributionReport,
+    valid: dict[int, list[PartReceipt]],
+    user_id: int,
+    report_id: int,
 ) -> Counter[str]:
-    """Store the report's receipts and pull records that may count (module docstring of accounting);
-    returns how many did not, by code (``receipt_held``: stored, counted once its step is recorded)."""
+    """Store the report's verified receipts (``valid``, by step) and its pull records that may count
+    (accounting's docstring); returns how many did not, by code (``receipt_held``: stored, counted once
+    its step is recorded)."""
     notes: Counter[str] = Counter()
-    best: dict[int, PartReceipt] = {}
-    for signed in report.receipts:
-        try:
-            receipt = verify_receipt(signed, run_id, report.peer_id)
-        except ReceiptRejected as exc:
-            notes[exc.code] += 1
+    aggregators = {r.aggregator for receipts in valid.values() for r in receipts}
+    users = _users_of(conn, aggregators | {p.aggregator for p in report.pulled})
+    recorded = _recorded_steps(conn, set(valid) | {p.step for p in report.pulled})
+    for step, receipts in sorted(valid.items()):
+        others = []
+        for candidate in receipts:
+            aggregator_user = users.get(candidate.aggregator)
+            if aggregator_user is None:
+                notes["receipt_unknown_aggregator"] += 1
+            elif aggregator_user == user_id:
+                notes["receipt_same_user"] += 1
+            else:
+                others.append(candidate)
+        if not others:
             continue
-        if receipt.step not in best or receipt.weight > best[receipt.step].weight:
-            if receipt.step in best:
-                notes["receipt_duplicate"] += 1
-            best[receipt.step] = receipt
-        else:
-            notes["receipt_duplicate"] += 1
-    users = _users_of(conn, {r.aggregator for r in best.values()} | {p.aggregator for p in report.pulled})
-    recorded = _recorded_steps(conn, set(best) | {p.step for p in report.pulled})
-    for step, receipt in sorted(best.items()):
-        aggregator_user = users.get(receipt.aggregator)
-        if aggregator_user is None:
-            notes["receipt_unknown_aggregator"] += 1
-            continue
-        if aggregator_user == user_id:
-            notes["receipt_same_user"] += 1
-            continue
+        receipt = max(others, key=lambda r: r.weight)
+        notes["receipt_duplicate"] += len(others) - 1
         known = conn.execute(
             select(Receipt.step).where(Receipt.sender == report.peer_id, Receipt.step == step)
         ).one_or_none()
@@ -969,10 +963,13 @@ def _credit(conn: Connection, peer_id: str) -> Credit:
         ).where(*mine)
     ).one()
     # A receipt's weight is capped by the step's recorded samples when the ledger knows them.
-    capped = case(
-        (Step.samples > 0, case((Receipt.weight > Step.samples, Step.samples), else_=Receipt.weight)),
-        else_=Receipt.weight,
-    )
+    # A receipt's weight is capped by its step's recorded samples (the collaboration's batch), or, for a
+    # step recorded without samples (jumped over), by the largest batch the run recorded.
+    largest = float(conn.execute(select(func.coalesce(func.max(Step.samples), 0))).scalar_one())
+    capped: Any = Receipt.weight
+    if largest > 0:
+        bound = case((Step.samples > 0, sql_cast(Step.samples, Double)), else_=largest)
+        capped = case((Receipt.weight > bound, bound), else_=Receipt.weight)
     weights = conn.execute(
         select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
         .select_from(Receipt)

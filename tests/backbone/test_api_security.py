@@ -129,6 +129,22 @@ async def test_refresh_reports_and_capabilities_are_rate_limited_per_peer(
         assert statuses == [200, 200, 200, 429, 429]
 
 
+async def test_a_replayed_token_does_not_spend_its_peers_refresh_budget(tmp_path: Path) -> None:
+    with in_process_api(tmp_path, refresh_by_peer=RateLimiter(rate=1e-6, burst=2)) as api:
+        mallory = Identity.generate()  # saw alice's token in an RPC, holds no key of hers
+        now = time.time()
+        forged = RefreshRequest(
+            run_id=api.state.run_id,
+            token=api.token,
+            timestamp=now,
+            signature=mallory.sign(refresh_payload(api.state.run_id, api.token, now)),
+        )
+        for _ in range(4):
+            response = await api.request("POST", "refresh", content=msgspec.json.encode(forged))
+            assert (response.status_code, response.json()["error"]) == (401, "bad_signature")
+        assert (await api.request("POST", "refresh", content=_refresh(api))).status_code == 200
+
+
 async def test_posts_are_rate_limited_per_address_before_the_body_is_read(tmp_path: Path) -> None:
     with in_process_api(tmp_path, posts_by_address=RateLimiter(rate=1e-6, burst=2)) as api:
         statuses = [(await api.request("POST", "reports", content=b"{}")).status_code for _ in range(4)]

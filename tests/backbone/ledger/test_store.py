@@ -424,9 +424,21 @@ def test_credit_never_exceeds_the_claims_nor_the_steps_recorded_samples(store: L
     join(store, "alice", LAPTOP)
     join(store, "bob", SERVER)
     store.record_step(1, finished_at=T0, loss=None, samples=64, peers=2)
+    store.record_step(2, finished_at=T0, loss=None, samples=0, peers=0)  # jumped over: samples unknown
     verdict = record(store, LAPTOP, 0, samples=1000, receipts=[receipt(SERVER, LAPTOP, 1, 10**6)])
     assert verdict.samples == 64  # the whole collaboration's batch of step 1
     assert record(store, LAPTOP, 1, samples=10, receipts=[]).samples == 0
+    verdict = record(store, LAPTOP, 2, samples=10**6, receipts=[receipt(SERVER, LAPTOP, 2, 10**6)])
+    assert verdict.samples == 64  # the largest batch the run recorded
+
+
+def test_a_same_user_receipt_does_not_shadow_another_users_of_the_same_step(store: LedgerStore) -> None:
+    join(store, "alice", LAPTOP, DESKTOP)
+    join(store, "bob", SERVER)
+    steps(store, 1)
+    receipts = [receipt(DESKTOP, LAPTOP, 1, 50), receipt(SERVER, LAPTOP, 1, 50)]
+    verdict = record(store, LAPTOP, 0, samples=50, receipts=receipts)
+    assert (verdict.samples, verdict.notes) == (50, "receipt_same_user: 1")
 
 
 def test_an_interval_begun_long_ago_is_flagged_and_credits_nothing(store: LedgerStore) -> None:
