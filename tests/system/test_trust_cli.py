@@ -128,10 +128,12 @@ def test_removing_a_user_cuts_all_its_machines_off_within_seconds(tmp_path: Path
             env=ENV,
         )
         for proc in machines:
-            _, err = proc.communicate(timeout=30)
+            _, err = proc.communicate(timeout=120)
             assert proc.returncode == 1
             assert "has been removed" in err.replace("\n", " ")
-        assert time.monotonic() - started < 30
+        # within seconds rather than at token expiry (6 h); the margin is for a loaded machine (took 41 s
+        # at a load average of 24 on 2 cores; a removed user's shard downloads are refused too now)
+        assert time.monotonic() - started < 120
         assert bob.poll() is None  # the others go on
     finally:
         for proc in machines:
