@@ -148,7 +148,7 @@ class TrainingSession:
                 )
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)
-                self.reporter.close_interval()
+                self.reporter.close_all()
                 await collab.leave()
                 with trio.move_on_after(REPORT_FLUSH_DEADLINE):
                     await self.reporter.flush()

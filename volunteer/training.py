@@ -118,6 +118,7 @@ class Reporter:
         self.book = ReceiptBook(identity.peer_id)
         self._open: list[StepRecord] = []  # steps not in a report yet
         self._last_end = time.time()
+        self._last_step = 0
         self._wakeup = trio.Event()
         self._sending = trio.Lock()
         self.sent = 0
@@ -144,11 +145,14 @@ class Reporter:
         return len(self.book) >= min(MAX_RECEIPTS_PER_REPORT, MAX_PULLED_PER_REPORT)
 
     def close_interval(self) -> None:
-        """Turn the steps noted so far into one signed report, queued for sending."""
-        if not self._open:
+        """Turn the steps noted so far, and one report's worth of the receipt book, into one signed
+        report, queued for sending. With no step but receipts (the last round's, arriving after its
+        step was noted), the report claims nothing and carries them."""
+        if not self._open and not len(self.book):
             return
         steps, self._open = self._open, []
-        end = max(max(s.finished_at for s in steps), self._last_end)
+        end = max([s.finished_at for s in steps] or [time.time()])
+        end = max(end, self._last_end)
         # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
         # state download, no peers) covers only the last hour of it, which holds all of its compute.
         self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
@@ -157,7 +161,7 @@ class Reporter:
             run_id=self.run_id,
             peer_id=self.identity.peer_id,
             seq=self._seq,
-            global_step=max(s.step for s in steps),
+            global_step=max([s.step for s in steps] or [self._last_step]),
             samples=sum(s.samples for s in steps),
             compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
             bytes_aggregated=sum(s.bytes_aggregated for s in steps),
@@ -168,6 +172,7 @@ class Reporter:
             pulled=pulled,
         )
         self._last_end = end
+        self._last_step = report.global_step
         self._seq += 1
         self._save_seq()
         data = msgspec.msgpack.encode(report)
@@ -182,6 +187,12 @@ class Reporter:
         """A report that will never be credited: its receipts and pull records go out with a later one."""
         if report.receipts or report.pulled:
             self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+
+    def close_all(self) -> None:
+        """Before leaving: report the open steps and everything the receipt book holds."""
+        self.close_interval()
+        while len(self.book):
+            self.close_interval()
 
     async def send_forever(self) -> None:
         while True:

@@ -124,3 +124,18 @@ async def test_a_full_book_closes_a_report_early_and_intervals_stay_within_the_b
     assert first.interval_end - first.interval_start <= MAX_INTERVAL_S
     assert first.compute_seconds <= first.interval_end - first.interval_start
     await trio.lowlevel.checkpoint()
+
+
+def test_leaving_reports_the_receipts_that_arrived_after_the_last_step(tmp_path: Path) -> None:
+    alice, bob = Identity.generate(), Identity.generate()
+    reporter = Reporter("r@x", alice, None, tmp_path)
+    reporter.record(step(7, time.time()))
+    reporter.close_interval()
+    for number in range(7, 7 + 40):  # the last rounds' receipts (and more than one report's worth)
+        reporter.book.add(number, [(bob.peer_id, receipt(bob, alice.peer_id, "r@x", number, 1.0))])
+    reporter.close_all()
+    first, *rest = sent(reporter)
+    assert first.samples == 32 and not first.receipts
+    assert [len(r.receipts) for r in rest] == [32, 8]
+    assert all(r.samples == 0 and r.global_step == 7 for r in rest) and len(reporter.book) == 0
+    assert [r.seq for r in sent(reporter)] == [0, 1, 2]
