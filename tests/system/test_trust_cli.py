@@ -120,7 +120,6 @@ def test_removing_a_user_cuts_all_its_machines_off_within_seconds(tmp_path: Path
             ).stdout
         )
         assert len(next(u for u in listed if u["username"] == "alice")["peers"]) == 2
-        started = time.monotonic()
         subprocess.run(
             cli("backbone", "allow", "remove", "alice", "--data-dir", str(tmp_path / "bb")),
             check=True,
@@ -128,12 +127,11 @@ def test_removing_a_user_cuts_all_its_machines_off_within_seconds(tmp_path: Path
             env=ENV,
         )
         for proc in machines:
+            # Revocations are polled every 2 s; the generous deadline is for a loaded machine, and still
+            # far below a token's lifetime (a removal that waited for expiry would fail here).
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 1
             assert "has been removed" in err.replace("\n", " ")
-        # within seconds rather than at token expiry (6 h); the margin is for a loaded machine (took 41 s
-        # at a load average of 24 on 2 cores; a removed user's shard downloads are refused too now)
-        assert time.monotonic() - started < 120
         assert bob.poll() is None  # the others go on
     finally:
         for proc in machines:
