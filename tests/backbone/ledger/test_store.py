@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -10,6 +11,8 @@ from typing import TypeVar
 
 import pytest
 import sqlalchemy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backbone.ledger import (
     Assessment,
@@ -665,3 +668,51 @@ def test_open_postgresql_accepts_the_plain_postgresql_scheme(postgres: PostgresC
     url = postgres.create_database()
     with LedgerStore.open(url.replace("postgresql+psycopg://", "postgresql://")) as store:
         assert store.dialect == "postgresql"
+
+
+_events = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # which of alice's machines reports (2: her second machine, same user)
+        st.integers(0, 2000),  # claimed samples
+        st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(0, 500)), max_size=4),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def test_credit_is_never_more_than_claims_nor_distinct_receipts_of_other_users(tmp_path: Path) -> None:
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        steps(store, *range(1, 7))
+        users = itertools.count()
+
+        @settings(max_examples=30, deadline=None)
+        @given(events=_events)
+        def check(events: list[tuple[int, int, list[tuple[int, int, int]]]]) -> None:
+            # aggregators 0, 1: bob's machines; 2: alice's other machine; 3: unknown to the ledger
+            n = next(users)
+            alice = [Identity.generate() for _ in range(3)]
+            bob = [Identity.generate() for _ in range(2)]
+            join(store, f"alice{n}", *alice)
+            join(store, f"bob{n}", *bob)
+            aggregators = [bob[0], bob[1], alice[2], Identity.generate()]
+            claims = {a.peer_id: 0 for a in alice}
+            best: dict[tuple[str, int], int] = {}
+            seqs = {a.peer_id: 0 for a in alice}
+            for who, samples, receipts in events:
+                peer = alice[who]
+                seq = seqs[peer.peer_id]
+                seqs[peer.peer_id] += 1
+                signed = [receipt(aggregators[a], peer, s, w) for a, s, w in receipts]
+                verdict = record(store, peer, seq, samples=samples, receipts=signed, now=T0 + 3600)
+                assert verdict.credited and verdict.samples >= 0
+                claims[peer.peer_id] += samples
+                for a, s, _ in receipts:
+                    if a < 2 and (peer.peer_id, s) not in best:
+                        best[(peer.peer_id, s)] = max(w for a2, s2, w in receipts if a2 < 2 and s2 == s)
+            for peer in alice:
+                credited = sum(r.credited_samples for r in store.peer_reports(peer.peer_id))
+                evidence = sum(w for (p, _), w in best.items() if p == peer.peer_id)
+                assert credited == pytest.approx(min(claims[peer.peer_id], evidence))
+
+        check()
