@@ -23,6 +23,7 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from protocols.api import (
+    ACCESS_SCHEME,
     MAX_BODY_BYTES,
     ApiError,
     Invite,
@@ -35,6 +36,8 @@ from protocols.api import (
     RevocationList,
     ShardList,
     Username,
+    api_request_payload,
+    decode_api_credential,
     encode_invite,
     join_payload,
     refresh_payload,
@@ -51,9 +54,17 @@ from protocols.peer_id import peer_id_from_public_key
 from shared.auth.authority import Authority
 from shared.auth.keys import verify, verify_by_peer_id
 from shared.data.shards import ShardCatalog
-from shared.errors import AuthError, ProtocolError
+from shared.errors import AuthError, ConfigError, ProtocolError
 
-from .ledger import InviteRejected, LedgerStore, ReportRejected, UnknownPeer, UnknownUser, verify_report
+from .ledger import (
+    CapabilitiesRejected,
+    InviteRejected,
+    LedgerStore,
+    ReportRejected,
+    UnknownPeer,
+    UnknownUser,
+    verify_report,
+)
 from .ratelimit import RateLimiter
 
 __all__ = ["ApiState", "DB_READ", "DB_WRITE", "build_app"]
@@ -64,6 +75,8 @@ DB_READ = trio.CapacityLimiter(4)
 FILES = trio.CapacityLimiter(2)  # listing and hashing dataset shards
 #: how long after expiry a token may still be refreshed (a laptop that slept overnight)
 REFRESH_GRACE = 24 * 3600.0
+#: the longest invite lifetime the admin API grants (ten years)
+MAX_INVITE_LIFETIME = 10 * 365 * 86400.0
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -94,6 +107,13 @@ class ApiState:
     clock: Callable[[], float] = time.time
     join_by_address: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.5, burst=10))
     join_by_invite: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.2, burst=5))
+    #: refresh, reports and capabilities: per source address first (before the body is read), then
+    #: per peer. A volunteer reports every ~10 s and flushes a backlog after an outage: the reports
+    #: budget lets 120 go at once, then one a second (the rest wait for the volunteer's next try).
+    posts_by_address: RateLimiter = field(default_factory=lambda: RateLimiter(rate=20.0, burst=200))
+    refresh_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.05, burst=5))
+    reports_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=1.0, burst=120))
+    capabilities_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.1, burst=10))
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
 
 
@@ -120,10 +140,17 @@ async def _body(request: Request, kind: type[T]) -> T:
         raise HttpError(400, "bad_json", f"the body is not valid JSON: {exc}") from exc
 
 
+def _limit(limiter: RateLimiter, key: str, now: float, what: str) -> None:
+    if not limiter.allow(key, now):
+        raise HttpError(429, "rate_limited", f"too many {what}; retry later")
+
+
 def build_app(state: ApiState) -> Starlette:
     def route(
-        path: str, methods: list[str], admin: bool = False
+        path: str, methods: list[str], admin: bool = False, access: bool = False
     ) -> Callable[[Callable[[Request], Awaitable[Response]]], Route]:
+        """``admin``: the admin token only; ``access``: the admin token or a member's credential."""
+
         def wrap(handler: Callable[[Request], Awaitable[Response]]) -> Route:
             async def endpoint(request: Request) -> Response:
                 client = request.client.host if request.client else "?"
@@ -132,6 +159,8 @@ def build_app(state: ApiState) -> Starlette:
                         raise HttpError(404, "unknown_run", f"this backbone serves run {state.run_id}")
                     if admin:
                         _check_admin(request, state.admin_token)
+                    elif access:
+                        await check_access(request)
                     return await handler(request)
                 except HttpError as exc:
                     logger.warning(
@@ -150,6 +179,35 @@ def build_app(state: ApiState) -> Starlette:
         return await trio.to_thread.run_sync(
             lambda: fn(*args, **kwargs), limiter=DB_WRITE if write else DB_READ
         )
+
+    async def check_access(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, value = header.partition(" ")
+        if scheme == "Bearer":
+            _check_admin(request, state.admin_token)
+            return
+        denied = "this needs a member's access credential (or the admin token)"
+        if scheme != ACCESS_SCHEME:
+            raise HttpError(401, "access_required", denied)
+        now = state.clock()
+        try:
+            credential = decode_api_credential(value.strip())
+            access = state.authority.key.verify_token(credential.token)
+        except (ValueError, AuthError) as exc:
+            raise HttpError(401, "bad_token", f"{denied}: {exc}") from exc
+        if access.run_id != state.run_id or now >= access.expires_at:
+            raise HttpError(401, "bad_token", "token of another run, or expired; refresh it")
+        if not abs(now - credential.timestamp) <= MAX_CLOCK_SKEW:  # also NaN
+            raise HttpError(401, "clock_skew", "the credential's timestamp is too far from our clock")
+        path = request.url.path.removeprefix(f"/v1/runs/{state.run_id}/")
+        payload = api_request_payload(state.run_id, request.method, path, credential.timestamp)
+        if not verify(access.public_key, credential.signature, payload):
+            raise HttpError(401, "bad_signature", "the credential is not signed by the token's key")
+        if await db(state.store.active_user_of_peer, access.peer_id) != access.username:
+            raise HttpError(403, "revoked", f"user {access.username} has been removed from this run")
+
+    def address_of(request: Request) -> str:
+        return request.client.host if request.client else "?"
 
     @route("health", ["GET"])
     async def health(request: Request) -> Response:
@@ -205,6 +263,7 @@ def build_app(state: ApiState) -> Starlette:
     @route("refresh", ["POST"])
     async def refresh(request: Request) -> Response:
         now = state.clock()
+        _limit(state.posts_by_address, address_of(request), now, "requests from your address")
         body = await _body(request, RefreshRequest)
         _check_proof(body.run_id, state.run_id, body.timestamp, now)
         try:
@@ -217,6 +276,8 @@ def build_app(state: ApiState) -> Starlette:
             access.public_key, body.signature, refresh_payload(body.run_id, body.token, body.timestamp)
         ):
             raise HttpError(401, "bad_signature", "the refresh request is not signed by the token's key")
+        # After the signature: tokens travel in every RPC, so whoever saw one must not spend its budget.
+        _limit(state.refresh_by_peer, access.peer_id, now, "refreshes of this peer's token")
         username = await db(state.store.active_user_of_peer, access.peer_id)
         if username != access.username:
             raise HttpError(
@@ -231,15 +292,18 @@ def build_app(state: ApiState) -> Starlette:
     async def revocations(request: Request) -> Response:
         return _json(RevocationList(revocations=state.revocations()))
 
-    @route("ledger", ["GET"])
+    @route("ledger", ["GET"], access=True)
     async def ledger(request: Request) -> Response:
         return _json(await db(state.store.leaderboard))
 
     @route("reports", ["POST"])
     async def reports(request: Request) -> Response:
+        now = state.clock()
+        _limit(state.posts_by_address, address_of(request), now, "requests from your address")
         signed = await _body(request, SignedReport)
         try:
             report = verify_report(signed, state.run_id)
+            _limit(state.reports_by_peer, report.peer_id, now, "reports from this peer")
             if await db(state.store.active_user_of_peer, report.peer_id) is None:
                 raise HttpError(
                     403, "revoked", f"peer {report.peer_id} belongs to no active user of this run"
@@ -251,12 +315,21 @@ def build_app(state: ApiState) -> Starlette:
             raise HttpError(403, "unknown_peer", str(exc)) from exc
         if verdict is None:
             return _json(ReportReceipt(recorded=False, credited=False, reason="duplicate"))
-        return _json(ReportReceipt(recorded=True, credited=verdict.credited, reason=verdict.reason))
+        return _json(
+            ReportReceipt(
+                recorded=True,
+                credited=verdict.credited,
+                reason=verdict.reason,
+                samples=verdict.samples,
+                notes=verdict.notes,
+            )
+        )
 
     @route("capabilities", ["POST"])
     async def capabilities(request: Request) -> Response:
-        signed = await _body(request, SignedCapabilities)
         now = state.clock()
+        _limit(state.posts_by_address, address_of(request), now, "requests from your address")
+        signed = await _body(request, SignedCapabilities)
         _check_proof(signed.run_id, state.run_id, signed.timestamp, now)
         try:
             measured = decode_capabilities(signed.capabilities)
@@ -265,26 +338,29 @@ def build_app(state: ApiState) -> Starlette:
         payload = capabilities_payload(signed.run_id, signed.peer_id, signed.timestamp, signed.capabilities)
         if not verify_by_peer_id(signed.peer_id, signed.signature, payload):
             raise HttpError(401, "bad_signature", f"the capabilities are not signed by peer {signed.peer_id}")
+        _limit(state.capabilities_by_peer, signed.peer_id, now, "capability updates from this peer")
         if await db(state.store.active_user_of_peer, signed.peer_id) is None:
             raise HttpError(
                 403, "unknown_peer", f"peer {signed.peer_id} belongs to no active user of this run"
             )
         try:
-            await db(state.store.update_capabilities, signed.peer_id, measured, now=now, write=True)
+            held = await db(state.store.update_capabilities, signed.peer_id, measured, now=now, write=True)
         except UnknownPeer as exc:  # removed between the two calls
             raise HttpError(403, "unknown_peer", str(exc)) from exc
-        logger.debug("capabilities of %s: %s", signed.peer_id, measured)
-        return _json(CapabilitiesReceipt(peer_id=signed.peer_id, capabilities=measured))
+        except CapabilitiesRejected as exc:
+            raise HttpError(422, "invalid", str(exc)) from exc
+        logger.debug("capabilities of %s: %s (held: %s)", signed.peer_id, measured, held)
+        return _json(CapabilitiesReceipt(peer_id=signed.peer_id, capabilities=held))
 
     catalog = ShardCatalog(state.shards_dir) if state.shards_dir is not None else None
 
-    @route("shards", ["GET"])
+    @route("shards", ["GET"], access=True)
     async def list_shards(request: Request) -> Response:
         if catalog is None:
             return _json(ShardList(shards=[]))
         return _json(ShardList(shards=await trio.to_thread.run_sync(catalog.list, limiter=FILES)))
 
-    @route("shards/{name:path}", ["GET"])  # ``:path`` so that ``a/../b`` gets the JSON 404 too
+    @route("shards/{name:path}", ["GET"], access=True)  # ``:path`` so that ``a/../b`` gets the JSON 404 too
     async def get_shard(request: Request) -> Response:
         name = request.path_params["name"]
         found = await trio.to_thread.run_sync(catalog.find, name, limiter=FILES) if catalog else None
@@ -308,6 +384,8 @@ def build_app(state: ApiState) -> Starlette:
             )
         except UnknownUser as exc:
             raise HttpError(404, "unknown_user", str(exc)) from exc
+        except ConfigError as exc:  # a reserved username, an invalid note
+            raise HttpError(422, "invalid", str(exc)) from exc
         urls = state.manifest().api
         return _json({"username": body.username, "invite": encode_invite(Invite(state.run_id, urls, secret))})
 
@@ -323,7 +401,13 @@ def build_app(state: ApiState) -> Starlette:
         await state.on_user_removed(username)
         return _json({"username": username, "removed": True})
 
+    async def not_routed(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        code = "method_not_allowed" if status == 405 else "not_found"
+        return _json(ApiError(code, f"no {request.method} {request.url.path[:200]!r} here"), status)
+
     return Starlette(
+        exception_handlers={404: not_routed, 405: not_routed},
         routes=[
             health,
             manifest,
@@ -338,25 +422,27 @@ def build_app(state: ApiState) -> Starlette:
             add_user,
             list_users,
             remove_user,
-        ]
+        ],
     )
 
 
 class NewUser(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     username: Username
     note: Annotated[str, msgspec.Meta(max_length=512)] | None = None
-    expires_in: float | None = None
+    #: seconds until the invite expires (None: never)
+    expires_in: Annotated[float, msgspec.Meta(gt=0, le=MAX_INVITE_LIFETIME)] | None = None
 
 
 def _check_admin(request: Request, admin_token: str) -> None:
     header = request.headers.get("authorization", "")
-    given = header.removeprefix("Bearer ").strip()
-    if not header.startswith("Bearer ") or not hmac.compare_digest(given, admin_token):
+    # Header values arrive as latin-1 text; compare bytes (compare_digest refuses non-ASCII str).
+    given = header.removeprefix("Bearer ").strip().encode("utf-8", "surrogateescape")
+    if not header.startswith("Bearer ") or not hmac.compare_digest(given, admin_token.encode()):
         raise HttpError(401, "admin_required", "this action needs the backbone's admin token")
 
 
 def _check_proof(claimed_run: str, run_id: str, timestamp: float, now: float) -> None:
     if claimed_run != run_id:
         raise HttpError(404, "unknown_run", f"this backbone serves run {run_id}, not {claimed_run}")
-    if abs(now - timestamp) > MAX_CLOCK_SKEW:
+    if not abs(now - timestamp) <= MAX_CLOCK_SKEW:  # also NaN
         raise HttpError(401, "clock_skew", f"your clock is {timestamp - now:+.0f} s off this backbone's")

@@ -223,7 +223,8 @@ def ledger(
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers.
+    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers,
+    as backed by receipts of other users' peers, and how many reports were flagged and why (rule codes).
     With `--steps N`: the run's last N global steps (finished at, loss, samples, peers) and its loss curve."""
     if steps is not None:
         _ledger_steps(data_dir, database_url, steps, as_json)
@@ -234,8 +235,19 @@ def ledger(
         print(msgspec.json.encode(rows).decode())
         return
     table = Table(title="contributions")
-    for column in ("user", "samples", "compute h", "aggregated", "relayed", "peers", "last seen", "flagged"):
-        table.add_column(column, justify="left" if column == "user" else "right")
+    columns = (
+        "user",
+        "samples",
+        "compute h",
+        "aggregated",
+        "relayed",
+        "peers",
+        "last seen",
+        "flagged",
+        "why",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("user", "why") else "right")
     for row in rows:
         table.add_row(
             row.username,
@@ -248,6 +260,15 @@ def ledger(
             str(row.flagged_reports),
         )
     out.print(table)
+    for row in rows:
+        if row.flag_reasons:
+            why = ", ".join(f"{code} {count}" for code, count in row.flag_reasons.items())
+            out.print(f"flagged reports of {row.username}: {why}", highlight=False, soft_wrap=True)
+    out.print(
+        "credit counts only work that receipts of other users' peers back; flag codes: "
+        "future, too_old, too_long, overlap, compute (see backbone.ledger.accounting)",
+        highlight=False,
+    )
 
 
 #: The loss curve covers at most this many of the run's latest steps (one query, a few MB at most).

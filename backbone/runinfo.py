@@ -3,6 +3,7 @@ backbone runs — the pinned run id and the API URLs volunteers should use."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -21,8 +22,12 @@ class RunInfo(msgspec.Struct, frozen=True):
 
 
 def write_run_info(data_dir: Path, info: RunInfo) -> None:
+    """Atomically write ``run.json``, readable by its owner only (0600 whatever the umask)."""
     tmp = data_dir / (RUN_INFO + ".tmp")
-    tmp.write_bytes(msgspec.json.encode(info))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(msgspec.json.encode(info))
     tmp.replace(data_dir / RUN_INFO)
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import os
 import secrets
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
@@ -47,7 +49,7 @@ from shared.state.transfer import StateServer
 from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
-from .ledger import LedgerStore
+from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
 from .runinfo import RunInfo, write_run_info
 from .steps import record_steps_forever
 
@@ -99,7 +101,21 @@ async def _advertised(node: Node, run_id: str, authority_key: bytes | None) -> A
         yield
 
 
+def make_private(data_dir: Path) -> None:
+    """The data dir holds the authority and identity keys, the admin token and the ledger: make it 0700
+    (also when the organizer created it beforehand with another mode), set this process's umask to 077
+    so that every file it creates (ledger, run.json, status.json, checkpoints) is 0600 whatever the
+    umask it was started with, and set the files already there to 0600."""
+    os.umask(0o077)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data_dir.chmod(0o700)
+    for path in data_dir.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o600)
+
+
 async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
+    await trio.to_thread.run_sync(make_private, options.data_dir)
     identity = Identity.load_or_create(options.data_dir)
     if options.open_run:
         logger.warning(
@@ -138,7 +154,12 @@ def _print_listening(node: Node) -> None:
 
 def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedToken:
     return authority.issue_token(
-        run_id, "backbone", identity.peer_id, identity.public_key_bytes, time.time(), DEFAULT_TOKEN_LIFETIME
+        run_id,
+        BACKBONE_USERNAME,
+        identity.peer_id,
+        identity.public_key_bytes,
+        time.time(),
+        DEFAULT_TOKEN_LIFETIME,
     )
 
 
@@ -207,6 +228,9 @@ async def _serve_pinned(
         last_publish = trio.current_time()
         while True:
             removed = await trio.to_thread.run_sync(store.revoked_users, limiter=DB_READ)
+            # A user named like the backbones (possible in a database older than the reservation)
+            # must never revoke the backbones' own tokens: that would cut every volunteer off.
+            removed = [(n, t) for n, t in removed if n.casefold() not in RESERVED_USERNAMES]
             fresh = [name for name, _ in removed if name not in revocations]
             republish = trio.current_time() - last_publish > REVOCATION_REPUBLISH
             for name, revoked_at in removed:
@@ -294,7 +318,7 @@ async def _serve_api(
     cert_path.write_bytes(
         self_signed_certificate(authority.identity).public_bytes(serialization.Encoding.PEM)
     )
-    config = HypercornConfig()
+    config = _Tls13Config()
     config.bind = [options.api_listen]
     config.certfile, config.keyfile = str(cert_path), str(key_path)
     config.accesslog = None
@@ -309,6 +333,17 @@ async def _serve_api(
             task_status.started([url for bind in binds for url in _concrete_urls(bind)])
     except OSError as exc:
         raise ConfigError(f"cannot serve the API on {options.api_listen}: {exc.strerror}") from exc
+
+
+class _Tls13Config(HypercornConfig):
+    """Hypercorn's TLS context allows TLS 1.2; the API speaks TLS 1.3 only, like every other connection
+    of the system (DESIGN D1)."""
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        context = super().create_ssl_context()
+        if context is not None:
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+        return context
 
 
 def _concrete_urls(bind: str) -> list[str]:

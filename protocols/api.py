@@ -9,9 +9,9 @@ GET      ``manifest``            :class:`Manifest` (authority key, backbone mult
 POST     ``join``                :class:`JoinRequest` -> :class:`JoinResponse` (redeem an invite)
 POST     ``refresh``             :class:`RefreshRequest` -> :class:`RefreshResponse`
 GET      ``revocations``         :class:`RevocationList`
-GET      ``shards``              :class:`ShardList`: the dataset shards this backbone serves
-GET      ``shards/<name>``       the bytes of one shard (JSON lines; check them against its ShardInfo)
-GET      ``ledger``              the leaderboard (see ``backbone ledger``)
+GET      ``shards``              :class:`ShardList`: the dataset shards this backbone serves (access)
+GET      ``shards/<name>``       one shard's bytes (JSON lines; check them against its ShardInfo) (access)
+GET      ``ledger``              the leaderboard (see ``backbone ledger``) (access or admin)
 POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
 POST     ``capabilities``        a peer's signed measured capabilities (``protocols.ledger``) -> receipt
 POST     ``admin/users``         admin: allow a user, get an invite (Bearer admin token)
@@ -28,6 +28,18 @@ for direct connections.
 invite's hash, its peer id, a timestamp within ``MAX_CLOCK_SKEW``); the backbone redeems the invite and
 returns an access token for that peer. A replayed join request yields a token only its key holder can use.
 **Refresh** is the same with the current (possibly expired for up to a day) token instead of an invite.
+
+**Access** (the endpoints marked so above: a run's data and its ledger are for its members only): the
+request carries ``Authorization: Dedloc <encode_api_credential(...)>``, an :class:`ApiCredential`: the
+volunteer's access token, a timestamp and its identity key's signature over :func:`api_request_payload`
+(run id, method, the path below ``/v1/runs/<run-id>/``, timestamp). The backbone answers 401 unless the
+token verifies, is this run's and unexpired, the timestamp is within ``MAX_CLOCK_SKEW``, the signature
+verifies with the token's key, and the token's user is still allowed. The admin token
+(``Authorization: Bearer <admin token>``) is accepted too. A token alone is not enough: tokens travel
+in every RPC to other peers, so any peer could replay one; the signature proves the key.
+
+**Rate limits**: ``join``, ``refresh``, ``reports`` and ``capabilities`` answer 429 ``rate_limited`` past
+a per-address budget and a per-peer (or per-invite) budget, before any database work.
 
 **Invite codes** are ``dli1_`` + base64url(msgpack(:class:`Invite`)): the pinned run id, the API URLs,
 and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires.
@@ -46,7 +58,10 @@ from .training import TrainingSpec
 from .types import Bytes32, Bytes64, MultiaddrStr, PeerIdStr, RunIdStr
 
 __all__ = [
+    "ACCESS_SCHEME",
     "MAX_BODY_BYTES",
+    "MAX_CREDENTIAL_CHARS",
+    "ApiCredential",
     "ApiError",
     "Invite",
     "JoinRequest",
@@ -60,13 +75,18 @@ __all__ = [
     "ShardInfo",
     "ShardList",
     "Username",
+    "api_request_payload",
+    "decode_api_credential",
     "decode_invite",
+    "encode_api_credential",
     "encode_invite",
     "join_payload",
     "refresh_payload",
 ]
 
 MAX_BODY_BYTES = 64 * 1024
+ACCESS_SCHEME = "Dedloc"
+MAX_CREDENTIAL_CHARS = 4096
 _INVITE_PREFIX = "dli1_"
 UrlStr = Annotated[str, msgspec.Meta(min_length=8, max_length=256, pattern=r"^https?://")]
 Username = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._@+-]+$")]
@@ -133,8 +153,38 @@ class ShardList(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class ReportReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     recorded: bool  # False: this (peer, seq) was recorded before — nothing changed
-    credited: bool
+    credited: bool  # False: flagged (``reason`` names the broken bounds); True: within bounds
     reason: str | None = None
+    samples: float = 0.0  # what the ledger credited now (receipt-backed; see backbone.ledger.accounting)
+    notes: str | None = None  # receipts / pull records that did not count, "code: n; ..."
+
+
+class ApiCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A member's proof for an access-only endpoint (see **Access** above)."""
+
+    token: SignedToken
+    timestamp: float
+    signature: Bytes64
+
+
+def api_request_payload(run_id: str, method: str, path: str, timestamp: float) -> bytes:
+    """What an :class:`ApiCredential` signs; ``path`` is below ``/v1/runs/<run-id>/`` (``shards/a.jsonl``)."""
+    return b"dedloc-api-v1" + msgspec.msgpack.encode((run_id, method.upper(), path, timestamp))
+
+
+def encode_api_credential(credential: ApiCredential) -> str:
+    return base64.urlsafe_b64encode(msgspec.msgpack.encode(credential)).decode("ascii").rstrip("=")
+
+
+def decode_api_credential(text: str) -> ApiCredential:
+    """Raises ValueError for anything that is not a well-formed credential (its checks are the server's)."""
+    if len(text) > MAX_CREDENTIAL_CHARS or not text.isascii():
+        raise ValueError("not an access credential")
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        return msgspec.msgpack.decode(raw, type=ApiCredential)
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise ValueError(f"access credential is damaged: {exc}") from exc
 
 
 class ApiError(msgspec.Struct, frozen=True):

@@ -35,6 +35,8 @@ from .types import Bytes64, PeerIdStr, RunIdStr
 __all__ = [
     "MAX_CAPABILITIES_BYTES",
     "MAX_COUNT",
+    "MAX_INTERVAL_S",
+    "MAX_REPORT_AGE_S",
     "MAX_REPORT_BYTES",
     "Capabilities",
     "CapabilitiesReceipt",
@@ -48,6 +50,10 @@ __all__ = [
 
 #: A report with its full load of receipts and pull records (about 12 KiB) fits with room to spare.
 MAX_REPORT_BYTES = 24 * 1024
+#: The longest interval one report may cover, and how long ago it may have begun, when it arrives (the
+#: ledger flags reports beyond them; see backbone.ledger.accounting). A volunteer splits longer stretches.
+MAX_INTERVAL_S = 3600.0
+MAX_REPORT_AGE_S = 24 * 3600.0
 #: Upper bound of every integer field: exact as a float, far beyond any real interval's work.
 MAX_COUNT = 2**53
 #: Unix times beyond this (year ~33658) are garbage, not clocks.

@@ -2,7 +2,9 @@
 
 Before any request the client fetches the server's certificate and accepts it only if its key has the
 fingerprint the run id carries; httpx then trusts exactly that certificate. URLs are tried in order
-until one answers.
+until one answers. A client made with the volunteer's identity and (a getter of) its current access token
+signs its GET requests (``Authorization: Dedloc ...``, see :mod:`protocols.api`): the shards and the
+ledger of a run are for its members only.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 import logging
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -23,6 +25,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocols.api import (
+    ACCESS_SCHEME,
+    ApiCredential,
     ApiError,
     JoinRequest,
     JoinResponse,
@@ -32,6 +36,8 @@ from protocols.api import (
     ReportReceipt,
     ShardInfo,
     ShardList,
+    api_request_payload,
+    encode_api_credential,
     join_payload,
     refresh_payload,
 )
@@ -54,13 +60,32 @@ REQUEST_DEADLINE = 15.0
 
 
 class ApiClient:
-    def __init__(self, run_id: str, urls: Sequence[str]) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        urls: Sequence[str],
+        *,
+        identity: Identity | None = None,
+        token: Callable[[], SignedToken | None] | None = None,
+    ) -> None:
+        """``identity`` and ``token`` (a getter: tokens are refreshed) sign the member-only GETs."""
         _, fingerprint = split_run_id(run_id)
         if fingerprint is None:
             raise AdmissionError(f"run {run_id} is open: it has no API to join through")
         self.run_id = run_id
         self.fingerprint = fingerprint
         self.urls = list(urls)
+        self.identity = identity
+        self.token = token
+
+    def _access_headers(self, method: str, path: str) -> dict[str, str]:
+        token = self.token() if self.token is not None else None
+        if self.identity is None or token is None:
+            return {}
+        now = time.time()
+        signature = self.identity.sign(api_request_payload(self.run_id, method, path, now))
+        credential = ApiCredential(token=token, timestamp=now, signature=signature)
+        return {"authorization": f"{ACCESS_SCHEME} {encode_api_credential(credential)}"}
 
     async def _pinned_context(self, url: str) -> ssl.SSLContext:
         parts = urlsplit(url)
@@ -93,12 +118,17 @@ class ApiClient:
         for url in self.urls:
             try:
                 context = await self._pinned_context(url)
+                headers = (
+                    self._access_headers(method, path)
+                    if body is None
+                    else {"content-type": "application/json"}
+                )
                 async with httpx.AsyncClient(verify=context, timeout=REQUEST_DEADLINE) as client:
                     response = await client.request(
                         method,
                         f"{url}/v1/runs/{self.run_id}/{path}",
                         content=None if body is None else msgspec.json.encode(body),
-                        headers=None if body is None else {"content-type": "application/json"},
+                        headers=headers,
                     )
             except (OSError, httpx.HTTPError, ValueError) as exc:
                 errors.append(f"{url}: {exc or type(exc).__name__}")

@@ -18,6 +18,7 @@ Order of events (each shown on the panel, or logged without one):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,9 @@ import trio
 from rich.console import Console
 from rich.live import Live
 
+from protocols.auth import SignedToken
 from protocols.training import TrainingSpec
+from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.errors import ProjectError
 from shared.lifecycle import Shutdown
@@ -53,6 +56,7 @@ from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
 from .panel import render_training, training_line, training_status
+from .receipts import ReceiptBook
 from .tasks import make_task
 from .training import Reporter, batches, train_until_stopped
 
@@ -83,7 +87,18 @@ class TrainingSession:
         self.data_dir: Path = options.data_dir
         self.initial_peers = initial_peers
         credential = admission.credential
-        self.client = ApiClient(options.run_id, credential.manifest.api) if credential is not None else None
+        auth = admission.authenticator
+
+        def current_token() -> SignedToken | None:  # refreshed by volunteer.admission.keep_admitted
+            if isinstance(auth, RunAuthenticator):
+                return auth.token
+            return credential.token if credential is not None else None
+
+        self.client = (
+            ApiClient(options.run_id, credential.manifest.api, identity=identity, token=current_token)
+            if credential is not None
+            else None
+        )
         self.reporter = Reporter(options.run_id, identity, self.client, self.data_dir)
         self.headline = "starting"
         self._drift = DriftTracker()
@@ -112,6 +127,7 @@ class TrainingSession:
                 data_dir=self.data_dir,
                 config=CollabConfig(),
                 on_step=self._on_step,
+                **_receipts_argument(self.reporter.book),
             )
             self.collab = collab
             async with trio.open_nursery() as nursery:
@@ -132,7 +148,7 @@ class TrainingSession:
                 )
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)
-                self.reporter.close_interval()
+                self.reporter.close_all()
                 await collab.leave()
                 with trio.move_on_after(REPORT_FLUSH_DEADLINE):
                     await self.reporter.flush()
@@ -243,6 +259,15 @@ class TrainingSession:
 async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
+
+
+def _receipts_argument(book: ReceiptBook) -> dict[str, Any]:
+    """``receipts=book`` for the optimizer, which fills the book after each round (branch fix/avg adds
+    that argument; until it has it, reports carry no receipts and the ledger credits nothing)."""
+    accepts = "receipts" in {f.name for f in dataclasses.fields(CollaborativeOptimizer)}
+    if not accepts:
+        logger.debug("this CollaborativeOptimizer takes no receipts: reports carry none")
+    return {"receipts": book} if accepts else {}
 
 
 def _device(choice: str) -> str:

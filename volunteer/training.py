@@ -12,9 +12,14 @@ A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its o
 returns and the daemon reports and leaves.
 
 :class:`Reporter` turns each step we took part in into a signed
-:class:`~protocols.ledger.ContributionReport` (consecutive, non-overlapping intervals; ``seq`` persisted in
-the data dir so a restart never reuses one) and posts it to the backbone's API, retrying later when no
-backbone answers. Nothing is lost while the queue (bounded) has room.
+:class:`~protocols.ledger.ContributionReport` (consecutive, non-overlapping intervals of at most
+``MAX_INTERVAL_S``; ``seq`` persisted in the data dir so a restart never reuses one) and posts it to the
+backbone's API, retrying later when no backbone answers. Nothing is lost while the queue (bounded) has
+room. The ledger credits a report only up to the receipts other peers signed for our work
+(:mod:`protocols.receipts`): the reporter owns this peer's :class:`~volunteer.receipts.ReceiptBook`
+(the averaging side fills it), takes one report's worth of receipts and pull records into each report,
+closes a report early when the book holds a full report's worth, and puts back what a report carried
+when that report is given up (queue overflow, or refused by the backbone), so the next one carries it.
 """
 
 from __future__ import annotations
@@ -30,12 +35,14 @@ from typing import Any
 import msgspec
 import trio
 
-from protocols.ledger import ContributionReport, SignedReport, report_payload
+from protocols.ledger import MAX_INTERVAL_S, ContributionReport, SignedReport, report_payload
+from protocols.receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT
 from shared.auth.keys import Identity
 from shared.errors import AdmissionError, PeerUnavailable, StateUnavailable
 
 from .api_client import ApiClient
 from .collab.optimizer import CollaborativeOptimizer, StepRecord
+from .receipts import ReceiptBook
 
 __all__ = ["Reporter", "train_until_stopped"]
 
@@ -110,9 +117,11 @@ class Reporter:
         self.interval = interval
         self._seq_path = data_dir / "report.seq"
         self._seq = self._load_seq()
-        self._pending: deque[SignedReport] = deque()
+        self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
+        self.book = ReceiptBook(identity.peer_id)
         self._open: list[StepRecord] = []  # steps not in a report yet
         self._last_end = time.time()
+        self._last_step = 0
         self._wakeup = trio.Event()
         self._sending = trio.Lock()
         self.sent = 0
@@ -131,36 +140,62 @@ class Reporter:
     def record(self, step: StepRecord) -> None:
         """Note one step we took part in (called from the optimizer; never blocks)."""
         self._open.append(step)
-        if step.finished_at - self._last_end >= self.interval:
+        if step.finished_at - self._last_end >= self.interval or self._book_full():
             self.close_interval()
 
+    def _book_full(self) -> bool:
+        """The book holds a report's worth of receipts and pull records (a little early at worst)."""
+        return len(self.book) >= min(MAX_RECEIPTS_PER_REPORT, MAX_PULLED_PER_REPORT)
+
     def close_interval(self) -> None:
-        """Turn the steps noted so far into one signed report, queued for sending."""
-        if not self._open:
+        """Turn the steps noted so far, and one report's worth of the receipt book, into one signed
+        report, queued for sending. With no step but receipts (the last round's, arriving after its
+        step was noted), the report claims nothing and carries them."""
+        if not self._open and not len(self.book):
             return
         steps, self._open = self._open, []
-        end = max(max(s.finished_at for s in steps), self._last_end)
+        end = max([s.finished_at for s in steps] or [time.time()])
+        end = max(end, self._last_end)
+        # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
+        # state download, no peers) covers only the last hour of it, which holds all of its compute.
+        self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
+        receipts, pulled = self.book.take()
         report = ContributionReport(
             run_id=self.run_id,
             peer_id=self.identity.peer_id,
             seq=self._seq,
-            global_step=max(s.step for s in steps),
+            global_step=max([s.step for s in steps] or [self._last_step]),
             samples=sum(s.samples for s in steps),
             compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
             bytes_aggregated=sum(s.bytes_aggregated for s in steps),
             bytes_relayed=0,
             interval_start=self._last_end,
             interval_end=end,
+            receipts=receipts,
+            pulled=pulled,
         )
         self._last_end = end
+        self._last_step = report.global_step
         self._seq += 1
         self._save_seq()
         data = msgspec.msgpack.encode(report)
         if len(self._pending) >= MAX_PENDING_REPORTS:
-            logger.warning("report queue full: dropping the oldest unsent report")
-            self._pending.popleft()
-        self._pending.append(SignedReport(report=data, signature=self.identity.sign(report_payload(data))))
+            logger.warning("report queue full: dropping the oldest unsent report (its receipts stay)")
+            self._give_up(self._pending.popleft()[1])
+        signed = SignedReport(report=data, signature=self.identity.sign(report_payload(data)))
+        self._pending.append((signed, report))
         self._wakeup.set()
+
+    def _give_up(self, report: ContributionReport) -> None:
+        """A report that will never be credited: its receipts and pull records go out with a later one."""
+        if report.receipts or report.pulled:
+            self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+
+    def close_all(self) -> None:
+        """Before leaving: report the open steps and everything the receipt book holds."""
+        self.close_interval()
+        while len(self.book):
+            self.close_interval()
 
     async def send_forever(self) -> None:
         while True:
@@ -176,7 +211,7 @@ class Reporter:
                 self._pending.clear()
                 return
             while self._pending:
-                signed = self._pending[0]
+                signed, report = self._pending[0]
                 try:
                     receipt = await self.client.report(signed)
                 except PeerUnavailable as exc:
@@ -184,9 +219,12 @@ class Reporter:
                     return
                 except AdmissionError as exc:
                     logger.warning("contribution report refused: %s", exc)
+                    self._give_up(report)
                 else:
                     self.sent += 1
                     self.credited += receipt.credited
+                    if receipt.notes:
+                        logger.info("report %s: evidence not counted: %s", report.seq, receipt.notes)
                     if not receipt.credited:
                         logger.warning("contribution report flagged: %s", receipt.reason)
                 self._pending.popleft()

@@ -1,11 +1,13 @@
 """The SQL contribution ledger and allowlist store of a backbone (DESIGN D5; issue 3 items 2 and 6).
 
 Modules:
-    accounting  **pure**: verify a signed contribution report (verify_report) and judge its plausibility
-                against the peer's measured capabilities (assess -> Assessment); ReportRejected
+    accounting  **pure**: verify a signed contribution report (verify_report), its bounds (assess ->
+                Assessment), its receipts (verify_receipt), what it is credited (credit_due), which
+                capabilities are believed; the design of receipt-backed credit is its docstring
     store       LedgerStore, the only module with SQL I/O: allowlist (users, invites, peers), sessions,
                 reports (exactly once per (peer_id, seq)), steps, leaderboard; SQLite (WAL) or PostgreSQL
-    views       the frozen values queries return: UserSummary, PeerSeen, LeaderboardRow, StoredReport, StepRow
+    views       the frozen values queries return: UserSummary, PeerSeen, LeaderboardRow, StoredReport,
+                StepRow, Verdict
     schema      the tables (SQLAlchemy 2 typed declarative), schema_version and how to migrate
     errors      LedgerError, UnknownUser, UnknownPeer, InviteRejected
 
@@ -15,6 +17,7 @@ Wire types (ContributionReport, SignedReport, Capabilities) live in :mod:`protoc
 from __future__ import annotations
 
 from .accounting import Assessment as Assessment
+from .accounting import CapabilitiesRejected as CapabilitiesRejected
 from .accounting import ReportRejected as ReportRejected
 from .accounting import assess as assess
 from .accounting import verify_report as verify_report
@@ -22,15 +25,21 @@ from .errors import InviteRejected as InviteRejected
 from .errors import LedgerError as LedgerError
 from .errors import UnknownPeer as UnknownPeer
 from .errors import UnknownUser as UnknownUser
+from .store import BACKBONE_USERNAME as BACKBONE_USERNAME
+from .store import RESERVED_USERNAMES as RESERVED_USERNAMES
 from .store import LedgerStore as LedgerStore
 from .views import LeaderboardRow as LeaderboardRow
 from .views import PeerSeen as PeerSeen
 from .views import StepRow as StepRow
 from .views import StoredReport as StoredReport
 from .views import UserSummary as UserSummary
+from .views import Verdict as Verdict
 
 __all__ = [
+    "BACKBONE_USERNAME",
+    "RESERVED_USERNAMES",
     "Assessment",
+    "CapabilitiesRejected",
     "InviteRejected",
     "LeaderboardRow",
     "LedgerError",
@@ -42,6 +51,7 @@ __all__ = [
     "UnknownPeer",
     "UnknownUser",
     "UserSummary",
+    "Verdict",
     "assess",
     "verify_report",
 ]

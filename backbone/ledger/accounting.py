@@ -1,62 +1,133 @@
-"""Pure checks of contribution reports: is it authentic (:func:`verify_report`), is it plausible
-(:func:`assess`). No SQL, no I/O, no clock: the caller passes ``now``.
+"""Pure rules of the contribution ledger: is a report authentic (:func:`verify_report`), within bounds
+(:func:`assess`), which of its receipts count (:func:`verify_receipt`), how much of it is credited
+(:func:`credit_due`), and which capabilities are believed (:func:`check_capabilities`,
+:func:`cap_capabilities`). No SQL, no I/O, no clock: the caller passes ``now`` and what it looked up.
 
-Authenticity. A :class:`~protocols.ledger.SignedReport` is accepted only if its bytes decode to a valid
-:class:`~protocols.ledger.ContributionReport` of this run and ``signature`` verifies (Ed25519) over
+**Authenticity.** A :class:`~protocols.ledger.SignedReport` is accepted only if its bytes decode to a
+valid :class:`~protocols.ledger.ContributionReport` of this run and ``signature`` verifies (Ed25519) over
 ``report_payload(report_bytes)`` with the key inside the report's own ``peer_id``. Anything else is
-:class:`ReportRejected` and must not be stored.
+:class:`ReportRejected` and is not stored.
 
-Plausibility. An authentic report is *credited* or *flagged*; flagged reports are kept (evidence) but add
-nothing to the leaderboard. With report r, the peer's measured capabilities c (samples/s ``s``, upload
-``u`` and download ``d`` in bytes/s), the end p of the peer's latest credited report, the backbone's
-clock t, and the interval length L = r.end - r.start, r is credited iff every rule holds:
+**Bounds (flags).** An authentic report is *flagged* (kept as evidence, credited nothing, its claims not
+counted) when it breaks one of these rules; each has a stable code, and ``reason`` is
+``"code: detail; code: detail"`` so ``backbone ledger`` can count flags per code. With the backbone's
+clock t, the end p of the peer's latest unflagged report, and L = end - start:
 
-    (1) r.end <= t + 300 s                                    (clock skew allowance, MAX_CLOCK_SKEW)
-    (2) p is None  or  r.start >= p - 1 s                     (no second credit for the same time)
-    (3) r.compute_seconds <= L + 1 s                          (cannot compute longer than the interval)
-    (4) c known:    r.samples <= 1.5 * s * r.compute_seconds + 16
-        c unknown:  r.samples == 0                            ("no measured capabilities")
-    (5) max(r.bytes_aggregated, r.bytes_relayed) <= 1.5 * (u + d) * L + 1 MiB    (u = d = 0 if c unknown)
+    future        r.end <= t + 300 s                         (clock skew allowance)
+    too_old       r.start >= t - 24 h                        (MAX_REPORT_AGE_S)
+    too_long      L <= 1 h                                   (MAX_INTERVAL_S)
+    overlap       p is None  or  r.start >= p - 1 s          (no second claim on the same time)
+    compute       r.compute_seconds <= L + 1 s
 
-The 1.5 factors and the small constants absorb measurement noise, warm-up and protocol overhead; they
-catch a peer claiming several times its measured throughput, not a peer that is a little lucky. A flagged
-report's ``reason`` names every rule it broke, separated by ``"; "``.
+``too_long`` bounds what one report can claim, whatever else it carries (finding 9: an interval begun
+1e9 s ago); ``too_old`` is 24 h rather than 1 h because a volunteer queues its reports while no backbone
+answers and sends the backlog later (its receipt book holds hours of steps); such a backlog is honest.
 
-What aggregators actually received (DESIGN D5's cross-check) is a later, separate check.
+**Credit follows receipts** (DESIGN D5, D10 (e); wire types in :mod:`protocols.receipts`). A report's
+*claims* (samples, compute seconds, bytes aggregated) are never credited on their own. Evidence is:
+
+* **part receipts** the report carries. One counts iff (:func:`verify_receipt`) its bytes decode, its
+  ``run_id`` is this run's, its ``sender`` is the reporting peer, its ``aggregator`` is not the sender and
+  signed it (Ed25519, key inside the aggregator's peer id), and (looked up by the store) the aggregator
+  is an admitted peer of *another user* than the reporter's (unknown aggregator: not counted; same user:
+  not counted — one person cannot vouch for themself). Each ``(sender, step)`` is stored once, ever
+  (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
+  receipts of that step in the first report that brought one; later receipts of that pair are
+  duplicates. The weight is capped by the step's recorded sample count (the whole collaboration's
+  batch of that step), or, for a step recorded without one (jumped over), by the largest batch the run
+  recorded.
+* a receipt's step must be one the run recorded (:mod:`backbone.steps` writes ``steps``): a receipt for a
+  step not (yet) in ``steps`` is *held*: stored, not counted, and counted from the first report after
+  the step is recorded (a report can race the step recorder by a second). One for a step the run never
+  records stays held forever: it never becomes credit.
+* **pull records** about aggregator A in reports of peers of *other users* than A's (each
+  ``(puller, aggregator, step)`` once, only for recorded steps) are the evidence of A's aggregation work.
+
+Per peer, with sums over its unflagged reports (this one included) and over its counted evidence:
+
+    credited samples  S = min(claimed samples, receipt weights)
+    credited bytes    B = min(claimed bytes_aggregated, bytes others pulled from it)
+    credited compute  C = claimed compute seconds * S / claimed samples     (0 if nothing claimed)
+
+and a report is credited the increase of (S, C, B) over what the peer's earlier reports were credited
+(:func:`credit_due`; never negative). So evidence that arrives late (a held receipt, a pull reported by
+another peer after this one) is credited with the peer's next report, a duplicate or replayed receipt
+adds nothing, and no peer is ever credited more than both it claimed and others observed.
+``bytes_relayed`` has no evidence yet (relays sign nothing) and is credited 0.
+
+**Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
+colluding users can credit each other at most one recorded batch per sender and step (samples), and
+aggregation bytes as large as their pull records say (the ledger does not know the model's size).
+Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
+
+**A lone volunteer** (no peer of another user in its rounds) gets no receipts it can use, so its work is
+recorded and credited 0. That is not a false negative of a check but the rule itself: nobody else saw
+that work, and work that only its author vouches for is exactly the claim finding 9 exploited. It counts
+as soon as someone else averages with it.
+
+**Capabilities** (:func:`check_capabilities`) are refused beyond sane ceilings (1e6 samples/s, 1e11 B/s
+each way) and are then bounded by what the peer was seen to do (:func:`cap_capabilities`): once its
+unflagged reports cover at least 60 s of compute and some credited samples, its stored samples/s is at
+most 2 x (credited samples / claimed compute seconds) — the rate its receipts support, with room for a
+machine that got faster (a co-located job ended). Capabilities no longer decide credit (receipts do),
+so a peer whose speed changed is never flagged for it (issue 11's false flags).
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
 
-from protocols.ledger import MAX_REPORT_BYTES, Capabilities, ContributionReport, SignedReport, report_payload
+from protocols.errors import ProtocolError
+from protocols.ledger import (
+    MAX_INTERVAL_S,
+    MAX_REPORT_AGE_S,
+    MAX_REPORT_BYTES,
+    Capabilities,
+    ContributionReport,
+    SignedReport,
+    report_payload,
+)
+from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload
 from shared.auth.keys import verify_by_peer_id
 from shared.errors import ProjectError
 
 __all__ = [
-    "BYTES_ALLOWANCE",
-    "BYTES_SLACK",
+    "CAPABILITY_HISTORY_S",
     "CLOCK_SKEW_S",
     "COMPUTE_TOLERANCE_S",
     "CREDITED",
+    "MAX_BANDWIDTH_BPS",
+    "MAX_INTERVAL_S",
+    "MAX_REPORT_AGE_S",
+    "MAX_SAMPLES_PER_SECOND",
+    "OBSERVED_RATE_ALLOWANCE",
     "OVERLAP_TOLERANCE_S",
-    "SAMPLES_ALLOWANCE",
-    "SAMPLES_SLACK",
     "Assessment",
+    "CapabilitiesRejected",
+    "Credit",
+    "ReceiptRejected",
     "ReportRejected",
     "assess",
+    "cap_capabilities",
+    "check_capabilities",
+    "credit_due",
+    "reason_codes",
+    "valid_receipts",
+    "verify_receipt",
     "verify_report",
 ]
 
 CLOCK_SKEW_S = 300.0
 OVERLAP_TOLERANCE_S = 1.0
 COMPUTE_TOLERANCE_S = 1.0
-SAMPLES_ALLOWANCE = 1.5
-SAMPLES_SLACK = 16
-BYTES_ALLOWANCE = 1.5
-BYTES_SLACK = 1024 * 1024
+MAX_SAMPLES_PER_SECOND = 1e6
+MAX_BANDWIDTH_BPS = 1e11
+CAPABILITY_HISTORY_S = 60.0
+OBSERVED_RATE_ALLOWANCE = 2.0
 
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
 
@@ -67,15 +138,38 @@ class ReportRejected(ProjectError):
     are not stored; answer the sender with the message."""
 
 
+class ReceiptRejected(ProjectError):
+    """One receipt of a report does not count; ``code`` says why (``receipt_malformed``,
+    ``receipt_wrong_run``, ``receipt_wrong_sender``, ``receipt_own``, ``receipt_bad_signature``). The
+    report itself is still recorded."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class CapabilitiesRejected(ProjectError):
+    """Claimed capabilities beyond the sane ceilings of the module docstring."""
+
+
 @dataclass(frozen=True)
 class Assessment:
-    """The plausibility verdict on one authentic report: credited, or flagged with the broken rules."""
+    """The bounds verdict on one authentic report: within bounds, or flagged with the broken rules."""
 
     credited: bool
     reason: str | None = None
 
 
 CREDITED = Assessment(credited=True)
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Samples, compute seconds and bytes aggregated (claimed, evidence, or credited)."""
+
+    samples: float = 0.0
+    compute_seconds: float = 0.0
+    bytes_aggregated: float = 0.0
 
 
 def verify_report(signed: SignedReport, run_id: str) -> ContributionReport:
@@ -100,38 +194,123 @@ def verify_report(signed: SignedReport, run_id: str) -> ContributionReport:
     return report
 
 
-def assess(
-    report: ContributionReport, capabilities: Capabilities | None, previous_end: float | None, now: float
-) -> Assessment:
-    """Apply the plausibility rules of the module docstring.
+def assess(report: ContributionReport, previous_end: float | None, now: float) -> Assessment:
+    """Apply the bounds of the module docstring.
 
     Args:
         report: an authentic report (see :func:`verify_report`).
-        capabilities: the peer's measured capabilities, or ``None`` if it never reported any.
-        previous_end: ``interval_end`` of the peer's latest *credited* report, if any.
+        previous_end: ``interval_end`` of the peer's latest unflagged report, if any.
         now: the backbone's clock, unix seconds.
     """
     reasons: list[str] = []
     length = report.interval_end - report.interval_start
     if report.interval_end > now + CLOCK_SKEW_S:
-        reasons.append(f"interval ends {report.interval_end - now:.0f} s in the future")
+        reasons.append(f"future: the interval ends {report.interval_end - now:.0f} s ahead of our clock")
+    if report.interval_start < now - MAX_REPORT_AGE_S:
+        reasons.append(f"too_old: the interval began {now - report.interval_start:.0f} s ago")
+    if length > MAX_INTERVAL_S:
+        reasons.append(f"too_long: an interval of {length:.0f} s (at most {MAX_INTERVAL_S:.0f} s)")
     if previous_end is not None and report.interval_start < previous_end - OVERLAP_TOLERANCE_S:
-        reasons.append(f"interval overlaps the previous credited report (ended {previous_end:.3f})")
+        reasons.append(f"overlap: the interval overlaps the previous report (ended {previous_end:.3f})")
     if report.compute_seconds > length + COMPUTE_TOLERANCE_S:
-        reasons.append(f"compute time {report.compute_seconds:.1f} s exceeds the {length:.1f} s interval")
-    if capabilities is None:
-        if report.samples > 0 or max(report.bytes_aggregated, report.bytes_relayed) > BYTES_SLACK:
-            reasons.append("no measured capabilities")
-    else:
-        samples_limit = SAMPLES_ALLOWANCE * capabilities.samples_per_second * report.compute_seconds
-        if report.samples > samples_limit + SAMPLES_SLACK:
-            reasons.append(
-                f"{report.samples} samples exceed the measured throughput "
-                f"({capabilities.samples_per_second:g}/s for {report.compute_seconds:.1f} s)"
-            )
-        rate = capabilities.upload_bps + capabilities.download_bps
-        bytes_limit = BYTES_ALLOWANCE * rate * length + BYTES_SLACK
-        for name, value in (("aggregated", report.bytes_aggregated), ("relayed", report.bytes_relayed)):
-            if value > bytes_limit:
-                reasons.append(f"{value} bytes {name} exceed the measured bandwidth ({rate:g} B/s)")
+        reasons.append(f"compute: {report.compute_seconds:.1f} s of compute in a {length:.1f} s interval")
     return Assessment(credited=False, reason="; ".join(reasons)) if reasons else CREDITED
+
+
+def reason_codes(reason: str | None) -> list[str]:
+    """The codes of a ``"code: detail; code: detail"`` reason (older free-text reasons: ``other``)."""
+    if not reason:
+        return []
+    codes = []
+    for part in reason.split("; "):
+        code, sep, _ = part.partition(":")
+        codes.append(code if sep and code.replace("_", "").isalpha() else "other")
+    return codes
+
+
+def verify_receipt(signed: SignedReceipt, run_id: str, sender: str) -> PartReceipt:
+    """Decode one receipt of ``sender``'s report and check everything that needs no database.
+
+    Raises:
+        ReceiptRejected: malformed, another run's, about another sender, the sender's own, or a bad
+            signature (the code says which).
+    """
+    try:
+        receipt = decode_receipt(signed.receipt)
+    except ProtocolError as exc:
+        raise ReceiptRejected("receipt_malformed", str(exc)) from exc
+    if receipt.run_id != run_id:
+        raise ReceiptRejected("receipt_wrong_run", f"a receipt of run {receipt.run_id!r}")
+    if receipt.sender != sender:
+        raise ReceiptRejected("receipt_wrong_sender", f"a receipt about peer {receipt.sender}")
+    if receipt.aggregator == sender:
+        raise ReceiptRejected("receipt_own", "a receipt signed by the reporting peer itself")
+    if not verify_by_peer_id(receipt.aggregator, signed.signature, receipt_payload(signed.receipt)):
+        raise ReceiptRejected("receipt_bad_signature", f"not signed by aggregator {receipt.aggregator}")
+    return receipt
+
+
+def valid_receipts(
+    report: ContributionReport, run_id: str
+) -> tuple[dict[int, list[PartReceipt]], Counter[str]]:
+    """The report's receipts that pass :func:`verify_receipt`, by step, and how many did not, by code.
+    (Whose peer signed them is the store's to check; it then keeps the largest weight per step.)"""
+    valid: dict[int, list[PartReceipt]] = {}
+    rejected: Counter[str] = Counter()
+    for signed in report.receipts:
+        try:
+            receipt = verify_receipt(signed, run_id, report.peer_id)
+        except ReceiptRejected as exc:
+            rejected[exc.code] += 1
+            continue
+        valid.setdefault(receipt.step, []).append(receipt)
+    return valid, rejected
+
+
+def credit_due(claimed: Credit, evidence: Credit, credited: Credit) -> Credit:
+    """What a report adds: the peer's creditable totals (module docstring) less what it was credited.
+
+    Args:
+        claimed: the peer's claims summed over its unflagged reports, the new one included.
+        evidence: receipt weights (``samples``) and bytes others pulled (``bytes_aggregated``).
+        credited: what its earlier reports were credited.
+    """
+    samples = min(claimed.samples, evidence.samples)
+    compute = claimed.compute_seconds * samples / claimed.samples if claimed.samples > 0 else 0.0
+    aggregated = min(claimed.bytes_aggregated, evidence.bytes_aggregated)
+    return Credit(
+        samples=max(0.0, samples - credited.samples),
+        compute_seconds=max(0.0, compute - credited.compute_seconds),
+        bytes_aggregated=max(0.0, aggregated - credited.bytes_aggregated),
+    )
+
+
+def check_capabilities(capabilities: Capabilities) -> None:
+    """Raises CapabilitiesRejected beyond :data:`MAX_SAMPLES_PER_SECOND` / :data:`MAX_BANDWIDTH_BPS`."""
+    if capabilities.samples_per_second > MAX_SAMPLES_PER_SECOND:
+        raise CapabilitiesRejected(
+            f"{capabilities.samples_per_second:g} samples/s is beyond {MAX_SAMPLES_PER_SECOND:g}"
+        )
+    for name in ("upload_bps", "download_bps"):
+        if getattr(capabilities, name) > MAX_BANDWIDTH_BPS:
+            raise CapabilitiesRejected(
+                f"{name} {getattr(capabilities, name):g} is beyond {MAX_BANDWIDTH_BPS:g}"
+            )
+
+
+def cap_capabilities(
+    capabilities: Capabilities, credited_samples: float, compute_seconds: float
+) -> Capabilities:
+    """``capabilities`` with samples/s bounded by what the peer was seen to do (module docstring).
+
+    Args:
+        credited_samples: samples credited to the peer (receipt-backed), over its unflagged reports.
+        compute_seconds: compute seconds it claimed over the same reports.
+    """
+    if compute_seconds < CAPABILITY_HISTORY_S or credited_samples <= 0:
+        return capabilities
+    observed = credited_samples / compute_seconds
+    cap = OBSERVED_RATE_ALLOWANCE * observed
+    if not math.isfinite(cap) or capabilities.samples_per_second <= cap:
+        return capabilities
+    return msgspec.structs.replace(capabilities, samples_per_second=cap)

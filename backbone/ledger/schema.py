@@ -6,7 +6,10 @@ Tables::
     invites        invite codes of a user, stored only as sha256(secret) in hex
     peers          one row per machine (peer id) that redeemed an invite; its measured capabilities
     sessions       a peer's connections to this run (join .. leave)
-    reports        signed contribution reports; UNIQUE(peer_id, seq) makes crediting exactly-once
+    reports        signed contribution reports; UNIQUE(peer_id, seq) makes crediting exactly-once;
+                   the credited_* columns hold what receipts backed (backbone.ledger.accounting)
+    receipts       part receipts that count, one per (sender, step) ever
+    pulls          pull records about aggregators, one per (puller, aggregator, step)
     steps          one row per finished global step
     schema_version exactly one row: the schema version this database has
 
@@ -61,6 +64,8 @@ __all__ = [
     "Invite",
     "Peer",
     "PeerSession",
+    "Pull",
+    "Receipt",
     "Report",
     "SchemaVersion",
     "Step",
@@ -68,9 +73,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 1
-#: version N -> function bringing a version-N database to N + 1 (none yet).
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+SCHEMA_VERSION = 2
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -166,6 +169,41 @@ class Report(Base):
     signature: Mapped[bytes]
     status: Mapped[str] = mapped_column(String(16))
     flag_reason: Mapped[str | None]
+    #: what receipts and pull records backed (see backbone.ledger.accounting); 0 when flagged
+    credited_samples: Mapped[float] = mapped_column(default=0.0)
+    credited_compute_seconds: Mapped[float] = mapped_column(default=0.0)
+    credited_bytes_aggregated: Mapped[float] = mapped_column(default=0.0)
+    #: 1: credited by the claims-based rules of schema version 1 (kept as history); 2: by receipts
+    scheme: Mapped[int] = mapped_column(Integer, default=2)
+    #: receipts and pull records that did not count, ``"code: count; ..."``
+    notes: Mapped[str | None]
+
+
+class Receipt(Base):
+    """A part receipt that counts: ``aggregator`` (a peer of another user) averaged ``sender``'s parts
+    of ``step`` with ``weight``. Counted as evidence only once ``step`` is in ``steps``."""
+
+    __tablename__ = "receipts"
+
+    sender: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    aggregator: Mapped[str] = mapped_column(String(64))
+    weight: Mapped[float]
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+
+
+class Pull(Base):
+    """``puller`` (a peer of another user than ``aggregator``'s) pulled ``nbytes`` from ``aggregator``."""
+
+    __tablename__ = "pulls"
+    __table_args__ = (Index(None, "aggregator", "step"),)
+
+    puller: Mapped[str] = mapped_column(String(64), primary_key=True)
+    aggregator: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
 
 
 class Step(Base):
@@ -184,6 +222,31 @@ class SchemaVersion(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     version: Mapped[int] = mapped_column(Integer)
+
+
+def _migrate_1_to_2(conn: Connection) -> None:
+    """Version 2 credits reports by receipts. The new tables are made by ``create_all``; old reports get
+    the credited_* columns holding what version 1 credited (claims-based: kept as history, scheme 1)."""
+    for column, kind in (
+        ("credited_samples", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+        ("credited_compute_seconds", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+        ("credited_bytes_aggregated", "DOUBLE PRECISION NOT NULL DEFAULT 0"),
+        ("scheme", "INTEGER NOT NULL DEFAULT 2"),
+        ("notes", "TEXT"),
+    ):
+        conn.execute(text(f"ALTER TABLE reports ADD COLUMN {column} {kind}"))
+    conn.execute(
+        text(
+            "UPDATE reports SET scheme = 1, credited_samples = CASE WHEN status = 'credited' THEN samples "
+            "ELSE 0 END, credited_compute_seconds = CASE WHEN status = 'credited' THEN compute_seconds "
+            "ELSE 0 END, credited_bytes_aggregated = CASE WHEN status = 'credited' THEN bytes_aggregated "
+            "ELSE 0 END"
+        )
+    )
+
+
+#: version N -> function bringing a version-N database to N + 1.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_1_to_2}
 
 
 def create_schema(conn: Connection) -> None:

@@ -1,5 +1,10 @@
 """The ledger's only SQL I/O: allowlist, peers and sessions, contribution reports, steps, leaderboard.
 
+Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
+assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``) and pull
+records, and credits it the increase of ``min(claims, evidence)``, all in one transaction under the
+reporting peer's row lock, so two backbones on one database cannot credit one receipt twice.
+
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
 ``DB_WRITE = trio.CapacityLimiter(1)`` for all writes (SQLite has one writer at a time anyway, and a
@@ -23,12 +28,14 @@ nothing changed. Database failures surface as :class:`~backbone.ledger.errors.Le
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import os
 import secrets
 import sqlite3
+from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -53,19 +60,34 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 
 from protocols.ledger import Capabilities, ContributionReport, SignedReport
 from protocols.peer_id import peer_id_from_public_key
+from protocols.receipts import PartReceipt
 from shared.errors import ConfigError
 
-from .accounting import Assessment, assess
+from .accounting import (
+    Assessment,
+    Credit,
+    assess,
+    cap_capabilities,
+    check_capabilities,
+    credit_due,
+    reason_codes,
+    valid_receipts,
+)
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
-from .schema import Invite, Peer, PeerSession, Report, Step, User, create_schema
-from .views import LeaderboardRow, PeerSeen, ReportStatus, StepRow, StoredReport, UserSummary
+from .schema import Invite, Peer, PeerSession, Pull, Receipt, Report, Step, User, create_schema
+from .views import LeaderboardRow, PeerSeen, ReportStatus, StepRow, StoredReport, UserSummary, Verdict
 
-__all__ = ["LedgerStore"]
+__all__ = ["BACKBONE_USERNAME", "RESERVED_USERNAMES", "LedgerStore"]
 
 T = TypeVar("T")
 
 _SQLITE_BUSY_TIMEOUT_S = 30.0
 _MAX_USERNAME = 64
+#: The username in the access tokens backbones issue themselves: a user of that name would share the
+#: backbones' fate (removing it revokes every backbone's token and cuts every volunteer off).
+BACKBONE_USERNAME = "backbone"
+#: Names no user may have (compared case-insensitively).
+RESERVED_USERNAMES = frozenset({BACKBONE_USERNAME})
 _MAX_NOTE = 1024
 _MAX_ADDRESS = 256
 _MAX_SECRET = 256
@@ -100,7 +122,7 @@ class LedgerStore:
         if parsed.get_backend_name() == "sqlite":
             assert parsed.database is not None  # _parse_url refused in-memory databases
             try:
-                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+                _private_sqlite_file(Path(parsed.database))
             except OSError as exc:
                 raise ConfigError(f"cannot create the directory of {parsed.database}: {exc}") from exc
             engine = create_engine(parsed, connect_args={"timeout": _SQLITE_BUSY_TIMEOUT_S})
@@ -319,26 +341,37 @@ class LedgerStore:
 
     # ------------------------------------------------------------ peers, sessions
 
-    def update_capabilities(self, peer_id: str, capabilities: Capabilities, *, now: float) -> None:
-        """Store what ``peer_id`` measured about itself; later reports are assessed against it.
+    def update_capabilities(self, peer_id: str, capabilities: Capabilities, *, now: float) -> Capabilities:
+        """Store what ``peer_id`` measured about itself, bounded by what it was seen to do
+        (:func:`~backbone.ledger.accounting.cap_capabilities`); returns what is stored.
 
         Raises:
+            CapabilitiesRejected: beyond the sane ceilings (accounting.check_capabilities).
             UnknownPeer: ``peer_id`` never redeemed an invite.
         """
+        check_capabilities(capabilities)
         with self._tx(write=True) as conn:
-            result = conn.execute(
+            if _load_peer(conn, peer_id, for_update=True) is None:
+                raise UnknownPeer(f"unknown peer {peer_id}")
+            credited, compute = conn.execute(
+                select(
+                    func.coalesce(func.sum(Report.credited_samples), 0.0),
+                    func.coalesce(func.sum(Report.compute_seconds), 0.0),
+                ).where(Report.peer_id == peer_id, Report.status == "credited", Report.scheme == 2)
+            ).one()
+            held = cap_capabilities(capabilities, float(credited), float(compute))
+            conn.execute(
                 update(Peer)
                 .where(Peer.peer_id == peer_id)
                 .values(
-                    device=capabilities.device,
-                    samples_per_second=capabilities.samples_per_second,
-                    upload_bps=capabilities.upload_bps,
-                    download_bps=capabilities.download_bps,
+                    device=held.device,
+                    samples_per_second=held.samples_per_second,
+                    upload_bps=held.upload_bps,
+                    download_bps=held.download_bps,
                     last_seen=_seen(now),
                 )
             )
-            if result.rowcount == 0:
-                raise UnknownPeer(f"unknown peer {peer_id}")
+        return held
 
     def capabilities(self, peer_id: str) -> Capabilities | None:
         """The capabilities ``peer_id`` last reported, or None if none (or no such peer)."""
@@ -390,7 +423,8 @@ class LedgerStore:
     def record_report(
         self, signed: SignedReport, report: ContributionReport, assessment: Assessment, *, now: float
     ) -> bool:
-        """Record a verified report with its verdict, exactly once per ``(peer_id, seq)``.
+        """Record a verified report with the given bounds verdict, exactly once per ``(peer_id, seq)``,
+        and credit it by its receipts (see :mod:`~backbone.ledger.accounting`).
 
         ``report`` must be ``verify_report(signed, run_id)``. Prefer :meth:`assess_and_record`, which
         assesses under the same lock so two reports of one peer cannot both claim the same time.
@@ -401,29 +435,15 @@ class LedgerStore:
         Raises:
             UnknownPeer: the reporting peer never redeemed an invite.
         """
-        values = _report_values(signed, report, assessment, now)
-        try:
-            with self._tx(write=True) as conn:
-                user_id = conn.execute(
-                    select(Peer.user_id).where(Peer.peer_id == report.peer_id)
-                ).scalar_one_or_none()
-                if user_id is None:
-                    raise UnknownPeer(f"report from unknown peer {report.peer_id}")
-                # Insert first, touch the peer second: the same order in every writer, so no deadlock.
-                conn.execute(insert(Report).values(user_id=user_id, **values))
-                _touch(conn, report.peer_id, now)
-        except _Conflict:
-            if self._exists(lambda conn: _report_exists(conn, report.peer_id, report.seq)):
-                return False
-            raise
-        return True
+        return self._record(signed, report, lambda _conn: assessment, now) is not None
 
     def assess_and_record(
         self, signed: SignedReport, report: ContributionReport, *, now: float
-    ) -> Assessment | None:
-        """Assess ``report`` (see :func:`~backbone.ledger.accounting.assess`) against the peer's stored
-        capabilities and latest credited report, and record it, in one transaction that holds the peer's
-        row lock: the recommended way to credit reports, also with several backbones on one database.
+    ) -> Verdict | None:
+        """Assess ``report`` (see :func:`~backbone.ledger.accounting.assess`) against the peer's latest
+        unflagged report, record it, store its receipts and pull records and credit it, in one
+        transaction that holds the peer's row lock: the way to credit reports, also with several
+        backbones on one database.
 
         ``report`` must be ``verify_report(signed, run_id)``.
 
@@ -433,6 +453,21 @@ class LedgerStore:
         Raises:
             UnknownPeer: the reporting peer never redeemed an invite.
         """
+
+        def judge(conn: Connection) -> Assessment:
+            return assess(report, _previous_end(conn, report.peer_id), now)
+
+        return self._record(signed, report, judge, now)
+
+    def _record(
+        self,
+        signed: SignedReport,
+        report: ContributionReport,
+        judge: Callable[[Connection], Assessment],
+        now: float,
+    ) -> Verdict | None:
+        values = _report_values(signed, report, now)
+        receipts, rejected = valid_receipts(report, report.run_id)  # signatures: outside the write lock
         try:
             with self._tx(write=True) as conn:
                 peer = _load_peer(conn, report.peer_id, for_update=True)
@@ -440,16 +475,42 @@ class LedgerStore:
                     raise UnknownPeer(f"report from unknown peer {report.peer_id}")
                 if _report_exists(conn, report.peer_id, report.seq):
                     return None
-                previous_end = _previous_end(conn, report.peer_id)
-                assessment = assess(report, peer.capabilities, previous_end, now)
-                values = _report_values(signed, report, assessment, now)
-                conn.execute(insert(Report).values(user_id=peer.user_id, **values))
+                assessment = judge(conn)
+                status = "credited" if assessment.credited else "flagged"
+                # Insert first, touch the peer second: the same order in every writer, so no deadlock.
+                result = conn.execute(
+                    insert(Report).values(
+                        user_id=peer.user_id, status=status, flag_reason=assessment.reason, **values
+                    )
+                )
+                key = result.inserted_primary_key
+                assert key is not None  # a single-row INSERT always has one
+                report_id = int(key[0])
+                notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
+                credit = _credit(conn, report.peer_id) if assessment.credited else Credit()
+                conn.execute(
+                    update(Report)
+                    .where(Report.id == report_id)
+                    .values(
+                        credited_samples=credit.samples,
+                        credited_compute_seconds=credit.compute_seconds,
+                        credited_bytes_aggregated=credit.bytes_aggregated,
+                        notes=_format_notes(notes),
+                    )
+                )
                 _touch(conn, report.peer_id, now)
         except _Conflict:
             if self._exists(lambda conn: _report_exists(conn, report.peer_id, report.seq)):
                 return None
             raise
-        return assessment
+        return Verdict(
+            credited=assessment.credited,
+            reason=assessment.reason,
+            samples=credit.samples,
+            compute_seconds=credit.compute_seconds,
+            bytes_aggregated=credit.bytes_aggregated,
+            notes=_format_notes(notes),
+        )
 
     def previous_end(self, peer_id: str) -> float | None:
         """``interval_end`` of the peer's latest credited report, or None."""
@@ -469,6 +530,8 @@ class LedgerStore:
                     Report.received_at,
                     Report.report_bytes,
                     Report.signature,
+                    Report.credited_samples,
+                    Report.notes,
                 )
                 .where(Report.peer_id == peer_id)
                 .order_by(Report.seq)
@@ -482,6 +545,8 @@ class LedgerStore:
                 r.flag_reason,
                 r.received_at,
                 SignedReport(report=r.report_bytes, signature=r.signature),
+                r.credited_samples,
+                r.notes,
             )
             for r in rows
         ]
@@ -544,18 +609,21 @@ class LedgerStore:
     def leaderboard(self) -> list[LeaderboardRow]:
         """Every user's credited contribution, most samples first (ties by username)."""
         credited = Report.status == "credited"
+        legacy = (Report.status == "credited") & (Report.scheme == 1)  # schema 1 credited relaying too
 
-        def credited_sum(column: Any) -> ColumnElement[float]:
+        def total(column: Any) -> ColumnElement[float]:
             # Summed as doubles: SQLite's integer SUM raises on overflow; exact below 2**53.
-            return func.sum(case((credited, sql_cast(column, Double)), else_=0.0))
+            return func.sum(sql_cast(column, Double))
 
         reports = (
             select(
                 Report.user_id,
-                credited_sum(Report.samples).label("samples"),
-                credited_sum(Report.compute_seconds).label("compute_seconds"),
-                credited_sum(Report.bytes_aggregated).label("bytes_aggregated"),
-                credited_sum(Report.bytes_relayed).label("bytes_relayed"),
+                total(Report.credited_samples).label("samples"),
+                total(Report.credited_compute_seconds).label("compute_seconds"),
+                total(Report.credited_bytes_aggregated).label("bytes_aggregated"),
+                func.sum(case((legacy, sql_cast(Report.bytes_relayed, Double)), else_=0.0)).label(
+                    "bytes_relayed"
+                ),
                 func.sum(case((credited, 0), else_=1)).label("flagged"),
             )
             .group_by(Report.user_id)
@@ -583,6 +651,14 @@ class LedgerStore:
         )
         with self._tx(write=False) as conn:
             rows = conn.execute(query).all()
+            flagged = conn.execute(
+                select(User.username, Report.flag_reason)
+                .join(Report, Report.user_id == User.id)
+                .where(Report.status == "flagged")
+            ).all()
+        reasons: dict[str, Counter[str]] = {}
+        for username, reason in flagged:
+            reasons.setdefault(username, Counter()).update(set(reason_codes(reason)))
         board = [
             LeaderboardRow(
                 username=row.username,
@@ -593,6 +669,7 @@ class LedgerStore:
                 peers=int(row.peers or 0),
                 last_seen=row.last_seen,
                 flagged_reports=int(row.flagged or 0),
+                flag_reasons=dict(sorted(reasons.get(row.username, Counter()).items())),
             )
             for row in rows
         ]
@@ -601,7 +678,7 @@ class LedgerStore:
 
     # ----------------------------------------------------------------- plumbing
 
-    @contextmanager
+    @contextlib.contextmanager
     def _tx(self, *, write: bool) -> Iterator[Connection]:
         """One transaction, committed on success; database errors become :class:`LedgerError`."""
         if self._closed:
@@ -654,6 +731,18 @@ def _parse_url(url: str) -> URL:
     raise ConfigError(f"unsupported database {backend!r}; use sqlite:///PATH or postgresql+psycopg://...")
 
 
+def _private_sqlite_file(path: Path) -> None:
+    """Create the database file (and a missing directory, 0700) readable by its owner only: 0600 whatever
+    the umask, also when it exists already. SQLite gives its -wal and -shm files the database's mode;
+    existing ones are set too. A directory that exists is left as it is (it may be shared, e.g. /var/lib);
+    the backbone's data dir is made 0700 by the backbone itself."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(file, 0o600)
+
+
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     conn = cast(sqlite3.Connection, dbapi_connection)
     # Let _sqlite_on_begin issue BEGIN: the sqlite3 module's implicit BEGIN is always DEFERRED.
@@ -677,6 +766,8 @@ def _describe(exc: SQLAlchemyError) -> str:
 
 
 def _check_username(username: str) -> None:
+    if username.casefold() in RESERVED_USERNAMES:
+        raise ConfigError(f"the username {username!r} is reserved for the run's backbones")
     if not (1 <= len(username) <= _MAX_USERNAME and username.isprintable() and username.strip() == username):
         raise ConfigError(
             f"a username has 1-{_MAX_USERNAME} printable characters and no surrounding spaces: {username!r}"
@@ -738,9 +829,7 @@ def _step_exists(conn: Connection, global_step: int) -> bool:
     return found.one_or_none() is not None
 
 
-def _report_values(
-    signed: SignedReport, report: ContributionReport, assessment: Assessment, now: float
-) -> dict[str, Any]:
+def _report_values(signed: SignedReport, report: ContributionReport, now: float) -> dict[str, Any]:
     try:
         matches = _REPORT_DECODER.decode(signed.report) == report
     except (msgspec.MsgspecError, RecursionError, UnicodeDecodeError):
@@ -760,6 +849,141 @@ def _report_values(
         "received_at": now,
         "report_bytes": signed.report,
         "signature": signed.signature,
-        "status": "credited" if assessment.credited else "flagged",
-        "flag_reason": assessment.reason,
     }
+
+
+def _users_of(conn: Connection, peer_ids: set[str]) -> dict[str, int]:
+    if not peer_ids:
+        return {}
+    rows = conn.execute(select(Peer.peer_id, Peer.user_id).where(Peer.peer_id.in_(sorted(peer_ids)))).all()
+    return {row.peer_id: row.user_id for row in rows}
+
+
+def _recorded_steps(conn: Connection, steps: set[int]) -> set[int]:
+    if not steps:
+        return set()
+    rows = conn.execute(select(Step.global_step).where(Step.global_step.in_(sorted(steps)))).all()
+    return {row.global_step for row in rows}
+
+
+def _store_evidence(
+    conn: Connection,
+    report: ContributionReport,
+    valid: dict[int, list[PartReceipt]],
+    user_id: int,
+    report_id: int,
+) -> Counter[str]:
+    """Store the report's verified receipts (``valid``, by step) and its pull records that may count
+    (accounting's docstring); returns how many did not, by code (``receipt_held``: stored, counted once
+    its step is recorded)."""
+    notes: Counter[str] = Counter()
+    aggregators = {r.aggregator for receipts in valid.values() for r in receipts}
+    users = _users_of(conn, aggregators | {p.aggregator for p in report.pulled})
+    recorded = _recorded_steps(conn, set(valid) | {p.step for p in report.pulled})
+    for step, receipts in sorted(valid.items()):
+        others = []
+        for candidate in receipts:
+            aggregator_user = users.get(candidate.aggregator)
+            if aggregator_user is None:
+                notes["receipt_unknown_aggregator"] += 1
+            elif aggregator_user == user_id:
+                notes["receipt_same_user"] += 1
+            else:
+                others.append(candidate)
+        if not others:
+            continue
+        receipt = max(others, key=lambda r: r.weight)
+        notes["receipt_duplicate"] += len(others) - 1
+        known = conn.execute(
+            select(Receipt.step).where(Receipt.sender == report.peer_id, Receipt.step == step)
+        ).one_or_none()
+        if known is not None:
+            notes["receipt_duplicate"] += 1
+            continue
+        if step not in recorded:
+            notes["receipt_held"] += 1
+        conn.execute(
+            insert(Receipt).values(
+                sender=report.peer_id,
+                step=step,
+                aggregator=receipt.aggregator,
+                weight=receipt.weight,
+                nbytes=receipt.nbytes,
+                report_id=report_id,
+            )
+        )
+    seen: set[tuple[str, int]] = set()
+    for pulled in report.pulled:
+        aggregator_user = users.get(pulled.aggregator)
+        if pulled.aggregator == report.peer_id or aggregator_user == user_id:
+            notes["pull_same_user"] += 1
+            continue
+        if aggregator_user is None:
+            notes["pull_unknown_aggregator"] += 1
+            continue
+        key = (pulled.aggregator, pulled.step)
+        known = conn.execute(
+            select(Pull.step).where(
+                Pull.puller == report.peer_id, Pull.aggregator == pulled.aggregator, Pull.step == pulled.step
+            )
+        ).one_or_none()
+        if key in seen or known is not None:
+            notes["pull_duplicate"] += 1
+            continue
+        seen.add(key)
+        if pulled.step not in recorded:
+            notes["pull_held"] += 1
+        conn.execute(
+            insert(Pull).values(
+                puller=report.peer_id,
+                aggregator=pulled.aggregator,
+                step=pulled.step,
+                nbytes=pulled.nbytes,
+                report_id=report_id,
+            )
+        )
+    return notes
+
+
+def _format_notes(notes: Counter[str]) -> str | None:
+    return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
+
+
+def _credit(conn: Connection, peer_id: str) -> Credit:
+    """What the peer's newest report adds (accounting.credit_due), from the sums in the database."""
+    mine = (Report.peer_id == peer_id, Report.status == "credited", Report.scheme == 2)
+    totals = conn.execute(
+        select(
+            func.coalesce(func.sum(sql_cast(Report.samples, Double)), 0.0),
+            func.coalesce(func.sum(Report.compute_seconds), 0.0),
+            func.coalesce(func.sum(sql_cast(Report.bytes_aggregated, Double)), 0.0),
+            func.coalesce(func.sum(Report.credited_samples), 0.0),
+            func.coalesce(func.sum(Report.credited_compute_seconds), 0.0),
+            func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
+        ).where(*mine)
+    ).one()
+    # A receipt's weight is capped by the step's recorded samples when the ledger knows them.
+    # A receipt's weight is capped by its step's recorded samples (the collaboration's batch), or, for a
+    # step recorded without samples (jumped over), by the largest batch the run recorded.
+    largest = float(conn.execute(select(func.coalesce(func.max(Step.samples), 0))).scalar_one())
+    capped: Any = Receipt.weight
+    if largest > 0:
+        bound = case((Step.samples > 0, sql_cast(Step.samples, Double)), else_=largest)
+        capped = case((Receipt.weight > bound, bound), else_=Receipt.weight)
+    weights = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
+        .select_from(Receipt)
+        .join(Step, Step.global_step == Receipt.step)
+        .where(Receipt.sender == peer_id)
+    ).scalar_one()
+    pulled = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(Pull.nbytes, Double)), 0.0))
+        .select_from(Pull)
+        .join(Step, Step.global_step == Pull.step)
+        .where(Pull.aggregator == peer_id)
+    ).scalar_one()
+    return credit_due(
+        Credit(float(totals[0]), float(totals[1]), float(totals[2])),
+        Credit(samples=float(weights), bytes_aggregated=float(pulled)),
+        Credit(float(totals[3]), float(totals[4]), float(totals[5])),
+    )

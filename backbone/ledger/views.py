@@ -3,12 +3,12 @@ all but :class:`StoredReport`, which carries the signed bytes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from protocols.ledger import SignedReport
 
-__all__ = ["LeaderboardRow", "PeerSeen", "ReportStatus", "StepRow", "StoredReport", "UserSummary"]
+__all__ = ["LeaderboardRow", "PeerSeen", "ReportStatus", "StepRow", "StoredReport", "UserSummary", "Verdict"]
 
 ReportStatus = Literal["credited", "flagged"]
 
@@ -34,7 +34,9 @@ class UserSummary:
 
 @dataclass(frozen=True)
 class LeaderboardRow:
-    """One user's credited contribution (flagged reports only counted in ``flagged_reports``)."""
+    """One user's credited contribution: what receipts and pull records backed (see
+    :mod:`backbone.ledger.accounting`); flagged reports only counted in ``flagged_reports``, and why in
+    ``flag_reasons`` (rule code -> reports)."""
 
     username: str
     samples: int
@@ -44,6 +46,7 @@ class LeaderboardRow:
     peers: int
     last_seen: float | None
     flagged_reports: int
+    flag_reasons: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,21 @@ class StoredReport:
     flag_reason: str | None
     received_at: float
     signed: SignedReport
+    credited_samples: float = 0.0
+    notes: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What recording a report did: within bounds (``credited``) or flagged (``reason``), what it was
+    credited, and which of its receipts / pull records did not count (``notes``, ``"code: n; ..."``)."""
+
+    credited: bool
+    reason: str | None
+    samples: float
+    compute_seconds: float
+    bytes_aggregated: float
+    notes: str | None
 
 
 @dataclass(frozen=True)

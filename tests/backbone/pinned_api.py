@@ -1,9 +1,11 @@
 """A real pinned backbone API in the test's own trio run: Hypercorn over HTTPS with the authority's
-certificate (the backbone's own ``_serve_api``), a SQLite ledger, and an optional shard directory."""
+certificate (the backbone's own ``_serve_api``), a SQLite ledger, and an optional shard directory;
+:func:`member_client` admits a machine and gives it an API client that signs its requests."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,8 @@ from backbone.ledger import LedgerStore
 from backbone.service import BackboneOptions, _serve_api
 from protocols.api import Manifest
 from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
+from shared.auth.keys import Identity
+from volunteer.api_client import ApiClient
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class PinnedApi:
     run_id: str  # pinned: name@fingerprint
     urls: list[str]  # https://127.0.0.1:PORT
     authority: Authority
+    store: LedgerStore
+    admin_token: str = "test-admin-token"
 
 
 @contextlib.asynccontextmanager
@@ -55,7 +61,18 @@ async def serve_pinned_api(
         async with trio.open_nursery() as nursery:
             served: list[str] = await nursery.start(_serve_api, state, authority, options)
             urls.extend(u for u in served if "127.0.0.1" in u)
-            yield PinnedApi(pinned, urls, authority)
+            yield PinnedApi(pinned, urls, authority, store)
             nursery.cancel_scope.cancel()
     finally:
         await trio.to_thread.run_sync(store.close)
+
+
+def member_client(api: PinnedApi, username: str = "alice") -> ApiClient:
+    """Admit a new machine of ``username`` and return its client (with its identity and a token)."""
+    member = Identity.generate()
+    now = time.time()
+    api.store.add_user(username, now=now)
+    secret = api.store.create_invite(username, now=now)
+    api.store.redeem_invite(secret, member.peer_id, member.public_key_bytes, now=now)
+    token = api.authority.issue_token(api.run_id, username, member.peer_id, member.public_key_bytes, now, 600)
+    return ApiClient(api.run_id, api.urls, identity=member, token=lambda: token)

@@ -22,7 +22,7 @@ from shared.data.corpus import write_shards
 from shared.errors import PeerUnavailable, ProtocolError
 from volunteer.api_client import ApiClient
 
-from .pinned_api import serve_pinned_api
+from .pinned_api import member_client, serve_pinned_api
 
 
 async def test_api_shards_are_listed_fetched_and_verified(tmp_path: Path) -> None:
@@ -30,7 +30,7 @@ async def test_api_shards_are_listed_fetched_and_verified(tmp_path: Path) -> Non
     paths = await trio.to_thread.run_sync(write_shards, shards, 3, 10)
     (shards / "notes.txt").write_text("not a shard")
     async with serve_pinned_api(tmp_path / "bb", shards) as api:
-        client = ApiClient(api.run_id, api.urls)
+        client = member_client(api)
         listing = await client.list_shards()
         assert [i.name for i in listing.shards] == [p.name for p in paths]
         for info, path in zip(listing.shards, paths, strict=True):
@@ -73,7 +73,8 @@ async def test_api_shards_never_serve_files_outside_the_shard_directory(tmp_path
             "%2Fetc%2Fpasswd",
             "authority.key",
         ]
-        async with httpx.AsyncClient(verify=context) as http:
+        admin = {"authorization": f"Bearer {api.admin_token}"}
+        async with httpx.AsyncClient(verify=context, headers=admin) as http:
             ok = await http.get(base + "shard-00000.jsonl")
             assert ok.status_code == 200 and ok.headers["x-sha256"] == hashlib.sha256(ok.content).hexdigest()
             for attempt in attempts:
@@ -103,7 +104,8 @@ def _raw_get(url: str, context: ssl.SSLContext, target: str) -> tuple[int, bytes
         socket.create_connection((parts.hostname, parts.port), timeout=10) as sock,
         context.wrap_socket(sock) as tls,
     ):
-        tls.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        auth = "Authorization: Bearer test-admin-token\r\n"
+        tls.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n".encode())
         response = b""
         while chunk := tls.recv(65536):
             response += chunk
@@ -113,7 +115,7 @@ def _raw_get(url: str, context: ssl.SSLContext, target: str) -> tuple[int, bytes
 
 async def test_api_shards_list_is_empty_without_a_shard_directory(tmp_path: Path) -> None:
     async with serve_pinned_api(tmp_path / "bb") as api:
-        assert await ApiClient(api.run_id, api.urls).list_shards() == ShardList(shards=[])
+        assert await member_client(api).list_shards() == ShardList(shards=[])
 
 
 async def test_backbone_writes_the_synthetic_corpus_once_when_asked(

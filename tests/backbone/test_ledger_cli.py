@@ -120,3 +120,43 @@ def test_ledger_steps_refuses_a_count_below_one(tmp_path: Path) -> None:
     code, _ = ledger(tmp_path, "--steps", "0")
 
     assert code == 2
+
+
+def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) -> None:
+    from .ledger.reports import identity, make_report, sign
+
+    laptop = identity(21)
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        store.add_user("alice", now=T0)
+        secret = store.create_invite("alice", now=T0)
+        store.redeem_invite(secret, laptop.peer_id, laptop.public_key_bytes, now=T0)
+        for seq, report in enumerate(
+            [
+                make_report(laptop, 0, start=T0 - 10**9, length=10**9),  # too_old, too_long
+                make_report(laptop, 1, start=T0, length=7200),  # too_long
+                make_report(laptop, 2, start=T0, length=60),  # within bounds
+                make_report(laptop, 3, start=T0 + 30, length=60),  # overlap
+            ]
+        ):
+            assert store.assess_and_record(sign(laptop, report), report, now=T0 + 7200 + seq) is not None
+
+    code, output = ledger(tmp_path, "--json")
+    assert code == 0, output
+    [alice] = json.loads(output)
+    assert alice["flagged_reports"] == 3
+    assert alice["flag_reasons"] == {"overlap": 1, "too_long": 2, "too_old": 1}
+    code, output = ledger(tmp_path)
+    assert code == 0, output
+    assert "overlap 1, too_long 2, too_old 1" in output
+
+
+def test_allow_add_refuses_the_backbones_username(tmp_path: Path) -> None:
+    # finding 11: adding then removing 'backbone' revoked every backbone's own token
+    (tmp_path / "run.json").write_text(
+        '{"run_id": "r@x", "api": ["https://h:1"], "authority_public_key": ""}'
+    )
+    result = runner.invoke(app, ["allow", "add", "backbone", "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "reserved" in result.output
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        assert store.list_users() == []

@@ -4,8 +4,10 @@ seconds, the API refuses bad input, and the ledger survives a SIGKILLed backbone
 from __future__ import annotations
 
 import json
+import os
 import signal
 import ssl
+import stat
 import subprocess
 import threading
 import time
@@ -149,8 +151,19 @@ def _pinned_client(api: str) -> httpx.Client:
 
 
 def test_api_answers_bad_input_with_clear_4xx_json(tmp_path: Path) -> None:
-    bb, _, run_id, api = start_pinned_backbone(tmp_path / "bb")
+    # finding 11: an organizer made the data dir beforehand (0755) and runs with umask 022
+    (tmp_path / "bb").mkdir(mode=0o755)
+    (tmp_path / "bb").chmod(0o755)
+    umask = os.umask(0o022)
     try:
+        bb, _, run_id, api = start_pinned_backbone(tmp_path / "bb")
+    finally:
+        os.umask(umask)
+    try:
+        wait_status(tmp_path / "bb", lambda s: True, bb)
+        assert stat.S_IMODE((tmp_path / "bb").stat().st_mode) == 0o700
+        for name in ("ledger.sqlite3", "run.json", "status.json", "admin.token", "authority.key"):
+            assert stat.S_IMODE((tmp_path / "bb" / name).stat().st_mode) == 0o600, name
         with _pinned_client(api) as client:
             base = f"/v1/runs/{run_id}"
             cases = [
@@ -159,6 +172,8 @@ def test_api_answers_bad_input_with_clear_4xx_json(tmp_path: Path) -> None:
                 (client.post(f"{base}/join", content=b"x" * 70_000), 413, "too_large"),
                 (client.get("/v1/runs/other@xyz/manifest"), 404, "unknown_run"),
                 (client.get(f"{base}/admin/users"), 401, "admin_required"),
+                (client.get(f"{base}/ledger"), 401, "access_required"),  # finding 10
+                (client.get(f"{base}/shards"), 401, "access_required"),
             ]
             for response, status, error in cases:
                 assert response.status_code == status, response.text
@@ -177,6 +192,8 @@ def test_api_answers_bad_input_with_clear_4xx_json(tmp_path: Path) -> None:
                 content=b'{"username": "carol"}',
             )
             assert made.status_code == 200 and made.json()["invite"].startswith("dli1_")
+            board = client.get(f"{base}/ledger", headers={"authorization": f"Bearer {admin}"})
+            assert board.status_code == 200 and "carol" in {row["username"] for row in board.json()}
             statuses = [client.post(f"{base}/join", content=b"{}").status_code for _ in range(12)]
             assert 429 in statuses  # join attempts are rate-limited per address
             assert client.get(f"{base}/health").json()["ok"] is True

@@ -18,8 +18,7 @@ from protocols.api import ShardInfo
 from protocols.training import DatasetSpec
 from shared.data.corpus import write_shards
 from shared.errors import ConfigError, ProtocolError
-from tests.backbone.pinned_api import serve_pinned_api
-from volunteer.api_client import ApiClient
+from tests.backbone.pinned_api import member_client, serve_pinned_api
 from volunteer.data import BackboneShards, Prefetcher, open_examples
 
 
@@ -157,7 +156,7 @@ def test_backbone_source_restricts_names_and_refuses_an_empty_list(tmp_path: Pat
 async def test_backbone_shards_stream_from_a_real_pinned_backbone(tmp_path: Path) -> None:
     paths = await trio.to_thread.run_sync(write_shards, tmp_path / "bb" / "shards", 3, 10)
     async with serve_pinned_api(tmp_path / "bb", tmp_path / "bb" / "shards") as api:
-        source = BackboneShards(ApiClient(api.run_id, api.urls))
+        source = BackboneShards(member_client(api))  # a private run: shards need its credential
         spec = DatasetSpec(source="backbone", shuffle_buffer=5)
         stream = open_examples(spec, seed=7, shards=source, cache_dir=tmp_path / "cache")
         # consumed in a worker thread: the HTTPS requests run in this trio loop meanwhile

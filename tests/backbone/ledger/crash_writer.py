@@ -12,9 +12,10 @@ import time
 from backbone.ledger import LedgerStore
 from backbone.ledger.accounting import CREDITED
 
-from .reports import CAPS, identity, make_report, sign
+from .reports import CAPS, identity, make_report, receipt, sign
 
 WRITER = identity(42)
+WITNESS = identity(43)  # a peer of another user, whose receipts back the writer's reports
 USERNAME = "crash-writer"
 MAX_REPORTS = 100_000
 
@@ -26,9 +27,13 @@ def main(url: str) -> None:
         secret = store.create_invite(USERNAME, now=now)
         store.redeem_invite(secret, WRITER.peer_id, WRITER.public_key_bytes, now=now)
         store.update_capabilities(WRITER.peer_id, CAPS, now=now)
+        store.add_user("witness", now=now)
+        secret = store.create_invite("witness", now=now)
+        store.redeem_invite(secret, WITNESS.peer_id, WITNESS.public_key_bytes, now=now)
         print("ready", flush=True)
         for seq in range(MAX_REPORTS):
-            report = make_report(WRITER, seq)
+            store.record_step(seq, finished_at=now, loss=None, samples=0, peers=2)
+            report = make_report(WRITER, seq, receipts=[receipt(WITNESS, WRITER, seq, 1000)])
             store.record_report(sign(WRITER, report), report, CREDITED, now=time.time())
             print(seq, flush=True)
 

@@ -6,6 +6,7 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocols.ledger import Capabilities, ContributionReport, SignedReport, report_payload
+from protocols.receipts import PartReceipt, PulledSlice, SignedReceipt, encode_receipt, receipt_payload
 from shared.auth.keys import Identity
 
 RUN_ID = "ledger-test"
@@ -30,6 +31,8 @@ def make_report(
     bytes_relayed: int = 0,
     global_step: int | None = None,
     run_id: str = RUN_ID,
+    receipts: list[SignedReceipt] | None = None,
+    pulled: list[PulledSlice] | None = None,
 ) -> ContributionReport:
     """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
     begin = T0 + seq * length if start is None else start
@@ -44,7 +47,37 @@ def make_report(
         bytes_relayed=bytes_relayed,
         interval_start=begin,
         interval_end=begin + length,
+        receipts=receipts or [],
+        pulled=pulled or [],
     )
+
+
+def receipt(
+    aggregator: Identity,
+    sender: Identity,
+    step: int,
+    weight: float,
+    *,
+    nbytes: int = 1000,
+    run_id: str = RUN_ID,
+    signer: Identity | None = None,
+) -> SignedReceipt:
+    """A part receipt of ``aggregator`` for ``sender``'s parts of ``step`` (signed by ``signer``, by
+    default the aggregator itself)."""
+    body = encode_receipt(
+        PartReceipt(
+            run_id=run_id,
+            aggregator=aggregator.peer_id,
+            sender=sender.peer_id,
+            step=step,
+            group_id=b"g",
+            round=0,
+            weight=weight,
+            nbytes=nbytes,
+            issued_at=T0,
+        )
+    )
+    return SignedReceipt(receipt=body, signature=(signer or aggregator).sign(receipt_payload(body)))
 
 
 def sign(who: Identity, report: ContributionReport) -> SignedReport:
