@@ -166,8 +166,8 @@ async def test_allreduce_sender_dying_mid_part_is_dropped_at_once(nursery: trio.
     numel = 200_000
     vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
     plan = plan_for(
-        peers, numel, sizes=[numel, 0, 0], deadline=60.0
-    )  # a long deadline: dropping must not wait
+        peers, numel, sizes=[numel, 0, 0], deadline=60.0, part_numel=numel
+    )  # a long deadline: dropping must not wait; one part, so the dying peer's header fits the layout
     dying = peers[2][0]
 
     async def die_mid_part() -> None:

@@ -31,12 +31,13 @@ async def start_nodes(nursery: trio.Nursery, n: int, client: set[int] = frozense
     return nodes
 
 
-def ticket(node: Node, weight: float, *, fast: bool = False) -> JoinTicket:
+def ticket(node: Node, weight: float, *, fast: bool = False, vector: np.ndarray | None = None) -> JoinTicket:
     addr = node.host.listen_addrs[0] if node.host.listen_addrs else None
     bandwidth = 1e9 if fast else 1e7
     return JoinTicket(
         addr=addr,
         weight=weight,
+        norm=float(np.linalg.norm(vector.astype(np.float64))) if vector is not None else 1e6,
         samples_per_second=10.0,
         upload_bps=bandwidth,
         download_bps=bandwidth,
@@ -57,7 +58,7 @@ async def test_matchmaking_forms_one_group_and_everyone_averages_with_the_leader
 
     async def member(i: int) -> None:
         matchmaker = Matchmaker(nodes[i].dht, config=config)
-        plans[i] = plan = await matchmaker.assemble(1, ticket(nodes[i], weights[i]), numel)
+        plans[i] = plan = await matchmaker.assemble(1, ticket(nodes[i], weights[i], vector=vectors[i]), numel)
         assert plan is not None
         started = time.monotonic()
         me = [m.peer_id for m in plan.members].index(nodes[i].peer_id)
@@ -96,7 +97,7 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
 
     async def member(i: int) -> None:
         plan = await Matchmaker(nodes[i].dht, config=config).assemble(
-            2, ticket(nodes[i], 1.0), numel, keys[i]
+            2, ticket(nodes[i], 1.0, vector=vectors[i]), numel, keys[i]
         )
         assert plan is not None
         assert {m.peer_id for m in plan.members} == {nodes[j].peer_id for j in range(6) if keys[j] == keys[i]}
