@@ -550,9 +550,9 @@ class Averager:
         if sender == duty.me or sender not in duty.weights:
             self.stats.parts_refused += 1
             raise RemoteError(ErrorCode.FORBIDDEN, "not a sender of this slice")
-        if sender in duty.excluded:
+        if sender in duty.excluded:  # BAD_REQUEST: it stops pushing, still pulls the average made without it
             self.stats.parts_refused += 1
-            raise RemoteError(ErrorCode.FORBIDDEN, f"excluded from this round: {duty.excluded[sender]}")
+            raise ProtocolError(f"excluded from this round: {duty.excluded[sender]}")
         claimed = next(m for m in plan.members if m.peer_id == sender)
         problem = ""
         if part.codec != plan.codec or header.nbytes != part.nbytes:
