@@ -201,6 +201,7 @@ class _Aggregation:
     pulls_left: int = 0  # parts the other members have yet to fetch; at 0 the duty is dropped at once
     excluded: dict[PeerId, str] = field(default_factory=dict)
     accepted_bytes: dict[PeerId, int] = field(default_factory=dict)
+    served: set[tuple[PeerId, int]] = field(default_factory=set)  # (member, part) pulls answered
     receipts: dict[PeerId, SignedReceipt] | None = None  # once the whole slice is averaged
 
     def exclude(self, peer: PeerId, reason: str) -> None:
@@ -642,7 +643,9 @@ class Averager:
             )
         )
         reply = BulkReply(meta, memoryview(part.encoded))
-        duty.pulls_left -= 1
+        if (ctx.peer_id, request.part_index) not in duty.served:  # a repeated pull must not end the duty
+            duty.served.add((ctx.peer_id, request.part_index))
+            duty.pulls_left -= 1
         if duty.pulls_left <= 0 and duty.expires_at < math.inf:  # our round is over and all have pulled
             key = (duty.plan.group_id, duty.plan.round)
             self._duties.pop(key, None)

@@ -52,11 +52,16 @@ ledger credits what was used. Honest runs with speeds within 8x of the median (a
 round) never hit a cap.
 
 **Averaged slices** are checked by their receivers (:func:`average_norm_bound`): finite, and with an L2 norm
-per part of at most ``sqrt(S) · min(max claim, NORM_CAP_MULTIPLE · lower median claim)`` over the ``S``
+per part of at most ``sqrt(S) · min(max claim, NORM_CAP_MULTIPLE · upper median claim)`` over the ``S``
 senders' ticket ``norm`` claims, widened by the codec's error. An aggregator bans a sender whose part is
 larger than its own claim, so a weighted mean of accepted parts is no larger than the largest claim (a
 convex combination); ``sqrt(S)`` covers robust rules whose output stays within the inputs' coordinate-wise
-range (trimmed mean); the median multiple (16) keeps one liar's claim from opening the bound.
+range (trimmed mean, CenteredClip started there). The cap keeps a liar's claim from opening the bound: with
+an honest majority of senders the *upper* median (element ``S // 2``) is at most the largest honest claim.
+The upper, not the lower, median, so that honest senders with tiny norms (zero gradients, huge batches)
+cannot close the bound on an honest mean; the cap only binds an honest round when more than half of the
+senders claim less than 1/16 of another honest sender's norm and that sender's parts dominate the mean. With
+two senders the cap is the larger claim (no honest majority to lean on).
 """
 
 from __future__ import annotations
@@ -213,7 +218,7 @@ def average_norm_bound(norms: Sequence[float], codec: str, numel: int) -> float:
     ticket ``norms`` (module docstring, "Averaged slices"). ``inf`` without senders or with unknown norms."""
     if not norms or any(not math.isfinite(n) for n in norms):
         return math.inf
-    base = min(max(norms), NORM_CAP_MULTIPLE * lower_median(norms))
+    base = min(max(norms), NORM_CAP_MULTIPLE * sorted(norms)[len(norms) // 2])
     factor, absolute = codec_norm_slack(codec, numel)
     # the sender's encoding and the aggregator's re-encoding each widen by the codec's slack
     return math.sqrt(len(norms)) * (base * factor + absolute) * factor + absolute

@@ -66,7 +66,7 @@ def test_average_norm_bound_holds_for_any_weighted_mean_of_parts_within_their_cl
         parts.append(v / np.linalg.norm(v) * claim * rng.uniform(0, 1))
     w = rng.uniform(0.1, 10.0, size=len(parts))
     mean = (w[:, None] * np.stack(parts)).sum(axis=0) / w.sum()
-    if max(norms) <= NORM_CAP_MULTIPLE * lower_median(norms):  # honest-looking claims
+    if max(norms) <= NORM_CAP_MULTIPLE * sorted(norms)[len(norms) // 2]:  # honest-looking claims
         assert float(np.linalg.norm(mean)) <= average_norm_bound(norms, "none", numel)
     assert average_norm_bound(norms, "none", numel) <= math.sqrt(len(norms)) * max(norms) * 1.001
 
@@ -86,3 +86,16 @@ def test_weight_history_bound_is_between_the_floor_and_the_claim(
         book.record("p", weight, now)
     bound = book.bound("p", claim, now + 1.0, floor)
     assert min(claim, floor) <= bound <= claim
+
+
+@given(
+    honest=st.lists(st.floats(min_value=0.0, max_value=1e3), min_size=1, max_size=8),
+    liars=st.lists(st.floats(min_value=0.0, max_value=1e30), max_size=7),
+)
+def test_average_norm_bound_cannot_be_opened_by_a_liar_minority(
+    honest: list[float], liars: list[float]
+) -> None:
+    liars = liars[: len(honest) - 1] if len(honest) > 1 else []
+    norms = honest + liars
+    bound = average_norm_bound(norms, "none", 1000)
+    assert bound <= math.sqrt(len(norms)) * NORM_CAP_MULTIPLE * max(honest) * 1.001 + 1e-12

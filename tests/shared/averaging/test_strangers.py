@@ -365,3 +365,74 @@ async def test_a_non_member_part_is_refused_before_its_payload_is_read(nursery: 
     assert results[0].outcome.complete
     assert np.all(vectors[0] == np.float32(0.0))  # peer 1 banned: the average is peer 0's alone
     assert peers[1][0].peer_id in dict(results[0].completeness[0].dropped)
+
+
+# ------------------------------------------------------------------ receipts: forged, replayed, inflated
+
+
+def test_a_member_keeps_only_receipts_the_aggregator_signed_for_it_this_round() -> None:
+    from protocols.errors import ProtocolError
+    from protocols.receipts import PartReceipt, SignedReceipt, encode_receipt
+
+    me, aggregator, stranger = (Identity.generate() for _ in range(3))
+    host = Host(me, "avg-test")
+    averager = Averager(host)
+    members = (
+        Member(me.peer_id, None, 16.0, 1.0),
+        Member(aggregator.peer_id, parse_multiaddr("/ip4/127.0.0.1/tcp/4001"), 16.0, 1.0),
+    )
+    plan = GroupPlan(b"g", 3, members, (0, 100), 10.0)
+    honest = PartReceipt(
+        run_id="avg-test",
+        aggregator=aggregator.peer_id,
+        sender=me.peer_id,
+        step=4,
+        group_id=b"g",
+        round=3,
+        weight=16.0,
+        nbytes=400,
+        issued_at=time.time(),
+    )
+
+    def signed(receipt: PartReceipt, by: Identity = aggregator) -> SignedReceipt:
+        body = encode_receipt(receipt)
+        return SignedReceipt(receipt=body, signature=by.sign(receipt_payload(body)))
+
+    assert averager._verify_receipt(plan, 0, 1, 4, signed(honest)) == signed(honest)
+    forged = {
+        "signed by another peer": signed(honest, by=stranger),
+        "replayed from another round": signed(msgspec.structs.replace(honest, round=2)),
+        "for another step": signed(msgspec.structs.replace(honest, step=3)),
+        "for another sender": signed(msgspec.structs.replace(honest, sender=stranger.peer_id)),
+        "of another run": signed(msgspec.structs.replace(honest, run_id="other-run")),
+        "above our own weight": signed(msgspec.structs.replace(honest, weight=17.0)),
+        "garbage": SignedReceipt(receipt=b"\x81\xa3\xff\xfe\xfd\xc0", signature=b"\0" * 64),
+    }
+    for name, receipt in forged.items():
+        with pytest.raises(ProtocolError):  # noqa: PT012
+            averager._verify_receipt(plan, 0, 1, 4, receipt)
+            pytest.fail(f"kept a receipt {name}")
+
+
+async def test_repeated_pulls_of_one_member_do_not_end_the_duty_for_the_others(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protocols.averaging import PullRequest
+    from shared.averaging import allreduce
+
+    monkeypatch.setattr(allreduce, "EARLY_ARRIVAL_WAIT", 0.5)  # a popped duty answers NOT_FOUND soon
+    peers = await start_hosts(nursery, 3)
+    numel = 1000
+    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    plan = plan_of(peers, vectors, [1.0, 0.0, 1.0], [numel, 0, 0])  # peer 1 only receives, and late
+    results = await run_round(peers, plan, vectors, skip={1})
+    assert results[0].outcome.complete  # type: ignore[attr-defined]
+    address = parse_multiaddr(peers[0][0].listen_addrs[0])
+    request = encode_header(PullRequest(group_id=plan.group_id, round=plan.round, part_index=0))
+    for _ in range(3):  # peer 2 pulls the same part again and again
+        await peers[2][0].send_bulk(
+            address, "avg.pull", b"", request, sink=lambda m, n: memoryview(bytearray(n))
+        )
+    late = await peers[1][1].all_reduce(plan, vectors[1], 1)
+    assert late.outcome.complete
+    assert np.all(vectors[1] == np.float32(1.0))
