@@ -89,7 +89,7 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
 ) -> None:
     nodes = await start_nodes(nursery, 6)
     numel = 30_000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(6)]
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(6)]
     keys = ["a", "a", "a", "b", "b", "b"]  # two groups, as Moshpit grid keys would assign them
     averagers = [Averager(node.host) for node in nodes]
     config = MatchmakingConfig(window=1.0)
@@ -113,13 +113,13 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
             group.start_soon(member, i)
     for i in (3, 4, 5):  # group b never noticed
         assert results[i].outcome.complete  # type: ignore[attr-defined]
-        assert np.all(vectors[i] == np.float32(4.0))
+        assert np.all(vectors[i] == np.float32(5.0))
     for i in (0, 1):  # group a lost the dead peer's slice, averaged the rest without it, and says so
         outcome = results[i].outcome  # type: ignore[attr-defined]
         assert not outcome.complete
         for start, stop in outcome.unaveraged():
-            assert np.all(vectors[i][start:stop] == np.float32(i))
+            assert np.all(vectors[i][start:stop] == np.float32(i + 1))
         averaged = np.ones(numel, dtype=bool)
         for start, stop in outcome.unaveraged():
             averaged[start:stop] = False
-        assert np.all(vectors[i][averaged] == np.float32(0.5))
+        assert np.all(vectors[i][averaged] == np.float32(1.5))

@@ -423,7 +423,7 @@ async def test_repeated_pulls_of_one_member_do_not_end_the_duty_for_the_others(
     monkeypatch.setattr(allreduce, "EARLY_ARRIVAL_WAIT", 0.5)  # a popped duty answers NOT_FOUND soon
     peers = await start_hosts(nursery, 3)
     numel = 1000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(3)]
     plan = plan_of(peers, vectors, [1.0, 0.0, 1.0], [numel, 0, 0])  # peer 1 only receives, and late
     results = await run_round(peers, plan, vectors, skip={1})
     assert results[0].outcome.complete  # type: ignore[attr-defined]
@@ -435,4 +435,4 @@ async def test_repeated_pulls_of_one_member_do_not_end_the_duty_for_the_others(
         )
     late = await peers[1][1].all_reduce(plan, vectors[1], 1)
     assert late.outcome.complete
-    assert np.all(vectors[1] == np.float32(1.0))
+    assert np.all(vectors[1] == np.float32(2.0))  # (1 + 3) / 2
