@@ -3,10 +3,11 @@
 For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<r>.<g>``:
 
 1. a peer first looks at ``<key>.plan``: if a plan is already there whose writer leads the members it
-   lists, all of them with tickets under the key (at least two), the group has formed without this peer,
-   and it does not join (its late ticket would only make members that saw it refuse the plan, rule 4
-   below). A plan stored before any honest ticket cannot pass this test, so nobody can keep peers out of a
-   round by writing plans ahead of it;
+   lists, all of them with tickets under the key (at least two), and this peer is not among them, the
+   group has formed without this peer, and it does not join (its late ticket would only make members that
+   saw it refuse the plan, rule 4 below). A plan stored before any honest ticket cannot pass this test, so
+   nobody can keep peers out of a round by writing plans ahead of it; a plan naming this peer is its own
+   failed earlier attempt under the same key, and it joins again;
 2. every peer that wants to average stores its signed :class:`JoinTicket` under the key (subkey = its peer
    id, so nobody can write another's ticket), then waits ``window`` seconds;
 3. every peer reads the key (merging all replicas). The members are the tickets present, ordered by peer
@@ -107,7 +108,7 @@ class Matchmaker:
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        if await self._formed(key):
+        if await self._formed(key, me):
             logger.info("round %d: the group under %s already formed; not joining it", round_, key)
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
@@ -132,8 +133,10 @@ class Matchmaker:
             return None
         return _to_plan(assembly)
 
-    async def _formed(self, key: str) -> bool:
-        """Rule 1 of the module docstring: a plausible plan is already stored under ``<key>.plan``."""
+    async def _formed(self, key: str, me: PeerId) -> bool:
+        """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
+        ``<key>.plan``. A plan naming us is stale (a failed earlier attempt of ours at this step, under the
+        same key): we join, and the leader's new plan replaces it."""
         found = await self.dht.get(f"{key}.plan")
         if found is None or not found.entries:
             return False
@@ -145,6 +148,7 @@ class Matchmaker:
                 continue
             if (
                 subkey == record.writer.encode()
+                and me not in members
                 and len(members) >= 2
                 and all(m in tickets for m in members)
                 and record.writer == leader_of(key, members)

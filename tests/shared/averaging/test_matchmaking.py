@@ -123,3 +123,23 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
         for start, stop in outcome.unaveraged():
             averaged[start:stop] = False
         assert np.all(vectors[i][averaged] == np.float32(1.5))
+
+
+async def test_members_of_a_failed_round_can_form_a_group_again_under_the_same_key(
+    nursery: trio.Nursery,
+) -> None:
+    # A failed attempt leaves its plan under the key; the same peers retrying the step meet there again
+    # (a stale plan naming us must not read as "a group formed without us").
+    nodes = await start_nodes(nursery, 2)
+    config = MatchmakingConfig(window=0.5)
+    matchmakers = [Matchmaker(n.dht, config=config) for n in nodes]
+    for attempt in range(2):
+        plans: list[object] = [None, None]
+
+        async def member(i: int, plans: list[object] = plans) -> None:
+            plans[i] = await matchmakers[i].assemble(3, ticket(nodes[i], 1.0), 1000, "a0")
+
+        async with trio.open_nursery() as group:
+            for i in range(2):
+                group.start_soon(member, i)
+        assert all(p is not None for p in plans), attempt
