@@ -27,10 +27,13 @@ from typing import Annotated, Literal
 import msgspec
 
 from .errors import ProtocolError
+from .receipts import SignedReceipt
 
 __all__ = [
     "INT8_BLOCK",
     "MAX_PART_BYTES",
+    "MAX_DEADLINE",
+    "MAX_NORM",
     "MAX_PART_NUMEL",
     "MAX_WEIGHT",
     "AveragedHeader",
@@ -56,6 +59,10 @@ MAX_PART_BYTES = 64 * 1024 * 1024
 MAX_PART_NUMEL = MAX_PART_BYTES  # no codec takes less than one byte per element; nbytes is the real cap
 #: Sample counts are exact integers in float64 up to 2**53; larger weights are refused.
 MAX_WEIGHT = float(2**53)
+#: Largest gradient norm a ticket may claim: a finite float64, far beyond any trainable model's gradient.
+MAX_NORM = 1e30
+#: Largest round deadline a plan may set (seconds); followers bound it much tighter (``groups``).
+MAX_DEADLINE = 3600.0
 _MAX_ROUND = 2**63 - 1
 _MAX_PART_INDEX = 2**31 - 1
 _MAX_OFFSET = 2**48  # elements; far beyond any model
@@ -67,6 +74,7 @@ _Offset = Annotated[int, msgspec.Meta(ge=0, le=_MAX_OFFSET)]
 _Numel = Annotated[int, msgspec.Meta(ge=0, le=MAX_PART_NUMEL)]
 _Nbytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_PART_BYTES)]
 _Weight = Annotated[float, msgspec.Meta(ge=0, le=MAX_WEIGHT)]
+_Norm = Annotated[float, msgspec.Meta(ge=0, le=MAX_NORM)]
 
 
 def encoded_nbytes(codec: CodecName, numel: int) -> int:
@@ -133,7 +141,9 @@ class AveragedHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """Aggregator -> peer: one part of the averaged slice.
 
     ``total_weight`` (``Σ w_i`` over the senders that were averaged) and ``contributors`` (their number)
-    let every receiver report what its round actually averaged.
+    let every receiver report what its round actually averaged. ``receipt`` is the aggregator's signed
+    :class:`~protocols.receipts.PartReceipt` for the *puller*'s parts, sent with the reply to the last part
+    of the slice once the whole slice is averaged (``None`` otherwise, or when the puller sent nothing).
     """
 
     group_id: _GroupId
@@ -146,6 +156,7 @@ class AveragedHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     nbytes: _Nbytes
     total_weight: Annotated[float, msgspec.Meta(ge=0)]
     contributors: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    receipt: SignedReceipt | None = None
 
     def __post_init__(self) -> None:
         _check_common(self)
@@ -206,10 +217,17 @@ def decode_averaged_header(meta: bytes | memoryview) -> AveragedHeader:
 
 class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A peer's entry under a round's matchmaking key (DHT subkey = its peer id): where to reach it, its
-    weight this round and its measured capabilities, which the group's leader feeds to the LP."""
+    weight this round and its measured capabilities, which the group's leader feeds to the LP.
+
+    ``norm`` is the L2 norm of the whole vector the peer will average (float64 over its float32 values).
+    No part it sends may be larger (aggregators refuse and ban one that is), so the claims bound what an
+    honest aggregator can return, and receivers check averaged slices against them
+    (:func:`shared.averaging.groups.average_norm_bound`).
+    """
 
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None
     weight: _Weight
+    norm: _Norm
     samples_per_second: Annotated[float, msgspec.Meta(ge=0, le=1e12)]
     upload_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
     download_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
@@ -217,9 +235,13 @@ class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 
 class AssemblyMember(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A member as the plan names it: ``addr`` and ``norm`` copied from its ticket, ``weight`` its ticket's
+    claim after the group's bound (:func:`shared.averaging.groups.bound_weights`)."""
+
     peer_id: Annotated[str, msgspec.Meta(max_length=64)]
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None
     weight: _Weight
+    norm: _Norm
 
 
 class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -231,5 +253,5 @@ class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     slice_sizes: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)]
     codec: CodecName
     part_numel: Annotated[int, msgspec.Meta(ge=1, le=MAX_PART_NUMEL)]
-    deadline: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+    deadline: Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE)]
     predicted_seconds: Annotated[float, msgspec.Meta(ge=0)]

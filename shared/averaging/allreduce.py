@@ -23,7 +23,28 @@ ranges. Averaged slices are written into the caller's vector only after the roun
 whole (``apply_outcome``), so no member ends with a half-updated buffer. An aggregator keeps serving pulls
 until every member has fetched its slice or the deadline passes.
 
-Blocking numpy work (decoding, the reduction, writing back) runs in worker threads (``COMPUTE``).
+**Strangers** (issue 9). Every member may be lying, so:
+
+* *before reading a part's payload* the aggregator checks, from the bulk and part headers alone, that the
+  sender is a sender of this plan (a member with weight > 0, not excluded), that the round, codec, part
+  index, offset, ``numel`` and ``nbytes`` are the plan's canonical layout and that the weight is the
+  plan's for that sender; a non-member is refused without a ban, a member breaking a rule is banned for the
+  round; no payload byte is read into a buffer in either case (``statistics().part_bytes_read``);
+* each sender's weight is the plan's (already bounded by the group, :func:`.groups.bound_weights`), bounded
+  once more by what this aggregator saw the sender weigh in earlier rounds (:class:`.groups.WeightHistory`);
+* a part whose L2 norm exceeds its sender's ticket ``norm`` claim (widened by the codec's error) bans the
+  sender: an honest sender's part is a piece of the vector it measured;
+* receivers check every averaged part they pull: finite, the announced layout, and an L2 norm within
+  :func:`.groups.average_norm_bound` of the senders' claims. An invalid part fails the aggregator's whole
+  slice for this member (it keeps its own values there, as for a dead aggregator), nothing more is pulled
+  from it this round, and ``RoundResult.refused`` names it;
+* once the whole slice is averaged, the aggregator signs a :class:`~protocols.receipts.PartReceipt` for
+  every sender it averaged in (the weight it used, the encoded bytes it accepted) and returns it with each
+  averaged part that sender pulls (``AveragedHeader.receipt``). The member verifies signature and fields
+  (signer = the aggregator, sender = itself, this run, step, group and round, weight at most its plan
+  weight) and keeps it in ``RoundResult.receipts``; a bad receipt is logged and counted, never kept.
+
+Blocking numpy work (decoding, the reduction, checks, writing back) runs in worker threads (``COMPUTE``).
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -55,17 +77,20 @@ from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
+from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, encode_receipt, receipt_payload
 
-from ..errors import PeerUnavailable, RemoteError
+from ..auth.keys import verify_by_peer_id
+from ..errors import PeerUnavailable, ProjectError, RemoteError
 from ..net.addresses import PeerAddress
 from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
 from .compression import codec_by_name
+from .groups import WeightHistory, average_norm_bound, codec_norm_slack, lower_median
 from .partition import Slice, auto_part_numel, make_slices, num_parts, part_bounds
 from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
 
-__all__ = ["COMPUTE", "Averager", "GroupPlan", "Member", "RoundResult"]
+__all__ = ["COMPUTE", "AveragerStatistics", "Averager", "BadAverage", "GroupPlan", "Member", "RoundResult"]
 
 logger = logging.getLogger(__name__)
 Float32Array = npt.NDArray[np.float32]
@@ -82,6 +107,7 @@ class Member:
     peer_id: PeerId
     address: PeerAddress | None  # None: accepts no connections (then it must own no slice)
     weight: float  # samples behind its gradient this round; 0 for auxiliary peers
+    norm: float = math.inf  # L2 norm of its whole vector, as its ticket claims (inf: not claimed)
 
 
 @dataclass(frozen=True)
@@ -114,12 +140,35 @@ class GroupPlan:
     def numel(self) -> int:
         return sum(self.slice_sizes)
 
+    def average_bound(self, numel: int) -> float:
+        """Largest L2 norm an honest aggregator can return for a part of ``numel`` elements."""
+        return average_norm_bound([m.norm for m in self.members if m.weight > 0], self.codec, numel)
+
 
 @dataclass(frozen=True)
 class RoundResult:
     outcome: RoundOutcome  # which ranges were averaged; un-averaged ones kept local values
     completeness: dict[int, Completeness]  # per aggregator index whose slice was averaged
     seconds: float
+    #: verified receipts for our parts, (aggregator, receipt), one per aggregator that gave one
+    receipts: tuple[tuple[PeerId, SignedReceipt], ...] = ()
+    #: encoded averaged bytes we pulled, (aggregator, bytes), per aggregator whose slice we applied
+    pulled: tuple[tuple[PeerId, int], ...] = ()
+    #: aggregators whose averaged values we refused (index -> why); their slices stayed local
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class AveragerStatistics:
+    part_bytes_read: int = 0  # payload bytes of gradient parts read into buffers (aggregator side)
+    parts_refused: int = 0  # parts refused from their headers, before any payload byte was read
+    averages_refused: int = 0  # averaged parts refused by us as a receiver (NaN, too large, bad layout)
+    receipts_issued: int = 0
+    receipts_invalid: int = 0  # receipts we got that failed verification (dropped)
+
+
+class BadAverage(ProjectError):
+    """An aggregator returned an averaged part that no honest aggregator could have produced."""
 
 
 @dataclass
@@ -145,9 +194,15 @@ class _Aggregation:
     plan: GroupPlan
     slice: Slice
     parts: list[_Part]
+    me: PeerId
+    step: int
+    weights: dict[PeerId, float]  # senders and the weight this aggregator uses for each
     expires_at: float = math.inf  # set when the local round ends: serve pulls until the round's deadline
     pulls_left: int = 0  # parts the other members have yet to fetch; at 0 the duty is dropped at once
     excluded: dict[PeerId, str] = field(default_factory=dict)
+    accepted_bytes: dict[PeerId, int] = field(default_factory=dict)
+    served: set[tuple[PeerId, int]] = field(default_factory=set)  # (member, part) pulls answered
+    receipts: dict[PeerId, SignedReceipt] | None = None  # once the whole slice is averaged
 
     def exclude(self, peer: PeerId, reason: str) -> None:
         self.excluded.setdefault(peer, reason)
@@ -179,15 +234,26 @@ class Averager:
 
     def __init__(self, host: Host) -> None:
         self.host = host
+        self.history = WeightHistory()
+        self.stats = AveragerStatistics()
         self._duties: dict[tuple[bytes, int], _Aggregation] = {}
         self._started: dict[tuple[bytes, int], trio.Event] = {}
         host.bulk_handlers[PUSH] = self._on_push
         host.bulk_handlers[PULL] = self._on_pull
 
+    def statistics(self) -> AveragerStatistics:
+        return AveragerStatistics(**vars(self.stats))
+
     # ---------------------------------------------------------------- member side
 
-    async def all_reduce(self, plan: GroupPlan, vector: Float32Array, me: int) -> RoundResult:
+    async def all_reduce(
+        self, plan: GroupPlan, vector: Float32Array, me: int, *, step: int | None = None
+    ) -> RoundResult:
         """Average ``vector`` (1-D float32, modified in place) with the group; see the module docstring.
+
+        Args:
+            step: the global step this round averages for, stated in the receipts we sign and expected in
+                those we get (default: the plan's round).
 
         Raises:
             ValueError: ``vector`` does not fit the plan, or ``me`` is not this host's index.
@@ -199,10 +265,12 @@ class Averager:
         started = trio.current_time()
         key = (plan.group_id, plan.round)
         self._forget_expired(started)
+        step = plan.round if step is None else step
         slices = make_slices(plan.slice_sizes)
-        duty = self._take_duty(plan, slices[me], me) if slices[me].numel else None
+        duty = self._take_duty(plan, slices[me], me, step) if slices[me].numel else None
         averaged: dict[int, Float32Array] = {}
         failed: dict[int, str] = {}
+        got = _Got(step)
         try:
             with trio.move_on_after(plan.deadline):
                 async with trio.open_nursery() as watchdog:
@@ -212,7 +280,7 @@ class Averager:
                         for j, slice_j in enumerate(slices):
                             if slice_j.numel:
                                 nursery.start_soon(
-                                    self._exchange, plan, me, j, slice_j, vector, averaged, failed
+                                    self._exchange, plan, me, j, slice_j, vector, averaged, failed, got
                                 )
                             else:
                                 averaged[j] = np.empty(0, dtype=np.float32)
@@ -233,22 +301,50 @@ class Averager:
                 "round %d: slice of %s not averaged: %s", plan.round, plan.members[j].peer_id, reason
             )
         completeness = {j: c for j, c in self._completeness(plan, duty, me).items() if j in averaged}
-        return RoundResult(outcome, completeness, trio.current_time() - started)
+        if duty is not None and duty.receipts and me in averaged and (own := duty.receipts.get(duty.me)):
+            got.receipts[me] = own
+        return RoundResult(
+            outcome,
+            completeness,
+            trio.current_time() - started,
+            receipts=tuple((plan.members[j].peer_id, r) for j, r in sorted(got.receipts.items())),
+            pulled=tuple(
+                (plan.members[j].peer_id, n) for j, n in sorted(got.pulled.items()) if j in averaged
+            ),
+            refused=dict(got.refused),
+        )
 
     def _completeness(self, plan: GroupPlan, duty: _Aggregation | None, me: int) -> dict[int, Completeness]:
         if duty is None or any(part.error for part in duty.parts):
             return {}
         return {me: duty.completeness()}
 
-    def _take_duty(self, plan: GroupPlan, slice_: Slice, me: int) -> _Aggregation:
-        senders = {m.peer_id: m.weight for m in plan.members if m.weight > 0}
+    def _take_duty(self, plan: GroupPlan, slice_: Slice, me: int, step: int) -> _Aggregation:
+        now = trio.current_time()
+        floor = lower_median(m.weight for m in plan.members if m.weight > 0)
+        own = plan.members[me].peer_id
+        senders = {
+            m.peer_id: m.weight if m.peer_id == own else self.history.bound(m.peer_id, m.weight, now, floor)
+            for m in plan.members
+            if m.weight > 0
+        }
+        for peer, weight in senders.items():
+            claimed = next(m.weight for m in plan.members if m.peer_id == peer)
+            if weight < claimed:
+                logger.info(
+                    "round %d: %s weighs %g, not %g: its earlier rounds here support no more",
+                    plan.round,
+                    peer,
+                    weight,
+                    claimed,
+                )
         parts = []
         for k in range(num_parts(slice_.numel, plan.part_numel)):
             lo, hi = part_bounds(slice_.numel, plan.part_numel, k)
             parts.append(
                 _Part(SliceReducer(hi - lo, senders, plan.max_norm, part_numel=max(1, hi - lo)), lo, hi)
             )
-        duty = _Aggregation(plan, slice_, parts)
+        duty = _Aggregation(plan, slice_, parts, own, step, senders)
         duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)
         key = (plan.group_id, plan.round)
         self._duties[key] = duty
@@ -264,6 +360,7 @@ class Averager:
         vector: Float32Array,
         averaged: dict[int, Float32Array],
         failed: dict[int, str],
+        got: _Got,
     ) -> None:
         local = vector[slice_j.start : slice_j.stop]
         weight = plan.members[me].weight
@@ -274,6 +371,7 @@ class Averager:
                     for k, part in enumerate(duty.parts):
                         header = _part_header(plan, 0, 0, part.hi - part.lo, weight)
                         part.reducer.add_part(self.host.peer_id, header, local[part.lo : part.hi])
+                        duty.accepted_bytes[duty.me] = duty.accepted_bytes.get(duty.me, 0) + header.nbytes
                         await self._maybe_finalize(duty, k)
                 result = np.empty(slice_j.numel, dtype=np.float32)
                 for part in duty.parts:
@@ -291,13 +389,13 @@ class Averager:
             async def guarded(work: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
                 try:
                     await work()
-                except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
+                except (*CALL_FAILURES, NothingToAverage, PartRejected, BadAverage) as exc:
                     errors.append(exc)
                     scope.cancel()
 
             async def pull_all() -> None:
                 for k in range(num_parts(slice_j.numel, plan.part_numel)):
-                    await self._pull_part(address, plan, k, slice_j, result)
+                    await self._pull_part(address, plan, me, j, k, slice_j, result, got)
 
             # Pushing and pulling run side by side (on separate pooled connections): part k comes back
             # as soon as every sender delivered it, while our later parts are still going out.
@@ -312,6 +410,10 @@ class Averager:
             if errors:
                 raise errors[0]
             averaged[j] = result
+        except BadAverage as exc:
+            self.stats.averages_refused += 1
+            got.refused[j] = failed[j] = f"refused its average: {exc}"
+            got.receipts.pop(j, None)
         except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
             failed[j] = f"{type(exc).__name__}: {exc}"
 
@@ -339,29 +441,83 @@ class Averager:
                 return
 
     async def _pull_part(
-        self, address: PeerAddress, plan: GroupPlan, k: int, slice_j: Slice, result: Float32Array
+        self,
+        address: PeerAddress,
+        plan: GroupPlan,
+        me: int,
+        j: int,
+        k: int,
+        slice_j: Slice,
+        result: Float32Array,
+        got: _Got,
     ) -> None:
         lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
         raw = bytearray(codec_by_name(plan.codec).encoded_size(hi - lo)) if plan.codec != "none" else None
         target = memoryview(raw) if raw is not None else result[lo:hi].data.cast("B")
+        headers: list[AveragedHeader] = []
 
         def sink(meta: bytes, nbytes: int) -> memoryview:
             header = decode_averaged_header(meta)
-            if (header.part_index, header.offset, header.numel, header.codec) != (k, lo, hi - lo, plan.codec):
-                raise ProtocolError(
-                    f"averaged part {header.part_index} does not match the request for part {k}"
-                )
+            if (header.group_id, header.round) != (plan.group_id, plan.round) or (
+                header.part_index,
+                header.offset,
+                header.numel,
+                header.codec,
+            ) != (k, lo, hi - lo, plan.codec):
+                raise BadAverage(f"averaged part {header.part_index} does not match the request for part {k}")
             if nbytes != target.nbytes:
-                raise ProtocolError(f"averaged part of {nbytes} bytes, expected {target.nbytes}")
+                raise BadAverage(f"averaged part of {nbytes} bytes, expected {target.nbytes}")
+            headers.append(header)
             return target
 
         request = encode_header(PullRequest(group_id=plan.group_id, round=plan.round, part_index=k))
-        await self.host.send_bulk(address, PULL, b"", request, sink=sink)
-        if raw is not None:
-            codec = codec_by_name(plan.codec)
-            await trio.to_thread.run_sync(
-                lambda: codec.decode(bytes(raw), hi - lo, out=result[lo:hi]), limiter=COMPUTE
-            )
+        try:
+            await self.host.send_bulk(address, PULL, b"", request, sink=sink)
+        except ProtocolError as exc:  # a reply that broke the wire rules: as bad as a bad average
+            raise BadAverage(str(exc)) from exc
+        bound = plan.average_bound(hi - lo)
+        out = result[lo:hi]
+
+        def check() -> None:
+            if raw is not None:
+                codec_by_name(plan.codec).decode(bytes(raw), hi - lo, out=out)
+            _check_average(out, bound)
+
+        await trio.to_thread.run_sync(check, limiter=COMPUTE)
+        got.pulled[j] = got.pulled.get(j, 0) + target.nbytes
+        if headers and headers[0].receipt is not None and plan.members[me].weight > 0:
+            try:
+                got.receipts[j] = self._verify_receipt(plan, me, j, got.step, headers[0].receipt)
+            except ProtocolError as exc:
+                self.stats.receipts_invalid += 1
+                logger.warning("round %d: dropping a bad receipt from %s: %s", plan.round, address, exc)
+
+    def _verify_receipt(
+        self, plan: GroupPlan, me: int, j: int, step: int, signed: SignedReceipt
+    ) -> SignedReceipt:
+        """The receipt if it is aggregator ``j``'s signed statement about our parts in this round.
+
+        Raises:
+            ProtocolError: bad signature, malformed, or a field that does not match.
+        """
+        aggregator = plan.members[j].peer_id
+        if not verify_by_peer_id(aggregator, signed.signature, receipt_payload(signed.receipt)):
+            raise ProtocolError("receipt signature does not verify against the aggregator")
+        receipt = decode_receipt(signed.receipt)
+        expected = (self.host.run_id, aggregator, self.host.peer_id, step, plan.group_id, plan.round)
+        actual = (
+            receipt.run_id,
+            receipt.aggregator,
+            receipt.sender,
+            receipt.step,
+            receipt.group_id,
+            receipt.round,
+        )
+        if actual != expected:
+            raise ProtocolError(f"receipt is for {actual}, not {expected}")
+        if receipt.weight > plan.members[me].weight:
+            raise ProtocolError(f"receipt weight {receipt.weight} exceeds ours ({plan.members[me].weight})")
+        return signed
 
     # ---------------------------------------------------------------- aggregator side
 
@@ -390,10 +546,33 @@ class Averager:
         part = decode_part_header(header.meta)
         duty = await self._duty_for(part.group_id, part.round)
         plan = duty.plan
+        sender = ctx.peer_id
+        # Everything below up to read_into is decided from the headers: no payload byte is read before.
+        if sender == duty.me or sender not in duty.weights:
+            self.stats.parts_refused += 1
+            raise RemoteError(ErrorCode.FORBIDDEN, "not a sender of this slice")
+        if sender in duty.excluded:  # BAD_REQUEST: it stops pushing, still pulls the average made without it
+            self.stats.parts_refused += 1
+            raise ProtocolError(f"excluded from this round: {duty.excluded[sender]}")
+        claimed = next(m for m in plan.members if m.peer_id == sender)
+        problem = ""
         if part.codec != plan.codec or header.nbytes != part.nbytes:
-            raise ProtocolError(
-                f"part of codec {part.codec} and {header.nbytes} bytes does not fit the round"
-            )
+            problem = f"part of codec {part.codec} and {header.nbytes} bytes does not fit the round"
+        elif not 0 <= part.part_index < len(duty.parts):
+            problem = f"part {part.part_index} is outside the slice"
+        elif (part.offset, part.numel) != (
+            duty.parts[part.part_index].lo,
+            duty.parts[part.part_index].hi - duty.parts[part.part_index].lo,
+        ):
+            problem = f"part {part.part_index} at [{part.offset}, +{part.numel}) is not the plan's layout"
+        elif part.weight != claimed.weight:
+            problem = f"weight {part.weight} is not the plan's {claimed.weight}"
+        if problem:
+            self.stats.parts_refused += 1
+            logger.warning("round %d: banning %s before reading its part: %s", plan.round, sender, problem)
+            duty.exclude(sender, f"banned: {problem}")
+            await self._finalize_ready(duty)
+            raise ProtocolError(problem)
         values = np.empty(part.numel, dtype=np.float32)
         try:
             if plan.codec == "none":
@@ -401,26 +580,38 @@ class Averager:
             else:
                 raw = bytearray(header.nbytes)
                 await reader.read_into(memoryview(raw))
-                codec = codec_by_name(plan.codec)
-                await trio.to_thread.run_sync(
-                    lambda: codec.decode(bytes(raw), part.numel, out=values), limiter=COMPUTE
-                )
+            self.stats.part_bytes_read += header.nbytes
+            limit = _norm_limit(claimed.norm, plan.codec, part.numel)
+
+            def decode_and_measure() -> float:
+                if plan.codec != "none":
+                    codec_by_name(plan.codec).decode(bytes(raw), part.numel, out=values)
+                return _norm(values)
+
+            norm = await trio.to_thread.run_sync(decode_and_measure, limiter=COMPUTE)
         except PeerUnavailable:
-            duty.exclude(ctx.peer_id, "connection lost mid-part")
+            duty.exclude(sender, "connection lost mid-part")
             await self._finalize_ready(duty)
             raise
-        if not 0 <= part.part_index < len(duty.parts):
-            raise ProtocolError(f"part {part.part_index} is outside the slice")
+        if norm > limit:  # NaN compares false: the reducer bans non-finite parts itself
+            problem = f"part norm {norm:.3g} exceeds the sender's own claim {claimed.norm:.3g}"
+            logger.warning("round %d: banning %s: %s", plan.round, sender, problem)
+            duty.exclude(sender, f"banned: {problem}")
+            await self._finalize_ready(duty)
+            raise ProtocolError(problem)
         target = duty.parts[part.part_index]
-        local = msgspec.structs.replace(part, part_index=0, offset=part.offset - target.lo)
+        local = msgspec.structs.replace(
+            part, part_index=0, offset=part.offset - target.lo, weight=duty.weights[sender]
+        )
         try:
-            target.reducer.add_part(ctx.peer_id, local, values)
+            target.reducer.add_part(sender, local, values)
         except PartRejected as exc:
-            logger.warning("round %d: rejected a part from %s: %s", plan.round, ctx.peer_id, exc)
+            logger.warning("round %d: rejected a part from %s: %s", plan.round, sender, exc)
             if exc.reason.bans:
-                duty.exclude(ctx.peer_id, f"banned: {exc.reason.value}")
+                duty.exclude(sender, f"banned: {exc.reason.value}")
             await self._finalize_ready(duty)
             raise ProtocolError(f"part rejected: {exc}") from exc
+        duty.accepted_bytes[sender] = duty.accepted_bytes.get(sender, 0) + header.nbytes
         await self._maybe_finalize(duty, part.part_index)
         return b""
 
@@ -448,10 +639,13 @@ class Averager:
                 nbytes=len(part.encoded),
                 total_weight=completeness.total_weight,
                 contributors=len(completeness.contributors),
+                receipt=duty.receipts.get(ctx.peer_id) if duty.receipts else None,
             )
         )
         reply = BulkReply(meta, memoryview(part.encoded))
-        duty.pulls_left -= 1
+        if (ctx.peer_id, request.part_index) not in duty.served:  # a repeated pull must not end the duty
+            duty.served.add((ctx.peer_id, request.part_index))
+            duty.pulls_left -= 1
         if duty.pulls_left <= 0 and duty.expires_at < math.inf:  # our round is over and all have pulled
             key = (duty.plan.group_id, duty.plan.round)
             self._duties.pop(key, None)
@@ -479,7 +673,37 @@ class Averager:
         except NothingToAverage as exc:
             part.error = f"nothing to average: {exc}"
         finally:
+            others_done = all(p.done.is_set() for p in duty.parts if p is not part)
+            if others_done and duty.receipts is None and not any(p.error for p in duty.parts):
+                self._issue_receipts(duty)  # before the last part is served, so its pullers get theirs
             part.done.set()
+
+    def _issue_receipts(self, duty: _Aggregation) -> None:
+        """Sign a receipt for every sender averaged into the whole slice; remember their weights."""
+        plan, now = duty.plan, trio.current_time()
+        identity = self.host.endpoint.identity
+        duty.receipts = {}
+        for peer in duty.completeness().contributors:
+            weight = duty.weights.get(peer, 0.0)
+            if weight <= 0:
+                continue
+            if peer != duty.me:
+                self.history.record(peer, weight, now)
+            body = encode_receipt(
+                PartReceipt(
+                    run_id=self.host.run_id,
+                    aggregator=duty.me,
+                    sender=peer,
+                    step=duty.step,
+                    group_id=plan.group_id,
+                    round=plan.round,
+                    weight=weight,
+                    nbytes=duty.accepted_bytes.get(peer, 0),
+                    issued_at=time.time(),
+                )
+            )
+            duty.receipts[peer] = SignedReceipt(receipt=body, signature=identity.sign(receipt_payload(body)))
+            self.stats.receipts_issued += 1
 
     async def _finalize_ready(self, duty: _Aggregation) -> None:
         for k in range(len(duty.parts)):
@@ -506,3 +730,39 @@ def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> Pa
         weight=weight,
         nbytes=encoded_nbytes(plan.codec, hi - lo),
     )
+
+
+@dataclass
+class _Got:
+    """What a member collects during one round, per aggregator index."""
+
+    step: int
+    receipts: dict[int, SignedReceipt] = field(default_factory=dict)
+    pulled: dict[int, int] = field(default_factory=dict)
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+def _norm(values: Float32Array) -> float:
+    """L2 norm in float64 (float32 squares overflow long before a finite norm does); NaN for NaN/Inf."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        square = float(np.dot(values, values))
+    if math.isfinite(square):
+        return math.sqrt(square)
+    if values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):
+        return math.nan
+    return float(np.linalg.norm(values.astype(np.float64)))
+
+
+def _norm_limit(claim: float, codec: str, numel: int) -> float:
+    """Largest norm a part of an honest sender that claimed ``claim`` can have after ``codec``."""
+    factor, absolute = codec_norm_slack(codec, numel)
+    return claim * factor + absolute
+
+
+def _check_average(values: Float32Array, bound: float) -> None:
+    """Raise :class:`BadAverage` unless ``values`` could come from an honest aggregator."""
+    norm = _norm(values)
+    if not math.isfinite(norm):
+        raise BadAverage("values hold NaN or Inf")
+    if norm > bound:
+        raise BadAverage(f"norm {norm:.3g} exceeds {bound:.3g}, the most the senders' parts allow")

@@ -2,18 +2,43 @@
 
 For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<r>.<g>``:
 
-1. every peer that wants to average stores its signed :class:`JoinTicket` under that key (subkey = its
-   peer id, so nobody can write another's ticket), then waits ``window`` seconds;
-2. every peer reads the key (merging all replicas): the members are the tickets present, ordered by peer
-   id; the **leader** is the first. The leader solves the adaptive-averaging LP for exactly those members
-   from their published capabilities and stores the :class:`GroupAssembly` under ``<key>.plan``;
-3. the others poll ``<key>.plan`` and accept it only if it is signed by its own first member (the leader
-   of the member list it carries) and lists them; a peer the plan leaves out sits this round out.
+1. a peer first looks at ``<key>.plan``: if a plan is already there whose writer leads the members it
+   lists, all of them with tickets under the key (at least two), and this peer is not among them, the
+   group has formed without this peer, and it does not join (its late ticket would only make members that
+   saw it refuse the plan, rule 4 below). A plan stored before any honest ticket cannot pass this test, so
+   nobody can keep peers out of a round by writing plans ahead of it; a plan naming this peer is its own
+   failed earlier attempt under the same key, and it joins again;
+2. every peer that wants to average stores its signed :class:`JoinTicket` under the key (subkey = its peer
+   id, so nobody can write another's ticket), then waits ``window`` seconds;
+3. every peer reads the key (merging all replicas). The members are the tickets present, ordered by peer
+   id; the **leader** is :func:`.groups.leader_of` of those members (a hash of key and peer id: nobody
+   declares itself leader). The leader solves the adaptive-averaging LP for exactly those members from
+   their tickets and stores the :class:`GroupAssembly` under ``<key>.plan`` with *its own peer id as
+   subkey* (so no other writer can replace it; the newest-record-wins rule applies per writer only);
+4. every other member (a *follower*) polls ``<key>.plan`` and adopts a plan only if it passes every rule
+   below, recomputed by the follower itself from the signed tickets; otherwise the plan is refused, logged
+   and counted (``plans_refused``), and the follower waits for another or sits the round out.
+
+**Acceptance rules** (issue 9 finding 5). A plan stored under subkey ``W`` is adopted only if:
+
+* its record's writer is ``W`` and ``W`` is ``leader_of(key, plan members)``;
+* ``group_id``, ``round`` and ``codec`` are this key's, this round's and the run's;
+* its members are unique, sorted, and a **superset of every ticket the follower read** (a leader cannot
+  leave out peers to shrink the group; the follower itself is in it); a member whose ticket the follower has
+  not read is looked up again, and a member without a signed ticket refuses the plan;
+* each member's ``addr`` and ``norm`` are its ticket's, and the weights are exactly
+  :func:`.groups.bound_weights` of the tickets' claims (the 8x-median and ``max_weight`` caps);
+* the slices match the follower's own LP solution for the same members and tickets within
+  :data:`SLICE_TOLERANCE` of the vector per member (the LP is deterministic; the tolerance covers other
+  solver builds), sum to the vector's length and give nothing to a peer that cannot accept connections;
+  ``part_numel`` is the configured one or :func:`.partition.auto_part_numel` of the plan's slices;
+* the deadline is positive and at most :data:`.groups.DEADLINE_SLACK` times the deadline the follower
+  computes from its own LP prediction and its own measured round times.
 
 Because the plan is the leader's, members that read slightly different ticket sets still run one
-consistent plan; a late ticket merely misses the round. A group of fewer than two peers does not average.
-The round's deadline comes from the LP's predicted averaging time and the measured history
-(:func:`.groups.adaptive_deadline`).
+consistent plan; a late ticket (stored after the leader read the key) merely misses the round, and a
+follower that read one refuses the plan (the round fails for the group and is retried with a new key).
+A group of fewer than two peers does not average.
 """
 
 from __future__ import annotations
@@ -26,21 +51,28 @@ from dataclasses import dataclass, field
 import msgspec
 import trio
 
-from protocols.averaging import AssemblyMember, CodecName, GroupAssembly, JoinTicket
+from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
 from protocols.peer_id import PeerId
 
 from ..dht.node import DHTNode
+from ..errors import ConfigError
 from ..net.addresses import parse_multiaddr
 from .allreduce import GroupPlan, Member
-from .groups import adaptive_deadline
+from .groups import adaptive_deadline, bound_weights, deadline_acceptable, leader_of
 from .load_balance import PeerSpec, plan_averaging
 from .partition import auto_part_numel
 
-__all__ = ["Matchmaker", "MatchmakingConfig"]
+__all__ = ["SLICE_TOLERANCE", "Matchmaker", "MatchmakingConfig", "PlanRefused"]
 
 logger = logging.getLogger(__name__)
 _TICKET = msgspec.msgpack.Decoder(JoinTicket)
 _ASSEMBLY = msgspec.msgpack.Decoder(GroupAssembly)
+#: How far (as a share of the vector) a member's slice may differ from the follower's own LP solution.
+SLICE_TOLERANCE = 0.05
+
+
+class PlanRefused(ValueError):
+    """A plan broke an acceptance rule (module docstring); the message says which."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +81,7 @@ class MatchmakingConfig:
     plan_wait: float = 10.0  # how long members wait for the leader's plan
     codec: CodecName = "none"
     part_numel: int = 0  # 0: chosen from the plan's slices (auto_part_numel)
+    max_weight: float = MAX_WEIGHT  # no member weighs more (the run's target batch + one micro-batch)
 
 
 @dataclass
@@ -57,6 +90,7 @@ class Matchmaker:
     prefix: str = "avg"
     config: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     observed_ratios: list[float] = field(default_factory=list)  # measured / predicted round times
+    plans_refused: int = 0
 
     def record_round(self, predicted: float, measured: float) -> None:
         """Feed a finished round's timing back into the deadlines of the next ones."""
@@ -66,35 +100,61 @@ class Matchmaker:
     async def assemble(
         self, round_: int, ticket: JoinTicket, numel: int, group_key: str = ""
     ) -> GroupPlan | None:
-        """Find this round's group and its plan; ``None`` if there is nobody to average with.
+        """Find this round's group and its plan; ``None`` if there is nobody to average with, the group
+        formed without us, or no acceptable plan arrived in time.
 
         Raises:
             ValueError: the LP has no solution for the members' capabilities (leader only).
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
+        if await self._formed(key, me):
+            logger.info("round %d: the group under %s already formed; not joining it", round_, key)
+            return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         await trio.sleep(self.config.window)
         tickets = await self._tickets(key)
-        if me not in tickets:
-            tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
+        tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
         if len(tickets) < 2:
             return None
-        members = sorted(tickets)
-        if members[0] == me:
-            assembly = self._solve(round_, key, members, tickets, numel)
-            await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry)
+        leader = leader_of(key, tickets)
+        if leader == me:
+            assembly = self._solve(round_, key, sorted(tickets), tickets, numel)
+            await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry, subkey=me.encode())
         else:
-            found = await self._await_plan(f"{key}.plan")
+            found = await self._await_plan(round_, key, tickets, numel)
             if found is None:
-                logger.warning("round %d: no plan from leader %s in time", round_, members[0])
+                logger.warning("round %d: no acceptable plan (leader %s) in time", round_, leader)
                 return None
             assembly = found
         if me not in [m.peer_id for m in assembly.members]:
             logger.info("round %d: the leader's plan leaves us out; sitting this round out", round_)
             return None
         return _to_plan(assembly)
+
+    async def _formed(self, key: str, me: PeerId) -> bool:
+        """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
+        ``<key>.plan``. A plan naming us is stale (a failed earlier attempt of ours at this step, under the
+        same key): we join, and the leader's new plan replaces it."""
+        found = await self.dht.get(f"{key}.plan")
+        if found is None or not found.entries:
+            return False
+        tickets = await self._tickets(key)
+        for subkey, record in found.entries.items():
+            try:
+                members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
+            except msgspec.DecodeError:
+                continue
+            if (
+                subkey == record.writer.encode()
+                and me not in members
+                and len(members) >= 2
+                and all(m in tickets for m in members)
+                and record.writer == leader_of(key, members)
+            ):
+                return True
+        return False
 
     async def _tickets(self, key: str) -> dict[PeerId, JoinTicket]:
         found = await self.dht.get(key, latest=True)
@@ -105,29 +165,39 @@ class Matchmaker:
             except msgspec.DecodeError:  # includes validation errors
                 logger.debug("ignoring a malformed ticket from %s", record.writer)
                 continue
-            if subkey == record.writer.encode():
-                tickets[PeerId(record.writer)] = ticket
+            if subkey != record.writer.encode():
+                continue
+            try:
+                if ticket.addr is not None:
+                    parse_multiaddr(ticket.addr)
+            except ConfigError:
+                logger.info("ignoring the ticket of %s: unusable address %r", record.writer, ticket.addr)
+                continue
+            tickets[PeerId(record.writer)] = ticket
         return tickets
 
     def _solve(
         self, round_: int, key: str, members: Sequence[PeerId], tickets: dict[PeerId, JoinTicket], numel: int
     ) -> GroupAssembly:
+        weights = bound_weights([tickets[m].weight for m in members], self.config.max_weight)
         specs = [
             PeerSpec(t.samples_per_second, t.download_bps, t.upload_bps, t.client_mode or t.addr is None)
             for t in (tickets[m] for m in members)
         ]
         if not any(s.samples_per_second > 0 for s in specs):  # nobody measured compute yet: weights say
             specs = [
-                PeerSpec(max(tickets[m].weight, 1.0), s.download_bps, s.upload_bps, s.client_mode)
-                for m, s in zip(members, specs, strict=True)
+                PeerSpec(max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)
+                for w, s in zip(weights, specs, strict=True)
             ]
-        weights = [tickets[m].weight for m in members]
         plan = plan_averaging(specs, max(1.0, sum(weights)), 4.0 * numel, numel=numel)
         deadline = adaptive_deadline(plan.averaging_seconds, self.observed_ratios)
         return GroupAssembly(
-            group_id=key.encode()[-32:],
+            group_id=_group_id(key),
             round=round_,
-            members=[AssemblyMember(m, tickets[m].addr, tickets[m].weight) for m in members],
+            members=[
+                AssemblyMember(m, tickets[m].addr, w, tickets[m].norm)
+                for m, w in zip(members, weights, strict=True)
+            ],
             slice_sizes=list(plan.slices),
             codec=self.config.codec,
             part_numel=self.config.part_numel or auto_part_numel(plan.slices),
@@ -135,20 +205,111 @@ class Matchmaker:
             predicted_seconds=plan.averaging_seconds,
         )
 
-    async def _await_plan(self, key: str) -> GroupAssembly | None:
+    async def _await_plan(
+        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
+    ) -> GroupAssembly | None:
+        judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
         with trio.move_on_after(self.config.plan_wait):
             while True:
-                found = await self.dht.get(key, latest=True)
-                if found is not None and found.plain is not None:
-                    try:
-                        assembly = _ASSEMBLY.decode(found.plain.value)
-                    except msgspec.DecodeError:
-                        assembly = None
-                    if assembly is not None and assembly.members[0].peer_id == found.plain.writer:
-                        return assembly
-                    logger.warning("ignoring a plan under %s not written by its leader", key)
+                found = await self.dht.get(f"{key}.plan", latest=True)
+                accepted: list[tuple[str, GroupAssembly]] = []
+                for subkey, record in found.entries.items() if found is not None else ():
+                    verdict_key = (record.writer, record.value)
+                    if verdict_key not in judged:
+                        judged[verdict_key] = await self._judge(
+                            round_, key, subkey, record.writer, record.value, tickets, numel
+                        )
+                    if (assembly := judged[verdict_key]) is not None:
+                        accepted.append((record.writer, assembly))
+                if accepted:  # two acceptable plans: the one of the leader of the larger group
+                    ranked = leader_of(key, [w for w, _ in accepted])
+                    return next(a for w, a in accepted if w == ranked)
                 await trio.sleep(0.05)
         return None
+
+    async def _judge(
+        self,
+        round_: int,
+        key: str,
+        subkey: bytes,
+        writer: str,
+        value: bytes,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+    ) -> GroupAssembly | None:
+        try:
+            if subkey != writer.encode():
+                raise PlanRefused("stored under another peer's subkey")
+            try:
+                assembly = _ASSEMBLY.decode(value)
+            except msgspec.DecodeError as exc:
+                raise PlanRefused(f"malformed: {exc}") from exc
+            known = dict(tickets)
+            if any(PeerId(m.peer_id) not in known for m in assembly.members):  # not read yet: read again
+                known = {**await self._tickets(key), **tickets}
+            self.check_plan(round_, key, writer, assembly, set(tickets), known, numel)
+        except PlanRefused as exc:
+            self.plans_refused += 1
+            logger.warning("round %d: refusing the plan of %s under %s: %s", round_, writer, key, exc)
+            return None
+        return assembly
+
+    def check_plan(
+        self,
+        round_: int,
+        key: str,
+        writer: str,
+        assembly: GroupAssembly,
+        seen: set[PeerId],
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+    ) -> None:
+        """Apply the acceptance rules of the module docstring to ``writer``'s ``assembly``: ``seen`` are
+        the peers whose tickets this follower read before the plan (itself included), ``tickets`` every
+        signed ticket it knows.
+
+        Raises:
+            PlanRefused: a rule is broken (the message names it).
+        """
+        names = [PeerId(m.peer_id) for m in assembly.members]
+        if writer != leader_of(key, names):
+            raise PlanRefused(f"{writer} is not the leader of the members it lists")
+        if (assembly.group_id, assembly.round, assembly.codec) != (_group_id(key), round_, self.config.codec):
+            raise PlanRefused("group id, round or codec is not this group's")
+        if names != sorted(set(names)):
+            raise PlanRefused("members are not unique and sorted")
+        if missing := seen - set(names):
+            raise PlanRefused(f"leaves out {len(missing)} peer(s) whose tickets we read")
+        if unknown := [n for n in names if n not in tickets]:
+            raise PlanRefused(f"names {len(unknown)} peer(s) without a ticket")
+        for member in assembly.members:
+            ticket = tickets[PeerId(member.peer_id)]
+            if (member.addr, member.norm) != (ticket.addr, ticket.norm):
+                raise PlanRefused(f"address or norm of {member.peer_id} is not its ticket's")
+        try:
+            own = self._solve(round_, key, names, tickets, numel)
+        except ValueError as exc:
+            raise PlanRefused(f"its members' tickets have no LP solution: {exc}") from exc
+        if [m.weight for m in assembly.members] != [m.weight for m in own.members]:
+            raise PlanRefused("weights are not the members' bounded ticket claims")
+        slices = assembly.slice_sizes
+        if len(slices) != len(names) or sum(slices) != numel:
+            raise PlanRefused(f"slices do not tile the {numel}-element vector")
+        for member, size, expected in zip(assembly.members, slices, own.slice_sizes, strict=True):
+            if size and member.addr is None:
+                raise PlanRefused(f"gives a slice to {member.peer_id}, which accepts no connections")
+            if abs(size - expected) > SLICE_TOLERANCE * numel + 1:
+                raise PlanRefused(f"slice of {member.peer_id} is {size}, the LP gives {expected}")
+        if assembly.part_numel != (self.config.part_numel or auto_part_numel(slices)):
+            raise PlanRefused(f"part size {assembly.part_numel} is not the run's")
+        if not deadline_acceptable(assembly.deadline, own.deadline):
+            raise PlanRefused(
+                f"deadline {assembly.deadline:.1f} s exceeds the bound from {own.deadline:.1f} s"
+            )
+
+
+def _group_id(key: str) -> bytes:
+    return key.encode()[-32:]
 
 
 def _to_plan(assembly: GroupAssembly) -> GroupPlan:
@@ -157,6 +318,7 @@ def _to_plan(assembly: GroupAssembly) -> GroupPlan:
             PeerId(m.peer_id),
             parse_multiaddr(m.addr).with_peer(PeerId(m.peer_id)) if m.addr else None,
             m.weight,
+            m.norm,
         )
         for m in assembly.members
     )

@@ -12,12 +12,14 @@ import numpy as np
 import torch
 import trio
 
+from protocols.receipts import decode_receipt, receipt_payload
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, OptimizerSpec, Progress, ScheduleSpec, TrainingSpec
-from shared.auth.keys import Identity
+from shared.auth.keys import Identity, verify_by_peer_id
 from shared.data.corpus import generate_examples
 from shared.node import Node, open_node
 from volunteer.collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from volunteer.collab.trainer import LocalTrainer
+from volunteer.receipts import ReceiptBook
 from volunteer.tasks import Task, make_task
 
 DIM = 8
@@ -106,10 +108,14 @@ CONFIG = CollabConfig(poll_period=0.1, publish_period=0.2, matchmaking_window=0.
 
 
 async def start_collab(
-    nursery: trio.Nursery, node: Node, training: TrainingSpec, task: Task | None = None
+    nursery: trio.Nursery,
+    node: Node,
+    training: TrainingSpec,
+    task: Task | None = None,
+    receipts: ReceiptBook | None = None,
 ) -> CollaborativeOptimizer:
     trainer = LocalTrainer(task or LinearTask(), training, "collab-test")  # type: ignore[arg-type]
-    collab = CollaborativeOptimizer(node, trainer, training, config=CONFIG)
+    collab = CollaborativeOptimizer(node, trainer, training, config=CONFIG, receipts=receipts)
     await nursery.start(collab.run)
     return collab
 
@@ -118,7 +124,11 @@ async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(nursery: t
     b, steps = 16, 4
     training = spec(2 * b)
     nodes = await start_nodes(nursery, 2)
-    peers = [await start_collab(nursery, node, training) for node in nodes]
+    books = [ReceiptBook(node.peer_id) for node in nodes]
+    peers = [
+        await start_collab(nursery, node, training, receipts=book)
+        for node, book in zip(nodes, books, strict=True)
+    ]
     reference = LocalTrainer(LinearTask(), training, "ref")  # type: ignore[arg-type]
     data = examples(1, 2 * b * steps)
     task = LinearTask()
@@ -141,6 +151,18 @@ async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(nursery: t
     assert np.array_equal(first, second)  # bit-identical across peers
     np.testing.assert_allclose(first, reference.parameter_vector(), rtol=1e-5, atol=1e-6)
     assert not np.allclose(first, LocalTrainer(LinearTask(), training, "x").parameter_vector())  # type: ignore[arg-type]
+    # every step left signed receipts of our parts (weight = our b samples) and records of what we pulled
+    for node, other, book in zip(nodes, reversed(nodes), books, strict=True):
+        receipts, pulled = book.take()
+        steps_receipted = set()
+        for signed in receipts:
+            receipt = decode_receipt(signed.receipt)
+            assert verify_by_peer_id(receipt.aggregator, signed.signature, receipt_payload(signed.receipt))
+            assert (receipt.sender, receipt.weight) == (node.peer_id, float(b))
+            steps_receipted.add(receipt.step)
+        assert steps_receipted == set(range(1, steps + 1))
+        assert {p.step for p in pulled if p.aggregator == other.peer_id} <= set(range(1, steps + 1))
+        assert all(p.aggregator != node.peer_id and p.nbytes > 0 for p in pulled)
 
 
 async def test_a_newcomer_downloads_the_state_and_steps_with_the_others(nursery: trio.Nursery) -> None:
@@ -237,10 +259,19 @@ async def run_pair(
         for i in range(2)
     ]
 
+    # Both peers enter each step together, as two machines with the same speed would: in one process they
+    # share one torch thread, so one may still be applying the last step when the other starts matchmaking.
+    arrived = [0] * steps
+    together = [trio.Event() for _ in range(steps)]
+
     async def peer(i: int) -> None:
         collab = peers[i]
         await collab.accumulate(halves[i][0])
         for s in range(steps):
+            arrived[s] += 1
+            if arrived[s] == 2:
+                together[s].set()
+            await together[s].wait()
             await collab.refresh_view()
             if training.dpu:
                 async with trio.open_nursery() as round_:

@@ -49,7 +49,8 @@ import numpy as np
 import torch
 import trio
 
-from protocols.averaging import JoinTicket
+from protocols.averaging import MAX_NORM, JoinTicket
+from protocols.receipts import PulledSlice
 from protocols.training import (
     PROGRESS_KEY,
     PROGRESS_TTL,
@@ -77,6 +78,7 @@ from shared.state.transfer import (
 )
 from shared.state.trust import BACKBONE_USER, Announced
 
+from ..receipts import ReceiptBook
 from .torch_thread import run_torch
 from .trainer import Accumulated, LocalTrainer
 
@@ -141,6 +143,8 @@ class CollaborativeOptimizer:
     anchored: bool = False  # our state is real (we stepped with the others, or downloaded it)
     averaging: bool = False
     syncing: bool = False
+    #: where each finished round's receipts and pull records go, for the contribution reports
+    receipts: ReceiptBook | None = None
 
     def __post_init__(self) -> None:
         self.averager = Averager(self.node.host)
@@ -148,7 +152,12 @@ class CollaborativeOptimizer:
         self.matchmaker = Matchmaker(
             self.node.dht,
             prefix="train.avg",
-            config=MatchmakingConfig(window=self.config.matchmaking_window, codec=self.spec.codec),
+            config=MatchmakingConfig(
+                window=self.config.matchmaking_window,
+                codec=self.spec.codec,
+                # nobody accumulates more than the target batch plus the micro-batch that crossed it
+                max_weight=float(self.spec.target_batch + self.spec.local_batch),
+            ),
         )
         self._progress_changed = trio.Event()
         self._announced_step = -1
@@ -346,11 +355,17 @@ class CollaborativeOptimizer:
         if (view is None or view.peers <= 1) and taken.samples > 0:
             return taken.mean(), 1, 0  # nobody else in the run: no group to find, no window to wait
         alone = view is None or view.peers_at_step <= 1
+        vector = taken.mean()
+        weight, norm = float(taken.samples), _norm(vector)
+        if not norm <= MAX_NORM:  # NaN/Inf or absurd: averaging it would only get us banned
+            logger.warning("step %d: our gradient is not finite; joining to receive only", step + 1)
+            weight, norm = 0.0, 0.0
         ticket = JoinTicket(
             addr=self.node.host.listen_addrs[0]
             if self.node.host.listen_addrs and not self.client_mode
             else None,
-            weight=float(taken.samples),
+            weight=weight,
+            norm=norm,
             samples_per_second=self.samples_per_second,
             upload_bps=self.config.upload_bps,
             download_bps=self.config.download_bps,
@@ -371,8 +386,15 @@ class CollaborativeOptimizer:
             await trio.sleep(self.config.poll_period)
             return None
         me = next(i for i, m in enumerate(plan.members) if m.peer_id == self.node.peer_id)
-        vector = taken.mean()
-        result = await self.averager.all_reduce(plan, vector, me)
+        result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
+        if self.receipts is not None:
+            self.receipts.add(
+                step + 1,
+                list(result.receipts),
+                [PulledSlice(aggregator, step + 1, nbytes) for aggregator, nbytes in result.pulled],
+            )
+        for j, why in result.refused.items():
+            logger.warning("step %d: refused the average of %s: %s", step + 1, plan.members[j].peer_id, why)
         self.matchmaker.record_round(plan.deadline / 2, result.seconds)
         self.stats.rounds += 1
         self.stats.last_round_seconds = result.seconds
@@ -592,6 +614,11 @@ class CollaborativeOptimizer:
                     await self.sync_state()
                 except StateUnavailable as exc:
                     logger.warning("starting from the initial parameters: %s", exc)
+
+
+def _norm(vector: np.ndarray) -> float:
+    """L2 norm in float64, as aggregators measure it (NaN for a vector holding NaN or Inf)."""
+    return math.sqrt(float(np.einsum("i,i->", vector, vector, dtype=np.float64)))
 
 
 def _role(computes: bool, aggregates: bool) -> str:

@@ -117,7 +117,8 @@ async def test_allreduce_client_mode_and_auxiliary_peers(nursery: trio.Nursery) 
 async def test_allreduce_dead_aggregator_leaves_exactly_its_slice_local(nursery: trio.Nursery) -> None:
     peers = await start_hosts(nursery, 3)
     numel = 30_000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    # no zero vectors: beside a zero part norm, every other part would be a norm outlier
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(3)]
     plan = plan_for(peers, numel, deadline=3.0)
     peers[2][0].abort()  # aggregator 2 is gone before the round
     results = await run_round(peers, plan, vectors, skip={2})
@@ -125,8 +126,8 @@ async def test_allreduce_dead_aggregator_leaves_exactly_its_slice_local(nursery:
     for i in (0, 1):
         outcome = results[i].outcome  # type: ignore[attr-defined]
         assert outcome.unaveraged() == [dead]
-        assert np.all(vectors[i][: dead[0]] == np.float32(0.5))  # 0 and 1 averaged (2 never sent)
-        assert np.all(vectors[i][dead[0] :] == np.float32(i))  # untouched, never half-written
+        assert np.all(vectors[i][: dead[0]] == np.float32(1.5))  # 0 and 1 averaged (2 never sent)
+        assert np.all(vectors[i][dead[0] :] == np.float32(i + 1))  # untouched, never half-written
 
 
 async def test_allreduce_sender_that_never_sends_is_dropped_and_weights_renormalize(
@@ -146,13 +147,13 @@ async def test_allreduce_sender_that_never_sends_is_dropped_and_weights_renormal
 async def test_allreduce_rejects_poisoned_parts_and_bans_the_sender(nursery: trio.Nursery) -> None:
     peers = await start_hosts(nursery, 3)
     numel = 20_000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(3)]
     vectors[2][5] = math.nan  # peer 2 sends NaN in the slice of aggregator 0
     plan = plan_for(peers, numel, sizes=[numel, 0, 0], deadline=5.0)
     results = await run_round(peers, plan, vectors)
     for i in (0, 1):
         assert results[i].outcome.complete  # type: ignore[attr-defined]
-        assert np.all(vectors[i] == np.float32(0.5))  # peer 2 excluded: (0 + 1) / 2
+        assert np.all(vectors[i] == np.float32(1.5))  # peer 2 excluded: (1 + 2) / 2
     banned = results[0].completeness[0].banned  # type: ignore[attr-defined]
     assert peers[2][0].peer_id in dict(banned)
 
@@ -164,10 +165,10 @@ async def test_allreduce_sender_dying_mid_part_is_dropped_at_once(nursery: trio.
 
     peers = await start_hosts(nursery, 3)
     numel = 200_000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(3)]
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(3)]
     plan = plan_for(
-        peers, numel, sizes=[numel, 0, 0], deadline=60.0
-    )  # a long deadline: dropping must not wait
+        peers, numel, sizes=[numel, 0, 0], deadline=60.0, part_numel=numel
+    )  # a long deadline: dropping must not wait; one part, so the dying peer's header fits the layout
     dying = peers[2][0]
 
     async def die_mid_part() -> None:
@@ -194,6 +195,6 @@ async def test_allreduce_sender_dying_mid_part_is_dropped_at_once(nursery: trio.
     assert trio.current_time() - started < 30  # the aggregator did not wait for the deadline
     for i in (0, 1):
         assert results[i].outcome.complete  # type: ignore[attr-defined]
-        assert np.all(vectors[i] == np.float32(0.5))
+        assert np.all(vectors[i] == np.float32(1.5))
     dropped = dict(results[0].completeness[0].dropped)  # type: ignore[attr-defined]
     assert "connection lost" in dropped[dying.peer_id]

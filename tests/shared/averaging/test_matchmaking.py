@@ -31,12 +31,13 @@ async def start_nodes(nursery: trio.Nursery, n: int, client: set[int] = frozense
     return nodes
 
 
-def ticket(node: Node, weight: float, *, fast: bool = False) -> JoinTicket:
+def ticket(node: Node, weight: float, *, fast: bool = False, vector: np.ndarray | None = None) -> JoinTicket:
     addr = node.host.listen_addrs[0] if node.host.listen_addrs else None
     bandwidth = 1e9 if fast else 1e7
     return JoinTicket(
         addr=addr,
         weight=weight,
+        norm=float(np.linalg.norm(vector.astype(np.float64))) if vector is not None else 1e6,
         samples_per_second=10.0,
         upload_bps=bandwidth,
         download_bps=bandwidth,
@@ -57,7 +58,7 @@ async def test_matchmaking_forms_one_group_and_everyone_averages_with_the_leader
 
     async def member(i: int) -> None:
         matchmaker = Matchmaker(nodes[i].dht, config=config)
-        plans[i] = plan = await matchmaker.assemble(1, ticket(nodes[i], weights[i]), numel)
+        plans[i] = plan = await matchmaker.assemble(1, ticket(nodes[i], weights[i], vector=vectors[i]), numel)
         assert plan is not None
         started = time.monotonic()
         me = [m.peer_id for m in plan.members].index(nodes[i].peer_id)
@@ -88,7 +89,7 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
 ) -> None:
     nodes = await start_nodes(nursery, 6)
     numel = 30_000
-    vectors = [np.full(numel, float(i), dtype=np.float32) for i in range(6)]
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(6)]
     keys = ["a", "a", "a", "b", "b", "b"]  # two groups, as Moshpit grid keys would assign them
     averagers = [Averager(node.host) for node in nodes]
     config = MatchmakingConfig(window=1.0)
@@ -96,7 +97,7 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
 
     async def member(i: int) -> None:
         plan = await Matchmaker(nodes[i].dht, config=config).assemble(
-            2, ticket(nodes[i], 1.0), numel, keys[i]
+            2, ticket(nodes[i], 1.0, vector=vectors[i]), numel, keys[i]
         )
         assert plan is not None
         assert {m.peer_id for m in plan.members} == {nodes[j].peer_id for j in range(6) if keys[j] == keys[i]}
@@ -112,13 +113,33 @@ async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_
             group.start_soon(member, i)
     for i in (3, 4, 5):  # group b never noticed
         assert results[i].outcome.complete  # type: ignore[attr-defined]
-        assert np.all(vectors[i] == np.float32(4.0))
+        assert np.all(vectors[i] == np.float32(5.0))
     for i in (0, 1):  # group a lost the dead peer's slice, averaged the rest without it, and says so
         outcome = results[i].outcome  # type: ignore[attr-defined]
         assert not outcome.complete
         for start, stop in outcome.unaveraged():
-            assert np.all(vectors[i][start:stop] == np.float32(i))
+            assert np.all(vectors[i][start:stop] == np.float32(i + 1))
         averaged = np.ones(numel, dtype=bool)
         for start, stop in outcome.unaveraged():
             averaged[start:stop] = False
-        assert np.all(vectors[i][averaged] == np.float32(0.5))
+        assert np.all(vectors[i][averaged] == np.float32(1.5))
+
+
+async def test_members_of_a_failed_round_can_form_a_group_again_under_the_same_key(
+    nursery: trio.Nursery,
+) -> None:
+    # A failed attempt leaves its plan under the key; the same peers retrying the step meet there again
+    # (a stale plan naming us must not read as "a group formed without us").
+    nodes = await start_nodes(nursery, 2)
+    config = MatchmakingConfig(window=0.5)
+    matchmakers = [Matchmaker(n.dht, config=config) for n in nodes]
+    for attempt in range(2):
+        plans: list[object] = [None, None]
+
+        async def member(i: int, plans: list[object] = plans) -> None:
+            plans[i] = await matchmakers[i].assemble(3, ticket(nodes[i], 1.0), 1000, "a0")
+
+        async with trio.open_nursery() as group:
+            for i in range(2):
+                group.start_soon(member, i)
+        assert all(p is not None for p in plans), attempt
