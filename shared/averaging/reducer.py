@@ -13,6 +13,20 @@ over the float32 result, so the only rounding that usually shows is the final on
 cancellation the absolute error stays below ``|C|·2**-52·Σ w_i|x_i| / W``). Senders of weight 0 are skipped:
 their parts are validated, but they cannot change a single bit of the result.
 
+**Rules.** ``rule`` (:class:`protocols.training.AveragingSpec`, from the manifest's ``[averaging]`` table
+through the group plan) picks the weighted mean above, CenteredClip or the coordinate-wise trimmed mean
+(:mod:`shared.averaging.robust` for their math); the robust rules take the complete senders' slices in the
+same sorted order and are as deterministic.
+
+**Norm bound** (issue 9 finding 6; on by default). At :meth:`finalize`, once every sender's parts are in,
+part ``p`` of sender ``i`` is rejected when ``||x_ip|| > k · a_i · lmed_j ||x_jp||`` over the complete
+senders of positive weight (``k = rule.norm_factor``, ``a_i`` the weight allowance; the rule, why it is
+robust, and the one- and two-sender cases are in :mod:`shared.averaging.robust`). Such a sender is banned
+for the round (``RejectReason.OUTLIER_NORM`` in :class:`Completeness`) and left out of every part of the
+slice. Deciding this needs all inputs of a part, which the reducer keeps anyway until the deterministic
+sum: memory is bounded by ``senders x slice size x 4`` bytes (the all-reduce gives each part its own
+reducer: ``senders x 4 MiB`` at most per part in flight).
+
 **Validation.** :meth:`SliceReducer.add_part` raises :class:`PartRejected` and *bans the sender for the
 round* for a part that is not float32/1-D, is not in the slice's canonical layout (``partition``), is a
 duplicate, has a weight that is negative, non-finite or differs from the sender's announced or earlier
@@ -40,11 +54,14 @@ import numpy.typing as npt
 
 from protocols.averaging import MAX_WEIGHT, PartHeader
 from protocols.peer_id import PeerId
+from protocols.training import AveragingSpec
 from shared.errors import ProjectError
 
 from .partition import DEFAULT_PART_NUMEL, Slice, num_parts, part_bounds, slice_views
+from .robust import ClipReport, aggregate, norm_outliers, sq_norm
 
 __all__ = [
+    "DEFAULT_RULE",
     "Completeness",
     "NothingToAverage",
     "PartRejected",
@@ -56,6 +73,9 @@ __all__ = [
 ]
 
 Float32Array = npt.NDArray[np.float32]
+#: Weighted mean, relative norm bound on with k = 10. ``AveragingSpec(norm_factor=math.inf)`` turns the
+#: bound off; a manifest cannot (its decoder caps k at 1e6): for tests of the arithmetic and baselines.
+DEFAULT_RULE = AveragingSpec()
 _NOT_BANNING = ("UNKNOWN_SENDER", "DROPPED", "FINALIZED", "BANNED")
 
 
@@ -73,6 +93,7 @@ class RejectReason(enum.Enum):
     NON_FINITE = "values hold NaN or Inf"
     ABSURD_VALUE = "an element's magnitude exceeds the limit"
     ABSURD_NORM = "the part's L2 norm exceeds the limit"
+    OUTLIER_NORM = "the part's L2 norm exceeds norm_factor times the group's median part norm"
 
     @property
     def bans(self) -> bool:
@@ -124,6 +145,8 @@ class SliceReducer:
         max_norm: largest acceptable L2 norm of one part (``math.inf``: no limit).
         part_numel: the round's part size, which fixes the canonical layout.
         max_abs: largest acceptable element magnitude (``None``: only ``max_norm`` applies).
+        rule: the aggregation rule and the factor of the relative norm bound (the manifest's
+            ``[averaging]``; default: weighted mean, bound on with k = 10).
     """
 
     def __init__(
@@ -134,6 +157,7 @@ class SliceReducer:
         *,
         part_numel: int = DEFAULT_PART_NUMEL,
         max_abs: float | None = None,
+        rule: AveragingSpec = DEFAULT_RULE,
     ) -> None:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
@@ -146,12 +170,15 @@ class SliceReducer:
         self.part_numel = part_numel
         self.max_norm = max_norm
         self.max_abs = max_abs
+        self.rule = rule
+        self.clip_report: ClipReport | None = None  # what CenteredClip did at finalize, for logs
         self._nparts = num_parts(numel, part_numel)
         self._weights: dict[PeerId, float | None] = dict(senders)
         self._parts: dict[PeerId, dict[int, Float32Array]] = {peer: {} for peer in senders}
         self._dropped: dict[PeerId, str] = {}
         self._banned: dict[PeerId, RejectReason] = {}
         self._final: Completeness | None = None
+        self.outliers: dict[PeerId, str] = {}  # banned at finalize by the norm bound: why, for logs
 
     def add_part(self, sender: PeerId, header: PartHeader, values: Float32Array) -> None:
         """Accept one decoded part of ``sender``'s slice; ``values`` is kept by reference until
@@ -246,8 +273,26 @@ class SliceReducer:
             banned=tuple(sorted(self._banned.items())),
         )
 
+    def _ban_norm_outliers(self) -> None:
+        """Ban every complete sender of positive weight with a part above the relative bound (module
+        docstring); all parts are judged against the same senders, so the order of parts does not matter."""
+        peers = [p for p in sorted(self._parts) if self._complete(p) and (self._weights[p] or 0.0) > 0.0]
+        if len(peers) < 2 or not math.isfinite(self.rule.norm_factor):
+            return
+        weights = [self._weights[p] or 0.0 for p in peers]
+        outliers: dict[PeerId, str] = {}
+        for index in range(self._nparts):
+            norms = [math.sqrt(sq_norm(self._parts[p][index])) for p in peers]
+            for i in norm_outliers(norms, weights, self.rule.norm_factor):
+                outliers.setdefault(peers[i], f"part {index}: norm {norms[i]:.3g}, weight {weights[i]:g}")
+        for peer in outliers:
+            self._banned[peer] = RejectReason.OUTLIER_NORM
+            self._parts[peer].clear()
+        self.outliers = outliers
+
     def finalize(self) -> Float32Array:
-        """Close the round and return the weighted mean over the complete senders (module docstring).
+        """Close the round: ban senders above the norm bound, then return the rule's aggregate (by default
+        the weighted mean) over the complete senders (module docstring).
 
         An empty slice (``numel == 0``) yields an empty array whoever delivered.
 
@@ -257,13 +302,17 @@ class SliceReducer:
         """
         if self._final is not None:
             raise RuntimeError("slice already finalized")
-        report = self._final = self.completeness()
-        summands = [(p, w) for p in report.contributors if (w := self._weights[p] or 0.0) > 0.0]
         try:
+            if self.numel:
+                self._ban_norm_outliers()
+            report = self._final = self.completeness()
+            summands = [(p, w) for p in report.contributors if (w := self._weights[p] or 0.0) > 0.0]
             if self.numel == 0:
                 return np.empty(0, dtype=np.float32)
             if not report.total_weight > 0.0:
                 raise NothingToAverage(report)
+            if self.rule.rule != "mean" and len(summands) > 1:
+                return self._robust(summands)
             out = np.empty(self.numel, dtype=np.float32)
             acc = np.empty(min(self.part_numel, self.numel), dtype=np.float64)
             term = np.empty_like(acc)
@@ -280,6 +329,15 @@ class SliceReducer:
         finally:
             for parts in self._parts.values():
                 parts.clear()
+
+    def _robust(self, summands: Sequence[tuple[PeerId, float]]) -> Float32Array:
+        """The robust rule over whole slices (a sender's parts are joined, a copy, when there are several)."""
+        inputs = [
+            parts[0] if self._nparts == 1 else np.concatenate([parts[k] for k in range(self._nparts)])
+            for parts in (self._parts[peer] for peer, _ in summands)
+        ]
+        result, self.clip_report = aggregate(inputs, [w for _, w in summands], self.rule)
+        return result.astype(np.float32)
 
 
 @dataclass(frozen=True)
