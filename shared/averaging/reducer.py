@@ -175,6 +175,7 @@ class SliceReducer:
         self._nparts = num_parts(numel, part_numel)
         self._weights: dict[PeerId, float | None] = dict(senders)
         self._parts: dict[PeerId, dict[int, Float32Array]] = {peer: {} for peer in senders}
+        self._norms: dict[PeerId, dict[int, float]] = {peer: {} for peer in senders}  # from _check
         self._dropped: dict[PeerId, str] = {}
         self._banned: dict[PeerId, RejectReason] = {}
         self._final: Completeness | None = None
@@ -195,46 +196,53 @@ class SliceReducer:
             raise PartRejected(sender, RejectReason.BANNED, self._banned[sender].value)
         if sender in self._dropped:
             raise PartRejected(sender, RejectReason.DROPPED)
-        reason, detail = self._check(sender, header, values)
+        reason, detail, norm = self._check(sender, header, values)
         if reason is not None:
             self._banned[sender] = reason
             self._parts[sender].clear()
             raise PartRejected(sender, reason, detail)
         self._weights[sender] = header.weight
         self._parts[sender][header.part_index] = values
+        self._norms[sender][header.part_index] = norm
 
     def _check(
         self, sender: PeerId, header: PartHeader, values: Float32Array
-    ) -> tuple[RejectReason | None, str]:
+    ) -> tuple[RejectReason | None, str, float]:
+        """Why the part is refused (``None``: accepted), details, and its L2 norm."""
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 1:
-            return RejectReason.BAD_DTYPE, f"{getattr(values, 'dtype', type(values))}"
+            return RejectReason.BAD_DTYPE, f"{getattr(values, 'dtype', type(values))}", math.nan
         if not 0 <= header.part_index < self._nparts:
-            return RejectReason.BAD_PART, f"part {header.part_index} of {self._nparts}"
+            return RejectReason.BAD_PART, f"part {header.part_index} of {self._nparts}", math.nan
         start, stop = part_bounds(self.numel, self.part_numel, header.part_index)
         if (header.offset, header.numel, values.size) != (start, stop - start, stop - start):
             detail = f"offset {header.offset}, numel {header.numel}, {values.size} values"
-            return RejectReason.BAD_PART, f"part {header.part_index} is [{start}, {stop}); got {detail}"
+            return (
+                RejectReason.BAD_PART,
+                f"part {header.part_index} is [{start}, {stop}); got {detail}",
+                math.nan,
+            )
         if header.part_index in self._parts[sender]:
-            return RejectReason.DUPLICATE, f"part {header.part_index}"
+            return RejectReason.DUPLICATE, f"part {header.part_index}", math.nan
         weight, expected = header.weight, self._weights[sender]
         if not (math.isfinite(weight) and 0.0 <= weight <= MAX_WEIGHT) or (
             expected is not None and weight != expected
         ):
-            return RejectReason.BAD_WEIGHT, f"weight {weight!r}, expected {expected!r}"
+            return RejectReason.BAD_WEIGHT, f"weight {weight!r}, expected {expected!r}", math.nan
         with np.errstate(over="ignore", invalid="ignore"):
             square = float(np.dot(values, values))  # NaN/Inf in, NaN/Inf out: one pass in the common case
         if not math.isfinite(square) and not (
             values.size == 0 or (np.isfinite(values.min()) and np.isfinite(values.max()))
         ):
-            return RejectReason.NON_FINITE, ""
-        norm = math.sqrt(square) if math.isfinite(square) else math.inf  # float32 overflow: absurd anyway
+            return RejectReason.NON_FINITE, "", math.nan
+        # float32 overflow of finite values: recomputed in float64, so the relative bound can compare it
+        norm = math.sqrt(square) if math.isfinite(square) else math.sqrt(sq_norm(values))
         if norm > self.max_norm:
-            return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}"
+            return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}", norm
         if self.max_abs is not None and values.size:
             magnitude = max(float(values.max()), -float(values.min()))
             if magnitude > self.max_abs:
-                return RejectReason.ABSURD_VALUE, f"{magnitude:.3g} > {self.max_abs:.3g}"
-        return None, ""
+                return RejectReason.ABSURD_VALUE, f"{magnitude:.3g} > {self.max_abs:.3g}", norm
+        return None, "", norm
 
     def drop_sender(self, sender: PeerId, reason: str = "unreachable") -> None:
         """Exclude a sender that died mid-round (``reason`` goes into the report); the average
@@ -282,7 +290,7 @@ class SliceReducer:
         weights = [self._weights[p] or 0.0 for p in peers]
         outliers: dict[PeerId, str] = {}
         for index in range(self._nparts):
-            norms = [math.sqrt(sq_norm(self._parts[p][index])) for p in peers]
+            norms = [self._norms[p][index] for p in peers]
             for i in norm_outliers(norms, weights, self.rule.norm_factor):
                 outliers.setdefault(peers[i], f"part {index}: norm {norms[i]:.3g}, weight {weights[i]:g}")
         for peer in outliers:
