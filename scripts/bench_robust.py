@@ -13,7 +13,8 @@ giving ``shared.averaging.allreduce`` a ``SliceReducer`` with ``rule=`` bound (`
 ``patched-reducer``); once the plan has an ``averaging`` field it is passed there instead (``plan``).
 
 ``aggregation`` — the reducer alone, in this process: the time to finalize one aggregator's slice
-(``numel / peers`` elements, cut into parts as the all-reduce cuts them) under each rule.
+(``numel / peers`` elements, cut into parts as the all-reduce cuts them) under each rule, with honest
+inputs and with one peer's input sign-flipped (where CenteredClip has to iterate).
 
 ``training`` — tiny-mlm in one process: four simulated peers each compute a real gradient on their own
 batch (``--batch`` samples); peer 0 is honest in the ``honest`` run and otherwise sends its gradient
@@ -131,19 +132,17 @@ def allreduce(peers: int, numel: int, rounds: int, warmup: int) -> dict[str, Any
         for rank, p in enumerate(procs):
             p.stdin.write(json.dumps({"rank": rank, "members": members}) + "\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
-        round_ = 0
-        for repeat in range(warmup + rounds):
-            for rule in RULES:  # interleaved: every rule sees the same machine load
-                for p in procs:
-                    p.stdin.write(f"{round_} {rule}\n")  # type: ignore[union-attr]
-                    p.stdin.flush()  # type: ignore[union-attr]
-                round_ += 1
-                reports = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
-                identical &= len({r["digest"] for r in reports}) == 1
-                complete &= all(r["complete"] for r in reports)
-                banned += sum(r["banned"] for r in reports)
-                if repeat >= warmup:
-                    times[rule].append(max(r["end"] for r in reports) - min(r["start"] for r in reports))
+        schedule = [(False, RULES[0])] * warmup + [(True, rule) for _ in range(rounds) for rule in RULES]
+        for round_, (timed, rule) in enumerate(schedule):  # interleaved: every rule sees the same load
+            for p in procs:
+                p.stdin.write(f"{round_} {rule}\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            reports = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+            identical &= len({r["digest"] for r in reports}) == 1
+            complete &= all(r["complete"] for r in reports)
+            banned += sum(r["banned"] for r in reports)
+            if timed:
+                times[rule].append(max(r["end"] for r in reports) - min(r["start"] for r in reports))
         for p in procs:
             p.stdin.close()  # type: ignore[union-attr]
             p.wait(timeout=120)
@@ -209,20 +208,24 @@ def aggregation(peers: int, numel: int, repeats: int) -> dict[str, Any]:
     base = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
     noise = [np.random.default_rng(1 + r).standard_normal(n, dtype=np.float32) for r in range(peers)]
     inputs = [base + np.float32(0.1) * x for x in noise]
-    seconds = {}
+    attacked = [(-inputs[0]).astype(np.float32), *inputs[1:]]  # one peer sign-flipped: clipping iterates
+    reduce_parts(inputs, [1.0] * peers, spec_of("mean"), part)  # warm-up: page faults, caches
+    seconds, under_attack = {}, {}
     for rule in RULES:
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            reduce_parts(inputs, [1.0] * peers, spec_of(rule), part)
-            runs.append(time.perf_counter() - start)
-        seconds[rule] = statistics.median(runs)
+        for table, data in ((seconds, inputs), (under_attack, attacked)):
+            runs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                reduce_parts(data, [1.0] * peers, spec_of(rule), part)
+                runs.append(time.perf_counter() - start)
+            table[rule] = statistics.median(runs)
     return {
         "peers": peers,
         "slice_numel": n,
         "part_numel": part,
         "finalize_s": seconds,
         "ratio": {rule: seconds[rule] / seconds["mean-unbounded"] for rule in RULES},
+        "finalize_s_one_peer_flipped": under_attack,
     }
 
 
@@ -303,6 +306,9 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     for result in results.values():
         loss = result["final_loss"]
         result["gap_to_honest"] = None if loss is None or honest is None else (loss - honest) / honest
+        result["progress_vs_honest"] = (
+            None if loss is None or honest is None else (initial - loss) / (initial - honest)
+        )
     robust = [k for k in results if k.split("/")[1] in ("centered-clip", "trimmed-mean")]
     return {
         "task": "tiny-mlm",
@@ -328,7 +334,7 @@ def main() -> None:
     parser.add_argument("--peers", default="4,8", help="comma-separated group sizes for the all-reduce")
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per rule (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of plain averaging first")
     parser.add_argument("--skip-allreduce", action="store_true", help="only the in-process parts")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--steps", type=int, default=150, help="training steps per run")

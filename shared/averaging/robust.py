@@ -77,6 +77,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -230,12 +231,21 @@ class ClipReport:
     converged: bool
 
 
-def _distances(inputs: Sequence[Float32Array], center: Float32Array, buf: Float32Array) -> list[float]:
-    out = []
-    for x in inputs:
-        np.subtract(x, center, out=buf)
-        out.append(math.sqrt(float(np.dot(buf, buf))))
-    return out
+def _difference(x: Float32Array, v: Float64Array, v32: Float32Array, buf: Float32Array) -> tuple[Any, float]:
+    """``x - v`` and its norm: in float32 (into ``buf``), or in float64 (a new array) when float32
+    overflows (inputs near the float32 limit: only possible for parts that are outliers anyway)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.subtract(x, v32, out=buf)
+        square = float(np.dot(buf, buf))
+    if math.isfinite(square):
+        return buf, math.sqrt(square)
+    wide = np.subtract(x, v, dtype=np.float64)
+    return wide, math.sqrt(_dot(wide))
+
+
+def _distances(inputs: Sequence[Float32Array], center: Float64Array, buf: Float32Array) -> list[float]:
+    center32 = center.astype(np.float32)
+    return [_difference(x, center, center32, buf)[1] for x in inputs]
 
 
 def centered_clip(
@@ -259,11 +269,12 @@ def centered_clip(
     total = math.fsum(weights)
     a = allowances(weights)
     v = coordinate_median(inputs)
-    v32 = v.astype(np.float32)
+    with np.errstate(over="ignore"):
+        v32 = v.astype(np.float32)  # a median of float32 values: representable
     diff = np.empty_like(v32)
     if tau is None:
         tau = clip_factor * lower_median(
-            [r / ai for r, ai in zip(_distances(inputs, v32, diff), a, strict=True)]
+            [r / ai for r, ai in zip(_distances(inputs, v, diff), a, strict=True)]
         )
     elif not tau >= 0:
         raise ValueError(f"tau must be >= 0, got {tau}")
@@ -278,11 +289,10 @@ def centered_clip(
     for t in range(1, max_iterations + 1):
         step.fill(0.0)
         for x, w, radius in zip(inputs, weights, radii, strict=True):
-            np.subtract(x, v32, out=diff)
-            r = math.sqrt(float(np.dot(diff, diff)))
+            delta, r = _difference(x, v, v32, diff)
             scale = 1.0 if r <= radius else radius / r
-            diff *= np.float32(w * scale / total)
-            step += diff
+            delta *= np.float32(w * scale / total) if delta is diff else w * scale / total
+            step += delta
         v += step
         np.copyto(v32, v, casting="same_kind")
         if math.sqrt(_dot(step)) <= CLIP_TOLERANCE * tau:
