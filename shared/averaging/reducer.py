@@ -18,14 +18,15 @@ through the group plan) picks the weighted mean above, CenteredClip or the coord
 (:mod:`shared.averaging.robust` for their math); the robust rules take the complete senders' slices in the
 same sorted order and are as deterministic.
 
-**Norm bound** (issue 9 finding 6; on by default). At :meth:`finalize`, once every sender's parts are in,
-part ``p`` of sender ``i`` is rejected when ``||x_ip|| > k · a_i · lmed_j ||x_jp||`` over the complete
-senders of positive weight (``k = rule.norm_factor``, ``a_i`` the weight allowance; the rule, why it is
-robust, and the one- and two-sender cases are in :mod:`shared.averaging.robust`). Such a sender is banned
-for the round (``RejectReason.OUTLIER_NORM`` in :class:`Completeness`) and left out of every part of the
-slice. Deciding this needs all inputs of a part, which the reducer keeps anyway until the deterministic
-sum: memory is bounded by ``senders x slice size x 4`` bytes (the all-reduce gives each part its own
-reducer: ``senders x 4 MiB`` at most per part in flight).
+**Norm bound** (issue 9 finding 6; on by default). At :meth:`finalize`, once every sender's parts are in, part
+``p`` of sender ``i`` is rejected when ``||x_ip|| > k · a_i · lmed_j ||x_jp||`` over the complete senders of
+positive weight (``k = rule.norm_factor``, ``a_i`` the weight allowance; the rule, why it is robust, and the
+one- and two-sender cases are in :mod:`shared.averaging.robust`). The norms are the ones taken when each part
+was checked (a float32 dot product, recomputed in float64 when it overflows). Such a sender is banned for the
+round (``RejectReason.OUTLIER_NORM`` in :class:`Completeness`, one log line) and left out of every part of the
+slice. Deciding this needs all inputs of a part, which the reducer keeps anyway until the deterministic sum:
+memory is bounded by ``senders x slice size x 4`` bytes (the all-reduce gives each part its own reducer:
+``senders x 4 MiB`` at most per part in flight).
 
 **Validation.** :meth:`SliceReducer.add_part` raises :class:`PartRejected` and *bans the sender for the
 round* for a part that is not float32/1-D, is not in the slice's canonical layout (``partition``), is a
@@ -45,6 +46,7 @@ path the aggregator must also keep ``decode(encode(avg))`` of its own slice, as 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,7 @@ __all__ = [
     "apply_outcome",
 ]
 
+logger = logging.getLogger(__name__)
 Float32Array = npt.NDArray[np.float32]
 #: Weighted mean, relative norm bound on with k = 10. ``AveragingSpec(norm_factor=math.inf)`` turns the
 #: bound off; a manifest cannot (its decoder caps k at 1e6): for tests of the arithmetic and baselines.
@@ -296,6 +299,14 @@ class SliceReducer:
         for peer in outliers:
             self._banned[peer] = RejectReason.OUTLIER_NORM
             self._parts[peer].clear()
+        if outliers:
+            logger.warning(
+                "norm bound (k=%g) banned %d of %d senders: %s",
+                self.rule.norm_factor,
+                len(outliers),
+                len(peers),
+                "; ".join(f"{peer}: {why}" for peer, why in outliers.items()),
+            )
         self.outliers = outliers
 
     def finalize(self) -> Float32Array:

@@ -10,25 +10,24 @@ between the smallest and the largest honest value (at least ``n - f > n/2`` valu
 ``E||x||² = ||g||² + tr(Σ)/w``, so a batch smaller than the median one may be ``sqrt(lmed(w)/w_i)``
 times longer, a larger one is not expected to be longer.
 
-**Norm bound** (:func:`norm_outliers`; on by default, factor ``k`` = ``AveragingSpec.norm_factor``,
-default 10). With ``M = lmed(||x_1|| … ||x_n||)``, sender ``i`` is rejected (and banned for the round) when
-``||x_i|| > k · a_i · M``. It is robust because ``M`` is set by the honest majority: ``f < n/2`` senders
-can neither raise ``M`` above the largest honest norm nor lower it below the smallest one. So an attacker's
-accepted part has ``||x_i|| <= k · a_i · max_honest_norm`` and moves the weighted mean by at most
-``w_i · k · a_i · max_honest_norm / W``; claiming a small weight buys a larger ``a_i`` but not more
-influence (``w_i · a_i <= sqrt(w_i · lmed(w)) <= lmed(w)`` for ``w_i <= lmed(w)``). Why k = 10: honest
-parts of one group, weight-corrected, differ by the batch-to-batch fluctuation of the gradient norm.
-Measured on tiny-mlm (114k parameters, 16,384-element parts as the all-reduce cuts them, batches 4, 16,
-16, 64 and twice that group, 20 rounds): at most 2.6x the lower median, and 5.8x the *smallest* honest
-norm, which is as low as attackers sending zeros can push ``M``; k = 10 leaves room above both. A part
-that stays within k honest norms can still bias the mean: that is the robust rules' business.
-With **one sender** there
-is nothing to compare with: ``M`` is its own norm and only finiteness and the absolute limits apply.
-With **two**, ``M`` is the smaller norm: of two parts more than ``k · a_i`` apart, the larger one (the one
-that could do damage) is rejected, since no majority can say who is honest. When ``M = 0`` (most
-senders' part is exactly zero) every non-zero part is rejected: nothing honest can vouch for it. The
-check needs every sender's part, so the aggregator holds a part's inputs until all arrived (it already
-does, for the deterministic sum): at most ``senders x part size`` bytes (8 x 4 MiB per part in flight).
+**Norm bound** (:func:`norm_outliers`; on by default, factor ``k`` = ``AveragingSpec.norm_factor``, default
+10). With ``M = lmed(||x_1|| … ||x_n||)``, sender ``i`` is rejected (and banned for the round) when ``||x_i||
+> k · a_i · M``. It is robust because ``M`` is set by the honest majority: ``f < n/2`` senders can neither
+raise ``M`` above the largest honest norm nor lower it below the smallest one. So an attacker's accepted part
+has ``||x_i|| <= k · a_i · max_honest_norm`` and moves the weighted mean by at most ``w_i · k · a_i ·
+max_honest_norm / W``; claiming a small weight buys a larger ``a_i`` but not more influence (``w_i · a_i <=
+sqrt(w_i · lmed(w)) <= lmed(w)`` for ``w_i <= lmed(w)``). Why k = 10: honest parts of one group,
+weight-corrected, differ by the batch-to-batch fluctuation of the gradient norm. Measured on tiny-mlm (114k
+parameters, 16,384-element parts as the all-reduce cuts them, batches 4, 16, 16, 64 and twice that group, 20
+rounds): at most 2.6x the lower median, and 5.8x the *smallest* honest norm, which is as low as attackers
+sending zeros can push ``M``; k = 10 leaves room above both. A part that stays within k honest norms can still
+bias the mean: that is the robust rules' business. With **one sender** there is nothing to compare with: ``M``
+is its own norm and only finiteness and the absolute limits apply. With **two**, ``M`` is the smaller norm: of
+two parts more than ``k · a_i`` apart, the larger one (the one that could do damage) is rejected, since no
+majority can say who is honest. When ``M = 0`` (most senders' part is exactly zero) every non-zero part is
+rejected: nothing honest can vouch for it. The check needs every sender's part, so the aggregator holds a
+part's inputs until all arrived (it already does, for the deterministic sum): at most ``senders x part size``
+bytes (8 x 4 MiB per part in flight).
 
 **Weighted mean** (``rule = "mean"``): ``Σ w_i x_i / W`` summed in float64 in sender order
 (:mod:`shared.averaging.reducer`).
@@ -45,24 +44,27 @@ iteration stops when a step moves ``v`` by at most ``1e-4 · τ`` or after ``cli
 20) steps. *Honest case*: before iterating, the weighted mean ``m`` (bit-identical to ``rule = "mean"``)
 is returned if every ``||x_i - m|| <= τ_i``, because ``m`` is then the exact fixed point; so without
 outliers CenteredClip costs a median, two passes over the inputs, and changes nothing. *Guarantee*
-(BTARD, Thm. 3.1 and its CenteredClip lemma): with a fraction ``δ`` of Byzantine inputs and honest
-inputs of variance ``s²``, a radius ``τ ~ s/sqrt(δ)`` gives ``E||v - x̄_honest||² = O(δ s²)``; here
-``τ`` is estimated from the group itself. What holds for *any* inputs here: each step is a weighted
+(Karimireddy et al. 2021, used by BTARD): for a small enough fraction ``δ`` of Byzantine inputs and
+honest inputs of variance ``s²``, a radius ``τ ~ s/sqrt(δ)`` gives ``E||v - x̄_honest||² = O(δ s²)``:
+the error shrinks with the attackers' share instead of growing with their values; here ``τ`` is
+estimated from the group itself. What holds for *any* inputs here: each step is a weighted
 average of vectors of norm ``<= τ_i``, so ``||v_T - v_0|| <= T · max τ_i``, and ``v_0`` and ``τ`` are set
 by the honest majority (median arguments above): a minority moves the result by an amount bounded by
 the honest inputs' spread, whatever it sends. If most inputs equal the median (``τ = 0``), the result is
 that median.
 
-**Trimmed mean** (``rule = "trimmed-mean"``): for every coordinate, the ``n`` values are sorted (ties in
-sender order), the ``b`` smallest and ``b`` largest are dropped, ``b = min(ceil(β·n), (n - 1) // 2)``
-(``β = trim_fraction``, default 0.25; 4 senders: ``b = 1``; 2 senders: ``b = 0``, plain mean), and the
-rest is averaged *with its weights*: ``Σ_kept w_i x_i / Σ_kept w_i``. With ``f <= b`` arbitrary senders
-every kept value lies between the smallest and largest honest value of that coordinate, whatever the
-weights claim; the result is in the honest per-coordinate range.
+**Trimmed mean** (``rule = "trimmed-mean"``): for every coordinate, the ``n`` values are sorted (ties by
+weight, then sender: equal values of equal weight are interchangeable, so relabelling the senders changes
+nothing), the ``b`` smallest and ``b`` largest are dropped, ``b = min(max(1, floor(β·n)), (n - 1) // 2)``
+for ``β > 0`` (``β = trim_fraction``, default 0.25: 3 to 7 senders ``b = 1``, 8 to 11 ``b = 2``; 2
+senders ``b = 0``, the plain mean), and the rest is averaged *with its weights*:
+``Σ_kept w_i x_i / Σ_kept w_i``. With ``f <= b`` arbitrary senders every kept value lies between the
+smallest and the largest honest value of that coordinate, whatever the weights claim, and so does the
+result.
 
 **Determinism.** Every rule is a function of the *set* of ``(sender, weight, values)``: inputs are taken in
 sorted sender order, accumulated in float64 in that order (or in rank order, for the trimmed mean,
-with ties in sender order), and rounded to float32 once. Iteration counts depend only on the values, so
+with ties by weight, then sender), and rounded to float32 once. Iteration counts depend only on the values, so
 any member computing it gets the same bits; in practice only the aggregator computes, and every member
 pulls its bytes.
 
