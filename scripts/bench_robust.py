@@ -17,7 +17,8 @@ giving ``shared.averaging.allreduce`` a ``SliceReducer`` with ``rule=`` bound (`
 inputs and with one peer's input sign-flipped (where CenteredClip has to iterate).
 
 ``training`` — tiny-mlm in one process: four simulated peers each compute a real gradient on their own
-batch (``--batch`` samples); peer 0 is honest in the ``honest`` run and otherwise sends its gradient
+batch (``--batches``, samples per peer, also its weight; ``4,16,16,64`` shows that unequal honest batches
+ban nobody); peer 0 is honest in the ``honest`` run and otherwise sends its gradient
 scaled x100 (``scaled``) or sign-flipped (``flipped``). The four flat gradients are averaged exactly as an
 aggregator would (one ``SliceReducer`` per part, sorted senders) under each rule, and every peer's
 optimizer (SGD, momentum 0.9, by default) steps on the result. Reported: the final held-out loss per run,
@@ -31,6 +32,7 @@ Default run: a few minutes on 2 cores. ``--steps 600 --optimizer adamw --lr 0.00
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -177,7 +179,7 @@ def reduce_parts(
     from protocols.averaging import PartHeader
     from protocols.peer_id import PeerId
     from shared.averaging.partition import num_parts, part_bounds
-    from shared.averaging.reducer import SliceReducer
+    from shared.averaging.reducer import PartRejected, SliceReducer
 
     numel = inputs[0].size
     peers = [PeerId(f"peer-{i}") for i in range(len(inputs))]
@@ -191,7 +193,8 @@ def reduce_parts(
                 group_id=b"b", round=0, part_index=0, offset=0, numel=hi - lo, codec="none", weight=w,
                 nbytes=4 * (hi - lo),
             )  # fmt: skip
-            reducer.add_part(peer, header, x[lo:hi])
+            with contextlib.suppress(PartRejected):  # NaN/Inf: banned, as the aggregator would
+                reducer.add_part(peer, header, x[lo:hi])
         out[lo:hi] = reducer.finalize()
         for peer, _ in reducer.completeness().banned:
             banned[peer] = banned.get(peer, 0) + 1
@@ -244,8 +247,9 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     task = make_task(TrainingSpec(seed=args.seed))
-    peers, batch = 4, args.batch
-    texts = [{"text": t} for t in generate_examples(args.seed + 7, args.steps * peers * batch)]
+    batches = [int(b) for b in args.batches.split(",")]
+    peers, per_step = len(batches), sum(batches)
+    texts = [{"text": t} for t in generate_examples(args.seed + 7, args.steps * per_step)]
     held_out = task.collate([{"text": t} for t in generate_examples(args.seed + 99, 512)])
     runs = [("honest", "mean-unbounded")] + [
         (attack, rule) for attack in ("scaled", "flipped") for rule in RULES
@@ -265,9 +269,9 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(args.steps):
             grads = []
             for peer in range(peers):
-                first = (step * peers + peer) * batch
+                first = step * per_step + sum(batches[:peer])
                 model.zero_grad()
-                task.loss(model, task.collate(texts[first : first + batch])).backward()
+                task.loss(model, task.collate(texts[first : first + batches[peer]])).backward()
                 flat = torch.cat([p.grad.reshape(-1) for p in params]).numpy().copy()  # type: ignore[union-attr]
                 if peer == 0 and attack == "scaled":
                     flat *= np.float32(100.0)
@@ -275,7 +279,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                     flat *= np.float32(-1.0)
                 grads.append(flat)
             try:
-                average, banned = reduce_parts(grads, [float(batch)] * peers, spec_of(rule), part)
+                average, banned = reduce_parts(grads, [float(b) for b in batches], spec_of(rule), part)
             except NothingToAverage:  # every gradient was NaN/Inf: the model has diverged
                 diverged_at = step
                 break
@@ -313,7 +317,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "task": "tiny-mlm",
         "peers": peers,
-        "batch_per_peer": batch,
+        "batches": batches,
         "steps": args.steps,
         "optimizer": args.optimizer,
         "lr": args.lr,
@@ -338,7 +342,7 @@ def main() -> None:
     parser.add_argument("--skip-allreduce", action="store_true", help="only the in-process parts")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--steps", type=int, default=150, help="training steps per run")
-    parser.add_argument("--batch", type=int, default=16, help="samples per peer per step")
+    parser.add_argument("--batches", default="16,16,16,16", help="samples per peer per step (peer 0 attacks)")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
@@ -350,10 +354,12 @@ def main() -> None:
     sizes = [int(n) for n in args.peers.split(",")]
     out: dict[str, Any] = {"loadavg_before": os.getloadavg(), "cpus": os.cpu_count()}
     out["aggregation"] = [aggregation(n, args.numel, 2) for n in sizes]
-    if not args.skip_allreduce:
-        out["allreduce"] = [allreduce(n, args.numel, args.rounds, args.warmup) for n in sizes]
+    print(json.dumps(out["aggregation"]), file=sys.stderr, flush=True)  # progress, in case a later part fails
     if not args.skip_training:
         out["training"] = training(args)
+        print(json.dumps(out["training"]), file=sys.stderr, flush=True)
+    if not args.skip_allreduce:
+        out["allreduce"] = [allreduce(n, args.numel, args.rounds, args.warmup) for n in sizes]
     out["loadavg_after"] = os.getloadavg()
     print(json.dumps(out, indent=2))
 
