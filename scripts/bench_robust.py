@@ -36,6 +36,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import statistics
@@ -173,7 +174,8 @@ def reduce_parts(
     inputs: list[Any], weights: list[float], spec: Any, part_numel: int
 ) -> tuple[Any, dict[str, int]]:
     """Average flat vectors as an aggregator of the whole vector would: one SliceReducer per part, like
-    ``Averager._take_duty``. Returns the average and how many senders the norm bound banned."""
+    ``Averager._take_duty``. Returns the average and statistics: per sender, the parts in which it was
+    banned, and the parts where CenteredClip had to clip (``clipped``) rather than return the mean."""
     import numpy as np
 
     from protocols.averaging import PartHeader
@@ -185,6 +187,7 @@ def reduce_parts(
     peers = [PeerId(f"peer-{i}") for i in range(len(inputs))]
     out = np.empty(numel, dtype=np.float32)
     banned: dict[str, int] = {}
+    clipped = 0
     for k in range(num_parts(numel, part_numel)):
         lo, hi = part_bounds(numel, part_numel, k)
         reducer = SliceReducer(hi - lo, dict.fromkeys(peers), math.inf, part_numel=hi - lo, rule=spec)
@@ -196,9 +199,10 @@ def reduce_parts(
             with contextlib.suppress(PartRejected):  # NaN/Inf: banned, as the aggregator would
                 reducer.add_part(peer, header, x[lo:hi])
         out[lo:hi] = reducer.finalize()
+        clipped += reducer.clip_report is not None and reducer.clip_report.iterations > 0
         for peer, _ in reducer.completeness().banned:
             banned[peer] = banned.get(peer, 0) + 1
-    return out, banned
+    return out, {"banned": banned, "clipped": clipped}
 
 
 def aggregation(peers: int, numel: int, repeats: int) -> dict[str, Any]:
@@ -251,9 +255,9 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
     peers, per_step = len(batches), sum(batches)
     texts = [{"text": t} for t in generate_examples(args.seed + 7, args.steps * per_step)]
     held_out = task.collate([{"text": t} for t in generate_examples(args.seed + 99, 512)])
-    runs = [("honest", "mean-unbounded")] + [
-        (attack, rule) for attack in ("scaled", "flipped") for rule in RULES
-    ]
+    logging.getLogger("shared.averaging.reducer").setLevel(logging.ERROR)  # bans are counted below
+    runs = [("honest", "mean-unbounded"), ("honest", "centered-clip"), ("honest", "trimmed-mean")]
+    runs += [(attack, rule) for attack in ("scaled", "flipped") for rule in RULES]
     results: dict[str, dict[str, Any]] = {}
     for attack, rule in runs:
         model = task.build_model()
@@ -264,7 +268,8 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
             optimizer: torch.optim.Optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
         else:
             optimizer = torch.optim.AdamW(params, lr=args.lr)
-        banned_rounds, diverged_at = 0, None
+        banned_rounds, attacker_banned, clipped_rounds, diverged_at = 0, 0, 0, None
+        snr = []
         start = time.perf_counter()
         for step in range(args.steps):
             grads = []
@@ -279,13 +284,16 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
                     flat *= np.float32(-1.0)
                 grads.append(flat)
             try:
-                average, banned = reduce_parts(grads, [float(b) for b in batches], spec_of(rule), part)
+                average, stats = reduce_parts(grads, [float(b) for b in batches], spec_of(rule), part)
             except NothingToAverage:  # every gradient was NaN/Inf: the model has diverged
                 diverged_at = step
                 break
-            honest_banned = [p for p in banned if p != "peer-0"]
-            if honest_banned:
-                banned_rounds += 1
+            banned_rounds += any(p != "peer-0" for p in stats["banned"])
+            attacker_banned += "peer-0" in stats["banned"]
+            clipped_rounds += stats["clipped"] > 0
+            if attack == "honest" and rule == "mean-unbounded" and step % 10 == 0:
+                spread = statistics.mean(float(np.linalg.norm(g - average)) for g in grads)
+                snr.append(float(np.linalg.norm(average)) / spread)
             if not np.isfinite(average).all():
                 diverged_at = step
                 break
@@ -302,8 +310,12 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
             "diverged": not math.isfinite(loss),
             "non_finite_at_step": diverged_at,
             "rounds_with_an_honest_peer_banned": banned_rounds,
+            "rounds_attacker_banned": attacker_banned,
+            "rounds_centered_clip_clipped": clipped_rounds,
             "seconds": round(time.perf_counter() - start, 1),
         }
+        if snr:  # ||mean gradient|| / mean ||peer gradient - mean||: below ~1 a flipped peer is no outlier
+            results[f"{attack}/{rule}"]["signal_to_spread"] = statistics.mean(snr)
     with torch.no_grad():
         initial = float(task.loss(task.build_model(), held_out))
     honest = results["honest/mean-unbounded"]["final_loss"]
@@ -314,6 +326,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
             None if loss is None or honest is None else (initial - loss) / (initial - honest)
         )
     robust = [k for k in results if k.split("/")[1] in ("centered-clip", "trimmed-mean")]
+    within = {k: (g := results[k]["gap_to_honest"]) is not None and abs(g) <= 0.02 for k in robust}
     return {
         "task": "tiny-mlm",
         "peers": peers,
@@ -323,10 +336,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
         "lr": args.lr,
         "initial_loss": initial,
         "runs": results,
-        "robust_within_2pct_of_honest": all(
-            results[k]["gap_to_honest"] is not None and abs(results[k]["gap_to_honest"]) <= 0.02
-            for k in robust
-        ),
+        "robust_within_2pct_of_honest": within,
         "simulated_in_one_process": True,
     }
 
