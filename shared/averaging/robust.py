@@ -149,11 +149,9 @@ def norm_outliers(norms: Sequence[float], weights: Sequence[float], factor: floa
     if not norms:
         return []
     reference = lower_median(norms)
-    return [
-        i
-        for i, (norm, a) in enumerate(zip(norms, allowances(weights), strict=True))
-        if norm > factor * a * reference
-    ]
+    # a zero reference allows nothing, whatever the allowance (inf for a weight of 5e-324, and inf · 0 = nan)
+    limits = [factor * a * reference if reference > 0 else 0.0 for a in allowances(weights)]
+    return [i for i, (norm, limit) in enumerate(zip(norms, limits, strict=True)) if norm > limit]
 
 
 def _check(inputs: Sequence[Float32Array], weights: Sequence[float]) -> int:

@@ -106,6 +106,8 @@ def test_weight_allowance_lets_a_small_batch_be_longer_but_not_more_influential(
     # a norm 30x the median passes for a sender claiming weight 1/16 of the median, not for weight 1
     assert norm_outliers([30.0, 1.0, 1.0, 1.0], [1.0, 16.0, 16.0, 16.0], 10.0) == []
     assert norm_outliers([30.0, 1.0, 1.0, 1.0], [16.0, 16.0, 16.0, 16.0], 10.0) == [0]
+    # a subnormal weight has an infinite allowance, but not over a zero reference
+    assert norm_outliers([1.0, 0.0, 0.0], [5e-324, 1.0, 1.0], 10.0) == [0]
     # and its pull on the mean stays below k · median norm · median weight / W
     mean = (1.0 * 30.0 + 3 * 16.0 * 1.0) / 49.0
     assert mean - 1.0 <= 10.0 * 1.0 * 16.0 / 49.0
