@@ -24,10 +24,13 @@ sending zeros can push ``M``; k = 10 leaves room above both. A part that stays w
 bias the mean: that is the robust rules' business. With **one sender** there is nothing to compare with: ``M``
 is its own norm and only finiteness and the absolute limits apply. With **two**, ``M`` is the smaller norm: of
 two parts more than ``k · a_i`` apart, the larger one (the one that could do damage) is rejected, since no
-majority can say who is honest. When ``M = 0`` (most senders' part is exactly zero) every non-zero part is
-rejected: nothing honest can vouch for it. The check needs every sender's part, so the aggregator holds a
-part's inputs until all arrived (it already does, for the deterministic sum): at most ``senders x part size``
-bytes (8 x 4 MiB per part in flight).
+majority can say who is honest. When ``M = 0`` (most senders' part is exactly zero: sparse gradients such as
+untouched embedding rows, or an honest peer that sent zeros) there is no scale to judge by and the bound
+rejects nothing: rejecting every non-zero part would ban the one honest peer that did touch those rows. That
+leaves the weighted mean open in such parts; CenteredClip and the trimmed mean close it (their median start
+and ``τ`` are 0 there, so a lone non-zero part is clipped to nothing). The check needs every sender's part, so
+the aggregator holds a part's inputs until all arrived (it already does, for the deterministic sum): at most
+``senders x part size`` bytes (8 x 4 MiB per part in flight).
 
 **Weighted mean** (``rule = "mean"``): ``Σ w_i x_i / W`` summed in float64 in sender order
 (:mod:`shared.averaging.reducer`).
@@ -149,8 +152,9 @@ def norm_outliers(norms: Sequence[float], weights: Sequence[float], factor: floa
     if not norms:
         return []
     reference = lower_median(norms)
-    # a zero reference allows nothing, whatever the allowance (inf for a weight of 5e-324, and inf · 0 = nan)
-    limits = [factor * a * reference if reference > 0 else 0.0 for a in allowances(weights)]
+    if not reference > 0:  # most parts are exactly zero: no scale to judge by (module docstring)
+        return []
+    limits = [factor * a * reference for a in allowances(weights)]
     return [i for i, (norm, limit) in enumerate(zip(norms, limits, strict=True)) if norm > limit]
 
 
