@@ -148,7 +148,7 @@ class AveragingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     rule: AggregationRule = "mean"
     norm_factor: Annotated[float, msgspec.Meta(ge=2.0, le=1e6)] = 10.0
-    clip_factor: Annotated[float, msgspec.Meta(ge=1.0, le=1e6)] = 2.0
+    clip_factor: Annotated[float, msgspec.Meta(ge=0.5, le=1e6)] = 1.0
     clip_iterations: Annotated[int, msgspec.Meta(ge=1, le=100)] = 20
     trim_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)] = 0.25
 

@@ -219,14 +219,14 @@ def test_centered_clip_with_a_large_radius_is_exactly_the_mean(data: st.DataObje
 
 
 def test_without_outliers_the_robust_rules_are_the_mean() -> None:
-    """Honest, concentrated inputs: CenteredClip with its default radius returns the mean bit for bit;
-    the trimmed mean stays within the inputs' spread of it."""
+    """Honest, concentrated inputs: CenteredClip with c = 2 returns the mean bit for bit (with the default
+    c = 1 it clips the farther half a little); the trimmed mean stays within the inputs' spread of it."""
     rng = np.random.default_rng(1)
     base = rng.normal(size=4096)
     xs = [(base + 1e-3 * rng.normal(size=base.size)).astype(F32) for _ in range(5)]
     weights = [1.0, 2.0, 3.0, 2.0, 1.0]
     mean = weighted_mean(xs, weights)
-    clipped, report = centered_clip(xs, weights)
+    clipped, report = centered_clip(xs, weights, clip_factor=2.0)
     assert report.iterations == 0 and clipped.tobytes() == mean.tobytes()
     spread = np.ptp(np.stack(xs), axis=0)
     assert np.all(np.abs(trimmed_mean(xs, weights) - mean) <= spread)
@@ -300,6 +300,7 @@ def test_robust_functions_refuse_bad_arguments() -> None:
 def test_manifest_selects_the_rule_and_refuses_nonsense() -> None:
     spec = parse_training_spec(b'[averaging]\nrule = "centered-clip"\nclip_factor = 3.0\n')
     assert spec.averaging == AveragingSpec(rule="centered-clip", clip_factor=3.0)
+    assert AveragingSpec().clip_factor == 1.0
     assert parse_training_spec(b"task = 'tiny-mlm'\n").averaging == AveragingSpec()
     for bad in (
         b'[averaging]\nrule = "median"\n',
