@@ -3,7 +3,9 @@
 **The training spec** (:class:`TrainingSpec`) is the part of the run manifest that says *what* is trained:
 the task (a built-in name such as ``tiny-mlm`` plus its options), the global target batch, the optimizer
 and the learning-rate schedule as a function of the global step, the dataset source, the gradient codec,
-delayed parameter updates on/off, and the run's step limit. ``backbone start --manifest FILE`` serves it
+delayed parameter updates on/off, the averaging rule (:class:`AveragingSpec`, the ``[averaging]`` table: plain
+weighted mean, CenteredClip or coordinate-wise trimmed mean, and the factor of the norm bound; the math is
+in :mod:`shared.averaging.robust`), and the run's step limit. ``backbone start --manifest FILE`` serves it
 inside :class:`protocols.api.Manifest`; every volunteer of a run trains exactly this.
 
 **Progress records** (DHT): key :data:`PROGRESS_KEY`, subkey = the writer's peer id, value = msgpack
@@ -31,6 +33,8 @@ from .types import Bytes32
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "AggregationRule",
+    "AveragingSpec",
     "PROGRESS_KEY",
     "PROGRESS_PERIOD",
     "PROGRESS_TTL",
@@ -127,6 +131,28 @@ class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("dataset source 'hub' needs 'hub_id'")
 
 
+AggregationRule = Literal["mean", "centered-clip", "trimmed-mean"]
+
+
+class AveragingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How an aggregator combines the parts of one slice (math: :mod:`shared.averaging.robust`).
+
+    * ``rule``: ``mean`` (weighted mean), ``centered-clip`` (CenteredClip, BTARD) or ``trimmed-mean``
+      (coordinate-wise, ``trim_fraction`` of the senders dropped at each end, at most ``(n - 1) // 2``).
+    * ``norm_factor`` (k): a part whose L2 norm exceeds k times the group's (lower) median part norm,
+      widened by ``sqrt(median weight / weight)`` for senders of small batches, is rejected and its sender
+      banned for the round. Always on; ``inf`` is not accepted.
+    * ``clip_factor`` (c): CenteredClip's radius is c times the median distance to the coordinate median;
+      ``clip_iterations`` caps its fixed-point iterations.
+    """
+
+    rule: AggregationRule = "mean"
+    norm_factor: Annotated[float, msgspec.Meta(ge=2.0, le=1e6)] = 10.0
+    clip_factor: Annotated[float, msgspec.Meta(ge=0.5, le=1e6)] = 1.0
+    clip_iterations: Annotated[int, msgspec.Meta(ge=1, le=100)] = 20
+    trim_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)] = 0.25
+
+
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the run trains: see the module docstring."""
 
@@ -138,6 +164,7 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     schedule: ScheduleSpec = ScheduleSpec()
     dataset: DatasetSpec = DatasetSpec(generate=8)
     codec: CodecName = "none"
+    averaging: AveragingSpec = AveragingSpec()
     dpu: bool = False  # delayed parameter updates: overlap the next compute with averaging
     max_steps: Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)] = 0  # 0: no limit
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # initial parameters

@@ -13,6 +13,21 @@ over the float32 result, so the only rounding that usually shows is the final on
 cancellation the absolute error stays below ``|C|·2**-52·Σ w_i|x_i| / W``). Senders of weight 0 are skipped:
 their parts are validated, but they cannot change a single bit of the result.
 
+**Rules.** ``rule`` (:class:`protocols.training.AveragingSpec`, from the manifest's ``[averaging]`` table
+through the group plan) picks the weighted mean above, CenteredClip or the coordinate-wise trimmed mean
+(:mod:`shared.averaging.robust` for their math); the robust rules take the complete senders' slices in the
+same sorted order and are as deterministic.
+
+**Norm bound** (issue 9 finding 6; on by default). At :meth:`finalize`, once every sender's parts are in, part
+``p`` of sender ``i`` is rejected when ``||x_ip|| > k · a_i · lmed_j ||x_jp||`` over the complete senders of
+positive weight (``k = rule.norm_factor``, ``a_i`` the weight allowance; the rule, why it is robust, and the
+one- and two-sender cases are in :mod:`shared.averaging.robust`). The norms are the ones taken when each part
+was checked (a float32 dot product, recomputed in float64 when it overflows). Such a sender is banned for the
+round (``RejectReason.OUTLIER_NORM`` in :class:`Completeness`, one log line) and left out of every part of the
+slice. Deciding this needs all inputs of a part, which the reducer keeps anyway until the deterministic sum:
+memory is bounded by ``senders x slice size x 4`` bytes (the all-reduce gives each part its own reducer:
+``senders x 4 MiB`` at most per part in flight).
+
 **Validation.** :meth:`SliceReducer.add_part` raises :class:`PartRejected` and *bans the sender for the
 round* for a part that is not float32/1-D, is not in the slice's canonical layout (``partition``), is a
 duplicate, has a weight that is negative, non-finite or differs from the sender's announced or earlier
@@ -31,6 +46,7 @@ path the aggregator must also keep ``decode(encode(avg))`` of its own slice, as 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,11 +56,14 @@ import numpy.typing as npt
 
 from protocols.averaging import MAX_WEIGHT, PartHeader
 from protocols.peer_id import PeerId
+from protocols.training import AveragingSpec
 from shared.errors import ProjectError
 
 from .partition import DEFAULT_PART_NUMEL, Slice, num_parts, part_bounds, slice_views
+from .robust import ClipReport, aggregate, norm_outliers, sq_norm
 
 __all__ = [
+    "DEFAULT_RULE",
     "Completeness",
     "NothingToAverage",
     "PartRejected",
@@ -55,7 +74,11 @@ __all__ = [
     "apply_outcome",
 ]
 
+logger = logging.getLogger(__name__)
 Float32Array = npt.NDArray[np.float32]
+#: Weighted mean, relative norm bound on with k = 10. ``AveragingSpec(norm_factor=math.inf)`` turns the
+#: bound off; a manifest cannot (its decoder caps k at 1e6): for tests of the arithmetic and baselines.
+DEFAULT_RULE = AveragingSpec()
 _NOT_BANNING = ("UNKNOWN_SENDER", "DROPPED", "FINALIZED", "BANNED")
 
 
@@ -73,6 +96,7 @@ class RejectReason(enum.Enum):
     NON_FINITE = "values hold NaN or Inf"
     ABSURD_VALUE = "an element's magnitude exceeds the limit"
     ABSURD_NORM = "the part's L2 norm exceeds the limit"
+    OUTLIER_NORM = "the part's L2 norm exceeds norm_factor times the group's median part norm"
 
     @property
     def bans(self) -> bool:
@@ -124,6 +148,8 @@ class SliceReducer:
         max_norm: largest acceptable L2 norm of one part (``math.inf``: no limit).
         part_numel: the round's part size, which fixes the canonical layout.
         max_abs: largest acceptable element magnitude (``None``: only ``max_norm`` applies).
+        rule: the aggregation rule and the factor of the relative norm bound (the manifest's
+            ``[averaging]``; default: weighted mean, bound on with k = 10).
     """
 
     def __init__(
@@ -134,6 +160,7 @@ class SliceReducer:
         *,
         part_numel: int = DEFAULT_PART_NUMEL,
         max_abs: float | None = None,
+        rule: AveragingSpec = DEFAULT_RULE,
     ) -> None:
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
@@ -146,12 +173,16 @@ class SliceReducer:
         self.part_numel = part_numel
         self.max_norm = max_norm
         self.max_abs = max_abs
+        self.rule = rule
+        self.clip_report: ClipReport | None = None  # what CenteredClip did at finalize, for logs
         self._nparts = num_parts(numel, part_numel)
         self._weights: dict[PeerId, float | None] = dict(senders)
         self._parts: dict[PeerId, dict[int, Float32Array]] = {peer: {} for peer in senders}
+        self._norms: dict[PeerId, dict[int, float]] = {peer: {} for peer in senders}  # from _check
         self._dropped: dict[PeerId, str] = {}
         self._banned: dict[PeerId, RejectReason] = {}
         self._final: Completeness | None = None
+        self.outliers: dict[PeerId, str] = {}  # banned at finalize by the norm bound: why, for logs
 
     def add_part(self, sender: PeerId, header: PartHeader, values: Float32Array) -> None:
         """Accept one decoded part of ``sender``'s slice; ``values`` is kept by reference until
@@ -168,46 +199,53 @@ class SliceReducer:
             raise PartRejected(sender, RejectReason.BANNED, self._banned[sender].value)
         if sender in self._dropped:
             raise PartRejected(sender, RejectReason.DROPPED)
-        reason, detail = self._check(sender, header, values)
+        reason, detail, norm = self._check(sender, header, values)
         if reason is not None:
             self._banned[sender] = reason
             self._parts[sender].clear()
             raise PartRejected(sender, reason, detail)
         self._weights[sender] = header.weight
         self._parts[sender][header.part_index] = values
+        self._norms[sender][header.part_index] = norm
 
     def _check(
         self, sender: PeerId, header: PartHeader, values: Float32Array
-    ) -> tuple[RejectReason | None, str]:
+    ) -> tuple[RejectReason | None, str, float]:
+        """Why the part is refused (``None``: accepted), details, and its L2 norm."""
         if not isinstance(values, np.ndarray) or values.dtype != np.float32 or values.ndim != 1:
-            return RejectReason.BAD_DTYPE, f"{getattr(values, 'dtype', type(values))}"
+            return RejectReason.BAD_DTYPE, f"{getattr(values, 'dtype', type(values))}", math.nan
         if not 0 <= header.part_index < self._nparts:
-            return RejectReason.BAD_PART, f"part {header.part_index} of {self._nparts}"
+            return RejectReason.BAD_PART, f"part {header.part_index} of {self._nparts}", math.nan
         start, stop = part_bounds(self.numel, self.part_numel, header.part_index)
         if (header.offset, header.numel, values.size) != (start, stop - start, stop - start):
             detail = f"offset {header.offset}, numel {header.numel}, {values.size} values"
-            return RejectReason.BAD_PART, f"part {header.part_index} is [{start}, {stop}); got {detail}"
+            return (
+                RejectReason.BAD_PART,
+                f"part {header.part_index} is [{start}, {stop}); got {detail}",
+                math.nan,
+            )
         if header.part_index in self._parts[sender]:
-            return RejectReason.DUPLICATE, f"part {header.part_index}"
+            return RejectReason.DUPLICATE, f"part {header.part_index}", math.nan
         weight, expected = header.weight, self._weights[sender]
         if not (math.isfinite(weight) and 0.0 <= weight <= MAX_WEIGHT) or (
             expected is not None and weight != expected
         ):
-            return RejectReason.BAD_WEIGHT, f"weight {weight!r}, expected {expected!r}"
+            return RejectReason.BAD_WEIGHT, f"weight {weight!r}, expected {expected!r}", math.nan
         with np.errstate(over="ignore", invalid="ignore"):
             square = float(np.dot(values, values))  # NaN/Inf in, NaN/Inf out: one pass in the common case
         if not math.isfinite(square) and not (
             values.size == 0 or (np.isfinite(values.min()) and np.isfinite(values.max()))
         ):
-            return RejectReason.NON_FINITE, ""
-        norm = math.sqrt(square) if math.isfinite(square) else math.inf  # float32 overflow: absurd anyway
+            return RejectReason.NON_FINITE, "", math.nan
+        # float32 overflow of finite values: recomputed in float64, so the relative bound can compare it
+        norm = math.sqrt(square) if math.isfinite(square) else math.sqrt(sq_norm(values))
         if norm > self.max_norm:
-            return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}"
+            return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}", norm
         if self.max_abs is not None and values.size:
             magnitude = max(float(values.max()), -float(values.min()))
             if magnitude > self.max_abs:
-                return RejectReason.ABSURD_VALUE, f"{magnitude:.3g} > {self.max_abs:.3g}"
-        return None, ""
+                return RejectReason.ABSURD_VALUE, f"{magnitude:.3g} > {self.max_abs:.3g}", norm
+        return None, "", norm
 
     def drop_sender(self, sender: PeerId, reason: str = "unreachable") -> None:
         """Exclude a sender that died mid-round (``reason`` goes into the report); the average
@@ -246,8 +284,34 @@ class SliceReducer:
             banned=tuple(sorted(self._banned.items())),
         )
 
+    def _ban_norm_outliers(self) -> None:
+        """Ban every complete sender of positive weight with a part above the relative bound (module
+        docstring); all parts are judged against the same senders, so the order of parts does not matter."""
+        peers = [p for p in sorted(self._parts) if self._complete(p) and (self._weights[p] or 0.0) > 0.0]
+        if len(peers) < 2 or not math.isfinite(self.rule.norm_factor):
+            return
+        weights = [self._weights[p] or 0.0 for p in peers]
+        outliers: dict[PeerId, str] = {}
+        for index in range(self._nparts):
+            norms = [self._norms[p][index] for p in peers]
+            for i in norm_outliers(norms, weights, self.rule.norm_factor):
+                outliers.setdefault(peers[i], f"part {index}: norm {norms[i]:.3g}, weight {weights[i]:g}")
+        for peer in outliers:
+            self._banned[peer] = RejectReason.OUTLIER_NORM
+            self._parts[peer].clear()
+        if outliers:
+            logger.warning(
+                "norm bound (k=%g) banned %d of %d senders: %s",
+                self.rule.norm_factor,
+                len(outliers),
+                len(peers),
+                "; ".join(f"{peer}: {why}" for peer, why in outliers.items()),
+            )
+        self.outliers = outliers
+
     def finalize(self) -> Float32Array:
-        """Close the round and return the weighted mean over the complete senders (module docstring).
+        """Close the round: ban senders above the norm bound, then return the rule's aggregate (by default
+        the weighted mean) over the complete senders (module docstring).
 
         An empty slice (``numel == 0``) yields an empty array whoever delivered.
 
@@ -257,13 +321,17 @@ class SliceReducer:
         """
         if self._final is not None:
             raise RuntimeError("slice already finalized")
-        report = self._final = self.completeness()
-        summands = [(p, w) for p in report.contributors if (w := self._weights[p] or 0.0) > 0.0]
         try:
+            if self.numel:
+                self._ban_norm_outliers()
+            report = self._final = self.completeness()
+            summands = [(p, w) for p in report.contributors if (w := self._weights[p] or 0.0) > 0.0]
             if self.numel == 0:
                 return np.empty(0, dtype=np.float32)
             if not report.total_weight > 0.0:
                 raise NothingToAverage(report)
+            if self.rule.rule != "mean" and len(summands) > 1:
+                return self._robust(summands)
             out = np.empty(self.numel, dtype=np.float32)
             acc = np.empty(min(self.part_numel, self.numel), dtype=np.float64)
             term = np.empty_like(acc)
@@ -280,6 +348,15 @@ class SliceReducer:
         finally:
             for parts in self._parts.values():
                 parts.clear()
+
+    def _robust(self, summands: Sequence[tuple[PeerId, float]]) -> Float32Array:
+        """The robust rule over whole slices (a sender's parts are joined, a copy, when there are several)."""
+        inputs = [
+            parts[0] if self._nparts == 1 else np.concatenate([parts[k] for k in range(self._nparts)])
+            for parts in (self._parts[peer] for peer, _ in summands)
+        ]
+        result, self.clip_report = aggregate(inputs, [w for _, w in summands], self.rule)
+        return result.astype(np.float32)
 
 
 @dataclass(frozen=True)
