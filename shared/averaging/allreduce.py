@@ -78,6 +78,7 @@ from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, encode_receipt, receipt_payload
+from protocols.training import AveragingSpec
 
 from ..auth.keys import verify_by_peer_id
 from ..errors import PeerUnavailable, ProjectError, RemoteError
@@ -93,6 +94,7 @@ from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome,
 __all__ = ["COMPUTE", "AveragerStatistics", "Averager", "BadAverage", "GroupPlan", "Member", "RoundResult"]
 
 logger = logging.getLogger(__name__)
+DEFAULT_AVERAGING = AveragingSpec()
 Float32Array = npt.NDArray[np.float32]
 #: Worker threads for decoding, reducing and writing back (numpy releases the GIL).
 COMPUTE = trio.CapacityLimiter(2)
@@ -120,6 +122,9 @@ class GroupPlan:
     codec: CodecName = "none"
     part_numel: int = 0  # elements per part; 0: chosen from the slice sizes (auto_part_numel)
     max_norm: float = math.inf  # largest L2 norm of one part an aggregator accepts
+    #: how aggregators combine the parts (norm bound, robust rule): each aggregator's *own* run manifest,
+    #: never a field of the plan it received, so the plan's writer cannot switch the defences off
+    averaging: AveragingSpec = DEFAULT_AVERAGING
 
     def __post_init__(self) -> None:
         if len(self.members) != len(self.slice_sizes) or not self.members:
@@ -342,7 +347,13 @@ class Averager:
         for k in range(num_parts(slice_.numel, plan.part_numel)):
             lo, hi = part_bounds(slice_.numel, plan.part_numel, k)
             parts.append(
-                _Part(SliceReducer(hi - lo, senders, plan.max_norm, part_numel=max(1, hi - lo)), lo, hi)
+                _Part(
+                    SliceReducer(
+                        hi - lo, senders, plan.max_norm, part_numel=max(1, hi - lo), rule=plan.averaging
+                    ),
+                    lo,
+                    hi,
+                )
             )
         duty = _Aggregation(plan, slice_, parts, own, step, senders)
         duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)

@@ -53,6 +53,7 @@ import trio
 
 from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
 from protocols.peer_id import PeerId
+from protocols.training import AveragingSpec
 
 from ..dht.node import DHTNode
 from ..errors import ConfigError
@@ -82,6 +83,7 @@ class MatchmakingConfig:
     codec: CodecName = "none"
     part_numel: int = 0  # 0: chosen from the plan's slices (auto_part_numel)
     max_weight: float = MAX_WEIGHT  # no member weighs more (the run's target batch + one micro-batch)
+    averaging: AveragingSpec = field(default_factory=AveragingSpec)  # from our own manifest
 
 
 @dataclass
@@ -131,7 +133,7 @@ class Matchmaker:
         if me not in [m.peer_id for m in assembly.members]:
             logger.info("round %d: the leader's plan leaves us out; sitting this round out", round_)
             return None
-        return _to_plan(assembly)
+        return _to_plan(assembly, self.config.averaging)
 
     async def _formed(self, key: str, me: PeerId) -> bool:
         """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
@@ -312,7 +314,7 @@ def _group_id(key: str) -> bytes:
     return key.encode()[-32:]
 
 
-def _to_plan(assembly: GroupAssembly) -> GroupPlan:
+def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
     members = tuple(
         Member(
             PeerId(m.peer_id),
@@ -330,4 +332,5 @@ def _to_plan(assembly: GroupAssembly) -> GroupPlan:
         assembly.deadline,
         codec=assembly.codec,
         part_numel=assembly.part_numel,
+        averaging=averaging,
     )

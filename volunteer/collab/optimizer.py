@@ -157,6 +157,7 @@ class CollaborativeOptimizer:
                 codec=self.spec.codec,
                 # nobody accumulates more than the target batch plus the micro-batch that crossed it
                 max_weight=float(self.spec.target_batch + self.spec.local_batch),
+                averaging=self.spec.averaging,
             ),
         )
         self._progress_changed = trio.Event()

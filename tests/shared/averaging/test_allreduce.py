@@ -198,3 +198,30 @@ async def test_allreduce_sender_dying_mid_part_is_dropped_at_once(nursery: trio.
         assert np.all(vectors[i] == np.float32(1.5))
     dropped = dict(results[0].completeness[0].dropped)  # type: ignore[attr-defined]
     assert "connection lost" in dropped[dying.peer_id]
+
+
+@pytest.mark.parametrize(
+    ("rule", "robust"), [("mean", False), ("centered-clip", True), ("trimmed-mean", True)]
+)
+async def test_the_manifests_rule_reaches_every_aggregator_and_outvotes_a_flipped_sender(
+    nursery: trio.Nursery, rule: str, robust: bool
+) -> None:
+    from protocols.training import AveragingSpec
+
+    peers = await start_hosts(nursery, 5)
+    numel = 40_000
+    rng = np.random.default_rng(7)
+    honest = [(1.0 + 0.05 * rng.standard_normal(numel)).astype(np.float32) for _ in range(4)]
+    flipped = (-3.0 * honest[0]).astype(np.float32)  # within the norm bound: only a robust rule resists it
+    vectors = [*honest, flipped]
+    plan = plan_for(peers, numel, part_numel=10_000, averaging=AveragingSpec(rule=rule))  # type: ignore[arg-type]
+    results = await run_round(peers, plan, vectors)
+    for result in results:
+        assert result.outcome.complete  # type: ignore[attr-defined]
+    for v in vectors[1:]:
+        assert np.array_equal(v, vectors[0])
+    centre = float(np.mean(vectors[0]))
+    if robust:
+        assert centre > 0.8, centre  # the honest majority's value, give or take the clipping
+    else:
+        assert abs(centre - 0.2) < 0.01, centre  # (4 x 1 - 3) / 5: the plain mean is dragged
