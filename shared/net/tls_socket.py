@@ -245,17 +245,17 @@ class BufferedReceiver:
             EOFError: the peer closed the connection cleanly before any byte of this read.
             PeerUnavailable: the connection broke, or closed in the middle of the ``n`` bytes.
         """
-        available = self._end - self._start
         if n > len(self._buf):
-            out = bytearray(n)
-            out[:available] = self._buf[self._start : self._end]
+            # Grow with what arrives, never by what was announced: a peer that announces a large frame
+            # and sends nothing costs no memory.
+            out = bytearray(self._buf[self._start : self._end])
             self._start = self._end = 0
-            view = memoryview(out)[available:]
-            while view:
-                got = await self._tls.receive_into(view)
+            chunk = memoryview(self._buf)
+            while len(out) < n:
+                got = await self._tls.receive_into(chunk[: min(n - len(out), len(chunk))])
                 if got == 0:
                     raise PeerUnavailable(f"{self._tls.peer} closed the connection mid-message")
-                view = view[got:]
+                out += chunk[:got]
             return bytes(out)
         while self._end - self._start < n:
             if self._start + n > len(self._buf):
