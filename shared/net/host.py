@@ -102,6 +102,8 @@ class HostStatistics:
     protocol_errors: int = 0  # malformed frames and messages received
     connection_failures: int = 0  # connections ended by an unexpected error (logged with a traceback)
     dials_refused: int = 0  # dials not attempted: target in back-off or failed its identity check
+    incoming_connections: int = 0  # accepted connections open now (RPC and bulk, in the handshake or not)
+    pending_connections: int = 0  # ... of which still in the handshake
 
 
 class Host:
@@ -554,6 +556,8 @@ class Host:
             protocol_errors=self._protocol_errors + totals[5],
             connection_failures=self._failures + totals[6],
             dials_refused=self._dial_guard.refused,
+            incoming_connections=self._incoming,
+            pending_connections=self._pending,
         )
 
 
