@@ -46,7 +46,7 @@ from protocols.peer_id import PeerId, peer_id_from_public_key
 
 from ..auth.keys import Identity, verify
 from ..errors import BadIdentityProof, PeerIdMismatch, PeerUnavailable, WrongRun, remote_error
-from .addresses import PeerAddress
+from .addresses import PeerAddress, local_hosts
 from .dialing import vouched_addresses
 from .tls import client_context, peer_id_from_certificate, server_context
 from .tls_socket import BufferedReceiver, TlsSocket, connect_tcp
@@ -252,7 +252,7 @@ async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> Secu
             raise BadIdentityProof(f"{peer} sent an identity proof that does not verify")
         remote = peer_id_from_public_key(proof.public_key)
         observed = peer.rpartition(":")[0].strip("[]")
-        addrs, dropped = vouched_addresses(proof.listen_addrs, observed)
+        addrs, dropped = vouched_addresses(proof.listen_addrs, observed, local_hosts())
         if dropped:
             logger.info(
                 "%s (%s) advertised %d address(es) its connection does not vouch for", peer, remote, dropped

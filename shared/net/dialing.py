@@ -11,8 +11,8 @@ advertised ``/ip4|ip6/<a>/tcp/<port>`` when
 
 * ``a == o`` (IPv4-mapped IPv6 compared as IPv4): the peer can only point at its own machine, and only a
   port of it; or
-* ``o`` is a loopback address and ``a`` is loopback or private: a peer that reached us over loopback
-  runs on this machine, and a machine's own private interface addresses are its own.
+* ``o`` is a loopback address and ``a`` is loopback or one of this machine's interface addresses: a
+  peer that reached us over loopback runs on this machine, so those are its addresses too.
 
 Host names (``/dns…``) are dropped: resolving them is the attacker's choice of target. The addresses that
 survive are what :class:`~shared.net.rpc.RequestContext` hands to services (the DHT learns contacts
@@ -60,10 +60,13 @@ def _ip(host: str) -> IPAddress | None:
     return ip
 
 
-def vouched_addresses(advertised: Iterable[str], observed_host: str) -> tuple[tuple[str, ...], int]:
+def vouched_addresses(
+    advertised: Iterable[str], observed_host: str, local_hosts: Iterable[str] = ()
+) -> tuple[tuple[str, ...], int]:
     """The advertised multiaddrs the connection from ``observed_host`` vouches for (rule 1), and how
-    many were dropped."""
+    many were dropped. ``local_hosts`` are this machine's interface addresses."""
     observed = _ip(observed_host)
+    local = {ip for ip in map(_ip, local_hosts) if ip is not None}
     kept: list[str] = []
     dropped = 0
     for text in advertised:
@@ -71,17 +74,17 @@ def vouched_addresses(advertised: Iterable[str], observed_host: str) -> tuple[tu
             address = _ip(parse_multiaddr(text).host)
         except ConfigError:
             address = None
-        if observed is not None and address is not None and _vouches(observed, address):
+        if observed is not None and address is not None and _vouches(observed, address, local):
             kept.append(text)
         else:
             dropped += 1
     return tuple(kept), dropped
 
 
-def _vouches(observed: IPAddress, address: IPAddress) -> bool:
+def _vouches(observed: IPAddress, address: IPAddress, local: set[IPAddress]) -> bool:
     if address == observed:
         return True
-    return observed.is_loopback and (address.is_loopback or address.is_private)
+    return observed.is_loopback and (address.is_loopback or address in local)
 
 
 @dataclass(frozen=True)

@@ -295,8 +295,12 @@ class Host:
                 if channel.last_activity < cutoff and channel.idle:
                     logger.debug("closing idle connection to %s", channel.peer_id)
                     channel.conn.close()
-            for peer, lanes in list(self._idle_bulk.items()):
-                for lane in [lane for lane in lanes if lane.last_used < cutoff or lane.tls.closed]:
+            for peer, lanes in list(self._idle_bulk.items()):  # closed by us, idle, or closed by the peer
+                for lane in [
+                    lane
+                    for lane in lanes
+                    if lane.last_used < cutoff or lane.tls.closed or lane.tls.readable_now()
+                ]:
                     lanes.remove(lane)
                     lane.close()
                 if not lanes:
@@ -528,8 +532,9 @@ class Host:
         idle = self._idle_bulk.get(peer, []) if peer else []
         while idle:
             conn = idle.pop()
-            if not conn.tls.closed:
+            if not conn.tls.closed and not conn.tls.readable_now():
                 return conn
+            conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
         conn = await self._dial(address, "bulk")
         self._by_address[(address.host, address.port)] = conn.remote_peer

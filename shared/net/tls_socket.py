@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,17 @@ class TlsSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def readable_now(self) -> bool:
+        """Whether bytes (or the peer's close) are waiting. An idle connection that is readable was
+        closed by the peer (or is being spoken to out of turn), so it must not be reused."""
+        if self._closed:
+            return False
+        try:
+            ready, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(ready) or self._sock.pending() > 0
 
     async def _retry(self, op: object, *args: object) -> int:
         """Run a non-blocking SSL operation until it completes, parking on want-read/want-write."""
