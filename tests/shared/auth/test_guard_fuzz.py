@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 from protocols.auth import RequestAuth, ResponseAuth, SignedToken
 from protocols.codes import ErrorCode
+from protocols.dht import SignedRecord
 from protocols.errors import ProtocolError
 from shared.auth.authority import Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator, decode_request_auth, decode_response_auth
 from shared.auth.keys import Identity
-from shared.errors import AuthError
+from shared.auth.revocations import decode_revocation
+from shared.errors import AuthError, RecordRejected
 
 FUZZ = settings(
     max_examples=150,
@@ -97,3 +99,13 @@ def test_guard_signs_a_refusal_bound_to_the_requests_nonce() -> None:
     with pytest.raises(AuthError):
         peer_guard.check_response(ME.peer_id, b"x" * 16, "error", b"payload", refusal)  # another request
     assert GUARD.sign_error(b"", b"payload") == b""  # no nonce to bind to: unsigned (and refused)
+
+
+@FUZZ
+@given(value=st.one_of(st.binary(max_size=200), st.just(FINDING_1)))
+def test_revocation_records_of_any_bytes_are_rejected_not_raised(value: bytes) -> None:
+    record = SignedRecord(
+        key=b"k" * 20, subkey=b"alice", value=value, expiration=1e9, writer=PEER.peer_id, signature=b"s" * 64
+    )
+    with pytest.raises(RecordRejected):
+        decode_revocation(record, RUN, AUTHORITY.key)
