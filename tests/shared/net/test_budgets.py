@@ -4,20 +4,30 @@ idle reaping of every kind of connection, and which addresses a host believes an
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable
 
+import msgspec
 import pytest
 import trio
+import trio.testing
 
 from protocols.bulk import BulkHeader
 from protocols.dht import PingRequest, PingResponse
-from protocols.envelope import FRAME_HEADER, HANDSHAKE_FRAME_BYTES
+from protocols.envelope import (
+    FRAME_HEADER,
+    HANDSHAKE_FRAME_BYTES,
+    INLINE_DECODE_BYTES,
+    PROTOCOL_VERSION,
+    Envelope,
+    encode_payload,
+)
 from protocols.handshake import ServerHello
 from protocols.peer_id import PeerId
 from shared.auth.keys import Identity
 from shared.errors import PeerIdMismatch, PeerUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.bulk import BulkReader
-from shared.net.connection import LocalEndpoint, SecureConnection
+from shared.net.connection import DECODE_THREADS, LocalEndpoint, SecureConnection, parse_frame
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.net.tls_socket import BufferedReceiver, TlsSocket, connect_tcp
@@ -180,3 +190,35 @@ async def test_host_statistics_count_nothing_on_a_quiet_host(start_host: StartHo
     host: Host = await start_host()
     stats = host.statistics()
     assert (stats.incoming_connections, stats.pending_connections, stats.connections_refused) == (0, 0, 0)
+
+
+async def test_large_frames_are_decoded_in_a_worker_thread_and_small_ones_inline() -> None:
+    """How decoding stays off the loop: a frame above INLINE_DECODE_BYTES waits for a decode thread
+    (here: while every token of the limiter is held, it cannot proceed); a small one never does."""
+    small = _ping_body()
+    large = _ping_body(pad=INLINE_DECODE_BYTES)
+    tokens = [(object(), i) for i in range(int(DECODE_THREADS.total_tokens))]
+    for token in tokens:
+        DECODE_THREADS.acquire_on_behalf_of_nowait(token)
+    decoded: list[Envelope] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_append, decoded, parse_frame(large))
+            assert (await parse_frame(small)).kind == PingRequest.kind  # inline, no thread needed
+            await trio.testing.wait_all_tasks_blocked()
+            assert decoded == []  # the large frame waits for a decode thread
+            while tokens:
+                DECODE_THREADS.release_on_behalf_of(tokens.pop())
+    finally:
+        for token in tokens:  # only if the test failed before giving them back
+            DECODE_THREADS.release_on_behalf_of(token)
+    assert [envelope.kind for envelope in decoded] == [PingRequest.kind]
+
+
+def _ping_body(pad: int = 0) -> bytes:
+    payload = msgspec.msgpack.encode({"pad": b"x" * pad}) if pad else encode_payload(PingRequest())
+    return msgspec.msgpack.encode(Envelope(PROTOCOL_VERSION, PingRequest.kind, 1, 0, msgspec.Raw(payload)))
+
+
+async def _append(into: list[Envelope], pending: Awaitable[Envelope]) -> None:
+    into.append(await pending)
