@@ -13,11 +13,12 @@ connection's peer has proven its identity it is held to small, configurable budg
 
 * per connection: ``HANDSHAKE_FRAME_BYTES`` of frames (:mod:`protocols.envelope`), and
   ``accept_deadline`` seconds to finish TLS and the identity proof;
-* per source address (IP): at most ``max_pending_per_address`` connections still in the handshake and
-  ``max_incoming_per_address`` accepted connections in all; host-wide, ``max_pending`` connections in
-  the handshake and ``max_incoming`` in all. A connection over any budget is closed at ``accept()``,
-  before TLS, and counted (``connections_refused``). So one address cannot take more than its share
-  of ``max_incoming``, and strangers still in the handshake cannot take more than ``max_pending``:
+* per source address (an IPv4 address or an IPv6 /64): at most ``max_pending_per_address`` connections
+  still in the handshake and ``max_incoming_per_address`` accepted connections in all; host-wide,
+  ``max_pending`` connections in the handshake and ``max_incoming`` in all. A connection over any
+  budget is closed at ``accept()``, before TLS, and counted (``connections_refused``). So one address
+  cannot take more than its share of ``max_incoming``, and strangers still in the handshake cannot take
+  more than ``max_pending``:
   admitted peers coming from elsewhere still get in.
 
 Idle connections of every kind are reaped after ``idle_timeout``: RPC connections with no traffic,
@@ -234,7 +235,7 @@ class Host:
                     await trio.sleep(0.1)
                     continue
                 raise
-            ip = str(addr[0])
+            ip = _budget_key(str(addr[0]))
             refusal = self._over_budget(ip)
             if refusal is not None:
                 self._refused += 1
@@ -576,6 +577,20 @@ def _counted(stats: RpcStatistics) -> tuple[int, ...]:
         stats.protocol_errors,
         stats.failures,
     )
+
+
+def _budget_key(host: str) -> str:
+    """What a per-address budget counts by: an IPv4 address (IPv4-mapped ones included), or an IPv6 /64
+    (one subscriber usually holds a whole /64, so per-/128 budgets would be no budgets at all)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

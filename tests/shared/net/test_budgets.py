@@ -28,7 +28,7 @@ from shared.errors import PeerIdMismatch, PeerUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.bulk import BulkReader
 from shared.net.connection import DECODE_THREADS, LocalEndpoint, SecureConnection, parse_frame
-from shared.net.host import Host, HostConfig
+from shared.net.host import Host, HostConfig, _budget_key
 from shared.net.rpc import RequestContext
 from shared.net.tls_socket import BufferedReceiver, TlsSocket, connect_tcp
 
@@ -222,3 +222,16 @@ def _ping_body(pad: int = 0) -> bytes:
 
 async def _append(into: list[Envelope], pending: Awaitable[Envelope]) -> None:
     into.append(await pending)
+
+
+@pytest.mark.parametrize(
+    ("source", "key"),
+    [
+        ("198.51.100.7", "198.51.100.7"),
+        ("::ffff:198.51.100.7", "198.51.100.7"),  # a dual-stack listener sees IPv4 peers like this
+        ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:bbbb::9", "2001:db8:1:2::/64"),  # the same subscriber's /64 shares one budget
+    ],
+)
+def test_per_address_budgets_count_ipv4_addresses_and_ipv6_prefixes(source: str, key: str) -> None:
+    assert _budget_key(source) == key
