@@ -73,6 +73,7 @@ class HostConfig:
     dial_deadline: float = 5.0  # TCP connect + TLS + identity proof, outgoing
     accept_deadline: float = 5.0  # the same, incoming (a silent dialer is dropped after this)
     max_inflight: int = 128  # requests served concurrently per connection before OVERLOADED
+    max_inflight_bytes: int = 32 * 1024 * 1024  # ... and the bytes their frames may hold
     handler_deadline: float = 30.0  # a handler running longer is answered INTERNAL
     bulk_stall: float = 30.0  # a bulk transfer making no progress this long fails
     max_idle_bulk: int = 8  # idle bulk connections kept per peer
@@ -354,6 +355,7 @@ class Host:
             max_inflight=self.config.max_inflight,
             handler_deadline=self.config.handler_deadline,
             authenticator=self.authenticator,
+            max_inflight_bytes=self.config.max_inflight_bytes,
         )
         self._all_channels.add(channel)
         current = self._channels.get(channel.peer_id)

@@ -9,8 +9,9 @@ Handlers are registered explicitly by request type in a :class:`HandlerRegistry`
 Back-pressure, without unbounded buffers:
 
 * the reader never stops draining the socket; a request that arrives while ``max_inflight`` of the
-  peer's requests are being handled is answered ``OVERLOADED`` at once (the caller sees
-  :class:`~shared.errors.Overloaded`);
+  peer's requests are being handled, or while their frames hold ``max_inflight_bytes`` already, is
+  answered ``OVERLOADED`` at once (the caller sees :class:`~shared.errors.Overloaded`), so one
+  connection holds at most ``max_inflight_bytes`` plus one frame;
 * writes go through one FIFO lock straight into the kernel's socket buffer; a peer that stops reading
   blocks our writers (and only them), never our memory.
 
@@ -131,6 +132,7 @@ class RpcChannel:
         max_inflight: int = 128,
         handler_deadline: float = 30.0,
         authenticator: Authenticator | None = None,
+        max_inflight_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         self.conn = conn
         self.peer_id = conn.remote_peer
@@ -138,6 +140,8 @@ class RpcChannel:
         self._auth: Authenticator = authenticator or OpenAuthenticator()
         self._context = RequestContext(conn.remote_peer, conn.remote_addrs, remote_host=conn.remote_host)
         self._max_inflight = max_inflight
+        self._max_inflight_bytes = max_inflight_bytes
+        self._inflight_bytes = 0
         self._handler_deadline = handler_deadline
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -292,7 +296,10 @@ class RpcChannel:
                     logger.warning("malformed answer from %s: %s", self.peer_id, exc)
                 slot.outcome = exc
             slot.done.set()
-        elif self._inflight >= self._max_inflight:
+        elif (
+            self._inflight >= self._max_inflight
+            or self._inflight_bytes + len(body) > self._max_inflight_bytes
+        ):
             self._rejected += 1
             if flags == Flags.REQUEST:
                 await self._reply_error(
@@ -300,8 +307,9 @@ class RpcChannel:
                 )
         else:
             self._inflight += 1
+            self._inflight_bytes += len(body)
             serve = self._serve_request if flags == Flags.REQUEST else self._serve_notification
-            nursery.start_soon(serve, envelope)
+            nursery.start_soon(serve, envelope, len(body))
 
     def _verify(self, envelope: Envelope) -> tuple[RequestContext, bytes]:
         verified = self._auth.check_request(
@@ -311,7 +319,7 @@ class RpcChannel:
             return self._context, verified.nonce
         return replace(self._context, username=verified.username), verified.nonce
 
-    async def _serve_notification(self, envelope: Envelope) -> None:
+    async def _serve_notification(self, envelope: Envelope, size: int) -> None:
         try:
             context, _ = self._verify(envelope)
             message = await decode_payload(envelope)
@@ -327,8 +335,9 @@ class RpcChannel:
             logger.exception("handler for notification %s from %s failed", envelope.kind, self.peer_id)
         finally:
             self._inflight -= 1
+            self._inflight_bytes -= size
 
-    async def _serve_request(self, envelope: Envelope) -> None:
+    async def _serve_request(self, envelope: Envelope, size: int) -> None:
         try:
             frame = await self._handle(envelope)
             await self.conn.send_frame(frame)
@@ -336,6 +345,7 @@ class RpcChannel:
             pass  # the connection is gone; nobody is left to answer
         finally:
             self._inflight -= 1
+            self._inflight_bytes -= size
 
     async def _handle(self, envelope: Envelope) -> bytes:
         """Run the handler; return the reply frame (a response or an error reply, never raises)."""

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from protocols.bulk import BulkHeader
-from protocols.dht import PingRequest, PingResponse
+from protocols.dht import PingRequest, PingResponse, SignedRecord, StoreRequest, StoreResponse
 from protocols.envelope import (
     FRAME_HEADER,
     HANDSHAKE_FRAME_BYTES,
@@ -24,7 +24,7 @@ from protocols.envelope import (
 from protocols.handshake import ServerHello
 from protocols.peer_id import PeerId
 from shared.auth.keys import Identity
-from shared.errors import PeerIdMismatch, PeerUnavailable
+from shared.errors import Overloaded, PeerIdMismatch, PeerUnavailable
 from shared.net.addresses import PeerAddress
 from shared.net.bulk import BulkReader
 from shared.net.connection import DECODE_THREADS, LocalEndpoint, SecureConnection, parse_frame
@@ -235,3 +235,46 @@ async def _append(into: list[Envelope], pending: Awaitable[Envelope]) -> None:
 )
 def test_per_address_budgets_count_ipv4_addresses_and_ipv6_prefixes(source: str, key: str) -> None:
     assert _budget_key(source) == key
+
+
+async def test_host_answers_overloaded_beyond_the_bytes_in_flight_per_connection(
+    start_host: StartHost,
+) -> None:
+    server = await start_host(HostConfig(max_inflight_bytes=3000))
+    release = trio.Event()
+    entered: list[int] = []
+
+    async def slow_store(ctx: RequestContext, request: StoreRequest) -> StoreResponse:
+        entered.append(1)
+        await release.wait()
+        return StoreResponse(accepted=[True])
+
+    server.registry.add(StoreRequest, slow_store)
+    client = await start_host()
+    record = SignedRecord(
+        key=b"k" * 20,
+        subkey=None,
+        value=b"v" * 1000,
+        expiration=1e9,
+        writer=client.peer_id,
+        signature=b"s" * 64,
+    )
+    outcomes: list[object] = []
+
+    async def store() -> None:
+        try:
+            outcomes.append(await client.call(address_of(server), StoreRequest(records=[record])))
+        except Overloaded as exc:
+            outcomes.append(exc)
+            if len(outcomes) == 2:
+                release.set()
+
+    with trio.fail_after(HANG_GUARD_S):
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):  # ~1.2 kB frames: two fit in 3000 bytes, the other two do not
+                nursery.start_soon(store)
+        assert sum(isinstance(o, Overloaded) for o in outcomes) == 2
+        assert len(entered) == 2
+        assert await client.call(address_of(server), StoreRequest(records=[record])) == StoreResponse(
+            accepted=[True]
+        )  # the budget was given back
