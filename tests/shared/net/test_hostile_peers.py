@@ -24,7 +24,7 @@ from protocols.envelope import (
 )
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
-from shared.errors import AccessDenied, AuthError, RemoteError
+from shared.errors import AccessDenied, AuthError, PeerUnavailable, RemoteError
 from shared.net.bulk import BulkReader
 from shared.net.connection import LocalEndpoint, SecureConnection, dial
 from shared.net.host import Host
@@ -174,3 +174,23 @@ async def test_client_believes_a_signed_error_reply(nursery: trio.Nursery) -> No
         with pytest.raises(RemoteError) as refused:
             await client.send_bulk(address_of(honest), "sink", b"x" * 100)
         assert refused.value.code == ErrorCode.FORBIDDEN
+
+
+async def test_a_failing_bulk_handler_ends_its_lane_only_and_is_counted(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = await _server(nursery)
+
+    async def broken(ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
+        raise MemoryError("a handler that allocates what a header announced")
+
+    server.bulk_handlers["broken"] = broken
+    identity = Identity.generate()
+    client = await start(nursery, identity, admitted(identity))
+    with trio.fail_after(HANG_GUARD_S):
+        with caplog.at_level(logging.ERROR), pytest.raises(PeerUnavailable):
+            await client.send_bulk(address_of(server), "broken", b"x" * 100)
+        while server.statistics().connection_failures != 1:
+            await trio.sleep(0.01)
+        assert "unexpected error" in caplog.text
+        await _still_serves(nursery, server)
