@@ -18,7 +18,21 @@ Frame (RPC lane)::
   (:mod:`protocols.auth`); its signature covers the payload bytes exactly as sent.
 
 Decoding validates everything (types, lengths, patterns, ``__post_init__`` checks) and raises
-:class:`~protocols.errors.ProtocolError` naming what was wrong. There is no pickle anywhere.
+:class:`~protocols.errors.ProtocolError` naming what was wrong — and nothing else, whatever the bytes
+(:func:`~protocols.errors.decode_typed`). There is no pickle anywhere.
+
+**Limits before work** (DESIGN D10a). Every frame's length prefix is checked against the limit of the
+stage the connection is in *before* any buffer is allocated for it:
+
+* :data:`HANDSHAKE_FRAME_BYTES` (16 KiB) until the peer has proven its identity — the handshake
+  messages are at most 8 KiB, so an unauthenticated stranger can make a node hold no more than that;
+* :data:`BULK_FRAME_BYTES` for the headers and acks of the bulk lane;
+* :data:`MAX_FRAME_BYTES` (4 MiB) on an RPC connection after the identity proof; per-kind limits are
+  then checked on the envelope before the payload is decoded.
+
+Decoding is always typed (never an untyped ``decode`` of a frame) and its cost is linear in the frame
+size. A frame above :data:`INLINE_DECODE_BYTES` is decoded off the event loop (the engine runs it in a
+worker thread behind a limiter), so no frame keeps the loop busy for more than about a millisecond.
 """
 
 from __future__ import annotations
@@ -30,10 +44,14 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from .codes import ErrorCode
-from .errors import ProtocolError
+from .errors import DECODE_FAILURES, ProtocolError, decode_typed
 
 __all__ = [
+    "BULK_FRAME_BYTES",
     "FRAME_HEADER",
+    "HANDSHAKE_FRAME_BYTES",
+    "INLINE_DECODE_BYTES",
+    "MAX_AUTH_BYTES",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "Envelope",
@@ -41,11 +59,13 @@ __all__ = [
     "Flags",
     "Message",
     "Request",
+    "check_envelope",
     "decode_envelope",
     "decode_message",
     "encode_frame",
     "encode_payload",
     "frame_payload",
+    "parse_envelope",
     "register",
     "registered_kinds",
 ]
@@ -55,6 +75,12 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MESSAGE_BYTES = 64 * 1024
 MAX_AUTH_BYTES = 4096
+#: Frame limit before the peer's identity proof (the largest handshake message is 8 KiB).
+HANDSHAKE_FRAME_BYTES = 16 * 1024
+#: Frame limit on the bulk lane (its header and ack carry at most 70 KiB, plus credentials).
+BULK_FRAME_BYTES = 80 * 1024
+#: Frames up to this size are decoded on the event loop (well under a millisecond); larger ones in a thread.
+INLINE_DECODE_BYTES = 128 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
 M = TypeVar("M", bound="Message")
@@ -165,32 +191,51 @@ def decode_envelope(body: bytes | memoryview) -> Envelope:
         ProtocolError: garbage, wrong version (code ``WRONG_VERSION``), unknown kind (``UNKNOWN_KIND``),
             payload too large for its kind (``TOO_LARGE``), bad flags or request id.
     """
-    try:
-        envelope = _ENVELOPE_DECODER.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed envelope: {exc}") from exc
-    except (RecursionError, UnicodeDecodeError) as exc:  # msgspec: too deeply nested input, bad UTF-8
-        raise ProtocolError(f"malformed envelope: {exc}") from exc
+    return check_envelope(parse_envelope(body))
+
+
+def parse_envelope(body: bytes | memoryview) -> Envelope:
+    """Decode an envelope's structure only (the first half of :func:`decode_envelope`).
+
+    Raises:
+        ProtocolError: the bytes are not an envelope.
+    """
+    return decode_typed(_ENVELOPE_DECODER, body, "envelope")
+
+
+def check_envelope(envelope: Envelope) -> Envelope:
+    """Check a parsed envelope's header fields (the second half of :func:`decode_envelope`).
+
+    Raises:
+        ProtocolError: as :func:`decode_envelope`; ``request_id`` is set when the envelope's is valid.
+    """
+    request_id = envelope.request_id if 0 <= envelope.request_id < 2**63 else 0
     if envelope.version != PROTOCOL_VERSION:
         raise ProtocolError(
             f"protocol version {envelope.version} is not supported (this peer speaks {PROTOCOL_VERSION})",
             ErrorCode.WRONG_VERSION,
+            request_id=request_id,
         )
     if not 0 <= envelope.request_id < 2**63:
         raise ProtocolError(f"request id {envelope.request_id} out of range")
     if envelope.flags not in _FLAG_VALUES:
-        raise ProtocolError(f"unknown envelope flags {envelope.flags}")
+        raise ProtocolError(f"unknown envelope flags {envelope.flags}", request_id=request_id)
     if len(envelope.auth) > MAX_AUTH_BYTES:
         raise ProtocolError(
-            f"credentials of {len(envelope.auth)} bytes exceed {MAX_AUTH_BYTES}", ErrorCode.TOO_LARGE
+            f"credentials of {len(envelope.auth)} bytes exceed {MAX_AUTH_BYTES}",
+            ErrorCode.TOO_LARGE,
+            request_id=request_id,
         )
     cls = _REGISTRY.get(envelope.kind)
     if cls is None:
-        raise ProtocolError(f"unknown message kind {envelope.kind[:64]!r}", ErrorCode.UNKNOWN_KIND)
+        raise ProtocolError(
+            f"unknown message kind {envelope.kind[:64]!r}", ErrorCode.UNKNOWN_KIND, request_id=request_id
+        )
     if len(envelope.payload) > cls.max_bytes:
         raise ProtocolError(
             f"{envelope.kind} payload of {len(envelope.payload)} bytes exceeds its limit of {cls.max_bytes}",
             ErrorCode.TOO_LARGE,
+            request_id=request_id,
         )
     return envelope
 
@@ -207,15 +252,19 @@ def decode_message(envelope: Envelope, expected: type[M] | None = None) -> Messa
     """
     cls = _REGISTRY[envelope.kind]
     if expected is not None and cls is not expected and cls is not ErrorReply:
-        raise ProtocolError(f"expected a {expected.kind} message, got {envelope.kind}")
+        raise ProtocolError(
+            f"expected a {expected.kind} message, got {envelope.kind}", request_id=envelope.request_id
+        )
     try:
         message: Message = _DECODERS[cls].decode(envelope.payload)
     except msgspec.ValidationError as exc:
-        raise ProtocolError(f"invalid {envelope.kind} message: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"malformed {envelope.kind} payload: {exc}") from exc
-    except (RecursionError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"malformed {envelope.kind} payload: {exc}") from exc
+        raise ProtocolError(
+            f"invalid {envelope.kind} message: {str(exc)[:200]}", request_id=envelope.request_id
+        ) from exc
+    except DECODE_FAILURES as exc:
+        raise ProtocolError(
+            f"malformed {envelope.kind} payload: {str(exc)[:200]}", request_id=envelope.request_id
+        ) from exc
     return message
 
 

@@ -44,7 +44,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from .envelope import Message, Request, register
-from .errors import ProtocolError
+from .errors import decode_typed
 from .ledger import Capabilities, UnixTime
 from .types import MultiaddrStr
 
@@ -104,18 +104,12 @@ _RECEIPT_DECODER = msgspec.msgpack.Decoder(ProbeReceipt)
 
 def decode_download_probe(meta: bytes | memoryview) -> DownloadProbe:
     """Raises ProtocolError for malformed msgpack or ``nbytes`` beyond :data:`MAX_PROBE_BYTES`."""
-    try:
-        return _DOWNLOAD_DECODER.decode(meta)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:  # ValidationError included
-        raise ProtocolError(f"invalid download probe: {exc}") from exc
+    return decode_typed(_DOWNLOAD_DECODER, meta, "download probe")
 
 
 def decode_probe_receipt(meta: bytes | memoryview) -> ProbeReceipt:
     """Raises ProtocolError for malformed msgpack or ``nbytes`` beyond :data:`MAX_PROBE_BYTES`."""
-    try:
-        return _RECEIPT_DECODER.decode(meta)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"invalid probe receipt: {exc}") from exc
+    return decode_typed(_RECEIPT_DECODER, meta, "probe receipt")
 
 
 @register
@@ -160,7 +154,4 @@ def decode_capability_record(value: bytes | memoryview) -> CapabilityRecord:
     Raises:
         ProtocolError: malformed msgpack or a field out of range.
     """
-    try:
-        return _RECORD_DECODER.decode(value)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:  # __post_init__ checks too
-        raise ProtocolError(f"invalid capability record: {exc}") from exc
+    return decode_typed(_RECORD_DECODER, value, "capability record")

@@ -11,6 +11,19 @@ An :class:`Authenticator` signs what this node sends and checks what it receives
 
 Verified tokens are cached by their bytes (a cache hit skips only the authority signature check; the
 expiry, run, peer and revocation checks run every time).
+
+**Credentials are wire input.** :func:`decode_request_auth` and :func:`decode_response_auth` raise only
+:class:`~protocols.errors.ProtocolError`, whatever the bytes; the checks turn that into ``BAD_TOKEN``.
+
+**Error replies are signed too** (DESIGN D4). A refusal is signed like any response, over the
+``error`` kind and the reply's payload, bound to the nonce the request carried (:meth:`sign_error`) —
+also when the request itself was refused, as long as its credentials were readable enough to name a
+nonce. The requester checks it with :meth:`check_response` like any answer, so a forged or unsigned
+refusal (``REVOKED`` to make a node believe it was removed, ``OVERLOADED`` to make it back off) is a
+protocol failure of that peer, not believed. (A refusal's token is not checked for expiry: a requester
+whose own clock is off must still be able to read ``CLOCK_SKEW``.) A node that cannot sign (no token of
+its own yet, or a request without a nonce) sends its refusal unsigned; a requester in a pinned run
+refuses it.
 """
 
 from __future__ import annotations
@@ -35,12 +48,21 @@ from protocols.auth import (
     response_payload,
 )
 from protocols.codes import ErrorCode
+from protocols.errors import ProtocolError, decode_typed
 
 from ..errors import AuthError
 from .authority import AuthorityKey
 from .keys import Identity, verify
 
-__all__ = ["Authenticator", "OpenAuthenticator", "ReplayCache", "RunAuthenticator", "Verified"]
+__all__ = [
+    "Authenticator",
+    "OpenAuthenticator",
+    "ReplayCache",
+    "RunAuthenticator",
+    "Verified",
+    "decode_request_auth",
+    "decode_response_auth",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +100,11 @@ class Authenticator(Protocol):
         """Raise :class:`AuthError` unless the response is a signed answer of an admitted peer."""
         ...
 
+    def sign_error(self, request_auth: bytes, payload: bytes) -> bytes:
+        """Return the auth field of an error reply (payload ``payload``) to a request whose auth field was
+        ``request_auth``; ``b""`` when it cannot be signed."""
+        ...
+
     def note_refused(self, code: int) -> None:
         """A peer refused one of our requests with an authentication ``code``."""
         ...
@@ -93,6 +120,9 @@ class OpenAuthenticator:
         return _OPEN
 
     def sign_response(self, request_nonce: bytes, kind: str, payload: bytes) -> bytes:
+        return b""
+
+    def sign_error(self, request_auth: bytes, payload: bytes) -> bytes:
         return b""
 
     def check_response(
@@ -128,6 +158,26 @@ class ReplayCache:
 _REQUEST_AUTH = msgspec.msgpack.Decoder(RequestAuth)
 _RESPONSE_AUTH = msgspec.msgpack.Decoder(ResponseAuth)
 _ENCODER = msgspec.msgpack.Encoder()
+#: The kind an error reply is signed under (``protocols.envelope.ErrorReply.kind``).
+ERROR_KIND = "error"
+
+
+def decode_request_auth(auth: bytes) -> RequestAuth:
+    """Decode a request's credentials.
+
+    Raises:
+        ProtocolError: whatever is wrong with the bytes (never anything else).
+    """
+    return decode_typed(_REQUEST_AUTH, auth, "request credentials")
+
+
+def decode_response_auth(auth: bytes) -> ResponseAuth:
+    """Decode a response's credentials.
+
+    Raises:
+        ProtocolError: whatever is wrong with the bytes (never anything else).
+    """
+    return decode_typed(_RESPONSE_AUTH, auth, "response credentials")
 
 
 class RunAuthenticator:
@@ -193,9 +243,20 @@ class RunAuthenticator:
         signature = self.identity.sign(response_payload(self.run_id, request_nonce, kind, payload))
         return _ENCODER.encode(ResponseAuth(token=token, signature=signature))
 
+    def sign_error(self, request_auth: bytes, payload: bytes) -> bytes:
+        if self._token is None or not request_auth:
+            return b""
+        try:
+            nonce = decode_request_auth(request_auth).nonce
+        except ProtocolError:
+            return b""  # no nonce to bind to: the requester refuses the unsigned reply, as it should
+        return self.sign_response(nonce, ERROR_KIND, payload)
+
     # ---------------------------------------------------------------- checks
 
-    def _access(self, signed: SignedToken, peer: str, now: float) -> AccessToken:
+    def _access(
+        self, signed: SignedToken, peer: str, now: float, *, check_expiry: bool = True
+    ) -> AccessToken:
         key = signed.token + signed.signature  # a cache hit means these exact bytes verified before
         access = self._verified.get(key)
         if access is None:
@@ -207,7 +268,7 @@ class RunAuthenticator:
             self._verified.move_to_end(key)
         if access.run_id != self.run_id:
             raise AuthError(ErrorCode.WRONG_RUN_TOKEN, f"token of run {access.run_id}, not {self.run_id}")
-        if now >= access.expires_at:
+        if check_expiry and now >= access.expires_at:
             raise AuthError(
                 ErrorCode.TOKEN_EXPIRED,
                 f"token of {access.username} expired {now - access.expires_at:.0f} s ago",
@@ -220,8 +281,8 @@ class RunAuthenticator:
         if not auth:
             raise AuthError(ErrorCode.UNAUTHENTICATED, f"{kind} from {sender} carries no credentials")
         try:
-            request = _REQUEST_AUTH.decode(auth)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            request = decode_request_auth(auth)
+        except ProtocolError as exc:
             raise AuthError(ErrorCode.BAD_TOKEN, f"malformed credentials from {sender}: {exc}") from exc
         now = self._clock()
         access = self._access(request.token, sender, now)
@@ -249,12 +310,15 @@ class RunAuthenticator:
         if not auth:
             raise AuthError(ErrorCode.UNAUTHENTICATED, f"{kind} from {responder} is not signed")
         try:
-            response = _RESPONSE_AUTH.decode(auth)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            response = decode_response_auth(auth)
+        except ProtocolError as exc:
             raise AuthError(
                 ErrorCode.BAD_TOKEN, f"malformed response credentials from {responder}: {exc}"
             ) from exc
-        access = self._access(response.token, responder, self._clock())
+        # A refusal is believed from an admitted peer even if its token looks expired to us: our clock may
+        # be the one that is off, and then CLOCK_SKEW is exactly what we must be able to read. A refusal
+        # only makes us give up a call; it cannot make us accept anything.
+        access = self._access(response.token, responder, self._clock(), check_expiry=kind != ERROR_KIND)
         if not verify(
             access.public_key, response.signature, response_payload(self.run_id, request_nonce, kind, payload)
         ):

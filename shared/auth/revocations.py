@@ -13,6 +13,7 @@ import msgspec
 
 from protocols.auth import REVOCATIONS_KEY, SignedRevocation
 from protocols.dht import SignedRecord
+from protocols.errors import ProtocolError, decode_typed
 
 from ..dht.keys import key_id
 from ..errors import AuthError, RecordRejected
@@ -30,9 +31,9 @@ def decode_revocation(record: SignedRecord, run_id: str, authority: AuthorityKey
         RecordRejected: not a valid authority revocation for this run and subkey.
     """
     try:
-        signed = _DECODER.decode(record.value)
+        signed = decode_typed(_DECODER, record.value, "revocation record")
         revocation = authority.verify_revocation(signed, run_id)
-    except (msgspec.DecodeError, msgspec.ValidationError, AuthError) as exc:
+    except (ProtocolError, AuthError) as exc:
         raise RecordRejected(f"invalid revocation record: {exc}") from exc
     if record.subkey != revocation.username.encode():
         raise RecordRejected(f"revocation of {revocation.username!r} stored under another subkey")

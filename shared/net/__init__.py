@@ -4,10 +4,13 @@ Modules (lowest first):
     addresses    multiaddr parsing and formatting (PeerAddress)
     tls          TLS contexts; certificates carry the identity key; peer id from a certificate
     tls_socket   TlsSocket: the stdlib's C-level SSLSocket driven by trio, or by a bulk thread
-    connection   dial/accept: TLS + in-band identity proof -> SecureConnection; framed messages
+    connection   dial/accept: TLS + in-band identity proof -> SecureConnection; framed messages, frame
+                 limits by stage, large frames decoded in a thread
+    dialing      which advertised addresses a connection vouches for; per-target dial back-off (pure)
     rpc          RpcChannel: typed, multiplexed, bidirectional request/response; HandlerRegistry
     bulk         the bulk lane: raw bytes through worker threads, for gradients and state
-    host         Host: listeners, connection pool, call(), send_bulk(), statistics()
+    host         Host: listeners, pre-auth budgets per connection and address, connection pool, idle
+                 reaping, call(), send_bulk(), statistics()
     probe        ProbeService and the clients measure_bandwidth(), check_reachable() (capabilities)
 """
 

@@ -7,6 +7,7 @@ Parsing happens once, at the edge (CLI flags, DHT contact records); the rest of 
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from protocols.peer_id import PeerId, validate_peer_id
 
 from ..errors import ConfigError
 
-__all__ = ["PeerAddress", "expand_unspecified", "format_multiaddr", "parse_multiaddr"]
+__all__ = ["PeerAddress", "expand_unspecified", "format_multiaddr", "local_hosts", "parse_multiaddr"]
 
 _HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
 
@@ -105,3 +106,18 @@ def expand_unspecified(host: str) -> list[str]:
 def _loopback_last(hosts: Iterable[str]) -> list[str]:
     ordered = sorted(hosts, key=lambda h: ipaddress.ip_address(h).is_loopback)
     return ordered or ["127.0.0.1"]
+
+
+_LOCAL_CACHE: tuple[float, frozenset[str]] = (-1e9, frozenset())
+
+
+def local_hosts(max_age: float = 30.0) -> frozenset[str]:
+    """This machine's interface addresses (both families, loopback included), re-read at most every
+    ``max_age`` seconds."""
+    global _LOCAL_CACHE
+    stamp, hosts = _LOCAL_CACHE
+    now = time.monotonic()
+    if now - stamp > max_age:
+        hosts = frozenset([*expand_unspecified("0.0.0.0"), *expand_unspecified("::")])
+        _LOCAL_CACHE = (now, hosts)
+    return hosts

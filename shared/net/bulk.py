@@ -5,11 +5,17 @@ transfer; the bytes move in a worker thread (``BULK_THREADS``) with the socket i
 trio loop stays free and encryption runs in parallel on other cores (the GIL is released inside
 OpenSSL). Cancellation shuts the socket down, which makes the thread fail promptly; the file descriptor
 is closed only once the thread has let go of it, so it can never be reused under the thread's feet.
+
+Limits: headers and acks are frames of at most ``BULK_FRAME_BYTES``; an accepted bulk lane waiting
+longer than ``idle`` for its next header is closed (idle connections of every kind are reaped). Refusals
+are signed error replies, checked by the sender like acks. A malformed header, or anything unexpected in
+a handler, ends this lane (the exception reaches the host, which logs and counts it), never the node.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,8 +29,6 @@ from protocols.envelope import (
     Envelope,
     ErrorReply,
     Flags,
-    decode_envelope,
-    decode_message,
     encode_payload,
     frame_payload,
 )
@@ -32,7 +36,7 @@ from protocols.errors import ProtocolError
 
 from ..auth.guard import Authenticator
 from ..errors import AuthError, PeerUnavailable, RemoteError, remote_error
-from .connection import SecureConnection
+from .connection import SecureConnection, decode_frame, decode_payload
 from .rpc import RequestContext
 
 __all__ = [
@@ -106,9 +110,9 @@ async def send_bulk(
     if flat.nbytes:
         await _in_thread(conn, conn.tls.send_all_blocking, flat, stall)
     envelope = await _receive_envelope(conn)
-    if envelope.flags == Flags.RESPONSE:
-        auth.check_response(conn.remote_peer, nonce, envelope.kind, bytes(envelope.payload), envelope.auth)
-    ack = decode_message(envelope, BulkAck)
+    # an ack and a refusal alike must be the receiver's signed answer to this header
+    auth.check_response(conn.remote_peer, nonce, envelope.kind, bytes(envelope.payload), envelope.auth)
+    ack = await decode_payload(envelope, BulkAck)
     if isinstance(ack, ErrorReply):
         raise remote_error(ack.code, ack.message)
     if not isinstance(ack, BulkAck):
@@ -128,7 +132,7 @@ async def _receive_envelope(conn: SecureConnection) -> Envelope:
         body = await conn.receive_frame()
     except EOFError as exc:
         raise PeerUnavailable(f"{conn.tls.peer} closed the bulk connection") from exc
-    return decode_envelope(body)
+    return await decode_frame(body)
 
 
 class BulkReader:
@@ -178,16 +182,31 @@ BulkHandler = Callable[[RequestContext, BulkHeader, BulkReader], Awaitable[bytes
 
 
 async def serve_bulk_lane(
-    conn: SecureConnection, handlers: dict[str, BulkHandler], stall: float, auth: Authenticator
+    conn: SecureConnection,
+    handlers: dict[str, BulkHandler],
+    stall: float,
+    auth: Authenticator,
+    idle: float = math.inf,
 ) -> None:
-    """Serve transfers on an accepted bulk connection until the peer closes it."""
+    """Serve transfers on an accepted bulk connection until the peer closes it or leaves it idle for
+    ``idle`` seconds.
+
+    Raises:
+        ProtocolError: the peer sent a malformed or oversized header (the lane is closed).
+    """
     try:
         while True:
-            try:
-                envelope = await _receive_envelope(conn)
-            except PeerUnavailable:
+            envelope: Envelope | None = None
+            with trio.move_on_after(idle):
+                try:
+                    envelope = await _receive_envelope(conn)
+                except PeerUnavailable:
+                    return
+            if envelope is None:
+                logger.debug("closing bulk lane from %s: idle for %.0f s", conn.remote_peer, idle)
                 return
-            header = decode_message(envelope, BulkHeader)
+            conn.last_used = trio.current_time()
+            header = await decode_payload(envelope, BulkHeader)
             if not isinstance(header, BulkHeader):
                 raise ProtocolError(f"expected {BulkHeader.kind}, got {header.kind}")
             reader = BulkReader(conn, header.nbytes, stall)
@@ -216,10 +235,10 @@ async def serve_bulk_lane(
                 drain = not isinstance(exc, AuthError) and reader.remaining <= REFUSAL_DRAIN_LIMIT
                 if drain:
                     await reader.discard()
+                refusal = encode_payload(ErrorReply(code=int(code), message=str(exc)[:1024]))
+                signed = auth.sign_error(envelope.auth, refusal)
                 with trio.move_on_after(1):
-                    await conn.send_message(
-                        ErrorReply(code=int(code), message=str(exc)[:1024]), flags=Flags.ERROR
-                    )
+                    await conn.send_frame(frame_payload(ErrorReply.kind, refusal, 0, Flags.ERROR, signed))
                 if drain:
                     continue
                 return
@@ -238,8 +257,6 @@ async def serve_bulk_lane(
             finally:
                 if reply.on_sent is not None:
                     reply.on_sent()
-    except ProtocolError as exc:
-        logger.warning("closing bulk lane from %s: %s", conn.remote_peer, exc)
     except PeerUnavailable as exc:
         logger.debug("bulk lane from %s lost: %s", conn.remote_peer, exc)
     finally:

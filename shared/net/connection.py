@@ -3,6 +3,14 @@
 :func:`dial` and :func:`accept` return a :class:`SecureConnection` whose ``remote_peer`` is proven:
 the listener's by its certificate key, the dialer's by its signature over the listener's certificate
 and nonce. Both refuse peers of another run. Deadlines are the caller's cancel scopes.
+
+Limits (DESIGN D10a): until the identity proof is complete, a frame may announce at most
+:data:`~protocols.envelope.HANDSHAKE_FRAME_BYTES`; afterwards the lane's limit applies (RPC:
+``MAX_FRAME_BYTES``, bulk: ``BULK_FRAME_BYTES``). Every announced length is checked before a byte of it
+is buffered, and a frame's buffer grows only as its bytes arrive. Frames above
+``INLINE_DECODE_BYTES`` are decoded in a worker thread (:func:`decode_frame`, :func:`decode_payload`),
+so no decode holds the event loop for long. The dialer's advertised listen addresses are kept only when
+the connection vouches for them (:func:`shared.net.dialing.vouched_addresses`).
 """
 
 from __future__ import annotations
@@ -18,14 +26,19 @@ import trio
 
 from protocols.codes import ErrorCode
 from protocols.envelope import (
+    BULK_FRAME_BYTES,
     FRAME_HEADER,
+    HANDSHAKE_FRAME_BYTES,
+    INLINE_DECODE_BYTES,
     MAX_FRAME_BYTES,
+    Envelope,
     ErrorReply,
     Flags,
     Message,
-    decode_envelope,
+    check_envelope,
     decode_message,
     encode_frame,
+    parse_envelope,
 )
 from protocols.errors import ProtocolError
 from protocols.handshake import ClientProof, Lane, ServerHello, Welcome, proof_payload
@@ -33,15 +46,48 @@ from protocols.peer_id import PeerId, peer_id_from_public_key
 
 from ..auth.keys import Identity, verify
 from ..errors import BadIdentityProof, PeerIdMismatch, PeerUnavailable, WrongRun, remote_error
-from .addresses import PeerAddress
+from .addresses import PeerAddress, local_hosts
+from .dialing import vouched_addresses
 from .tls import client_context, peer_id_from_certificate, server_context
 from .tls_socket import BufferedReceiver, TlsSocket, connect_tcp
 
-__all__ = ["LocalEndpoint", "SecureConnection", "accept", "dial"]
+__all__ = [
+    "DECODE_THREADS",
+    "LocalEndpoint",
+    "SecureConnection",
+    "accept",
+    "decode_frame",
+    "decode_payload",
+    "dial",
+    "parse_frame",
+]
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 AGENT = "dedloc/0.1"
+#: Worker threads decoding large frames, process-wide (msgspec holds the GIL while it decodes, so the
+#: loop still gets its turn every switch interval; the limiter keeps a flood from queueing many).
+DECODE_THREADS = trio.CapacityLimiter(2)
+_LANE_FRAME_BYTES = {"rpc": MAX_FRAME_BYTES, "bulk": BULK_FRAME_BYTES}
+
+
+async def parse_frame(body: bytes) -> Envelope:
+    """:func:`~protocols.envelope.parse_envelope`, in a worker thread when ``body`` is large."""
+    if len(body) <= INLINE_DECODE_BYTES:
+        return parse_envelope(body)
+    return await trio.to_thread.run_sync(parse_envelope, body, limiter=DECODE_THREADS)
+
+
+async def decode_frame(body: bytes) -> Envelope:
+    """:func:`~protocols.envelope.decode_envelope`, in a worker thread when ``body`` is large."""
+    return check_envelope(await parse_frame(body))
+
+
+async def decode_payload(envelope: Envelope, expected: type[M] | None = None) -> Message:
+    """:func:`~protocols.envelope.decode_message`, in a worker thread when the payload is large."""
+    if len(envelope.payload) <= INLINE_DECODE_BYTES:
+        return decode_message(envelope, expected)
+    return await trio.to_thread.run_sync(decode_message, envelope, expected, limiter=DECODE_THREADS)
 
 
 @dataclass
@@ -73,6 +119,7 @@ class SecureConnection:
         remote_addrs: tuple[str, ...],
         lane: Lane,
         initiator: bool,
+        max_frame: int | None = None,
     ) -> None:
         self.tls = tls
         self.receiver = receiver
@@ -80,6 +127,10 @@ class SecureConnection:
         self.remote_addrs = remote_addrs
         self.lane = lane
         self.initiator = initiator
+        #: the largest frame this side accepts now (the handshake's limit until the peer is proven)
+        self.max_frame = _LANE_FRAME_BYTES[lane] if max_frame is None else max_frame
+        #: trio time this connection was last used (idle reaping)
+        self.last_used = trio.current_time()
         self._write_lock = trio.StrictFIFOLock()
 
     @property
@@ -95,15 +146,17 @@ class SecureConnection:
     async def send_message(self, message: Message, request_id: int = 0, flags: Flags = Flags.NOTIFY) -> None:
         await self.send_frame(encode_frame(message, request_id, flags))
 
-    async def receive_frame(self, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    async def receive_frame(self, max_bytes: int | None = None) -> bytes:
         """The next frame's body.
 
         Raises:
             EOFError: clean close between frames.
-            ProtocolError: the announced length exceeds ``max_bytes`` (code ``TOO_LARGE``); the stream
-                cannot be resynchronised, so the caller must close the connection.
+            ProtocolError: the announced length exceeds ``max_bytes`` (default: :attr:`max_frame`; code
+                ``TOO_LARGE``); the stream cannot be resynchronised, so the caller must close the connection.
             PeerUnavailable: the connection broke.
         """
+        if max_bytes is None:
+            max_bytes = self.max_frame
         (length,) = FRAME_HEADER.unpack(await self.receiver.read_exactly(FRAME_HEADER.size))
         if length > max_bytes:
             raise ProtocolError(
@@ -117,7 +170,7 @@ class SecureConnection:
             body = await self.receive_frame()
         except EOFError as exc:
             raise PeerUnavailable(f"{self.tls.peer} closed the connection") from exc
-        message = decode_message(decode_envelope(body), expected)
+        message = await decode_payload(await decode_frame(body), expected)
         if isinstance(message, ErrorReply):
             raise remote_error(message.code, message.message)
         if not isinstance(message, expected):
@@ -147,7 +200,13 @@ async def dial(endpoint: LocalEndpoint, address: PeerAddress, lane: Lane) -> Sec
         if address.peer_id is not None and remote != address.peer_id:
             raise PeerIdMismatch(f"{peer} is {remote}, not the {address.peer_id} we dialed")
         conn = SecureConnection(
-            tls, BufferedReceiver(tls), remote, (str(address.with_peer(remote)),), lane, True
+            tls,
+            BufferedReceiver(tls),
+            remote,
+            (str(address.with_peer(remote)),),
+            lane,
+            True,
+            HANDSHAKE_FRAME_BYTES,
         )
         hello = await conn.receive_message(ServerHello)
         if hello.run_id != endpoint.run_id:
@@ -164,6 +223,7 @@ async def dial(endpoint: LocalEndpoint, address: PeerAddress, lane: Lane) -> Sec
         signature = endpoint.identity.sign(proof_payload(cert, hello.nonce, unsigned))
         await conn.send_message(msgspec.structs.replace(unsigned, signature=signature))
         await conn.receive_message(Welcome)
+        conn.max_frame = _LANE_FRAME_BYTES[lane]
     except BaseException:
         tls.close()
         raise
@@ -181,7 +241,7 @@ async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> Secu
     try:
         receiver = BufferedReceiver(tls)
         nonce = secrets.token_bytes(32)
-        pending = SecureConnection(tls, receiver, PeerId(""), (), "rpc", False)
+        pending = SecureConnection(tls, receiver, PeerId(""), (), "rpc", False, HANDSHAKE_FRAME_BYTES)
         await pending.send_message(ServerHello(run_id=endpoint.run_id, nonce=nonce, agent=endpoint.agent))
         proof = await pending.receive_message(ClientProof)
         if proof.run_id != endpoint.run_id:
@@ -191,7 +251,13 @@ async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> Secu
             await _refuse(pending, ErrorCode.BAD_IDENTITY, "identity proof does not verify")
             raise BadIdentityProof(f"{peer} sent an identity proof that does not verify")
         remote = peer_id_from_public_key(proof.public_key)
-        conn = SecureConnection(tls, receiver, remote, tuple(proof.listen_addrs), proof.lane, False)
+        observed = peer.rpartition(":")[0].strip("[]")
+        addrs, dropped = vouched_addresses(proof.listen_addrs, observed, local_hosts())
+        if dropped:
+            logger.info(
+                "%s (%s) advertised %d address(es) its connection does not vouch for", peer, remote, dropped
+            )
+        conn = SecureConnection(tls, receiver, remote, addrs, proof.lane, False)
         await conn.send_message(Welcome())
     except BaseException:
         tls.close()

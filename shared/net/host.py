@@ -7,6 +7,26 @@ Pooling: at most one RPC connection per peer is used for outgoing calls (either 
 connection the peer opened to us is reused for our calls to it). Concurrent calls to a peer we are not
 connected to share one dial. Bulk connections are pooled separately per peer and checked out by one
 transfer at a time.
+
+**Budgets before authentication** (DESIGN D10a). Anyone can open a TCP connection, so before a
+connection's peer has proven its identity it is held to small, configurable budgets (:class:`HostConfig`):
+
+* per connection: ``HANDSHAKE_FRAME_BYTES`` of frames (:mod:`protocols.envelope`), and
+  ``accept_deadline`` seconds to finish TLS and the identity proof;
+* per source address (an IPv4 address or an IPv6 /64): at most ``max_pending_per_address`` connections
+  still in the handshake and ``max_incoming_per_address`` accepted connections in all; host-wide,
+  ``max_pending`` connections in the handshake and ``max_incoming`` in all. A connection over any
+  budget is closed at ``accept()``, before TLS, and counted (``connections_refused``). So one address
+  cannot take more than its share of ``max_incoming``, and strangers still in the handshake cannot take
+  more than ``max_pending``:
+  admitted peers coming from elsewhere still get in.
+
+Idle connections of every kind are reaped after ``idle_timeout``: RPC connections with no traffic,
+accepted bulk lanes waiting for their next header, and our own pooled idle bulk connections.
+
+**Faults end a connection, never the host** (DESIGN D10f): a decoding failure is a ``ProtocolError``
+that ends one request or connection; anything unexpected while serving one connection is logged with
+its traceback and counted (``connection_failures``). Dialing follows :mod:`shared.net.dialing`.
 """
 
 from __future__ import annotations
@@ -22,15 +42,17 @@ import trio
 
 from protocols.envelope import Message, Request
 from protocols.errors import ProtocolError
+from protocols.handshake import Lane
 from protocols.peer_id import PeerId
 
 from ..auth.guard import Authenticator, OpenAuthenticator
 from ..auth.keys import Identity
-from ..errors import AuthError, ConfigError, HandshakeError, PeerUnavailable, RemoteError
+from ..errors import AuthError, ConfigError, HandshakeError, PeerIdMismatch, PeerUnavailable, RemoteError
 from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_multiaddr
 from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
-from .rpc import HandlerRegistry, RpcChannel
+from .dialing import DialGuard, DialPolicy
+from .rpc import HandlerRegistry, RpcChannel, RpcStatistics
 
 __all__ = ["CALL_FAILURES", "Host", "HostConfig", "HostStatistics"]
 
@@ -51,11 +73,20 @@ class HostConfig:
     dial_deadline: float = 5.0  # TCP connect + TLS + identity proof, outgoing
     accept_deadline: float = 5.0  # the same, incoming (a silent dialer is dropped after this)
     max_inflight: int = 128  # requests served concurrently per connection before OVERLOADED
+    max_inflight_bytes: int = 32 * 1024 * 1024  # ... and the bytes their frames may hold
     handler_deadline: float = 30.0  # a handler running longer is answered INTERNAL
     bulk_stall: float = 30.0  # a bulk transfer making no progress this long fails
     max_idle_bulk: int = 8  # idle bulk connections kept per peer
     max_incoming: int = 4096  # accepted connections open at once; more are refused at accept()
-    idle_timeout: float = 300.0  # an RPC connection with no traffic this long is closed
+    idle_timeout: float = (
+        300.0  # a connection (RPC or bulk, either side's) with no traffic this long is closed
+    )
+    max_pending: int = 256  # accepted connections still in the handshake, host-wide
+    max_pending_per_address: int = 16  # ... from one source IP
+    max_incoming_per_address: int = 256  # accepted connections from one source IP (NATs share IPs)
+    redial_after_failure: float = 0.5  # back-off after a failed dial of a target, doubling per failure
+    max_redial_backoff: float = 8.0
+    identity_block: float = 600.0  # a target that failed the identity check is not redialed this long
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,13 @@ class HostStatistics:
     requests_served: int
     bytes_sent: int
     bytes_received: int
+    connections_refused: int = 0  # closed at accept(): over a global or per-address budget
+    handshakes_failed: int = 0  # incoming connections that did not complete the identity proof
+    protocol_errors: int = 0  # malformed frames and messages received
+    connection_failures: int = 0  # connections ended by an unexpected error (logged with a traceback)
+    dials_refused: int = 0  # dials not attempted: target in back-off or failed its identity check
+    incoming_connections: int = 0  # accepted connections open now (RPC and bulk, in the handshake or not)
+    pending_connections: int = 0  # ... of which still in the handshake
 
 
 class Host:
@@ -96,8 +134,17 @@ class Host:
         self._aborted = False
         self._stopped = False
         self._incoming = 0
+        self._pending = 0
+        self._incoming_by_address: dict[str, int] = {}
+        self._pending_by_address: dict[str, int] = {}
         self._warned_full = False
-        self._closed_stats = [0, 0, 0, 0, 0]
+        self._closed_stats = [0, 0, 0, 0, 0, 0, 0]
+        self._refused = self._handshakes_failed = self._failures = self._protocol_errors = 0
+        self._dial_guard = DialGuard(
+            DialPolicy(
+                self.config.redial_after_failure, self.config.max_redial_backoff, self.config.identity_block
+            )
+        )
 
     @property
     def peer_id(self) -> PeerId:
@@ -189,24 +236,59 @@ class Host:
                     await trio.sleep(0.1)
                     continue
                 raise
-            if self._incoming >= self.config.max_incoming:
+            ip = _budget_key(str(addr[0]))
+            refusal = self._over_budget(ip)
+            if refusal is not None:
+                self._refused += 1
                 if not self._warned_full:
-                    logger.warning("refusing connections: %d incoming already open", self._incoming)
+                    logger.warning("refusing connections: %s", refusal)
                     self._warned_full = True
                 raw.close()
                 continue
             self._warned_full = False
-            nursery.start_soon(self._serve_incoming, raw, f"{addr[0]}:{addr[1]}")
+            self._incoming += 1
+            self._pending += 1
+            self._incoming_by_address[ip] = self._incoming_by_address.get(ip, 0) + 1
+            self._pending_by_address[ip] = self._pending_by_address.get(ip, 0) + 1
+            nursery.start_soon(self._serve_incoming, raw, ip, f"{addr[0]}:{addr[1]}")
 
-    async def _serve_incoming(self, raw: socket.socket, peer: str) -> None:
-        self._incoming += 1
+    def _over_budget(self, ip: str) -> str | None:
+        """Why one more incoming connection from ``ip`` must be refused, or ``None``."""
+        config = self.config
+        if self._incoming >= config.max_incoming:
+            return f"{self._incoming} incoming connections already open"
+        if self._pending >= config.max_pending:
+            return f"{self._pending} connections already in the handshake"
+        if self._incoming_by_address.get(ip, 0) >= config.max_incoming_per_address:
+            return f"{config.max_incoming_per_address} connections from {ip} already open"
+        if self._pending_by_address.get(ip, 0) >= config.max_pending_per_address:
+            return f"{config.max_pending_per_address} connections from {ip} already in the handshake"
+        return None
+
+    def _handshake_done(self, ip: str) -> None:
+        self._pending -= 1
+        _decrement(self._pending_by_address, ip)
+
+    async def _serve_incoming(self, raw: socket.socket, ip: str, peer: str) -> None:
+        pending = [True]
         try:
-            await self._serve_incoming_counted(raw, peer)
+            await self._serve_incoming_counted(raw, ip, peer, pending)
+        except ProtocolError as exc:
+            self._protocol_errors += 1
+            logger.warning("closed connection from %s: %s", peer, exc)
+        except Exception:
+            self._failures += 1
+            logger.exception("closed connection from %s after an unexpected error", peer)
         finally:
+            raw.close()
+            if pending[0]:
+                self._handshake_done(ip)
             self._incoming -= 1
+            _decrement(self._incoming_by_address, ip)
 
     async def _reap_idle(self) -> None:
-        """Close RPC connections idle in both directions for ``idle_timeout``; peers redial on demand."""
+        """Close RPC connections idle in both directions for ``idle_timeout``, and pooled bulk connections
+        unused that long; peers redial on demand. (Accepted bulk lanes time out on their own.)"""
         period = self.config.idle_timeout / 4
         while True:
             await trio.sleep(period)
@@ -215,29 +297,54 @@ class Host:
                 if channel.last_activity < cutoff and channel.idle:
                     logger.debug("closing idle connection to %s", channel.peer_id)
                     channel.conn.close()
+            for peer, lanes in list(self._idle_bulk.items()):  # closed by us, idle, or closed by the peer
+                for lane in [
+                    lane
+                    for lane in lanes
+                    if lane.last_used < cutoff or lane.tls.closed or lane.tls.readable_now()
+                ]:
+                    lanes.remove(lane)
+                    lane.close()
+                if not lanes:
+                    del self._idle_bulk[peer]
 
-    async def _serve_incoming_counted(self, raw: socket.socket, peer: str) -> None:
+    async def _serve_incoming_counted(
+        self, raw: socket.socket, ip: str, peer: str, pending: list[bool]
+    ) -> None:
         try:
             with trio.fail_after(self.config.accept_deadline):
                 conn = await accept(self.endpoint, raw, peer)
         except trio.TooSlowError:
+            self._handshakes_failed += 1
             logger.info(
                 "dropped connection from %s: no complete handshake within %.0f s",
                 peer,
                 self.config.accept_deadline,
             )
-            raw.close()
             return
         except (HandshakeError, ProtocolError, RemoteError) as exc:
+            self._handshakes_failed += 1
             logger.warning("rejected connection from %s: %s", peer, exc)
             return
         except PeerUnavailable as exc:
+            self._handshakes_failed += 1
             logger.info("connection from %s ended during the handshake: %s", peer, exc)
             return
-        if conn.lane == "bulk":
-            await serve_bulk_lane(conn, self.bulk_handlers, self.config.bulk_stall, self.authenticator)
-        else:
-            await self._run_channel(self._adopt(conn))
+        pending[0] = False
+        self._handshake_done(ip)
+        try:
+            if conn.lane == "bulk":
+                await serve_bulk_lane(
+                    conn,
+                    self.bulk_handlers,
+                    self.config.bulk_stall,
+                    self.authenticator,
+                    self.config.idle_timeout,
+                )
+            else:
+                await self._run_channel(self._adopt(conn))
+        finally:
+            conn.close()
 
     # ---------------------------------------------------------------- RPC
 
@@ -248,6 +355,7 @@ class Host:
             max_inflight=self.config.max_inflight,
             handler_deadline=self.config.handler_deadline,
             authenticator=self.authenticator,
+            max_inflight_bytes=self.config.max_inflight_bytes,
         )
         self._all_channels.add(channel)
         current = self._channels.get(channel.peer_id)
@@ -263,15 +371,7 @@ class Host:
             if self._channels.get(channel.peer_id) is channel:
                 del self._channels[channel.peer_id]
             stats = channel.statistics()
-            for i, value in enumerate(
-                (
-                    stats.calls_sent,
-                    stats.calls_failed,
-                    stats.requests_served,
-                    stats.bytes_sent,
-                    stats.bytes_received,
-                )
-            ):
+            for i, value in enumerate(_counted(stats)):
                 self._closed_stats[i] += value
 
     async def connect(self, target: PeerAddress | str) -> PeerId:
@@ -297,8 +397,7 @@ class Host:
                 existing = self._live_channel(address)
                 if existing is not None:
                     return existing
-                with trio.fail_after(self.config.dial_deadline):
-                    conn = await dial(self.endpoint, address, "rpc")
+                conn = await self._dial(address, "rpc")
                 try:
                     nursery = self._require_running()
                 except PeerUnavailable:
@@ -308,10 +407,6 @@ class Host:
                 channel = self._adopt(conn)
                 nursery.start_soon(self._run_channel, channel)
                 return channel
-        except trio.TooSlowError as exc:
-            raise PeerUnavailable(
-                f"{address} did not complete a handshake within {self.config.dial_deadline} s"
-            ) from exc
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._dial_locks.pop(key, None)
@@ -326,15 +421,40 @@ class Host:
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
         self._require_running()
+        conn = await self._dial(address, "bulk")
+        conn.close()
+        return conn.remote_peer
+
+    async def _dial(self, address: PeerAddress, lane: Lane) -> SecureConnection:
+        """Dial ``address`` within ``dial_deadline``, under the :class:`DialGuard`'s rules.
+
+        Raises:
+            PeerUnavailable: the target is in back-off or failed its identity check before, nobody
+                answered, or the handshake did not complete in time.
+            HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
+        """
+        refusal = self._dial_guard.refusal(address.host, address.port, address.peer_id, trio.current_time())
+        if refusal is not None:
+            raise PeerUnavailable(f"not dialing {address}: {refusal}")
         try:
             with trio.fail_after(self.config.dial_deadline):
-                conn = await dial(self.endpoint, address, "bulk")
+                conn = await dial(self.endpoint, address, lane)
         except trio.TooSlowError as exc:
+            self._dial_guard.failed(address.host, address.port, trio.current_time())
             raise PeerUnavailable(
                 f"{address} did not complete a handshake within {self.config.dial_deadline} s"
             ) from exc
-        conn.close()
-        return conn.remote_peer
+        except PeerUnavailable:
+            self._dial_guard.failed(address.host, address.port, trio.current_time())
+            raise
+        except PeerIdMismatch:
+            self._dial_guard.failed_identity(address.host, address.port, address.peer_id, trio.current_time())
+            raise
+        except (HandshakeError, RemoteError, ProtocolError):
+            self._dial_guard.failed_identity(address.host, address.port, None, trio.current_time())
+            raise
+        self._dial_guard.succeeded(address.host, address.port)
+        return conn
 
     def _live_channel(self, address: PeerAddress) -> RpcChannel | None:
         peer = address.peer_id or self._by_address.get((address.host, address.port))
@@ -405,6 +525,7 @@ class Host:
                 and len(idle) < self.config.max_idle_bulk
                 and self._nursery is not None
             ):
+                conn.last_used = trio.current_time()
                 idle.append(conn)
             else:
                 conn.close()
@@ -414,16 +535,11 @@ class Host:
         idle = self._idle_bulk.get(peer, []) if peer else []
         while idle:
             conn = idle.pop()
-            if not conn.tls.closed:
+            if not conn.tls.closed and not conn.tls.readable_now():
                 return conn
+            conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
-        try:
-            with trio.fail_after(self.config.dial_deadline):
-                conn = await dial(self.endpoint, address, "bulk")
-        except trio.TooSlowError as exc:
-            raise PeerUnavailable(
-                f"{address} did not complete a handshake within {self.config.dial_deadline} s"
-            ) from exc
+        conn = await self._dial(address, "bulk")
         self._by_address[(address.host, address.port)] = conn.remote_peer
         return conn
 
@@ -432,10 +548,7 @@ class Host:
     def statistics(self) -> HostStatistics:
         totals = list(self._closed_stats)
         for channel in self._all_channels:
-            s = channel.statistics()
-            for i, value in enumerate(
-                (s.calls_sent, s.calls_failed, s.requests_served, s.bytes_sent, s.bytes_received)
-            ):
+            for i, value in enumerate(_counted(channel.statistics())):
                 totals[i] += value
         return HostStatistics(
             peers_connected=len(self.connected_peers()),
@@ -446,7 +559,48 @@ class Host:
             requests_served=totals[2],
             bytes_sent=totals[3],
             bytes_received=totals[4],
+            connections_refused=self._refused,
+            handshakes_failed=self._handshakes_failed,
+            protocol_errors=self._protocol_errors + totals[5],
+            connection_failures=self._failures + totals[6],
+            dials_refused=self._dial_guard.refused,
+            incoming_connections=self._incoming,
+            pending_connections=self._pending,
         )
+
+
+def _counted(stats: RpcStatistics) -> tuple[int, ...]:
+    return (
+        stats.calls_sent,
+        stats.calls_failed,
+        stats.requests_served,
+        stats.bytes_sent,
+        stats.bytes_received,
+        stats.protocol_errors,
+        stats.failures,
+    )
+
+
+def _budget_key(host: str) -> str:
+    """What a per-address budget counts by: an IPv4 address (IPv4-mapped ones included), or an IPv6 /64
+    (one subscriber usually holds a whole /64, so per-/128 budgets would be no budgets at all)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def _bind(address: PeerAddress) -> tuple[socket.socket, PeerAddress]:

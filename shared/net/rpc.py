@@ -9,21 +9,27 @@ Handlers are registered explicitly by request type in a :class:`HandlerRegistry`
 Back-pressure, without unbounded buffers:
 
 * the reader never stops draining the socket; a request that arrives while ``max_inflight`` of the
-  peer's requests are being handled is answered ``OVERLOADED`` at once (the caller sees
-  :class:`~shared.errors.Overloaded`);
+  peer's requests are being handled, or while their frames hold ``max_inflight_bytes`` already, is
+  answered ``OVERLOADED`` at once (the caller sees :class:`~shared.errors.Overloaded`), so one
+  connection holds at most ``max_inflight_bytes`` plus one frame;
 * writes go through one FIFO lock straight into the kernel's socket buffer; a peer that stops reading
   blocks our writers (and only them), never our memory.
 
 Errors: a frame that cannot be decoded is answered with an :class:`ErrorReply` (request id 0 when even
 the envelope is unreadable) and the connection keeps serving; an oversized frame closes the connection,
-because the stream cannot be resynchronised. Handler exceptions map to codes: ``ProtocolError`` to its
-code, ``RemoteError`` to its code, anything else to ``INTERNAL`` (logged with its traceback, not sent).
-Per-call deadlines are the caller's cancel scopes; a cancelled call forgets its id and a late reply is
-dropped.
+because the stream cannot be resynchronised. Decoding failures of every kind are ``ProtocolError``
+(:mod:`protocols.errors`); anything unexpected while serving a connection ends that connection (logged
+with its traceback, counted in ``failures``), never the host. Error replies are signed like responses
+(:meth:`~shared.auth.guard.Authenticator.sign_error`) and checked like responses: a refusal that does not
+verify is an :class:`~shared.errors.AuthError` of that call, not believed. Handler exceptions map to
+codes: ``ProtocolError`` to its code, ``RemoteError`` to its code, anything else to ``INTERNAL``
+(logged with its traceback, not sent). Per-call deadlines are the caller's cancel scopes; a cancelled
+call forgets its id and a late reply is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -31,7 +37,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import msgspec
 import trio
 
 from protocols.codes import ErrorCode
@@ -41,9 +46,7 @@ from protocols.envelope import (
     Flags,
     Message,
     Request,
-    decode_envelope,
-    decode_message,
-    encode_frame,
+    check_envelope,
     encode_payload,
     frame_payload,
 )
@@ -52,7 +55,7 @@ from protocols.peer_id import PeerId
 
 from ..auth.guard import Authenticator, OpenAuthenticator
 from ..errors import AUTH_CODES, AuthError, PeerUnavailable, RemoteError, remote_error
-from .connection import SecureConnection
+from .connection import SecureConnection, decode_payload, parse_frame
 
 __all__ = ["HandlerRegistry", "RequestContext", "RpcChannel", "RpcStatistics"]
 
@@ -104,6 +107,8 @@ class RpcStatistics:
     requests_rejected: int
     bytes_sent: int
     bytes_received: int
+    protocol_errors: int = 0
+    failures: int = 0
 
 
 class _Pending:
@@ -127,6 +132,7 @@ class RpcChannel:
         max_inflight: int = 128,
         handler_deadline: float = 30.0,
         authenticator: Authenticator | None = None,
+        max_inflight_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         self.conn = conn
         self.peer_id = conn.remote_peer
@@ -134,12 +140,15 @@ class RpcChannel:
         self._auth: Authenticator = authenticator or OpenAuthenticator()
         self._context = RequestContext(conn.remote_peer, conn.remote_addrs, remote_host=conn.remote_host)
         self._max_inflight = max_inflight
+        self._max_inflight_bytes = max_inflight_bytes
+        self._inflight_bytes = 0
         self._handler_deadline = handler_deadline
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._inflight = 0
         self._closed = trio.Event()
         self._calls_sent = self._calls_failed = self._served = self._rejected = 0
+        self._protocol_errors = self._failures = 0
         self.last_rtt: float = math.nan
         self.last_activity = trio.current_time()
 
@@ -163,6 +172,8 @@ class RpcChannel:
             self._rejected,
             self.conn.tls.bytes_sent,
             self.conn.tls.bytes_received,
+            self._protocol_errors,
+            self._failures,
         )
 
     async def call(self, request: Request) -> Message:
@@ -202,11 +213,18 @@ class RpcChannel:
         await self.conn.send_frame(frame_payload(message.kind, payload, 0, Flags.NOTIFY, auth))
 
     async def run(self) -> None:
-        """Read frames until the connection closes; serve requests in a nursery owned here."""
+        """Read frames until the connection closes; serve requests in a nursery owned here.
+
+        Whatever goes wrong on this connection ends this connection only: an unexpected exception is
+        logged with its traceback and counted, and ``run`` returns.
+        """
         try:
             async with trio.open_nursery() as nursery:
                 await self._read_loop(nursery)
                 nursery.cancel_scope.cancel()
+        except Exception:
+            self._failures += 1
+            logger.exception("closing connection to %s after an unexpected error", self.peer_id)
         finally:
             self._shutdown(PeerUnavailable(f"connection to {self.peer_id} closed"))
 
@@ -228,6 +246,7 @@ class RpcChannel:
                 logger.debug("connection to %s lost: %s", self.peer_id, exc)
                 return
             except ProtocolError as exc:
+                self._protocol_errors += 1
                 logger.warning("closing connection to %s: %s", self.peer_id, exc)
                 await self._reply_error(0, exc.code, str(exc))
                 return
@@ -236,10 +255,19 @@ class RpcChannel:
 
     async def _dispatch(self, body: bytes, nursery: trio.Nursery) -> None:
         try:
-            envelope = decode_envelope(body)
+            envelope = await parse_frame(body)
         except ProtocolError as exc:
+            self._protocol_errors += 1
             logger.warning("bad frame from %s: %s", self.peer_id, exc)
-            await self._reply_error(_request_id_of(body), exc.code, str(exc))
+            await self._reply_error(0, exc.code, str(exc))
+            return
+        try:
+            check_envelope(envelope)
+        except ProtocolError as exc:
+            self._protocol_errors += 1
+            logger.warning("bad frame from %s: %s", self.peer_id, exc)
+            if envelope.flags not in (Flags.RESPONSE, Flags.ERROR):  # never answer an answer
+                await self._reply_error(exc.request_id, exc.code, str(exc), envelope.auth)
             return
         flags = envelope.flags
         if flags in (Flags.RESPONSE, Flags.ERROR):
@@ -248,11 +276,11 @@ class RpcChannel:
                 logger.debug("dropping late or unknown reply %d from %s", envelope.request_id, self.peer_id)
                 return
             try:
-                if flags == Flags.RESPONSE:
-                    self._auth.check_response(
-                        self.peer_id, slot.nonce, envelope.kind, bytes(envelope.payload), envelope.auth
-                    )
-                message = decode_message(envelope, slot.expected)
+                # a response and a refusal alike must be the peer's signed answer to our request
+                self._auth.check_response(
+                    self.peer_id, slot.nonce, envelope.kind, bytes(envelope.payload), envelope.auth
+                )
+                message = await decode_payload(envelope, slot.expected)
                 if isinstance(message, ErrorReply) and message.code in AUTH_CODES:
                     self._auth.note_refused(message.code)
                 slot.outcome = (
@@ -263,18 +291,25 @@ class RpcChannel:
             except (ProtocolError, AuthError) as exc:
                 if isinstance(exc, AuthError):
                     logger.warning("refused an answer from %s: %s", self.peer_id, exc)
+                else:
+                    self._protocol_errors += 1
+                    logger.warning("malformed answer from %s: %s", self.peer_id, exc)
                 slot.outcome = exc
             slot.done.set()
-        elif self._inflight >= self._max_inflight:
+        elif (
+            self._inflight >= self._max_inflight
+            or self._inflight_bytes + len(body) > self._max_inflight_bytes
+        ):
             self._rejected += 1
             if flags == Flags.REQUEST:
                 await self._reply_error(
-                    envelope.request_id, ErrorCode.OVERLOADED, "too many requests in flight"
+                    envelope.request_id, ErrorCode.OVERLOADED, "too many requests in flight", envelope.auth
                 )
         else:
             self._inflight += 1
+            self._inflight_bytes += len(body)
             serve = self._serve_request if flags == Flags.REQUEST else self._serve_notification
-            nursery.start_soon(serve, envelope)
+            nursery.start_soon(serve, envelope, len(body))
 
     def _verify(self, envelope: Envelope) -> tuple[RequestContext, bytes]:
         verified = self._auth.check_request(
@@ -284,10 +319,10 @@ class RpcChannel:
             return self._context, verified.nonce
         return replace(self._context, username=verified.username), verified.nonce
 
-    async def _serve_notification(self, envelope: Envelope) -> None:
+    async def _serve_notification(self, envelope: Envelope, size: int) -> None:
         try:
             context, _ = self._verify(envelope)
-            message = decode_message(envelope)
+            message = await decode_payload(envelope)
             handler = self._registry.notifications.get(type(message))
             if handler is None:
                 logger.debug("no handler for notification %s from %s", message.kind, self.peer_id)
@@ -300,8 +335,9 @@ class RpcChannel:
             logger.exception("handler for notification %s from %s failed", envelope.kind, self.peer_id)
         finally:
             self._inflight -= 1
+            self._inflight_bytes -= size
 
-    async def _serve_request(self, envelope: Envelope) -> None:
+    async def _serve_request(self, envelope: Envelope, size: int) -> None:
         try:
             frame = await self._handle(envelope)
             await self.conn.send_frame(frame)
@@ -309,13 +345,14 @@ class RpcChannel:
             pass  # the connection is gone; nobody is left to answer
         finally:
             self._inflight -= 1
+            self._inflight_bytes -= size
 
     async def _handle(self, envelope: Envelope) -> bytes:
         """Run the handler; return the reply frame (a response or an error reply, never raises)."""
         code: int
         try:
             context, nonce = self._verify(envelope)
-            request = decode_message(envelope)
+            request = await decode_payload(envelope)
             handler = self._registry.requests.get(type(request))  # type: ignore[arg-type]
             if handler is None:
                 raise ProtocolError(f"no handler for {request.kind}", ErrorCode.UNKNOWN_KIND)
@@ -329,6 +366,7 @@ class RpcChannel:
             logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
             code, text = exc.code, str(exc)
         except ProtocolError as exc:
+            self._protocol_errors += 1
             logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
             code, text = exc.code, str(exc)
         except RemoteError as exc:
@@ -339,27 +377,15 @@ class RpcChannel:
         except Exception:
             logger.exception("handler for %s from %s failed", envelope.kind, self.peer_id)
             code, text = ErrorCode.INTERNAL, "internal error"
-        return encode_frame(ErrorReply(code=int(code), message=text[:1024]), envelope.request_id, Flags.ERROR)
+        return self._error_frame(envelope.request_id, code, text, envelope.auth)
 
-    async def _reply_error(self, request_id: int, code: int, message: str) -> None:
-        try:
-            frame = encode_frame(ErrorReply(code=int(code), message=message[:1024]), request_id, Flags.ERROR)
-            await self.conn.send_frame(frame)
-        except PeerUnavailable:
-            pass
+    def _error_frame(self, request_id: int, code: int, message: str, request_auth: bytes = b"") -> bytes:
+        """An error reply, signed (bound to the request's nonce) when the request's credentials name one."""
+        reply = ErrorReply(code=int(code), message=message[:1024])
+        payload = encode_payload(reply)
+        auth = self._auth.sign_error(request_auth, payload) if request_id else b""
+        return frame_payload(reply.kind, payload, request_id, Flags.ERROR, auth)
 
-
-def _request_id_of(body: bytes) -> int:
-    """Best effort: the request id of an envelope whose other fields failed validation."""
-    try:
-        fields = msgspec.msgpack.decode(body)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
-        return 0
-    if (
-        isinstance(fields, list)
-        and len(fields) >= 3
-        and isinstance(fields[2], int)
-        and 0 <= fields[2] < 2**63
-    ):
-        return fields[2]
-    return 0
+    async def _reply_error(self, request_id: int, code: int, message: str, request_auth: bytes = b"") -> None:
+        with contextlib.suppress(PeerUnavailable):  # the connection is gone; nobody is left to answer
+            await self.conn.send_frame(self._error_frame(request_id, code, message, request_auth))

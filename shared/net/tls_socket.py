@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import select
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -116,6 +117,17 @@ class TlsSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def readable_now(self) -> bool:
+        """Whether bytes (or the peer's close) are waiting. An idle connection that is readable was
+        closed by the peer (or is being spoken to out of turn), so it must not be reused."""
+        if self._closed:
+            return False
+        try:
+            ready, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(ready) or self._sock.pending() > 0
 
     async def _retry(self, op: object, *args: object) -> int:
         """Run a non-blocking SSL operation until it completes, parking on want-read/want-write."""
@@ -245,17 +257,17 @@ class BufferedReceiver:
             EOFError: the peer closed the connection cleanly before any byte of this read.
             PeerUnavailable: the connection broke, or closed in the middle of the ``n`` bytes.
         """
-        available = self._end - self._start
         if n > len(self._buf):
-            out = bytearray(n)
-            out[:available] = self._buf[self._start : self._end]
+            # Grow with what arrives, never by what was announced: a peer that announces a large frame
+            # and sends nothing costs no memory.
+            out = bytearray(self._buf[self._start : self._end])
             self._start = self._end = 0
-            view = memoryview(out)[available:]
-            while view:
-                got = await self._tls.receive_into(view)
+            chunk = memoryview(self._buf)
+            while len(out) < n:
+                got = await self._tls.receive_into(chunk[: min(n - len(out), len(chunk))])
                 if got == 0:
                     raise PeerUnavailable(f"{self._tls.peer} closed the connection mid-message")
-                view = view[got:]
+                out += chunk[:got]
             return bytes(out)
         while self._end - self._start < n:
             if self._start + n > len(self._buf):
