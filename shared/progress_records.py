@@ -6,6 +6,7 @@ import logging
 
 import msgspec
 
+from protocols.errors import DECODE_FAILURES
 from protocols.training import PROGRESS_KEY, Progress
 
 from .dht.node import DHTNode
@@ -40,7 +41,7 @@ async def read_progress_with_users(dht: DHTNode) -> tuple[dict[str, Progress], d
             continue
         try:
             records[record.writer] = _PROGRESS.decode(record.value)
-        except msgspec.DecodeError:
+        except DECODE_FAILURES:
             logger.debug("ignoring a malformed progress record of %s", record.writer)
             continue
         users[record.writer] = found.users[subkey] if found is not None else record.writer

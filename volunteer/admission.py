@@ -24,6 +24,7 @@ import trio
 
 from protocols.api import Manifest, decode_invite
 from protocols.auth import AccessToken, SignedToken, split_run_id
+from protocols.errors import DECODE_FAILURES
 from shared.auth.authority import AuthorityKey
 from shared.auth.guard import Authenticator, OpenAuthenticator, RunAuthenticator
 from shared.auth.keys import Identity
@@ -59,7 +60,7 @@ def _load(data_dir: Path, run_id: str) -> Credential | None:
         credential = msgspec.json.decode((data_dir / CREDENTIAL_FILE).read_bytes(), type=Credential)
     except FileNotFoundError:
         return None
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except DECODE_FAILURES:
         logger.warning("ignoring a damaged %s", data_dir / CREDENTIAL_FILE)
         return None
     return credential if credential.run_id == run_id else None

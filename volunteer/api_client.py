@@ -42,6 +42,7 @@ from protocols.api import (
     refresh_payload,
 )
 from protocols.auth import SignedToken, authority_fingerprint, split_run_id
+from protocols.errors import DECODE_FAILURES
 from protocols.ledger import (
     Capabilities,
     CapabilitiesReceipt,
@@ -137,7 +138,7 @@ class ApiClient:
                 return response.content
             try:
                 error = msgspec.json.decode(response.content, type=ApiError)
-            except msgspec.DecodeError:
+            except DECODE_FAILURES:
                 error = ApiError("http_error", f"HTTP {response.status_code}")
             if response.status_code in refusals:
                 raise AdmissionError(f"the backbone refused: {error.message} ({error.error})")
@@ -163,7 +164,7 @@ class ApiClient:
         content = await self._get("shards")
         try:
             return msgspec.json.decode(content, type=ShardList)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_FAILURES as exc:
             raise ProtocolError(f"the backbone's shard list is malformed: {exc}") from exc
 
     async def fetch_shard(self, info: ShardInfo) -> bytes:
@@ -193,7 +194,7 @@ class ApiClient:
         content = await self._get("manifest")
         try:
             manifest = msgspec.json.decode(content, type=Manifest)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_FAILURES as exc:
             raise ProtocolError(f"the backbone's manifest is malformed: {exc}") from exc
         if (
             manifest.run_id != self.run_id

@@ -28,6 +28,7 @@ from protocols.auth import (
     token_payload,
 )
 from protocols.codes import ErrorCode
+from protocols.errors import DECODE_FAILURES
 
 from ..errors import AuthError, ConfigError
 from .keys import Identity, verify
@@ -73,7 +74,7 @@ class AuthorityKey:
             raise AuthError(ErrorCode.BAD_TOKEN, "access token not signed by this run's authority")
         try:
             return msgspec.msgpack.decode(signed.token, type=AccessToken)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_FAILURES as exc:
             raise AuthError(ErrorCode.BAD_TOKEN, f"malformed access token: {exc}") from exc
 
     def verify_revocation(self, signed: SignedRevocation, run_id: str) -> Revocation:
@@ -86,7 +87,7 @@ class AuthorityKey:
             raise AuthError(ErrorCode.BAD_TOKEN, "revocation not signed by this run's authority")
         try:
             revocation = msgspec.msgpack.decode(signed.revocation, type=Revocation)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except DECODE_FAILURES as exc:
             raise AuthError(ErrorCode.BAD_TOKEN, f"malformed revocation: {exc}") from exc
         if revocation.run_id != run_id:
             raise AuthError(ErrorCode.WRONG_RUN_TOKEN, f"revocation for run {revocation.run_id}")

@@ -52,6 +52,7 @@ import msgspec
 import trio
 
 from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
+from protocols.errors import DECODE_FAILURES
 from protocols.peer_id import PeerId
 from protocols.training import AveragingSpec
 
@@ -146,7 +147,7 @@ class Matchmaker:
         for subkey, record in found.entries.items():
             try:
                 members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
-            except msgspec.DecodeError:
+            except DECODE_FAILURES:
                 continue
             if (
                 subkey == record.writer.encode()
@@ -164,7 +165,7 @@ class Matchmaker:
         for subkey, record in found.entries.items() if found is not None else ():
             try:
                 ticket = _TICKET.decode(record.value)
-            except msgspec.DecodeError:  # includes validation errors
+            except DECODE_FAILURES:  # includes validation errors
                 logger.debug("ignoring a malformed ticket from %s", record.writer)
                 continue
             if subkey != record.writer.encode():
@@ -244,7 +245,7 @@ class Matchmaker:
                 raise PlanRefused("stored under another peer's subkey")
             try:
                 assembly = _ASSEMBLY.decode(value)
-            except msgspec.DecodeError as exc:
+            except DECODE_FAILURES as exc:
                 raise PlanRefused(f"malformed: {exc}") from exc
             known = dict(tickets)
             if any(PeerId(m.peer_id) not in known for m in assembly.members):  # not read yet: read again

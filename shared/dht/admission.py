@@ -69,10 +69,13 @@ import msgspec
 
 from protocols.auth import REVOCATIONS_KEY, AccessToken, SignedRevocation, SignedToken
 from protocols.dht import SignedRecord
+from protocols.errors import DECODE_FAILURES
 
 from ..auth.authority import AuthorityKey
 from ..errors import AuthError, RecordRejected
 from .keys import key_id
+
+_REVOCATION_FAILURES: tuple[type[Exception], ...] = (AuthError, *DECODE_FAILURES)
 
 __all__ = ["TOKEN_GRACE", "AdmissionValidator", "TokenlessValidator", "record_user"]
 
@@ -96,7 +99,7 @@ def record_user(record: SignedRecord) -> str:
     if record.token is not None:
         try:
             return _ACCESS.decode(record.token.token).username
-        except msgspec.DecodeError:  # includes validation errors; a validated record never gets here
+        except DECODE_FAILURES:  # includes validation errors; a validated record never gets here
             pass
     return record.writer
 
@@ -179,7 +182,7 @@ class AdmissionValidator:
     def _check_revocation(self, record: SignedRecord) -> None:
         try:
             revocation = self.authority.verify_revocation(_REVOCATION.decode(record.value), self.run_id)
-        except (msgspec.DecodeError, AuthError) as exc:
+        except _REVOCATION_FAILURES as exc:
             raise RecordRejected(f"{_describe(record)}: not an authority revocation: {exc}") from exc
         if record.subkey != revocation.username.encode():
             raise RecordRejected(f"revocation of {revocation.username!r} stored under another subkey")

@@ -436,3 +436,35 @@ async def test_repeated_pulls_of_one_member_do_not_end_the_duty_for_the_others(
     late = await peers[1][1].all_reduce(plan, vectors[1], 1)
     assert late.outcome.complete
     assert np.all(vectors[1] == np.float32(2.0))  # (1 + 3) / 2
+
+
+async def test_tickets_and_plans_of_invalid_utf8_are_ignored_not_fatal(nursery: trio.Nursery) -> None:
+    """``81 a3 ff fe fd c0``-style strings raise UnicodeDecodeError, not msgspec.DecodeError: an admitted
+    writer's malformed ticket or plan once ended the matchmaker (and the volunteer) with it."""
+    nodes = await start_nodes(nursery, 3)
+    ids = sorted(n.peer_id for n in nodes)
+    group = pick_key(ids, {nodes[2].peer_id}, 6)
+    key = f"avg.6.{group}"
+    garbage = b"\x86\xa4addr\xa3\xff\xfe\xfd\xa6weight\xcb" + bytes(8) + b"\xa4norm\x01"
+    for suffix in ("", ".plan"):
+        await nodes[2].dht.store(key + suffix, garbage, time.time() + 600, subkey=nodes[2].peer_id.encode())
+    config = MatchmakingConfig(window=0.5, plan_wait=1.0)
+    plans: list[GroupPlan | None] = [None, None]
+
+    async def member(i: int) -> None:
+        t = JoinTicket(
+            addr=nodes[i].host.listen_addrs[0],
+            weight=8.0,
+            norm=1.0,
+            samples_per_second=10.0,
+            upload_bps=1e7,
+            download_bps=1e7,
+        )
+        plans[i] = await Matchmaker(nodes[i].dht, config=config).assemble(6, t, 1000, group)
+
+    async with trio.open_nursery() as group_nursery:
+        for i in range(2):
+            group_nursery.start_soon(member, i)
+    # the garbage writer is no member; the two honest peers form the group, nobody crashed
+    assert plans[0] is not None and plans[0] == plans[1]
+    assert {m.peer_id for m in plans[0].members} == {nodes[0].peer_id, nodes[1].peer_id}
