@@ -38,7 +38,7 @@ from .dht.records import (
     SignatureValidator,
     SubkeyOwnerValidator,
 )
-from .errors import RecordRejected
+from .errors import ConfigError, RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
 
@@ -174,9 +174,9 @@ class Node:
         """Ping a few known contacts now and then; the median round-trip is the panel's RPC latency."""
         while True:
             for contact in self.dht.routing.nearest(self.dht.node_id, 3):
-                address = parse_multiaddr(contact.addrs[0]).with_peer(contact.peer_id)
                 started = trio.current_time()
-                with contextlib.suppress(*CALL_FAILURES):
+                with contextlib.suppress(*CALL_FAILURES, ConfigError):
+                    address = parse_multiaddr(contact.addrs[0]).with_peer(contact.peer_id)
                     with trio.fail_after(self.dht.config.rpc_deadline):
                         await self.host.call(address, PingRequest())
                     self._rtts.append(trio.current_time() - started)

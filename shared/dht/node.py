@@ -59,7 +59,7 @@ from protocols.dht import (
 from protocols.envelope import Message, Request
 from protocols.peer_id import PeerId
 
-from ..errors import PeerUnavailable, RecordRejected, RemoteError
+from ..errors import ConfigError, PeerUnavailable, RecordRejected, RemoteError
 from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext, RpcChannel
@@ -372,7 +372,7 @@ class DHTNode:
         for text in contact.addrs:
             try:
                 address = parse_multiaddr(text)
-            except ValueError as exc:
+            except (ValueError, ConfigError) as exc:  # ConfigError is no ValueError
                 last = exc
                 continue
             if address.peer_id is None:

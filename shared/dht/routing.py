@@ -27,9 +27,20 @@ from dataclasses import dataclass, field
 from protocols.dht import NodeInfo
 from protocols.peer_id import PeerId, validate_peer_id
 
+from ..errors import ConfigError
+from ..net.addresses import parse_multiaddr
 from .keys import KEY_BITS, check_id, node_id_of
 
 __all__ = ["BucketInfo", "Contact", "RoutingTable", "random_id_in"]
+
+
+def _dialable(text: str) -> bool:
+    try:
+        parse_multiaddr(text)
+    except ConfigError:
+        return False
+    return True
+
 
 _ID_LIMIT = 1 << KEY_BITS
 
@@ -63,12 +74,16 @@ class Contact:
 
     @classmethod
     def from_info(cls, info: NodeInfo) -> Contact:
-        """Return the contact described by a wire :class:`~protocols.dht.NodeInfo`.
+        """Return the contact described by a wire :class:`~protocols.dht.NodeInfo`, keeping only the
+        addresses this node can dial (a peer's reply may name any string that starts with ``/``).
 
         Raises:
-            ValueError: the peer id is malformed or there are no addresses.
+            ValueError: the peer id is malformed or no address is dialable.
         """
-        return cls.of(info.peer_id, tuple(info.addrs))
+        usable = tuple(a for a in info.addrs if _dialable(a))
+        if not usable:
+            raise ValueError(f"no dialable address among {info.addrs[:4]!r}")
+        return cls.of(info.peer_id, usable)
 
     def to_info(self) -> NodeInfo:
         """Return this contact as a wire :class:`~protocols.dht.NodeInfo`."""

@@ -196,3 +196,27 @@ async def test_dht_bucket_refresh_looks_up_every_stale_bucket() -> None:
         await node._refresh_buckets()
         assert node.statistics().lookups > before
         assert not node.routing.buckets_needing_refresh(far_future, CONFIG.refresh_interval)
+
+
+def test_contacts_keep_only_dialable_addresses_from_a_reply() -> None:
+    from protocols.dht import NodeInfo
+    from shared.dht.routing import Contact
+
+    peer = Identity.generate().peer_id
+    good = "/ip4/127.0.0.1/tcp/4001"
+    contact = Contact.from_info(NodeInfo(peer_id=peer, addrs=["/ip4/1.2.3.4/udp/1", good, "/garbage"]))
+    assert contact.addrs == (good,)
+    with pytest.raises(ValueError, match="no dialable address"):
+        Contact.from_info(NodeInfo(peer_id=peer, addrs=["/ip4/1.2.3.4/udp/1"]))
+
+
+async def test_a_contact_with_undialable_addresses_fails_its_call_instead_of_the_node() -> None:
+    """``parse_multiaddr`` raises ConfigError, which is no ValueError: a peer naming ``/ip4/…/udp/1`` in
+    a FindNode reply once ended every lookup (and the node's maintenance) that tried it."""
+    from protocols.dht import PingRequest
+    from shared.dht.routing import Contact
+
+    async with swarm() as s:
+        node = (await s.add()).dht
+        bogus = Contact.of(Identity.generate().peer_id, ("/ip4/1.2.3.4/udp/1", "/dns4/x/tcp/1/zzz"))
+        assert await node._call(bogus, PingRequest()) is None
