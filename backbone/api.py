@@ -43,6 +43,7 @@ from protocols.api import (
     refresh_payload,
 )
 from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, SignedRevocation
+from protocols.errors import DECODE_FAILURES
 from protocols.ledger import (
     CapabilitiesReceipt,
     SignedCapabilities,
@@ -136,8 +137,8 @@ async def _body(request: Request, kind: type[T]) -> T:
         return msgspec.json.decode(b"".join(chunks), type=kind)
     except msgspec.ValidationError as exc:
         raise HttpError(422, "invalid", f"invalid {kind.__name__}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, "bad_json", f"the body is not valid JSON: {exc}") from exc
+    except DECODE_FAILURES as exc:  # invalid UTF-8 in a string raises UnicodeDecodeError, not DecodeError
+        raise HttpError(400, "bad_json", f"the body is not valid JSON: {str(exc)[:200]}") from exc
 
 
 def _limit(limiter: RateLimiter, key: str, now: float, what: str) -> None:

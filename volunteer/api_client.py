@@ -147,7 +147,10 @@ class ApiClient:
 
     async def _post(self, path: str, body: msgspec.Struct, reply: type[T]) -> T:
         content = await self._request("POST", path, body, refusals=(401, 403, 404, 422))
-        return msgspec.json.decode(content, type=reply)
+        try:
+            return msgspec.json.decode(content, type=reply)
+        except DECODE_FAILURES as exc:
+            raise ProtocolError(f"the backbone's answer to {path} is malformed: {str(exc)[:200]}") from exc
 
     async def _get(self, path: str) -> bytes:
         """GET ``path`` from the first backbone that has it: a 404 moves on to the next URL (backbones of

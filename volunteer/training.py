@@ -38,7 +38,7 @@ import trio
 from protocols.ledger import MAX_INTERVAL_S, ContributionReport, SignedReport, report_payload
 from protocols.receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT
 from shared.auth.keys import Identity
-from shared.errors import AdmissionError, PeerUnavailable, StateUnavailable
+from shared.errors import AdmissionError, PeerUnavailable, ProtocolError, StateUnavailable
 
 from .api_client import ApiClient
 from .collab.optimizer import CollaborativeOptimizer, StepRecord
@@ -214,7 +214,7 @@ class Reporter:
                 signed, report = self._pending[0]
                 try:
                     receipt = await self.client.report(signed)
-                except PeerUnavailable as exc:
+                except (PeerUnavailable, ProtocolError) as exc:  # a garbled answer: try again later
                     logger.info("contribution report not sent yet: %s", exc)
                     return
                 except AdmissionError as exc:

@@ -282,3 +282,13 @@ def test_run_info_and_the_sqlite_ledger_are_private_whatever_the_umask(tmp_path:
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
     assert stat.S_IMODE((fresh / "ledger.sqlite3").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("path", ["join", "refresh", "reports", "capabilities"])
+def test_invalid_utf8_inside_a_json_string_is_a_400_not_a_500(tmp_path: Path, path: str) -> None:
+    # msgspec raises UnicodeDecodeError (not DecodeError) for these bytes inside a JSON string
+    body = b'{"\xff\xfe\xfd": "\xc0"}'
+    with in_process_api(tmp_path) as api:
+        response = trio.run(lambda: api.request("POST", path, content=body))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "bad_json"
