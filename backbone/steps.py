@@ -31,6 +31,9 @@ from .ledger import LedgerStore
 __all__ = ["StepTracker", "record_steps_forever"]
 
 logger = logging.getLogger(__name__)
+#: Rows recorded for steps the backbone jumped over in one view (0 samples, 0 peers: it did not see them).
+#: A claim of step 2**40 must not become 2**40 rows: only the last ones are kept.
+MAX_SKIPPED_ROWS = 64
 
 
 @dataclass
@@ -49,7 +52,8 @@ class StepTracker:
         finished: list[tuple[int, float | None, int, int]] = []
         if self.step is not None and step > self.step:
             finished.append((self.step + 1, self.loss, round(self.samples), self.peers))
-            finished.extend((s, None, 0, 0) for s in range(self.step + 2, step + 1))
+            first = max(self.step + 2, step + 1 - MAX_SKIPPED_ROWS)
+            finished.extend((s, None, 0, 0) for s in range(first, step + 1))
         if self.step is None or step != self.step:
             self.step, self.samples, self.peers, self.loss = step, 0.0, 0, None
         self.samples = max(self.samples, samples)
