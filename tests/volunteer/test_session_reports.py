@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from protocols.ledger import MAX_INTERVAL_S, ContributionReport
@@ -139,3 +140,17 @@ def test_leaving_reports_the_receipts_that_arrived_after_the_last_step(tmp_path:
     assert [len(r.receipts) for r in rest] == [32, 8]
     assert all(r.samples == 0 and r.global_step == 7 for r in rest) and len(reporter.book) == 0
     assert [r.seq for r in sent(reporter)] == [0, 1, 2]
+
+
+def test_leaving_with_a_full_queue_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the queue full, each new report evicts an old one whose receipts go back to the book: leaving
+    once looped forever on the trio thread."""
+    import volunteer.training as training
+
+    monkeypatch.setattr(training, "MAX_PENDING_REPORTS", 2)
+    alice, bob = Identity.generate(), Identity.generate()
+    reporter = Reporter("r@x", alice, None, tmp_path)
+    for number in range(1, 80):
+        reporter.book.add(number, [(bob.peer_id, receipt(bob, alice.peer_id, "r@x", number, 1.0))])
+    reporter.close_all()  # returns
+    assert len(sent(reporter)) == 2
