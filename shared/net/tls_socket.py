@@ -123,8 +123,10 @@ class TlsSocket:
         closed by the peer (or is being spoken to out of turn), so it must not be reused."""
         if self._closed:
             return False
-        try:
-            ready, _, _ = select.select([self._sock], [], [], 0)
+        try:  # poll, not select: select cannot watch descriptors >= 1024 (busy backbones have them)
+            poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLIN | select.POLLPRI)
+            ready = poller.poll(0)
         except (OSError, ValueError):
             return True
         return bool(ready) or self._sock.pending() > 0

@@ -374,3 +374,35 @@ async def test_host_call_raises_peer_id_mismatch_for_wrong_peer_id_in_address(st
     with trio.fail_after(HANG_GUARD_S), pytest.raises(PeerIdMismatch):
         await client.call(wrong, PingRequest())
     assert client.statistics().rpc_connections == 0
+
+
+def test_an_idle_pooled_socket_is_judged_right_on_descriptors_above_1023() -> None:
+    """``select`` cannot watch descriptors >= 1024: every pooled lane of a busy backbone looked readable
+    (closed by the peer) and was redialed."""
+    import os
+    import resource
+    import socket
+    import ssl
+
+    from shared.net.tls_socket import TlsSocket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1600:
+        pytest.skip(f"the hard descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    a, b = socket.socketpair()
+    try:
+        high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        wrapped = context.wrap_socket(high, do_handshake_on_connect=False)
+        tls = TlsSocket(wrapped, "peer")
+        assert wrapped.fileno() >= 1024
+        assert not tls.readable_now()
+        b.sendall(b"x")
+        assert tls.readable_now()
+        wrapped.close()
+    finally:
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
