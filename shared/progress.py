@@ -36,8 +36,9 @@ enter round S the moment the target is reached, a download that takes about as l
 the newcomer miss every round: it loads S while the others finish S, is behind again, loads S+1, and so
 on (seen under load: a joiner stuck at step 0 for minutes while the others stepped). So peers at step S
 that see a credible peer flagged ``syncing`` hold their round (before anyone entered it) until that peer
-has loaded the state, for at most ``grace`` seconds per peer in any ``window`` seconds: a peer that flips
-its flag forever can slow the run by at most ``grace / window`` of its time, never stall it.
+has loaded the state, for at most ``grace`` seconds per *user* (its peer ids together) in any ``window``
+seconds: a user that flips its flag forever can slow the run by at most ``grace / window`` of its time,
+never stall it.
 """
 
 from __future__ import annotations

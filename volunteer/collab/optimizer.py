@@ -168,7 +168,8 @@ class CollaborativeOptimizer:
         self._view_at, self._view_own = 0.0, 0  # when the view was taken, and our samples then
         self._round_step = -1  # the step whose round we are in (while ``averaging``)
         self._round_samples = 0  # our weight in it
-        self._held_since: dict[str, float] = {}  # peers we held a round for (shared.progress.held_for)
+        self._held_since: dict[str, float] = {}  # users we held a round for (shared.progress.held_for)
+        self._users: dict[str, str] = {}  # peer id -> user, from the last read of the progress records
         self.state_sources = SourceBook()  # failed state sources, refused announcements (issue 9)
         self._max_state_bytes: int | None = None  # the largest state of this run's model
 
@@ -237,6 +238,7 @@ class CollaborativeOptimizer:
 
     async def refresh_view(self) -> CollabView:
         records, users = await read_progress_with_users(self.node.dht)
+        self._users = users
         self._view_at, self._view_own = time.time(), self.trainer.samples
         self.view = summarize(
             records,
@@ -271,15 +273,16 @@ class CollaborativeOptimizer:
         view = self.view
         if view is None or view.step != self.trainer.step or view.entered or not view.syncing:
             return False
+        # Per user, not per peer id: one user's many machines get one grace between them.
         held = held_for(
-            view.syncing,
+            tuple(sorted({self._users.get(peer, peer) for peer in view.syncing})),
             self._held_since,
             time.monotonic(),
             grace=self.config.sync_grace,
             window=self.config.sync_grace_window,
         )
         if held:
-            self.stats.waiting = f"holding the round for {len(held)} peer(s) downloading the state"
+            self.stats.waiting = f"holding the round for {len(held)} user(s) downloading the state"
         return bool(held)
 
     def ready(self) -> bool:
