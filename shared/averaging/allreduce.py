@@ -102,6 +102,9 @@ PUSH, PULL = "avg.push", "avg.pull"
 #: How long a push or pull for a round this node has not started yet waits for it to start.
 EARLY_ARRIVAL_WAIT = 10.0
 MAX_PENDING_ROUNDS = 64
+#: Early pushes/pulls one peer may have waiting at once (for rounds this node has not started): without
+#: it, one peer naming 64 made-up rounds every 10 s would fill MAX_PENDING_ROUNDS for everyone.
+MAX_EARLY_PER_PEER = 4
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ class Averager:
         self.stats = AveragerStatistics()
         self._duties: dict[tuple[bytes, int], _Aggregation] = {}
         self._started: dict[tuple[bytes, int], trio.Event] = {}
+        self._early: dict[str, int] = {}  # peer -> its requests waiting for a round to start
         host.bulk_handlers[PUSH] = self._on_push
         host.bulk_handlers[PULL] = self._on_pull
 
@@ -538,15 +542,23 @@ class Averager:
                 del self._duties[key]
                 self._started.pop(key, None)
 
-    async def _duty_for(self, group_id: bytes, round_: int) -> _Aggregation:
+    async def _duty_for(self, group_id: bytes, round_: int, peer: str) -> _Aggregation:
         self._forget_expired(trio.current_time())
         key = (group_id, round_)
         duty = self._duties.get(key)
         if duty is None:
             if key not in self._started and len(self._started) >= MAX_PENDING_ROUNDS:
                 raise RemoteError(ErrorCode.OVERLOADED, "too many rounds pending")
-            with trio.move_on_after(EARLY_ARRIVAL_WAIT):
-                await self._started.setdefault(key, trio.Event()).wait()
+            if self._early.get(peer, 0) >= MAX_EARLY_PER_PEER:
+                raise RemoteError(ErrorCode.OVERLOADED, "too many requests for rounds not started yet")
+            self._early[peer] = self._early.get(peer, 0) + 1
+            try:
+                with trio.move_on_after(EARLY_ARRIVAL_WAIT):
+                    await self._started.setdefault(key, trio.Event()).wait()
+            finally:
+                self._early[peer] -= 1
+                if not self._early[peer]:
+                    del self._early[peer]
             duty = self._duties.get(key)
         if duty is None:
             self._started.pop(key, None)
@@ -555,7 +567,7 @@ class Averager:
 
     async def _on_push(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
         part = decode_part_header(header.meta)
-        duty = await self._duty_for(part.group_id, part.round)
+        duty = await self._duty_for(part.group_id, part.round, ctx.peer_id)
         plan = duty.plan
         sender = ctx.peer_id
         # Everything below up to read_into is decided from the headers: no payload byte is read before.
@@ -628,7 +640,7 @@ class Averager:
 
     async def _on_pull(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
         request = decode_pull_request(header.meta)
-        duty = await self._duty_for(request.group_id, request.round)
+        duty = await self._duty_for(request.group_id, request.round, ctx.peer_id)
         if ctx.peer_id not in {m.peer_id for m in duty.plan.members}:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
         if not 0 <= request.part_index < len(duty.parts):

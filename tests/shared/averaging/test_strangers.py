@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from protocols.averaging import (
     MAX_WEIGHT,
@@ -468,3 +469,23 @@ async def test_tickets_and_plans_of_invalid_utf8_are_ignored_not_fatal(nursery: 
     # the garbage writer is no member; the two honest peers form the group, nobody crashed
     assert plans[0] is not None and plans[0] == plans[1]
     assert {m.peer_id for m in plans[0].members} == {nodes[0].peer_id, nodes[1].peer_id}
+
+
+async def test_one_peer_cannot_fill_the_pending_rounds_of_an_aggregator() -> None:
+    """Requests for rounds not started yet wait; one peer may have only a few of them waiting at once."""
+    from shared.averaging.allreduce import MAX_EARLY_PER_PEER
+
+    averager = Averager(Host(Identity.generate(), "avg-test"))
+    attacker, honest = Identity.generate().peer_id, Identity.generate().peer_id
+    async with trio.open_nursery() as nursery:
+        for i in range(MAX_EARLY_PER_PEER):
+            nursery.start_soon(averager._duty_for, b"made-up", i, attacker)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RemoteError) as refused:
+            await averager._duty_for(b"made-up", 99, attacker)
+        assert refused.value.code == ErrorCode.OVERLOADED
+        with trio.move_on_after(0.05) as waited:  # another peer's early request still waits its turn
+            await averager._duty_for(b"real", 1, honest)
+        assert waited.cancelled_caught
+        nursery.cancel_scope.cancel()
+    assert averager._early == {}
