@@ -224,7 +224,7 @@ class Matchmaker:
                         )
                     if (assembly := judged[verdict_key]) is not None:
                         accepted.append((record.writer, assembly))
-                if accepted:  # two acceptable plans: the one of the leader of the larger group
+                if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
                     ranked = leader_of(key, [w for w, _ in accepted])
                     return next(a for w, a in accepted if w == ranked)
                 await trio.sleep(0.05)

@@ -42,7 +42,7 @@ is the writer's peer id (UTF-8), except under the revocations key (pinned runs).
 ``train.capabilities``     per peer: subkey = writer's peer id, a plain record refused
 ``run.revocations``        subkey = revoked username, value = authority revocation, any carrier
 ``avg.<round>.<group>``    matchmaking tickets: subkey = writer's peer id
-``avg.<...>.plan``         the leader's plan: a *plain* record today (see below)
+``avg.<...>.plan``         the leader's plan: subkey = the leader's peer id (per-writer, like tickets)
 anything else              a subkey, if any, is the writer's peer id; a plain record is allowed
 =========================  ==============================================================================
 

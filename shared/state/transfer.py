@@ -527,9 +527,8 @@ async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = 
         whatever :meth:`DHTNode.get` raises.
     """
     found = await dht.get(CHECKPOINT_KEY, latest=True)
-    # ``DHTValue.users`` (branch fix/dht): the admitted user of each record, from its verified token; when
-    # merged, read ``found.users`` directly
-    reported: Mapping[bytes | None, str] = getattr(found, "users", None) or {}
+    # ``DHTValue.users``: the admitted user of each record, from its verified token
+    reported: Mapping[bytes | None, str] = found.users if found is not None else {}
     out: dict[str, Announced] = {}
     for subkey, record in found.entries.items() if found is not None else ():
         if subkey != record.writer.encode():
