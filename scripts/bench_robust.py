@@ -8,9 +8,7 @@ rounds of every rule interleaved in the same run. Peer ``r`` sends ``base + 0.1 
 a shared signal plus its own noise), so the robust rules do their real work. ``mean-unbounded`` is the
 averaging before issue 9 (no norm bound); ``mean`` is today's default (the relative norm bound on);
 ``ratio`` is each rule's median round time over ``mean-unbounded``'s (target <= 1.3). Every round checks
-that all peers hold bit-identical results. Until ``GroupPlan`` carries the rule, the bench injects it by
-giving ``shared.averaging.allreduce`` a ``SliceReducer`` with ``rule=`` bound (``rule_via``:
-``patched-reducer``); once the plan has an ``averaging`` field it is passed there instead (``plan``).
+that all peers hold bit-identical results. The rule travels as it does in a run: ``GroupPlan.averaging``.
 
 ``aggregation`` — the reducer alone, in this process: the time to finalize one aggregator's slice
 (``numel / peers`` elements, cut into parts as the all-reduce cuts them) under each rule, with honest
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -73,13 +70,9 @@ def worker(numel: int) -> None:
     import trio
 
     from shared.auth.keys import Identity
-    from shared.averaging import allreduce as allreduce_module
     from shared.averaging.allreduce import Averager, GroupPlan, Member
-    from shared.averaging.reducer import SliceReducer
     from shared.net.addresses import parse_multiaddr
     from shared.net.host import Host, HostConfig
-
-    via_plan = "averaging" in GroupPlan.__dataclass_fields__
 
     async def main() -> None:
         host = Host(Identity.generate(), "bench-robust", HostConfig(bulk_stall=300))
@@ -97,13 +90,9 @@ def worker(numel: int) -> None:
             vector = np.empty_like(mine)
             while line := (await trio.to_thread.run_sync(sys.stdin.readline)).strip():
                 round_text, rule = line.split()
-                spec = spec_of(rule)
-                extra: dict[str, Any] = {}
-                if via_plan:
-                    extra["averaging"] = spec
-                else:
-                    setattr(allreduce_module, "SliceReducer", functools.partial(SliceReducer, rule=spec))  # noqa: B010
-                plan = GroupPlan(b"bench", int(round_text), members, sizes, deadline=600.0, **extra)
+                plan = GroupPlan(
+                    b"bench", int(round_text), members, sizes, deadline=600.0, averaging=spec_of(rule)
+                )
                 np.copyto(vector, mine)
                 start = time.time()
                 result = await averager.all_reduce(plan, vector, me)
@@ -122,8 +111,6 @@ def worker(numel: int) -> None:
 
 
 def allreduce(peers: int, numel: int, rounds: int, warmup: int) -> dict[str, Any]:
-    from shared.averaging.allreduce import GroupPlan
-
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", "--numel", str(numel)],
@@ -169,7 +156,6 @@ def allreduce(peers: int, numel: int, rounds: int, warmup: int) -> dict[str, Any
         "identical_on_every_peer": identical,
         "every_round_complete": complete,
         "honest_peers_banned": banned,
-        "rule_via": "plan" if "averaging" in GroupPlan.__dataclass_fields__ else "patched-reducer",
     }
 
 
