@@ -27,13 +27,13 @@ step (from distinct aggregators other than itself, when it has them).
 
 Example (aggregator side; ``identity`` is its :class:`shared.auth.keys.Identity`)::
 
-    body = encode_receipt(PartReceipt(...))
-    signed = SignedReceipt(receipt=body, signature=identity.sign(receipt_payload(body)))
+    signed = sign_receipt(PartReceipt(...), identity.sign)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -52,6 +52,7 @@ __all__ = [
     "decode_receipt",
     "encode_receipt",
     "receipt_payload",
+    "sign_receipt",
 ]
 
 MAX_RECEIPT_BYTES = 512
@@ -117,6 +118,13 @@ def encode_receipt(receipt: PartReceipt) -> bytes:
     if len(data) > MAX_RECEIPT_BYTES:  # cannot happen with valid fields; checked so it never ships
         raise ValueError(f"receipt of {len(data)} bytes exceeds {MAX_RECEIPT_BYTES}")
     return data
+
+
+def sign_receipt(receipt: PartReceipt, sign: Callable[[bytes], bytes]) -> SignedReceipt:
+    """Encode ``receipt`` and sign :func:`receipt_payload` of its bytes with ``sign`` (the aggregator's
+    identity key, e.g. ``Identity.sign``)."""
+    body = encode_receipt(receipt)
+    return SignedReceipt(receipt=body, signature=sign(receipt_payload(body)))
 
 
 _DECODER = msgspec.msgpack.Decoder(PartReceipt)

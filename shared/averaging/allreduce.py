@@ -77,7 +77,7 @@ from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
-from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, encode_receipt, receipt_payload
+from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload, sign_receipt
 from protocols.training import AveragingSpec
 
 from ..auth.keys import verify_by_peer_id
@@ -712,20 +712,18 @@ class Averager:
                 continue
             if peer != duty.me:
                 self.history.record(peer, weight, now)
-            body = encode_receipt(
-                PartReceipt(
-                    run_id=self.host.run_id,
-                    aggregator=duty.me,
-                    sender=peer,
-                    step=duty.step,
-                    group_id=plan.group_id,
-                    round=plan.round,
-                    weight=weight,
-                    nbytes=duty.accepted_bytes.get(peer, 0),
-                    issued_at=time.time(),
-                )
+            receipt = PartReceipt(
+                run_id=self.host.run_id,
+                aggregator=duty.me,
+                sender=peer,
+                step=duty.step,
+                group_id=plan.group_id,
+                round=plan.round,
+                weight=weight,
+                nbytes=duty.accepted_bytes.get(peer, 0),
+                issued_at=time.time(),
             )
-            duty.receipts[peer] = SignedReceipt(receipt=body, signature=identity.sign(receipt_payload(body)))
+            duty.receipts[peer] = sign_receipt(receipt, identity.sign)
             self.stats.receipts_issued += 1
 
     async def _finalize_ready(self, duty: _Aggregation) -> None:

@@ -19,12 +19,12 @@ from backbone.ratelimit import RateLimiter
 from backbone.runinfo import RunInfo, write_run_info
 from protocols.api import RefreshRequest, refresh_payload
 from protocols.ledger import Capabilities, ContributionReport, SignedCapabilities, capabilities_payload
-from protocols.receipts import PartReceipt, SignedReceipt, encode_receipt, receipt_payload
+from protocols.receipts import SignedReceipt
 from shared.auth.keys import Identity
 from volunteer.api_client import ApiClient
 
 from .api_app import ADMIN, InProcessApi, in_process_api
-from .ledger.reports import sign
+from .ledger.reports import part_receipt, sign
 from .pinned_api import member_client, serve_pinned_api
 
 
@@ -225,20 +225,7 @@ async def test_the_https_api_refuses_tls_1_2(tmp_path: Path) -> None:
 
 
 def _receipt(aggregator: Identity, sender: Identity, run_id: str, step: int, weight: float) -> SignedReceipt:
-    body = encode_receipt(
-        PartReceipt(
-            run_id=run_id,
-            aggregator=aggregator.peer_id,
-            sender=sender.peer_id,
-            step=step,
-            group_id=b"g",
-            round=0,
-            weight=weight,
-            nbytes=100,
-            issued_at=time.time(),
-        )
-    )
-    return SignedReceipt(receipt=body, signature=aggregator.sign(receipt_payload(body)))
+    return part_receipt(aggregator, sender.peer_id, step, weight, run_id, 100, time.time())
 
 
 async def test_a_report_is_credited_what_receipts_of_another_user_back(tmp_path: Path) -> None:

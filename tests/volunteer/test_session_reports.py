@@ -12,8 +12,9 @@ import pytest
 import trio
 
 from protocols.ledger import MAX_INTERVAL_S, ContributionReport
-from protocols.receipts import PartReceipt, PulledSlice, SignedReceipt, encode_receipt, receipt_payload
+from protocols.receipts import PulledSlice, SignedReceipt
 from shared.auth.keys import Identity
+from tests.backbone.ledger.reports import part_receipt
 from tests.backbone.pinned_api import PinnedApi, member_client, serve_pinned_api
 from volunteer.api_client import ApiClient
 from volunteer.collab.optimizer import StepRecord
@@ -35,20 +36,7 @@ def step(number: int, finished_at: float, samples: int = 32) -> StepRecord:
 
 
 def receipt(aggregator: Identity, sender: str, run_id: str, number: int, weight: float) -> SignedReceipt:
-    body = encode_receipt(
-        PartReceipt(
-            run_id=run_id,
-            aggregator=aggregator.peer_id,
-            sender=sender,
-            step=number,
-            group_id=b"g",
-            round=0,
-            weight=weight,
-            nbytes=10,
-            issued_at=time.time(),
-        )
-    )
-    return SignedReceipt(receipt=body, signature=aggregator.sign(receipt_payload(body)))
+    return part_receipt(aggregator, sender, number, weight, run_id, 10, time.time())
 
 
 def admit(api: PinnedApi, username: str) -> Identity:

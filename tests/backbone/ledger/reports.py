@@ -6,7 +6,12 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from protocols.ledger import Capabilities, ContributionReport, SignedReport, report_payload
-from protocols.receipts import PartReceipt, PulledSlice, SignedReceipt, encode_receipt, receipt_payload
+from protocols.receipts import (
+    PartReceipt,
+    PulledSlice,
+    SignedReceipt,
+    sign_receipt,
+)
 from shared.auth.keys import Identity
 
 RUN_ID = "ledger-test"
@@ -64,20 +69,32 @@ def receipt(
 ) -> SignedReceipt:
     """A part receipt of ``aggregator`` for ``sender``'s parts of ``step`` (signed by ``signer``, by
     default the aggregator itself)."""
-    body = encode_receipt(
-        PartReceipt(
-            run_id=run_id,
-            aggregator=aggregator.peer_id,
-            sender=sender.peer_id,
-            step=step,
-            group_id=b"g",
-            round=0,
-            weight=weight,
-            nbytes=nbytes,
-            issued_at=T0,
-        )
+    return part_receipt(aggregator, sender.peer_id, step, weight, run_id, nbytes, T0, signer)
+
+
+def part_receipt(
+    aggregator: Identity,
+    sender: str,
+    step: int,
+    weight: float,
+    run_id: str,
+    nbytes: int,
+    issued_at: float,
+    signer: Identity | None = None,
+) -> SignedReceipt:
+    """The one way tests build a signed part receipt (group ``g``, round 0)."""
+    receipt = PartReceipt(
+        run_id=run_id,
+        aggregator=aggregator.peer_id,
+        sender=sender,
+        step=step,
+        group_id=b"g",
+        round=0,
+        weight=weight,
+        nbytes=nbytes,
+        issued_at=issued_at,
     )
-    return SignedReceipt(receipt=body, signature=(signer or aggregator).sign(receipt_payload(body)))
+    return sign_receipt(receipt, (signer or aggregator).sign)
 
 
 def sign(who: Identity, report: ContributionReport) -> SignedReport:

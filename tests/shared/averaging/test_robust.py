@@ -209,13 +209,19 @@ def test_centered_clip_with_a_large_radius_is_exactly_the_mean(data: st.DataObje
     assert centered_clip(xs, weights, tau=1e30)[0].astype(F32).tobytes() == mean.tobytes()
     clipped, reducer = reduce(xs, weights, AveragingSpec("centered-clip", math.inf, clip_factor=1e6))
     report = reducer.clip_report
+    exact = np.float64(mean)
+    farthest = max(float(np.linalg.norm(x.astype(np.float64) - exact)) for x in xs)
     if n > 1 and report is not None and report.tau == 0.0:  # most inputs equal the median: that is it
         assert np.array_equal(
             clipped, np.median(np.stack(xs).astype(np.float64), axis=0).astype(F32)
         )  # -0.0 == 0.0
-    else:
+    elif n == 1 or report is None or farthest <= report.tau:  # every radius (>= tau) holds every input
         assert clipped.tobytes() == mean.tobytes()
         assert n == 1 or (report is not None and report.iterations == 0)
+    else:  # tau is c x the median distance, which can be tiny beside one far input (0, 1, 1.9e-14):
+        # then it clips, and every iterate stays a convex combination of the inputs
+        stack = np.stack(xs)
+        assert np.all(clipped >= stack.min(axis=0) - 1e-6) and np.all(clipped <= stack.max(axis=0) + 1e-6)
 
 
 def test_without_outliers_the_robust_rules_are_the_mean() -> None:
