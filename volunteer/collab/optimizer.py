@@ -422,12 +422,13 @@ class CollaborativeOptimizer:
         self.anchored = True
         self._loss = None
         logger.info(
-            "step %d done: %d peers, %d local samples, loss %s, averaging %.2f s",
+            "step %d done: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
             new_step,
             peers,
             taken.samples,
             "—" if taken.loss is None else f"{taken.loss:.4f}",
             seconds,
+            self._last_fingerprint.hex()[:16],
         )
         if self.on_step is not None:
             self.on_step(

@@ -1,0 +1,143 @@
+"""Named fault points: tests kill or fail a process at a named point of a protocol, deterministically.
+
+Timing-based fault tests ("kill it 2.5 s in, it is probably averaging by then") fail under load and test
+nothing when they miss. Instead, code marks the moments worth breaking with a *named point*::
+
+    faults.hit("allreduce.after_push")          # synchronous code
+    await faults.point("state.mid_download")    # async code (also a trio checkpoint)
+
+An unarmed point costs one dict lookup. A test arms a point, in-process with :func:`arm` (undone by
+:func:`disarm`), or in a child process through the environment variable :data:`ENV`::
+
+    DEDLOC_FAULTS="allreduce.after_push=kill@2,state.mid_download=raise"
+
+Each entry is ``name=action[@n]``: fire on the ``n``-th hit of ``name`` (default the first), once.
+Actions:
+
+* ``kill`` -- SIGKILL ourselves (what an out-of-memory kill or a pulled plug does: no cleanup at all);
+* ``exit`` -- ``os._exit(70)`` (the same, with a recognisable status);
+* ``raise`` -- raise :class:`FaultInjected` (a :class:`~protocols.errors.ProjectError`, so it travels the
+  same paths as a real failure);
+* ``hang`` -- block forever (async points only; a synchronous point raises instead): a member that stops
+  answering without closing its connections.
+
+The list of points is not fixed: any name works, and :func:`hits` tells a test how often a point was
+passed. Points in use: ``matchmaking.joined``, ``allreduce.after_push``, ``allreduce.before_result``,
+``state.mid_download``, ``step.after_apply``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from dataclasses import dataclass
+
+import trio
+
+from protocols.errors import ProjectError
+
+__all__ = ["ENV", "FaultInjected", "arm", "disarm", "hit", "hits", "parse", "point"]
+
+ENV = "DEDLOC_FAULTS"
+ACTIONS = ("kill", "exit", "raise", "hang")
+EXIT_STATUS = 70
+
+
+class FaultInjected(ProjectError):
+    """A fault point armed with ``raise`` fired."""
+
+
+@dataclass
+class _Armed:
+    action: str
+    on_hit: int  # fire on this hit (1-based)
+
+
+_armed: dict[str, _Armed] = {}
+_hits: Counter[str] = Counter()
+
+
+def parse(text: str) -> dict[str, tuple[str, int]]:
+    """``"a=kill@2,b=raise"`` -> ``{"a": ("kill", 2), "b": ("raise", 1)}``.
+
+    Raises:
+        ValueError: an entry is malformed or names an unknown action.
+    """
+    out: dict[str, tuple[str, int]] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        name, sep, rest = entry.partition("=")
+        action, _, count = rest.partition("@")
+        if not sep or not name or action not in ACTIONS:
+            raise ValueError(f"fault entry {entry!r}: expected name=action[@n], action one of {ACTIONS}")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"fault entry {entry!r}: @{count} is not a number") from None
+        if n < 1:
+            raise ValueError(f"fault entry {entry!r}: @n counts from 1")
+        out[name] = (action, n)
+    return out
+
+
+def arm(name: str, action: str, on_hit: int = 1) -> None:
+    """Fire ``action`` at the ``on_hit``-th hit of ``name`` from now on (once)."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown fault action {action!r} (one of {ACTIONS})")
+    _armed[name] = _Armed(action, _hits[name] + on_hit)
+
+
+def disarm(name: str | None = None) -> None:
+    """Disarm one point, or all of them (and forget the hit counts) with no name."""
+    if name is None:
+        _armed.clear()
+        _hits.clear()
+    else:
+        _armed.pop(name, None)
+
+
+def hits(name: str) -> int:
+    return _hits[name]
+
+
+def _due(name: str) -> str | None:
+    _hits[name] += 1
+    armed = _armed.get(name)
+    if armed is None or _hits[name] != armed.on_hit:
+        return None
+    del _armed[name]
+    if armed.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if armed.action == "exit":
+        os._exit(EXIT_STATUS)
+    return armed.action
+
+
+def hit(name: str) -> None:
+    """A synchronous fault point (``hang`` raises here: blocking a thread would hang the test itself)."""
+    if _armed and _due(name) is not None:
+        raise FaultInjected(f"fault injected at {name}")
+    if not _armed:
+        _hits[name] += 1
+
+
+async def point(name: str) -> None:
+    """An async fault point; also a trio checkpoint only when armed (so unarmed points cost nothing)."""
+    if not _armed:
+        _hits[name] += 1
+        return
+    action = _due(name)
+    if action == "hang":
+        await trio.sleep_forever()
+    if action == "raise":
+        raise FaultInjected(f"fault injected at {name}")
+
+
+def _arm_from_environment() -> None:
+    text = os.environ.get(ENV, "")
+    if text:
+        for name, (action, n) in parse(text).items():
+            arm(name, action, n)
+
+
+_arm_from_environment()
