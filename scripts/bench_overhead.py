@@ -263,9 +263,9 @@ async def volunteer(
             for owner, attribute, name in [
                 (collab, "accumulate", "accumulate_trio"),
                 (trainer, "accumulate", "accumulate_torch"),
-                (collab, "average_and_step", "average_and_step"),
+                (collab.mode, "average_and_step", "average_and_step"),
                 (collab.matchmaker, "assemble", "average_and_step.matchmaking"),
-                (collab, "announce_state", "average_and_step.announce_state"),
+                (collab.sync, "announce_state", "average_and_step.announce_state"),
                 (trainer, "take_gradients", "average_and_step.take_gradients"),
                 (trainer, "apply", "average_and_step.apply"),
                 (trainer, "fingerprint", "fingerprint"),

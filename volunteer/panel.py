@@ -46,7 +46,9 @@ def training_status(
     if waiting is None and view is not None and view.peers <= 1 and collab.trainer.step == 0:
         waiting = None  # alone is fine: we train and step by ourselves until others come
     return TrainingStatus(
-        role="averaging" if collab.averaging else ("re-syncing" if collab.syncing else stats.role),
+        role="averaging"
+        if collab.averaging
+        else ("re-syncing" if collab.syncing else collab.mode.stats.role),
         step=collab.trainer.step,
         collab_step=view.step if view is not None else collab.trainer.step,
         max_steps=collab.spec.max_steps,
@@ -57,9 +59,9 @@ def training_status(
         peers=view.peers if view is not None else 1,
         eta_s=view.eta(collab.spec.target_batch) if view is not None else None,
         loss=view.loss if view is not None and view.loss is not None else None,
-        last_round_s=stats.last_round_seconds,
+        last_round_s=collab.mode.stats.last_round_seconds,
         waiting=waiting,
-        download=stats.download,
+        download=collab.sync.download,
         reports_sent=reports_sent,
         reports_pending=reports_pending,
     )

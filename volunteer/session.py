@@ -181,9 +181,8 @@ class TrainingSession:
                 caps = await measure_capabilities(self.node.host, backbone, sps)
         if caps is not None:
             collab.client_mode = caps.client_mode
-            collab.config = CollabConfig(
-                upload_bps=max(caps.capabilities.upload_bps, 1.0),
-                download_bps=max(caps.capabilities.download_bps, 1.0),
+            collab.measured_bandwidth(
+                max(caps.capabilities.upload_bps, 1.0), max(caps.capabilities.download_bps, 1.0)
             )
             await self._publish(caps)
         logger.info(

@@ -22,7 +22,8 @@ from tests.volunteer.test_collab import (
     start_collab,
     start_nodes,
 )
-from volunteer.collab.optimizer import CollaborativeOptimizer, _state_bound
+from volunteer.collab.optimizer import CollaborativeOptimizer
+from volunteer.collab.sync import _state_bound
 from volunteer.collab.trainer import LocalTrainer
 from volunteer.tasks import make_task
 
@@ -66,9 +67,9 @@ async def test_sync_refuses_a_huge_claim_by_many_identities_and_takes_the_honest
         assert newcomer.state_sources.statistics().refused == 3
 
         # far above this model's state, though far below the wire's ceiling: refused the same way
-        assert newcomer._max_state_bytes is not None
+        assert newcomer.sync._max_state_bytes is not None
         for node in liars:
-            await claim(node, 1, newcomer._max_state_bytes + 1)
+            await claim(node, 1, newcomer.sync._max_state_bytes + 1)
         assert await newcomer.sync_state() == 1
         assert newcomer.state_sources.statistics().refused == 6
         assert await newcomer.sync_state() == 1  # remembered: not refused (nor logged) again

@@ -1,0 +1,123 @@
+"""Publishing our progress and reading everyone's (seed 000 §3.1): the collaborative optimizer's view of
+the run.
+
+Our :class:`~protocols.training.Progress` goes to the DHT under our own subkey after every change worth
+telling (at most every ``publish_period``; at once when :meth:`ProgressBoard.publish_soon` is called, e.g.
+when we enter a round or start a download), and at least once per ``publish_period`` so it never ages
+past :data:`~protocols.training.PROGRESS_TTL`. Everyone's records are read every ``poll_period`` (more
+often as the target batch nears, so peers enter a round together) and summarized by
+:func:`shared.progress.summarize` into :attr:`ProgressBoard.view`. After each read, ``after_read`` runs
+(the state sync answers peers that ask for a state there).
+
+The board knows nothing of steps or states: what we publish comes from the ``own`` callable, whether our
+state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period retries --
+and counted (:class:`~shared.tolerated.Tolerated`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import trio
+
+from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, TrainingSpec
+from shared.node import Node
+from shared.progress import CollabView, summarize
+from shared.progress_records import read_progress_with_users
+from shared.tolerated import Tolerated
+
+__all__ = ["ProgressBoard"]
+
+LEAVE_DEADLINE = 3.0  # seconds to tell the others we left (best effort)
+MIN_POLL = 0.05
+
+
+@dataclass
+class ProgressBoard:
+    node: Node
+    spec: TrainingSpec
+    own: Callable[[], Progress]  # our current record
+    anchored: Callable[[], bool]  # our state is the run's (or the run is at our step 0)
+    tolerated: Tolerated
+    poll_period: float = 0.3
+    publish_period: float = 1.0
+    view: CollabView | None = None
+    #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
+    users: dict[str, str] = field(default_factory=dict)
+    view_at: float = 0.0  # when the view was taken (time.time())
+    view_own_samples: int = 0  # our samples then (to extrapolate between reads)
+    _changed: trio.Event = field(default_factory=trio.Event)
+    _quiet: bool = False
+
+    async def run(
+        self,
+        after_read: Callable[[], Awaitable[None]] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Publish and poll until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish_forever)
+            nursery.start_soon(self._poll_forever, after_read)
+            task_status.started()
+
+    def publish_soon(self) -> None:
+        self._changed.set()
+
+    async def refresh(self) -> CollabView:
+        """Read everyone's records now and summarize them (raises the DHT's CALL_FAILURES)."""
+        records, users = await read_progress_with_users(self.node.dht)
+        mine = self.own()
+        self.users = users
+        self.view_at, self.view_own_samples = time.time(), mine.samples
+        self.view = summarize(
+            records,
+            self.node.peer_id,
+            mine,
+            now=time.time(),
+            target_batch=self.spec.target_batch,
+            anchored=self.anchored(),
+            users=users,
+        )
+        return self.view
+
+    async def try_refresh(self) -> CollabView | None:
+        """:meth:`refresh`, tolerating (and counting) a failed read; returns the view we have."""
+        with self.tolerated.around("progress.read"):
+            await self.refresh()
+        return self.view
+
+    async def leave(self, final: Progress) -> None:
+        """Publish ``final`` (flagged ``left``) and stop publishing: the others stop waiting for us."""
+        self._quiet = True
+        with trio.move_on_after(LEAVE_DEADLINE), self.tolerated.around("progress.leave"):
+            await self._store(final)
+
+    async def _store(self, progress: Progress) -> None:
+        await self.node.dht.store(
+            PROGRESS_KEY,
+            msgspec.msgpack.encode(progress),
+            time.time() + PROGRESS_TTL,
+            subkey=self.node.peer_id.encode(),
+        )
+
+    async def _publish_forever(self) -> None:
+        while not self._quiet:
+            with self.tolerated.around("progress.publish"):
+                await self._store(self.own())
+            with trio.move_on_after(self.publish_period):
+                await self._changed.wait()
+            self._changed = trio.Event()
+
+    async def _poll_forever(self, after_read: Callable[[], Awaitable[None]] | None) -> None:
+        while True:
+            # Read more often as the target nears, so peers enter the round together, close to the target.
+            eta = self.view.eta(self.spec.target_batch) if self.view is not None else None
+            await trio.sleep(
+                self.poll_period if eta is None else min(self.poll_period, max(MIN_POLL, eta / 2))
+            )
+            await self.try_refresh()
+            if after_read is not None:
+                await after_read()

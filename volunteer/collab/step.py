@@ -1,0 +1,331 @@
+"""The batch mode's step: accumulate at our own pace, average when the collaboration reaches the target
+batch, take exactly one optimizer step together (DESIGN §1; seed 000 §3.1, Fig. 1).
+
+This is the seam between *how a step is taken* and everything else (publishing progress, state sync):
+the collaborative optimizer asks its :class:`StepMode` whether to step (:meth:`~StepMode.ready`) and
+lets it take the step (:meth:`~StepMode.average_and_step`, or :meth:`~StepMode.start_step` with delayed
+parameter updates). Other synchronization modes (low-communication rounds, a pipeline) implement the same
+protocol beside :class:`BatchStep`; they read the view from the progress board and change the shared
+:class:`~.phase.PeerState`, nothing else.
+
+**A step** (:meth:`BatchStep.average_and_step`), entered when :meth:`BatchStep.ready`:
+
+1. take the accumulated gradient sum out of the model (our weight = our samples; 0 is fine: a peer that
+   loaded the state for this round still receives the average and steps with everyone);
+2. matchmaking for round = our step (:class:`~shared.averaging.matchmaking.Matchmaker`; the group's leader
+   solves the LP for the members' measured capabilities) and the all-reduce of ``sum / samples``;
+3. if every slice was averaged, apply the group's mean gradient: one optimizer step, identical on every
+   member (the all-reduce's results are bit-identical and so are the optimizer states);
+4. if the round failed (a member died, a slice's aggregator vanished), the gradients go back into the
+   accumulators and the survivors retry the round (a new matchmaking key per attempt): no accumulated
+   sample is lost. A peer left out of the round while others stepped re-downloads the state.
+5. Alone in the run (no other credible peer), we step with our own gradient at once, without
+   matchmaking; alone at our step after a matchmaking that found nobody, likewise.
+
+**Holding a round** (:meth:`BatchStep.holding`): peers at the collaboration's step hold their round for
+a peer downloading the state of that step (:func:`shared.progress.held_for`, per user, bounded).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import trio
+
+from protocols.averaging import MAX_NORM, JoinTicket
+from protocols.receipts import PulledSlice
+from protocols.training import TrainingSpec
+from shared.averaging.allreduce import Averager
+from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from shared.errors import ProjectError
+from shared.net.host import CALL_FAILURES
+from shared.node import Node
+from shared.progress import MAX_EXTRAPOLATION, held_for
+from shared.tolerated import Tolerated
+
+from ..receipts import ReceiptBook
+from .phase import PeerState, Phase
+from .progress_board import ProgressBoard
+from .torch_thread import run_torch
+from .trainer import Accumulated, LocalTrainer
+
+__all__ = ["BatchStep", "StepMode", "StepRecord", "StepStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What we contributed to one global step (for the ledger)."""
+
+    step: int  # the step taken: parameters went from step - 1 to step
+    samples: int
+    compute_seconds: float
+    bytes_aggregated: int
+    peers: int
+    loss: float | None
+    seconds: float  # averaging time
+    finished_at: float
+    fingerprint: bytes  # of the parameters after the step (identical on every peer of the round)
+
+
+@dataclass
+class StepStats:
+    rounds: int = 0
+    failed_rounds: int = 0
+    last_round_seconds: float | None = None
+    role: str = "compute"
+
+
+class StepMode(Protocol):
+    """How a synchronization mode takes steps (see the module docstring)."""
+
+    stats: StepStats
+
+    def ready(self) -> bool:
+        """Step now (the collaboration reached its trigger at our step)."""
+
+    def holding(self) -> bool:
+        """Our share is done but we hold back for peers catching up."""
+
+    async def average_and_step(self, taken: Accumulated | None = None) -> bool:
+        """Take one step with the others; False if none was taken (the samples stay ours)."""
+
+    async def start_step(self, nursery: trio.Nursery) -> None:
+        """Delayed parameter updates: take the gradients now, step in ``nursery``."""
+
+
+@dataclass
+class BatchStep:
+    node: Node
+    trainer: LocalTrainer
+    spec: TrainingSpec
+    board: ProgressBoard
+    peer: PeerState
+    tolerated: Tolerated
+    local_sps: Callable[[], float]  # our measured samples/s (training rate; falls back to the warm-up's)
+    matchmaking_window: float = 1.0
+    max_attempts: int = 3  # averaging attempts of one step before giving the samples back
+    poll_period: float = 0.3
+    sync_grace: float = 10.0  # hold our round at most this long per user downloading the state ...
+    sync_grace_window: float = 60.0  # ... in any window this long (shared.progress.held_for)
+    samples_per_second: float = 0.0  # measured on the run's model; fed to the LP
+    upload_bps: float = 1e8  # used until capabilities are measured
+    download_bps: float = 1e8
+    client_mode: bool = False
+    on_step: Callable[[StepRecord], None] | None = None
+    #: called after a step with the new step; the state sync announces the state at checkpoints
+    after_step: Callable[[int], Awaitable[None]] | None = None
+    receipts: ReceiptBook | None = None  # where each finished round's receipts and pull records go
+    stats: StepStats = field(default_factory=StepStats)
+    waiting: Callable[[str | None], None] = lambda _: None
+
+    def __post_init__(self) -> None:
+        self.averager = Averager(self.node.host)
+        self.matchmaker = Matchmaker(
+            self.node.dht,
+            prefix="train.avg",
+            config=MatchmakingConfig(
+                window=self.matchmaking_window,
+                codec=self.spec.codec,
+                # nobody accumulates more than the target batch plus the micro-batch that crossed it
+                max_weight=float(self.spec.target_batch + self.spec.local_batch),
+                averaging=self.spec.averaging,
+            ),
+        )
+        self._held_since: dict[str, float] = {}  # users we held a round for (shared.progress.held_for)
+
+    # ------------------------------------------------------------------ when
+
+    def holding(self) -> bool:
+        """We hold our round for peers that are downloading the state of our step (they join it next)."""
+        view = self.board.view
+        if view is None or view.step != self.trainer.step or view.entered or not view.syncing:
+            return False
+        # Per user, not per peer id: one user's many machines get one grace between them.
+        users = self.board.users
+        held = held_for(
+            tuple(sorted({users.get(peer, peer) for peer in view.syncing})),
+            self._held_since,
+            time.monotonic(),
+            grace=self.sync_grace,
+            window=self.sync_grace_window,
+        )
+        if held:
+            self.waiting(f"holding the round for {len(held)} user(s) downloading the state")
+        return bool(held)
+
+    def ready(self) -> bool:
+        """The collaboration reached the target batch at our step (or its other peers started averaging)."""
+        if self.peer.phase is not Phase.TRAINING or self.holding():
+            return False
+        if self.trainer.samples >= self.spec.target_batch:
+            return True
+        view = self.board.view
+        if view is None or view.step != self.trainer.step:
+            return False
+        if view.ready:
+            return True
+        # Between two reads of the DHT the others keep computing: extrapolate from the last view.
+        elapsed = min(MAX_EXTRAPOLATION, max(0.0, time.time() - self.board.view_at))
+        others_rate = max(0.0, view.samples_per_second - self.local_sps())
+        estimate = (
+            view.samples + (self.trainer.samples - self.board.view_own_samples) + 0.8 * others_rate * elapsed
+        )
+        return estimate >= self.spec.target_batch
+
+    # ------------------------------------------------------------------ the step
+
+    async def start_step(self, nursery: trio.Nursery) -> None:
+        self._enter_round()
+        taken = await run_torch(self.trainer.take_gradients)
+        nursery.start_soon(self.average_and_step, taken)
+
+    def _enter_round(self) -> None:
+        self.peer.enter(Phase.AVERAGING)
+        self.peer.round_step = self.trainer.step
+
+    async def average_and_step(self, taken: Accumulated | None = None) -> bool:
+        """Steps 1 to 5 of the module docstring (with ``taken``: gradients already taken out for step 1).
+        Returns True if we took a step."""
+        step = self.trainer.step
+        started = trio.current_time()
+        self._enter_round()
+        try:
+            for attempt in range(self.max_attempts):
+                if taken is None:
+                    taken = await run_torch(self.trainer.take_gradients)
+                self.peer.round_samples = taken.samples
+                self.board.publish_soon()
+                outcome = await self._average(step, attempt, taken)
+                if outcome is not None:
+                    vector, peers, aggregated = outcome
+                    await self._apply(step, taken, vector, peers, aggregated, trio.current_time() - started)
+                    return True
+                await run_torch(self.trainer.restore_gradients, taken)
+                taken = None
+                self.peer.round_samples = 0
+                self.stats.failed_rounds += 1
+                view = await self.board.try_refresh()
+                if view is not None and (view.step > self.trainer.step or view.diverged):
+                    return False  # the others moved on: the state sync takes over
+            return False
+        finally:
+            if not self.peer.left:
+                self.peer.enter(Phase.TRAINING)
+            self.board.publish_soon()
+
+    async def _average(
+        self, step: int, attempt: int, taken: Accumulated
+    ) -> tuple[np.ndarray, int, int] | None:
+        """One averaging attempt: (mean gradient, members, bytes we aggregated), or None if it failed."""
+        view = await self.board.try_refresh()
+        if (view is None or view.peers <= 1) and taken.samples > 0:
+            return taken.mean(), 1, 0  # nobody else in the run: no group to find, no window to wait
+        alone = view is None or view.peers_at_step <= 1
+        vector = taken.mean()
+        weight, norm = float(taken.samples), _norm(vector)
+        if not norm <= MAX_NORM:  # NaN/Inf or absurd: averaging it would only get us banned
+            logger.warning("step %d: our gradient is not finite; joining to receive only", step + 1)
+            weight, norm = 0.0, 0.0
+        ticket = JoinTicket(
+            addr=self.node.host.listen_addrs[0]
+            if self.node.host.listen_addrs and not self.client_mode
+            else None,
+            weight=weight,
+            norm=norm,
+            samples_per_second=self.samples_per_second,
+            upload_bps=self.upload_bps,
+            download_bps=self.download_bps,
+            client_mode=self.client_mode,
+        )
+        try:
+            plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")
+        except (*CALL_FAILURES, ValueError, ProjectError) as exc:
+            logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
+            return None
+        if plan is None:
+            if alone and taken.samples > 0:
+                return taken.mean(), 1, 0
+            logger.info("step %d: no group this time (attempt %d)", step + 1, attempt + 1)
+            return None
+        if not any(m.weight > 0 for m in plan.members):
+            logger.info("step %d: nobody in the group has samples yet; not averaging", step + 1)
+            await trio.sleep(self.poll_period)
+            return None
+        me = next(i for i, m in enumerate(plan.members) if m.peer_id == self.node.peer_id)
+        result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
+        if self.receipts is not None:
+            self.receipts.add(
+                step + 1,
+                list(result.receipts),
+                [PulledSlice(aggregator, step + 1, nbytes) for aggregator, nbytes in result.pulled],
+            )
+        for j, why in result.refused.items():
+            logger.warning("step %d: refused the average of %s: %s", step + 1, plan.members[j].peer_id, why)
+        self.matchmaker.record_round(plan.deadline / 2, result.seconds)
+        self.stats.rounds += 1
+        self.stats.last_round_seconds = result.seconds
+        share = plan.slice_sizes[me]
+        self.stats.role = _role(taken.samples > 0, share > 0)
+        if not result.outcome.complete:
+            logger.warning(
+                "step %d: round incomplete (%d ranges not averaged); retrying with the survivors",
+                step + 1,
+                len(result.outcome.unaveraged()),
+            )
+            return None
+        senders = sum(1 for m in plan.members if m.weight > 0)
+        return vector, len(plan.members), share * 4 * senders
+
+    async def _apply(
+        self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float
+    ) -> None:
+        new_step = await run_torch(self.trainer.apply, vector)
+        self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
+        self.peer.anchored = True
+        self.peer.loss = None
+        logger.info(
+            "step %d done: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
+            new_step,
+            peers,
+            taken.samples,
+            "—" if taken.loss is None else f"{taken.loss:.4f}",
+            seconds,
+            self.peer.fingerprint.hex()[:16],
+        )
+        if self.on_step is not None:
+            self.on_step(
+                StepRecord(
+                    new_step,
+                    taken.samples,
+                    taken.compute_seconds,
+                    aggregated,
+                    peers,
+                    taken.loss,
+                    seconds,
+                    time.time(),
+                    self.peer.fingerprint,
+                )
+            )
+        if self.after_step is not None:
+            await self.after_step(new_step)
+        self.board.publish_soon()
+        assert new_step == step + 1
+
+
+def _norm(vector: np.ndarray) -> float:
+    """L2 norm in float64, as aggregators measure it (NaN for a vector holding NaN or Inf)."""
+    return math.sqrt(float(np.einsum("i,i->", vector, vector, dtype=np.float64)))
+
+
+def _role(computes: bool, aggregates: bool) -> str:
+    if computes and aggregates:
+        return "compute + aggregate"
+    return "compute" if computes else ("aggregate" if aggregates else "receive")

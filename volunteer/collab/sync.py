@@ -1,0 +1,274 @@
+"""State sync: serving our state, catching up, handing over the final state, resuming a run.
+
+**Serving** (:meth:`StateSync.announce_state`): our current state is offered for download by the node's
+:class:`~shared.state.transfer.StateServer` and announced in the DHT
+(:data:`~protocols.training.CHECKPOINT_KEY`) every ``checkpoint_every`` steps (when backbones store
+checkpoints) and when a peer at our step flags ``syncing`` (:meth:`StateSync.announce_if_asked`).
+
+**Catching up** (:meth:`StateSync.sync_state`): when the view says we are behind (a credible peer is at a
+later step) or diverged, the phase becomes ``SYNCING`` (published: peers at the collaboration's step hold
+their round for us and announce their state); we pick the state the most users vouch for
+(:func:`shared.state.transfer.trusted_state`), download it chunk by chunk from those peers (resuming with
+another when one fails, refusing anything whose SHA-256 differs, never more than the largest state of
+this run's model) and load it. A state beyond the collaboration's credible step is a lone claim: refused
+while peers train; with nobody training it is how a run resumes (:meth:`StateSync.resume_if_behind`).
+
+**Handing over** (:meth:`StateSync.hand_over_final_state`): at the run's step limit the last volunteers
+keep serving the final state until a backbone confirms storing it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from protocols.training import StateAnnouncement, TrainingSpec
+from shared import faults
+from shared.errors import StateError, StateUnavailable
+from shared.net.addresses import PeerAddress
+from shared.node import Node
+from shared.state.blob import read_metadata, state_digest, state_step
+from shared.state.limits import SourceBook, state_size_bound
+from shared.state.transfer import (
+    StateServer,
+    announce_state,
+    fetch_state,
+    presence_addresses,
+    read_announcements,
+    trusted_state,
+)
+from shared.state.trust import BACKBONE_USER, Announced
+from shared.tolerated import Tolerated
+
+from .phase import PeerState, Phase
+from .progress_board import ProgressBoard
+from .torch_thread import run_torch
+from .trainer import LocalTrainer
+
+__all__ = ["StateSync"]
+
+logger = logging.getLogger(__name__)
+RETRY_PERIOD = 0.5  # seconds between looks for a state to download
+
+
+@dataclass
+class StateSync:
+    node: Node
+    trainer: LocalTrainer
+    spec: TrainingSpec
+    board: ProgressBoard
+    peer: PeerState
+    tolerated: Tolerated
+    data_dir: Path | None = None
+    patience: float = 15.0  # seconds to wait for a state at the collaboration's step
+    #: (bytes done, total) while a download is under way; the panel shows it
+    download: tuple[int, int] | None = None
+    waiting: Callable[[str | None], None] = lambda _: None
+    sources: SourceBook = field(default_factory=SourceBook)  # failed sources, refused announcements
+    _announced_step: int = -1
+    _max_state_bytes: int | None = None  # the largest state of this run's model
+
+    def __post_init__(self) -> None:
+        self.server = StateServer(self.node.host)
+
+    # ------------------------------------------------------------------ serving
+
+    async def announce_state(self) -> StateAnnouncement:
+        """Offer our current state for download and announce it in the DHT."""
+
+        def snapshot() -> tuple[int, bytes, bytes]:
+            blob = self.trainer.state_blob()
+            return self.trainer.step, blob, state_digest(blob)
+
+        step, blob, digest = await run_torch(snapshot)
+        announcement = self.server.offer(step, blob, digest=digest)
+        with self.tolerated.around("state.announce"):
+            await announce_state(self.node.dht, announcement)
+        self._announced_step = step
+        return announcement
+
+    async def announce_if_asked(self) -> None:
+        view = self.board.view
+        if (
+            view is not None
+            and view.syncing
+            and self.peer.anchored
+            and not self.peer.syncing
+            and not view.diverged
+            and view.step == self.trainer.step
+            and self._announced_step != self.trainer.step
+        ):
+            await self.announce_state()
+
+    # ------------------------------------------------------------------ catching up
+
+    async def sync_state(self, on_progress: Callable[[int, int], None] | None = None) -> int:
+        """Download and load the state the collaboration vouches for; returns the step we are at now.
+
+        Raises:
+            StateUnavailable: no trustworthy state could be downloaded within ``patience``.
+        """
+        came_from = self.peer.enter(Phase.SYNCING)
+        self.waiting("re-syncing: downloading the collaboration's state")
+        self.board.publish_soon()
+        started = trio.current_time()
+        errors: list[str] = []
+        loaded = False
+        try:
+            while True:
+                view = await self.board.try_refresh()
+                target = view.step if view is not None else 0
+                candidates = trusted_state(await self._announcements(), min_step=0)
+                patient = trio.current_time() - started < self.patience
+                # Wait for a state at the collaboration's step; past our patience take the newest there is.
+                # A state beyond the collaboration's credible step is a lone claim: refused while peers
+                # train (nobody vouches for it); with nobody training it is how a run resumes.
+                alone = view is None or view.peers <= 1
+                usable = [
+                    c
+                    for c in candidates
+                    if (c[0].step >= target or not patient) and (alone or c[0].step <= target)
+                ]
+                for announcement, writers in usable:
+                    # a state refused outright (too large, not loadable) is not retried until it changes;
+                    # each source's failure is counted and logged once in ``sources``
+                    writers = [
+                        w
+                        for w in writers
+                        if not self.sources.refused(w, announcement) and self.sources.usable(w)
+                    ]
+                    sources = await self._sources(writers, announcement)
+                    if not sources:
+                        continue
+                    try:
+                        step = await self._download(sources, on_progress)
+                    except StateUnavailable as exc:
+                        errors.append(str(exc))
+                        logger.info("state of step %d: %s", announcement.step, exc)
+                    except StateError as exc:
+                        errors.append(str(exc))
+                        for writer in writers:
+                            self.sources.refuse(writer, announcement, str(exc))
+                    else:
+                        loaded = True
+                        return step
+                if not patient:
+                    raise StateUnavailable(
+                        f"no trustworthy state of step {target} could be downloaded"
+                        + (f": {'; '.join(errors[-3:])}" if errors else " (nobody announced one)")
+                    )
+                await trio.sleep(RETRY_PERIOD)
+        finally:
+            if not self.peer.left:
+                self.peer.enter(Phase.TRAINING if loaded or came_from is not Phase.FRESH else Phase.FRESH)
+            self.download = None
+            self.waiting(None)
+            self.board.publish_soon()
+
+    async def _download(
+        self,
+        sources: list[tuple[PeerAddress, StateAnnouncement]],
+        on_progress: Callable[[int, int], None] | None,
+    ) -> int:
+        def progress(done: int, total: int) -> None:
+            self.download = (done, total)
+            if on_progress is not None:
+                on_progress(done, total)
+
+        partial = self.data_dir / "partial-state" if self.data_dir is not None else None
+        if partial is not None:
+            partial.mkdir(exist_ok=True)
+        if self._max_state_bytes is None:
+            self._max_state_bytes = await run_torch(_state_bound, self.trainer)
+        blob = await fetch_state(
+            self.node.host,
+            sources,
+            max_bytes=self._max_state_bytes,
+            partial_dir=partial,
+            on_progress=progress,
+            book=self.sources,
+        )
+        announced = sources[0][1].step
+        if (header_step := await run_torch(lambda: state_step(read_metadata(blob)))) != announced:
+            raise StateError(f"state announced as step {announced} says step {header_step}")
+        await faults.point("state.before_load")
+        try:
+            step = await run_torch(self.trainer.load_state_blob, blob)
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError, MemoryError) as exc:
+            raise StateError(f"the state does not load: {exc!r}") from exc  # a decoder's failure
+        self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
+        self.peer.anchored = True
+        self.server.offer(step, blob)
+        logger.info("loaded the state of step %d (%d bytes) from %s", step, len(blob), sources[0][0].peer_id)
+        return step
+
+    async def _announcements(self) -> dict[str, Announced]:
+        found = await read_announcements(self.node.dht)
+        found.pop(self.node.peer_id, None)
+        return found
+
+    async def _sources(
+        self, writers: list[str], announcement: StateAnnouncement
+    ) -> list[tuple[PeerAddress, StateAnnouncement]]:
+        addresses = await presence_addresses(self.node.dht)
+        return [(addresses[w][0], announcement) for w in writers if addresses.get(w)]
+
+    # ------------------------------------------------------------------ run boundaries
+
+    async def hand_over_final_state(self, stop: trio.Event, within: float = 60.0) -> bool:
+        """At the run's step limit: keep serving our final state until a backbone announces that it stored
+        it (the run's result must not leave with its last volunteers), ``within`` seconds at most."""
+        announcement = await self.announce_state()
+        with trio.move_on_after(within):
+            while not stop.is_set():
+                with self.tolerated.around("state.hand_over"):
+                    found = await self._announcements()
+                    if any(
+                        e.announcement.backbone
+                        and e.announcement.digest == announcement.digest
+                        and e.user in (BACKBONE_USER, w)  # a credible backbone (shared.state.trust)
+                        for w, e in found.items()
+                    ):
+                        return True
+                with trio.move_on_after(1.0):
+                    await stop.wait()
+        logger.warning("no backbone confirmed storing the final state of step %d", announcement.step)
+        return False
+
+    async def resume_if_behind(self) -> None:
+        """A newcomer's first look: if peers or backbones announce a state beyond ours (a run resumed
+        from a checkpoint, with nobody training right now), download it before training."""
+        if self.peer.anchored:
+            return
+        with self.tolerated.around("state.resume"):
+            view = await self.board.refresh()
+            if view.peers > 1:
+                return  # peers are training: the step decides, from their credible progress
+            candidates = trusted_state(await self._announcements())
+            if candidates and candidates[0][0].step > self.trainer.step:
+                try:
+                    await self.sync_state()
+                except StateUnavailable as exc:
+                    logger.warning("starting from the initial parameters: %s", exc)
+
+
+def _state_bound(trainer: LocalTrainer) -> int:
+    """The largest state blob of this run (issue 9, finding 2; :mod:`shared.state.limits`): every tensor of
+    the model, and per trainable parameter :data:`_OPTIMIZER_SLOTS` slots of its size (Adam/AdamW's two
+    moments, SGD's momentum) plus a step scalar. Every peer builds the same model, so this bounds any honest
+    peer's state at any step -- our own optimizer state, empty at step 0, is no guide."""
+    tensors = [
+        (f"model/{name}", value.numel() * value.element_size(), value.dim())
+        for name, value in trainer.model.state_dict().items()
+    ]
+    for i, param in enumerate(trainer.params):
+        slot = (f"optim/{i}/momentum_buffer", param.numel() * param.element_size(), param.dim())
+        tensors += [slot] * _OPTIMIZER_SLOTS + [(f"optim/{i}/momentum_buffer", 8, 0)]
+    return state_size_bound(tensors, (trainer.run_id, trainer.task.name))
+
+
+_OPTIMIZER_SLOTS = 2
