@@ -23,7 +23,8 @@ Actions:
 
 The list of points is not fixed: any name works, and :func:`hits` tells a test how often a point was
 passed. Points in use: ``matchmaking.joined``, ``allreduce.after_push``, ``allreduce.before_result``,
-``state.mid_download``, ``step.after_apply``.
+``state.mid_download``, ``state.before_load`` (downloaded and checked, not loaded yet),
+``step.after_apply`` (stepped; nothing reported or published yet).
 """
 
 from __future__ import annotations

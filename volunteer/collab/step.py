@@ -43,6 +43,7 @@ from protocols.receipts import PulledSlice
 from protocols.training import TrainingSpec
 from shared.averaging.allreduce import Averager
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from shared import faults
 from shared.errors import ProjectError
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
@@ -288,6 +289,7 @@ class BatchStep:
         self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float
     ) -> None:
         new_step = await run_torch(self.trainer.apply, vector)
+        await faults.point("step.after_apply")  # stepped, nothing reported or published yet
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
         self.peer.anchored = True
         self.peer.loss = None
