@@ -41,9 +41,9 @@ import trio
 from protocols.averaging import MAX_NORM, JoinTicket
 from protocols.receipts import PulledSlice
 from protocols.training import TrainingSpec
+from shared import faults
 from shared.averaging.allreduce import Averager
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
-from shared import faults
 from shared.errors import ProjectError
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
