@@ -103,7 +103,7 @@ class DHTConfig:
     expiry_sweep_interval: float = 60.0
     leave_deadline: float = 2.0
     max_handoff_records: int = 10_000
-    contacts_save_interval: float = 10.0  # how often the routing table is saved (when it changed)
+    contacts_save_interval: float = 2.0  # how often the routing table is saved (only when it changed)
     rejoin_interval: float = 2.0  # initial (or saved) peers missing from a small table are pinged again
     reannounce_interval: float = 30.0  # at most one re-announce to a contact that comes back per this
     max_reannounces: int = 4  # re-announces running at once; contacts coming back beyond it are skipped
