@@ -144,6 +144,7 @@ class DHTStatistics:
     comebacks: int = 0  # contacts seen coming back (a new connection from a peer we knew)
     reannounces: int = 0  # re-announces sent to contacts that came back
     reannounced_records: int = 0
+    reannounces_skipped: int = 0  # contacts that came back while max_reannounces were running
     tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site
 
 
@@ -185,7 +186,7 @@ class DHTNode:
         self._comebacks = ComebackDetector()
         self._reannounce_limiter = ReannounceLimiter(self.config.reannounce_interval)
         self._reannouncing = 0
-        self._counts = {"comebacks": 0, "reannounces": 0, "reannounced_records": 0}
+        self._counts = {"comebacks": 0, "reannounces": 0, "reannounced_records": 0, "reannounces_skipped": 0}
         host.connection_observers.append(self._comebacks.connection_opened)
         registry = host.registry
         registry.observe(self._learn_from)
@@ -427,7 +428,11 @@ class DHTNode:
             return
         self._counts["comebacks"] += 1
         now = trio.current_time()
-        if self._nursery is None or self._reannouncing >= self.config.max_reannounces:
+        if self._nursery is None:
+            return
+        if self._reannouncing >= self.config.max_reannounces:
+            self._counts["reannounces_skipped"] += 1
+            logger.debug("not re-announcing to %s: %d re-announces running", peer, self._reannouncing)
             return
         if not self._reannounce_limiter.allow(peer, now):
             return
@@ -702,6 +707,7 @@ class DHTNode:
             comebacks=self._counts["comebacks"],
             reannounces=self._counts["reannounces"],
             reannounced_records=self._counts["reannounced_records"],
+            reannounces_skipped=self._counts["reannounces_skipped"],
             tolerated=self.tolerated.snapshot(),
         )
 

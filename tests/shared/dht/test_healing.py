@@ -313,3 +313,24 @@ async def test_dht_never_learns_from_requests_that_fail_authentication() -> None
             await stranger.call(parse_multiaddr(host.listen_addrs[0]), PingRequest())
         assert node_id_of(stranger_id.peer_id) not in dht.routing
         nursery.cancel_scope.cancel()
+
+
+async def test_dht_reannounces_to_a_contact_that_keeps_reconnecting_once_per_interval() -> None:
+    async with trio.open_nursery() as nursery:
+        holder = await run_node(nursery, Identity.generate())
+        flapper = await run_node(nursery, Identity.generate(), initial=[holder.dht.host.listen_addrs[0]])
+        await holder.dht.store("k", b"v", time.time() + 600)
+        holder_address = parse_multiaddr(holder.dht.host.listen_addrs[0])
+        for i in range(5):  # the flapper drops its connection and comes back, again and again
+            holder.dht.host.disconnect(flapper.dht.host.peer_id)
+            with trio.fail_after(DEADLINE):
+                while holder.dht.host.channel_for(flapper.dht.host.peer_id) is not None:
+                    await trio.sleep(0.01)
+            await flapper.dht.host.call(holder_address, PingRequest())
+            with trio.fail_after(DEADLINE):
+                while i == 0 and holder.dht.statistics().reannounced_records < 1:
+                    await trio.sleep(0.01)
+        stats = holder.dht.statistics()
+        assert stats.comebacks == 5
+        assert stats.reannounces == 1  # CONFIG.reannounce_interval is 30 s
+        nursery.cancel_scope.cancel()
