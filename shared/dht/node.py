@@ -260,8 +260,9 @@ class DHTNode:
                 errors.append(f"{address}: {exc or type(exc).__name__}")
                 return
             self._initial_ids[address] = channel.peer_id
-            self._heard_from(channel.peer_id)
+            known = node_id_of(channel.peer_id) in self.routing
             self._learn(Contact.of(channel.peer_id, (str(address.with_peer(channel.peer_id)),)))
+            self._heard_from(channel.peer_id, known=known)
 
         async def ping(contact: Contact) -> None:
             if await self._call(contact, PingRequest()) is not None:

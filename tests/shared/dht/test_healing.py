@@ -334,3 +334,18 @@ async def test_dht_reannounces_to_a_contact_that_keeps_reconnecting_once_per_int
         assert stats.comebacks == 5
         assert stats.reannounces == 1  # CONFIG.reannounce_interval is 30 s
         nursery.cancel_scope.cancel()
+
+
+async def test_dht_keeps_its_saved_contacts_while_none_of_them_answers(tmp_path: Path) -> None:
+    """A node restarted while the others are down must not overwrite what it knew with an empty table."""
+    path = tmp_path / CONTACTS_FILE
+    dead = [contact(i) for i in range(3)]  # 127.0.0.x on ports nobody listens on
+    save_contacts(path, dead)
+    async with trio.open_nursery() as nursery:
+        node = await run_node(nursery, Identity.generate(), data_dir=tmp_path)
+        with trio.fail_after(DEADLINE):  # a few save intervals and rejoin attempts
+            while node.dht.statistics().rpc_failures < 2 * len(dead):
+                await trio.sleep(0.05)
+        assert len(node.dht.routing) == 0
+        assert load_contacts(path) == dead
+        nursery.cancel_scope.cancel()
