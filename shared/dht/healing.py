@@ -24,6 +24,7 @@ re-announces run at once and how many records one sends (``DHTNode``).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -102,12 +103,12 @@ def _remember(memory: OrderedDict[str, None], peer: str, limit: int) -> None:
 
 
 def is_replica_for(key: int, peer: int, own: int, known: Iterable[int], replicas: int) -> bool:
-    """True if ``peer`` is among the ``replicas`` ids closest to ``key`` (XOR) among ``known``, ``own``
-    and ``peer`` itself, i.e. it should hold the key's records as far as we can tell."""
+    """True if ``peer`` is among the ``replicas`` ids closest to ``key`` (XOR) among ``known`` (distinct
+    ids), ``own`` and ``peer`` itself, i.e. it should hold the key's records as far as we can tell."""
     closer = 0
     mine = peer ^ key
-    for node in {*known, own} - {peer}:
-        if node ^ key < mine:
+    for node in itertools.chain(known, (own,)):
+        if node != peer and node ^ key < mine:
             closer += 1
             if closer >= replicas:
                 return False

@@ -447,15 +447,20 @@ class DHTNode:
             contact = self.routing.get(node_id_of(peer))
             if contact is None:
                 return  # a client-mode peer, or a full bucket: it is no replica of anything we know
-            known = [c.node_id for c in self.routing.contacts()]
+            known = [c.node_id for c in self.routing.contacts() if c.node_id != contact.node_id]
             now = self._clock()
             chosen: dict[tuple[bytes, bytes | None, str], SignedRecord] = {}
+            replica: dict[bytes, bool] = {}  # by key: a key holds many records (one per subkey)
             for record in [*self.storage.records(), *self._own.values()]:
                 if len(chosen) >= self.config.max_handoff_records:
                     break
-                if record.expiration > now and is_replica_for(
-                    key_int(record.key), contact.node_id, self.node_id, known, self.config.num_replicas
-                ):
+                if record.key not in replica:
+                    if len(replica) % 256 == 255:  # each new key scans the table: let others run
+                        await trio.lowlevel.checkpoint()
+                    replica[record.key] = is_replica_for(
+                        key_int(record.key), contact.node_id, self.node_id, known, self.config.num_replicas
+                    )
+                if replica[record.key] and record.expiration > now:
                     chosen[(record.key, record.subkey, record.writer)] = record
             if not chosen:
                 return
