@@ -18,19 +18,17 @@ pytestmark = pytest.mark.slow
 logger = logging.getLogger(__name__)
 
 
-def test_backbone_killed_and_restarted_knows_the_live_volunteers_again(tmp_path: Path) -> None:
+def test_backbone_killed_and_restarted_knows_the_live_volunteer_again(tmp_path: Path) -> None:
     bb_dir = tmp_path / "bb"
     bb, address = start_backbone(bb_dir)
     port = address.split("/tcp/")[1].split("/")[0]
-    volunteers = [
-        spawn(join_argv(address, tmp_path / f"v{i}", "--listen", "/ip4/127.0.0.1/tcp/0")) for i in range(2)
-    ]
+    volunteer = spawn(join_argv(address, tmp_path / "v", "--listen", "/ip4/127.0.0.1/tcp/0"))
     restarted = None
     try:
-        wait_status(bb_dir, lambda s: s["routing_table_size"] >= 2, bb)
+        wait_status(bb_dir, lambda s: s["routing_table_size"] >= 1, bb)
         contacts_file = bb_dir / "dht-contacts.json"
         deadline = time.monotonic() + 60
-        while not contacts_file.exists() or len(json.loads(contacts_file.read_text())["contacts"]) < 2:
+        while not contacts_file.exists() or not json.loads(contacts_file.read_text())["contacts"]:
             assert time.monotonic() < deadline, "the backbone never saved its contacts"
             time.sleep(0.2)
 
@@ -38,15 +36,14 @@ def test_backbone_killed_and_restarted_knows_the_live_volunteers_again(tmp_path:
         (bb_dir / "status.json").unlink()
         started = time.monotonic()
         restarted, _ = start_backbone(bb_dir, "--listen", f"/ip4/127.0.0.1/tcp/{port}")
-        status = wait_status(bb_dir, lambda s: s["routing_table_size"] >= 2, restarted)
+        status = wait_status(bb_dir, lambda s: s["routing_table_size"] >= 1, restarted)
         logger.warning(
-            "restarted backbone knew both volunteers %.2f s after its start", time.monotonic() - started
+            "the restarted backbone knew the volunteer %.2f s after its start", time.monotonic() - started
         )
         assert status["peer_id"] == address.split("/p2p/")[1]
-        for i, proc in enumerate(volunteers):
-            wait_status(tmp_path / f"v{i}", lambda s: s["routing_table_size"] >= 2, proc)
+        wait_status(tmp_path / "v", lambda s: s["routing_table_size"] >= 1, volunteer)
     finally:
-        results = [stop(p) for p in [*volunteers, *([restarted] if restarted else [])]]
+        results = [stop(p) for p in [volunteer, *([restarted] if restarted else [])]]
     for code, _out, err in results:
         assert code == 0, err
         assert "Traceback" not in err
