@@ -34,6 +34,9 @@ def test_backbone_killed_and_restarted_knows_the_live_volunteer_again(tmp_path: 
 
         stop(bb, signal.SIGKILL)
         (bb_dir / "status.json").unlink()
+        # as in the run: the volunteer notices (a call fails) and forgets the backbone, so only
+        # the healing can bring them together again
+        wait_status(tmp_path / "v", lambda s: s["routing_table_size"] == 0, volunteer)
         started = time.monotonic()
         restarted, _ = start_backbone(bb_dir, "--listen", f"/ip4/127.0.0.1/tcp/{port}")
         status = wait_status(bb_dir, lambda s: s["routing_table_size"] >= 1, restarted)
