@@ -124,7 +124,8 @@ class Host:
         self.registry = HandlerRegistry()
         self.bulk_handlers: dict[str, BulkHandler] = {}
         self.listen_addrs: list[str] = []
-        #: called with the peer id of every new RPC connection, either side's, once it is authenticated
+        #: called with the peer id of every new RPC connection, either side's, once the peer proved its
+        #: identity (not yet its admission: that is checked per request)
         self.connection_observers: list[Callable[[PeerId], None]] = []
         self._channels: dict[PeerId, RpcChannel] = {}
         self._all_channels: set[RpcChannel] = set()

@@ -349,3 +349,23 @@ async def test_dht_keeps_its_saved_contacts_while_none_of_them_answers(tmp_path:
         assert len(node.dht.routing) == 0
         assert load_contacts(path) == dead
         nursery.cancel_scope.cancel()
+
+
+async def test_node_status_counts_the_failures_its_tasks_survive() -> None:
+    async with (
+        trio.open_nursery() as nursery,
+        open_node(
+            Identity.generate(),
+            RUN,
+            "volunteer",
+            listen=["/ip4/127.0.0.1/tcp/0"],
+            host_config=FAST,
+            dht_config=CONFIG,
+        ) as node,
+    ):
+        node.dht.routing.add_or_update(contact(1), time.time())  # nobody listens there
+        nursery.start_soon(node.measure_latency_forever, 0.05)
+        with trio.fail_after(DEADLINE):
+            while node.status().tolerated.get("latency ping", 0) < 2:
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
