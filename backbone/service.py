@@ -8,6 +8,8 @@ Open runs (``--open``): no authority, no API, no admission; for local experiment
 Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve them to peers
 (:mod:`backbone.checkpointer`).
 Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves.
+Both save the DHT contacts they know in ``<data dir>/dht-contacts.json`` and dial them again when restarted
+on the same data dir (:mod:`shared.dht.contacts`), so a restarted backbone finds the run's peers by itself.
 """
 
 from __future__ import annotations
@@ -122,7 +124,12 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
             "open run %s: anyone who can reach this node may join; no admission, no ledger", options.run_id
         )
         async with open_node(
-            identity, options.run_id, "backbone", listen=options.listen, initial_peers=options.initial_peers
+            identity,
+            options.run_id,
+            "backbone",
+            listen=options.listen,
+            initial_peers=options.initial_peers,
+            data_dir=options.data_dir,
         ) as node:
             _print_listening(node)
             await _serve_node(node, options, options.run_id, shutdown)
@@ -140,6 +147,7 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
             listen=options.listen,
             initial_peers=options.initial_peers,
             authenticator=auth,
+            data_dir=options.data_dir,
         ) as node:
             _print_listening(node)
             await _serve_pinned(node, options, run_id, authority, auth, store, shutdown)

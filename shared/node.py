@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from .auth.guard import Authenticator, RunAuthenticator
 from .auth.keys import Identity
 from .auth.revocations import decode_revocation
 from .dht.admission import AdmissionValidator, TokenlessValidator
+from .dht.contacts import CONTACTS_FILE
 from .dht.keys import key_id
 from .dht.node import DHTConfig, DHTNode
 from .dht.records import (
@@ -41,6 +42,7 @@ from .dht.records import (
 from .errors import ConfigError, RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
+from .tolerated import Tolerated
 
 __all__ = [
     "PER_PEER_KEYS",
@@ -89,12 +91,15 @@ def run_dht_config(config: DHTConfig | None, authenticator: Authenticator | None
     return dataclasses.replace(config, store=dataclasses.replace(config.store, exempt_keys=exempt))
 
 
-async def watch_revocations(dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL) -> None:
+async def watch_revocations(
+    dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL, tolerated: Tolerated | None = None
+) -> None:
     """Poll the run's revocation records and cut revoked users off (they stay revoked); drop the stored
     DHT records of every revoked user, however the user got into ``auth.revoked`` (a backbone adds users
-    removed from its ledger directly)."""
+    removed from its ledger directly). Failed polls are counted in ``tolerated`` (default: the DHT's)."""
+    tolerated = tolerated or dht.tolerated
     while True:
-        with contextlib.suppress(*CALL_FAILURES):
+        with tolerated.around("revocations poll"):
             found = await dht.get(REVOCATIONS_KEY, latest=True)
             for record in found.entries.values() if found is not None else ():
                 try:
@@ -127,6 +132,7 @@ class NodeStatus:
     bytes_received: int
     uptime_s: float
     updated_at: float
+    tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site (node and DHT)
 
 
 @dataclass
@@ -137,6 +143,7 @@ class Node:
     started_at: float = field(default_factory=time.monotonic)
     _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     _members: int = 0
+    tolerated: Tolerated = field(default_factory=lambda: Tolerated(logger))
 
     @property
     def peer_id(self) -> str:
@@ -150,7 +157,7 @@ class Node:
         next_publish = trio.current_time()
         while True:
             if trio.current_time() >= next_publish:
-                with contextlib.suppress(*CALL_FAILURES):
+                with self.tolerated.around("presence publish"):
                     await self.dht.store(
                         PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
                     )
@@ -175,7 +182,7 @@ class Node:
         while True:
             for contact in self.dht.routing.nearest(self.dht.node_id, 3):
                 started = trio.current_time()
-                with contextlib.suppress(*CALL_FAILURES, ConfigError):
+                with self.tolerated.around("latency ping", *CALL_FAILURES, ConfigError):
                     address = parse_multiaddr(contact.addrs[0]).with_peer(contact.peer_id)
                     with trio.fail_after(self.dht.config.rpc_deadline):
                         await self.host.call(address, PingRequest())
@@ -199,6 +206,7 @@ class Node:
             bytes_received=host_stats.bytes_received,
             uptime_s=time.monotonic() - self.started_at,
             updated_at=time.time(),
+            tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
         )
 
     def write_status(self, data_dir: Path) -> None:
@@ -220,8 +228,12 @@ async def open_node(
     host_config: HostConfig | None = None,
     dht_config: DHTConfig | None = None,
     authenticator: Authenticator | None = None,
+    data_dir: Path | None = None,
 ) -> AsyncIterator[Node]:
     """Start a node, join the DHT through ``initial_peers``, and leave in order on exit.
+
+    With a ``data_dir`` the DHT saves its contacts there (``dht-contacts.json``, see
+    :mod:`shared.dht.contacts`) and pings them again when started on the same data dir.
 
     Raises:
         ConfigError: a listen address cannot be used.
@@ -235,6 +247,7 @@ async def open_node(
         run_dht_config(dht_config, authenticator),
         validator=run_validator(authenticator),
         credentials=credentials,
+        contacts_path=None if data_dir is None else data_dir / CONTACTS_FILE,
     )
     # The host is shielded from whatever cancels this node, so that the DHT can still say goodbye
     # through it; it is stopped explicitly once the DHT has left (bounded by the DHT's leave deadline).

@@ -7,9 +7,12 @@ Modules:
     storage   RecordStore: signed records by (key, subkey), newest wins, expiry heap, per-writer quotas
     records   sign_record, the newest-wins order, and record validators (signature, expiry, own subkeys)
     admission who may write: admitted, unrevoked writers (token in the record), the rule per key, users
-    node      DHTNode trio service: serves the RPCs, drives the cores above, refreshes, leaves gracefully
+    healing   when a contact comes back, whether it is a replica of a key, how often to re-announce to it
+    contacts  the contacts file a node saves in its data dir and dials again when restarted
+    node      DHTNode trio service: serves the RPCs, drives the cores above, refreshes, heals, leaves
 
-Everything here but ``node`` is pure: no trio, no sockets, time passed in as ``now``.
+Everything here but ``node`` is pure: no trio, no sockets, time passed in as ``now`` (``contacts`` also
+reads and writes its file, blocking: call it through ``trio.to_thread``).
 """
 
 from __future__ import annotations

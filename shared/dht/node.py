@@ -3,10 +3,12 @@
 The pure parts live beside this module (routing table, lookup state machine, record store, record
 validation); this module only does I/O and time:
 
-* **serving** — PING, FIND_NODE, FIND_VALUE, STORE and LEAVE handlers. Every request teaches us its
-  sender (a proven peer id plus the addresses it says it listens on), which goes into the routing table
-  (§2.2). A full bucket asks us to ping its least-recently-seen contact; that ping runs in our nursery
-  and the stale contact is evicted only if it fails.
+* **serving** — PING, FIND_NODE, FIND_VALUE, STORE and LEAVE handlers. Every authenticated request or
+  notification the host serves, the DHT's or any other service's (averaging, state transfer, ...),
+  teaches us its sender (a proven, admitted peer id plus the addresses it says it listens on), which
+  goes into the routing table (§2.2; App. B: contacts are learned from every message). Frames that fail
+  authentication teach nothing. A full bucket asks us to ping its least-recently-seen contact; that
+  ping runs in our nursery and the stale contact is evicted only if it fails.
 * **lookups** — the iterative lookup (§2.3) with ``alpha`` queries in flight. A value lookup stops as
   soon as ``quorum`` nodes returned records (default 1), or runs to convergence with ``latest=True``,
   merging every record seen (newest per subkey wins).
@@ -21,6 +23,16 @@ validation); this module only does I/O and time:
   all of them in parallel. Our own records are re-published every ``republish_interval`` until expiry.
 * **maintenance** — bucket refresh (§2.3: a lookup of a random id in every bucket not touched for
   ``refresh_interval``), expiry of stored records.
+* **healing after restarts** — with a ``contacts_path`` (``dht-contacts.json`` in the data dir, see
+  :mod:`.contacts`) the routing table's contacts are saved every ``contacts_save_interval`` when they
+  changed (never an empty table) and pinged again at start, so a node restarted on its data dir finds
+  the network by itself. While the table holds fewer than ``k`` contacts, initial peers missing from it
+  or not connected are pinged again every ``rejoin_interval`` (and the saved contacts too while it is
+  empty), followed by a lookup of our own id: a backbone that came back with nothing is found again by
+  the volunteers that joined through it. A contact that *comes back* (the first authenticated message
+  over a new connection from a peer we knew, :mod:`.healing`) is sent the records we hold or own for
+  which it is now among the ``num_replicas`` closest, at most once per ``reannounce_interval`` per
+  contact, at most ``max_reannounces`` at once, at most ``max_handoff_records`` records each.
 * **graceful leave** — on cancellation, hand every record we hold to the closest other node we know for
   its key and tell connected peers we are leaving (LEAVE), all within ``leave_deadline``.
 
@@ -30,14 +42,14 @@ routing tables (it has nowhere to be dialed).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
@@ -63,7 +75,10 @@ from ..errors import ConfigError, PeerUnavailable, RecordRejected, RemoteError
 from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext, RpcChannel
+from ..tolerated import Tolerated
 from .admission import record_user
+from .contacts import load_contacts, save_contacts
+from .healing import ComebackDetector, ReannounceLimiter, is_replica_for
 from .keys import KEY_BITS, id_bytes, key_id, key_int, node_id_of
 from .lookup import Lookup
 from .records import RecordValidator, default_validator, newer, sign_record
@@ -88,6 +103,10 @@ class DHTConfig:
     expiry_sweep_interval: float = 60.0
     leave_deadline: float = 2.0
     max_handoff_records: int = 10_000
+    contacts_save_interval: float = 2.0  # how often the routing table is saved (only when it changed)
+    rejoin_interval: float = 2.0  # initial (or saved) peers missing from a small table are pinged again
+    reannounce_interval: float = 30.0  # at most one re-announce to a contact that comes back per this
+    max_reannounces: int = 4  # re-announces running at once; contacts coming back beyond it are skipped
     store: StoreLimits = field(default_factory=StoreLimits)  # per-writer quotas and global caps
 
 
@@ -121,6 +140,12 @@ class DHTStatistics:
     rpc_failures: int
     rejected_records: int = 0  # refused by the validator (not admitted, revoked, foreign subkey, forged...)
     refused_records: int = 0  # valid, but refused by the store (over quota, store or key full)
+    contacts_restored: int = 0  # saved contacts that answered when we started
+    comebacks: int = 0  # contacts seen coming back (a new connection from a peer we knew)
+    reannounces: int = 0  # re-announces sent to contacts that came back
+    reannounced_records: int = 0
+    reannounces_skipped: int = 0  # contacts that came back while max_reannounces were running
+    tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site
 
 
 class DHTNode:
@@ -135,6 +160,7 @@ class DHTNode:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         credentials: Callable[[], SignedToken | None] | None = None,
+        contacts_path: Path | None = None,
     ) -> None:
         self.host = host
         self.config = config or DHTConfig()
@@ -151,7 +177,19 @@ class DHTNode:
         self._nursery: trio.Nursery | None = None
         self._lookups = 0
         self._rpc_failures = 0
+        self.contacts_path = contacts_path
+        self.tolerated = Tolerated(logger)
+        self._initial: list[PeerAddress] = []
+        self._initial_ids: dict[PeerAddress, PeerId] = {}
+        self._saved: list[Contact] = []
+        self._restored = 0
+        self._comebacks = ComebackDetector()
+        self._reannounce_limiter = ReannounceLimiter(self.config.reannounce_interval)
+        self._reannouncing = 0
+        self._counts = {"comebacks": 0, "reannounces": 0, "reannounced_records": 0, "reannounces_skipped": 0}
+        host.connection_observers.append(self._comebacks.connection_opened)
         registry = host.registry
+        registry.observe(self._learn_from)
         registry.add(PingRequest, self._on_ping)
         registry.add(FindNodeRequest, self._on_find_node)
         registry.add(FindValueRequest, self._on_find_value)
@@ -175,7 +213,9 @@ class DHTNode:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
-                if initial_peers:
+                if self.contacts_path is not None:
+                    self._saved = await trio.to_thread.run_sync(load_contacts, self.contacts_path)
+                if initial_peers or self._saved:
                     await self.bootstrap(initial_peers)
                 nursery.start_soon(self._maintain)
                 task_status.started()
@@ -186,11 +226,32 @@ class DHTNode:
                     await self._leave()
 
     async def bootstrap(self, initial_peers: Sequence[PeerAddress | str]) -> int:
-        """Contact ``initial_peers`` and fill the routing table with a lookup of our own id."""
-        errors: list[str] = []
+        """Contact ``initial_peers`` and the saved contacts, and fill the routing table with a lookup of
+        our own id. The initial peers are remembered and pinged again whenever they are missing from a
+        small table (see the module docstring).
 
-        async def reach(item: PeerAddress | str) -> None:
-            address = parse_multiaddr(item) if isinstance(item, str) else item
+        Raises:
+            PeerUnavailable: initial peers were given and nobody (initial peer or saved contact) answered.
+        """
+        self._initial = [parse_multiaddr(p) if isinstance(p, str) else p for p in initial_peers]
+        errors: list[str] = []
+        await self._reach_all(self._initial, self._saved, errors)
+        self._restored = sum(1 for c in self._saved if c.node_id in self.routing)
+        if self._saved:
+            logger.info("%d of %d saved DHT contacts answered", self._restored, len(self._saved))
+        if len(self.routing) == 0:
+            if initial_peers:
+                raise PeerUnavailable("no initial peer could be reached: " + "; ".join(errors))
+            return 0
+        await self._find_nodes(self.node_id, self.config.k)
+        return len(self.routing)
+
+    async def _reach_all(
+        self, addresses: Sequence[PeerAddress], contacts: Sequence[Contact], errors: list[str]
+    ) -> None:
+        """Ping ``addresses`` and ``contacts`` in parallel, learning each one that answers."""
+
+        async def reach(address: PeerAddress) -> None:
             try:
                 with trio.fail_after(self.config.rpc_deadline):
                     channel = await self.host.channel_to(address)
@@ -198,21 +259,61 @@ class DHTNode:
             except _CALL_ERRORS as exc:
                 errors.append(f"{address}: {exc or type(exc).__name__}")
                 return
-            addrs = (str(address.with_peer(channel.peer_id)),)
-            self._learn(Contact.of(channel.peer_id, addrs))
+            self._initial_ids[address] = channel.peer_id
+            known = node_id_of(channel.peer_id) in self.routing
+            self._learn(Contact.of(channel.peer_id, (str(address.with_peer(channel.peer_id)),)))
+            self._heard_from(channel.peer_id, known=known)
+
+        async def ping(contact: Contact) -> None:
+            if await self._call(contact, PingRequest()) is not None:
+                self._learn(contact)
+
+        limit = trio.CapacityLimiter(16)  # a saved file holds up to 256 contacts: dial them in waves
+
+        async def limited(job: Callable[[], Awaitable[None]]) -> None:
+            async with limit:
+                await job()
 
         async with trio.open_nursery() as nursery:
-            for item in initial_peers:
-                nursery.start_soon(reach, item)
-        if len(self.routing) == 0:
-            raise PeerUnavailable("no initial peer could be reached: " + "; ".join(errors))
-        await self._find_nodes(self.node_id, self.config.k)
-        return len(self.routing)
+            for address in addresses:
+                nursery.start_soon(limited, functools.partial(reach, address))
+            for contact in contacts:
+                nursery.start_soon(limited, functools.partial(ping, contact))
+
+    async def _rejoin(self) -> None:
+        """Ping the initial peers missing from a small table (and the saved contacts while it is empty);
+        if that taught us anyone, look up our own id to find their neighbours."""
+        if len(self.routing) >= self.config.k:
+            return
+        missing = [a for a in self._initial if not self._holds_initial(a)]
+        saved = [c for c in self._saved if c.node_id not in self.routing] if len(self.routing) == 0 else []
+        if not missing and not saved:
+            return
+        before = len(self.routing)
+        await self._reach_all(missing, saved, [])
+        if len(self.routing) > before:
+            logger.info("rejoined the DHT: %d contacts (was %d)", len(self.routing), before)
+            await self._find_nodes(self.node_id, self.config.k)
+
+    def _holds_initial(self, address: PeerAddress) -> bool:
+        """True if the initial peer at ``address`` is in our table and connected: a restarted peer we
+        did not call while it was down is still in the table, but its connection broke."""
+        peer = self._initial_ids.get(address)
+        return (
+            peer is not None and node_id_of(peer) in self.routing and self.host.channel_for(peer) is not None
+        )
 
     async def _maintain(self) -> None:
-        next_sweep = next_refresh = next_republish = trio.current_time()
+        next_sweep = next_refresh = next_republish = next_rejoin = next_save = trio.current_time()
+        saved: frozenset[Contact] = frozenset(self._saved)
         while True:
             now = trio.current_time()
+            if now >= next_rejoin:
+                await self._rejoin()
+                next_rejoin = now + self.config.rejoin_interval
+            if now >= next_save and self.contacts_path is not None:
+                saved = await self._save_contacts(saved)
+                next_save = now + self.config.contacts_save_interval
             if now >= next_sweep:
                 self.storage.remove_expired(self._clock())
                 next_sweep = now + self.config.expiry_sweep_interval
@@ -224,7 +325,24 @@ class DHTNode:
                 next_republish = now + self.config.republish_interval
             elif not self._own:
                 next_republish = now + self.config.republish_interval
-            await trio.sleep(max(0.0, min(next_sweep, next_refresh, next_republish) - trio.current_time()))
+            wake = min(next_sweep, next_refresh, next_republish, next_rejoin)
+            if self.contacts_path is not None:
+                wake = min(wake, next_save)
+            await trio.sleep(max(0.0, wake - trio.current_time()))
+
+    async def _save_contacts(self, saved: frozenset[Contact]) -> frozenset[Contact]:
+        """Save the routing table if it changed since ``saved`` (never an empty one); return what the
+        file now holds."""
+        contacts = self.routing.contacts()
+        if not contacts or frozenset(contacts) == saved or self.contacts_path is None:
+            return saved
+        contacts.sort(key=lambda c: self.routing.last_seen(c.node_id) or 0.0, reverse=True)
+        try:
+            await trio.to_thread.run_sync(save_contacts, self.contacts_path, contacts)
+        except OSError as exc:
+            self.tolerated.note("save contacts", exc)
+            return saved
+        return frozenset(contacts)
 
     async def _refresh_buckets(self) -> None:
         wall = self._clock()
@@ -274,9 +392,8 @@ class DHTNode:
                 if channel is not None:
                     nursery.start_soon(self._notify_leave, channel)
 
-    @staticmethod
-    async def _notify_leave(channel: RpcChannel) -> None:
-        with contextlib.suppress(PeerUnavailable):
+    async def _notify_leave(self, channel: RpcChannel) -> None:
+        with self.tolerated.around("leave notice"):
             await channel.notify(LeaveNotice())
 
     # ---------------------------------------------------------------- routing table upkeep
@@ -297,31 +414,82 @@ class DHTNode:
             self._pinging.discard(contact.node_id)
 
     def _learn_from(self, ctx: RequestContext) -> None:
+        """Learn the sender of an authenticated request or notification (any service's)."""
+        known = node_id_of(ctx.peer_id) in self.routing
         if ctx.listen_addrs:
             try:
                 self._learn(Contact.of(ctx.peer_id, tuple(ctx.listen_addrs[:8])))
             except ValueError:
                 logger.debug("ignoring contact %s with unusable addresses", ctx.peer_id)
+        self._heard_from(ctx.peer_id, known=known)
+
+    def _heard_from(self, peer: PeerId, *, known: bool = False) -> None:
+        """An authenticated message from ``peer``: if it comes back, re-announce to it (bounded)."""
+        if not self._comebacks.authenticated(peer, known=known):
+            return
+        self._counts["comebacks"] += 1
+        now = trio.current_time()
+        if self._nursery is None:
+            return
+        if self._reannouncing >= self.config.max_reannounces:
+            self._counts["reannounces_skipped"] += 1
+            logger.debug("not re-announcing to %s: %d re-announces running", peer, self._reannouncing)
+            return
+        if not self._reannounce_limiter.allow(peer, now):
+            return
+        self._reannouncing += 1
+        self._nursery.start_soon(self._reannounce, peer)
+
+    async def _reannounce(self, peer: PeerId) -> None:
+        """Store on ``peer`` the records we hold or own for which it is among the closest nodes."""
+        try:
+            await trio.lowlevel.checkpoint()  # let the request that told us finish teaching its sender
+            contact = self.routing.get(node_id_of(peer))
+            if contact is None:
+                return  # a client-mode peer, or a full bucket: it is no replica of anything we know
+            known = [c.node_id for c in self.routing.contacts() if c.node_id != contact.node_id]
+            now = self._clock()
+            chosen: dict[tuple[bytes, bytes | None, str], SignedRecord] = {}
+            replica: dict[bytes, bool] = {}  # by key: a key holds many records (one per subkey)
+            for record in [*self.storage.records(), *self._own.values()]:
+                if len(chosen) >= self.config.max_handoff_records:
+                    break
+                if record.key not in replica:
+                    if len(replica) % 256 == 255:  # each new key scans the table: let others run
+                        await trio.lowlevel.checkpoint()
+                    replica[record.key] = is_replica_for(
+                        key_int(record.key), contact.node_id, self.node_id, known, self.config.num_replicas
+                    )
+                if replica[record.key] and record.expiration > now:
+                    chosen[(record.key, record.subkey, record.writer)] = record
+            if not chosen:
+                return
+            records = list(chosen.values())
+            self._counts["reannounces"] += 1
+            logger.info("re-announcing %d records to %s, which came back", len(records), peer)
+            for start in range(0, len(records), 64):
+                batch = records[start : start + 64]
+                if await self._call(contact, StoreRequest(records=batch)) is None:
+                    return
+                self._counts["reannounced_records"] += len(batch)
+        finally:
+            self._reannouncing -= 1
 
     # ---------------------------------------------------------------- handlers
 
     async def _on_ping(self, ctx: RequestContext, request: PingRequest) -> Message:
-        self._learn_from(ctx)
         return PingResponse()
 
     async def _on_find_node(self, ctx: RequestContext, request: FindNodeRequest) -> Message:
-        self._learn_from(ctx)
         nodes = self._nearest_infos(key_int(request.target), exclude=node_id_of(ctx.peer_id))
         return FindNodeResponse(nodes=nodes)
 
     async def _on_find_value(self, ctx: RequestContext, request: FindValueRequest) -> Message:
-        self._learn_from(ctx)
         records = self.storage.get(request.key, self._clock())
         nodes = self._nearest_infos(key_int(request.key), exclude=node_id_of(ctx.peer_id))
         return FindValueResponse(records=_fit(records), nodes=nodes)
 
     async def _on_store(self, ctx: RequestContext, request: StoreRequest) -> Message:
-        self._learn_from(ctx)
         accepted = []
         reasons: list[str] = []
         for i, record in enumerate(request.records):
@@ -385,6 +553,7 @@ class DHTNode:
                 if isinstance(exc, RemoteError):
                     break  # it answered: another address would give the same answer
                 continue
+            self._heard_from(contact.peer_id, known=contact.node_id in self.routing)
             self.routing.mark_seen(contact.node_id, self._clock())
             return reply
         self._rpc_failures += 1
@@ -540,6 +709,12 @@ class DHTNode:
             rpc_failures=self._rpc_failures,
             rejected_records=self._rejected,
             refused_records=sum(self.storage.refusals[r] for r in _CAPACITY_REFUSALS),
+            contacts_restored=self._restored,
+            comebacks=self._counts["comebacks"],
+            reannounces=self._counts["reannounces"],
+            reannounced_records=self._counts["reannounced_records"],
+            reannounces_skipped=self._counts["reannounces_skipped"],
+            tolerated=self.tolerated.snapshot(),
         )
 
 

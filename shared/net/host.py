@@ -35,7 +35,7 @@ import errno
 import ipaddress
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -124,6 +124,9 @@ class Host:
         self.registry = HandlerRegistry()
         self.bulk_handlers: dict[str, BulkHandler] = {}
         self.listen_addrs: list[str] = []
+        #: called with the peer id of every new RPC connection, either side's, once the peer proved its
+        #: identity (not yet its admission: that is checked per request)
+        self.connection_observers: list[Callable[[PeerId], None]] = []
         self._channels: dict[PeerId, RpcChannel] = {}
         self._all_channels: set[RpcChannel] = set()
         self._by_address: dict[tuple[str, int], PeerId] = {}
@@ -361,6 +364,8 @@ class Host:
         current = self._channels.get(channel.peer_id)
         if current is None or current.closed:
             self._channels[channel.peer_id] = channel
+        for observer in self.connection_observers:
+            observer(channel.peer_id)
         return channel
 
     async def _run_channel(self, channel: RpcChannel) -> None:

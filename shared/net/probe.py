@@ -17,12 +17,11 @@ A download holds its slot until its bytes are on the wire.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import trio
@@ -46,9 +45,10 @@ from protocols.probe import (
 )
 
 from ..errors import ConfigError, Overloaded, PeerUnavailable, RemoteError
+from ..tolerated import Tolerated
 from .addresses import PeerAddress, format_multiaddr, parse_multiaddr
 from .bulk import BulkReader, BulkReply
-from .host import CALL_FAILURES, Host
+from .host import Host
 from .rpc import RequestContext
 
 __all__ = ["ProbeService", "ProbeStatistics", "check_reachable", "measure_bandwidth"]
@@ -82,6 +82,7 @@ class ProbeStatistics:
     bytes_received: int
     bytes_sent: int
     refused: int  # oversize or overloaded
+    tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site (dial-backs)
 
 
 class ProbeService:
@@ -103,12 +104,13 @@ class ProbeService:
         self.limiter = trio.CapacityLimiter(max_concurrent)
         self._counts = {"uploads": 0, "downloads": 0, "reach_checks": 0, "bytes_received": 0, "bytes_sent": 0}
         self._refused = 0
+        self.tolerated = Tolerated(logger)
         host.registry.add(ReachRequest, self._on_reach)
         host.bulk_handlers[PROBE_UP] = self._on_up
         host.bulk_handlers[PROBE_DOWN] = self._on_down
 
     def statistics(self) -> ProbeStatistics:
-        return ProbeStatistics(**self._counts, refused=self._refused)
+        return ProbeStatistics(**self._counts, refused=self._refused, tolerated=self.tolerated.snapshot())
 
     def _slot(self, ctx: RequestContext, what: str) -> Callable[[], None]:
         """Take a probe slot (or refuse with OVERLOADED); returns the function that gives it back once."""
@@ -186,7 +188,7 @@ class ProbeService:
         reached: set[str] = set()
 
         async def dial(text: str, address: PeerAddress) -> None:
-            with trio.move_on_after(REACH_DEADLINE), contextlib.suppress(*CALL_FAILURES):
+            with trio.move_on_after(REACH_DEADLINE), self.tolerated.around("reach dial-back"):
                 if await self.host.dial_fresh(address) == ctx.peer_id:
                     reached.add(text)
 

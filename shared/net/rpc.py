@@ -85,6 +85,16 @@ class HandlerRegistry:
     def __init__(self) -> None:
         self.requests: dict[type[Request], Handler] = {}
         self.notifications: dict[type[Message], NotifyHandler] = {}
+        self.observers: list[Callable[[RequestContext], None]] = []
+
+    def observe(self, observer: Callable[[RequestContext], None]) -> None:
+        """Call ``observer`` with the context of every request and notification that passed
+        authentication, before its handler runs (the DHT learns its contacts from every message)."""
+        self.observers.append(observer)
+
+    def observed(self, context: RequestContext) -> None:
+        for observer in self.observers:
+            observer(context)
 
     def add(self, request_type: type[R], handler: Callable[[RequestContext, R], Awaitable[Message]]) -> None:
         if request_type in self.requests:
@@ -323,6 +333,7 @@ class RpcChannel:
         try:
             context, _ = self._verify(envelope)
             message = await decode_payload(envelope)
+            self._registry.observed(context)
             handler = self._registry.notifications.get(type(message))
             if handler is None:
                 logger.debug("no handler for notification %s from %s", message.kind, self.peer_id)
@@ -353,6 +364,7 @@ class RpcChannel:
         try:
             context, nonce = self._verify(envelope)
             request = await decode_payload(envelope)
+            self._registry.observed(context)
             handler = self._registry.requests.get(type(request))  # type: ignore[arg-type]
             if handler is None:
                 raise ProtocolError(f"no handler for {request.kind}", ErrorCode.UNKNOWN_KIND)

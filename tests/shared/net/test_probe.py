@@ -158,6 +158,7 @@ async def test_check_reachable_finds_nothing_when_the_advertised_port_is_closed(
         assert await check_reachable(client, address_of(server)) == []
     assert server.channel_for(client.peer_id) is not None
     assert probes.statistics().reach_checks == 1  # the observed IP is the advertised one: no second ask
+    assert probes.statistics().tolerated == {"reach dial-back": 1}  # the failed dial is counted
 
 
 async def test_check_reachable_is_empty_for_a_client_mode_host(
