@@ -82,6 +82,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         listen=options.listen,
         initial_peers=initial,
         authenticator=admission.authenticator,
+        data_dir=options.data_dir,  # its saved DHT contacts: a restart re-dials them (shared.dht.contacts)
     ) as node:
         console.print(f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False)
         async with trio.open_nursery() as nursery:
