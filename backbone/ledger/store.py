@@ -75,7 +75,16 @@ from .accounting import (
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
 from .schema import Invite, Peer, PeerSession, Pull, Receipt, Report, Step, User, create_schema
-from .views import LeaderboardRow, PeerSeen, ReportStatus, StepRow, StoredReport, UserSummary, Verdict
+from .views import (
+    LeaderboardRow,
+    PeerSeen,
+    ReportStatus,
+    SessionRow,
+    StepRow,
+    StoredReport,
+    UserSummary,
+    Verdict,
+)
 
 __all__ = ["BACKBONE_USERNAME", "RESERVED_USERNAMES", "LedgerStore"]
 
@@ -90,6 +99,7 @@ BACKBONE_USERNAME = "backbone"
 RESERVED_USERNAMES = frozenset({BACKBONE_USERNAME})
 _MAX_NOTE = 1024
 _MAX_ADDRESS = 256
+_MAX_TOKEN = 64
 _MAX_SECRET = 256
 _INVITE_BYTES = 32
 _WRITE_OPTION = "dedloc_ledger_write"
@@ -380,33 +390,156 @@ class LedgerStore:
         return None if peer is None else peer.capabilities
 
     def open_session(self, peer_id: str, address: str, *, now: float) -> int:
-        """Record that ``peer_id`` connected from ``address`` (a multiaddr or host:port); returns the
-        session id for :meth:`close_session`.
+        """Record a session of ``peer_id`` from ``address`` without a token (schema version 2's join-time
+        session; volunteers now open theirs with :meth:`session_heartbeat`); returns its id for
+        :meth:`close_session`.
 
         Raises:
             UnknownPeer: ``peer_id`` never redeemed an invite.
             ConfigError: ``address`` is longer than 256 characters.
         """
-        if len(address) > _MAX_ADDRESS:
-            raise ConfigError(f"an address has at most {_MAX_ADDRESS} characters, got {len(address)}")
+        _check_address(address)
         with self._tx(write=True) as conn:
             if not _touch(conn, peer_id, now):
                 raise UnknownPeer(f"unknown peer {peer_id}")
             result = conn.execute(
-                insert(PeerSession).values(peer_id=peer_id, started_at=now, address=address)
+                insert(PeerSession).values(peer_id=peer_id, started_at=now, last_seen_at=now, address=address)
             )
             key = result.inserted_primary_key
             assert key is not None  # a single-row INSERT always has one
             return int(key[0])
 
     def close_session(self, session_id: int, *, now: float) -> None:
-        """Mark a session ended at ``now``. Closing an unknown or already closed session does nothing."""
+        """Mark a session ended at ``now`` (a leave). Closing an unknown or closed session does nothing."""
         with self._tx(write=True) as conn:
             open_session = PeerSession.id == session_id, PeerSession.ended_at.is_(None)
             peer_id = conn.execute(select(PeerSession.peer_id).where(*open_session)).scalar_one_or_none()
             if peer_id is not None:
-                conn.execute(update(PeerSession).where(*open_session).values(ended_at=now))
+                conn.execute(
+                    update(PeerSession)
+                    .where(*open_session)
+                    .values(ended_at=now, last_seen_at=now, end_reason="leave")
+                )
                 _touch(conn, peer_id, now)
+
+    def session_heartbeat(self, peer_id: str, token: str, address: str, *, now: float) -> bool:
+        """``peer_id``'s process with session ``token`` is alive (its heartbeat through the API).
+
+        The first heartbeat of a token opens its session and closes the peer's other open sessions as
+        ``replaced`` at their last heartbeat: a peer id is one identity key in one data dir, which one
+        process at a time holds, so a new token means the old process is gone (a restart after a crash).
+        A heartbeat of a session closed as ``timeout`` reopens it: it was alive, only unheard (a backbone
+        was down). Several backbones on one database agree: ``(peer_id, token)`` is unique.
+
+        Returns:
+            True if the session is open now; False if it had ended by a leave or was replaced (nothing
+            changes: a late heartbeat cannot reopen it).
+
+        Raises:
+            UnknownPeer: ``peer_id`` never redeemed an invite.
+            ConfigError: ``address`` is longer than 256 characters, ``token`` longer than 64.
+        """
+        _check_address(address)
+        if not 1 <= len(token) <= _MAX_TOKEN:
+            raise ConfigError(f"a session token has 1-{_MAX_TOKEN} characters, got {len(token)}")
+
+        def body(conn: Connection) -> bool:
+            if not _touch(conn, peer_id, now):
+                raise UnknownPeer(f"unknown peer {peer_id}")
+            row = conn.execute(
+                select(PeerSession.id, PeerSession.end_reason).where(
+                    PeerSession.peer_id == peer_id, PeerSession.token == token
+                )
+            ).one_or_none()
+            if row is not None and row.end_reason not in (None, "timeout"):
+                return False
+            if row is None:
+                conn.execute(
+                    update(PeerSession)
+                    .where(PeerSession.peer_id == peer_id, PeerSession.ended_at.is_(None))
+                    .values(ended_at=func.coalesce(PeerSession.last_seen_at, now), end_reason="replaced")
+                )
+                conn.execute(
+                    insert(PeerSession).values(
+                        peer_id=peer_id, token=token, started_at=now, last_seen_at=now, address=address
+                    )
+                )
+            else:
+                conn.execute(
+                    update(PeerSession)
+                    .where(PeerSession.id == row.id)
+                    .values(last_seen_at=now, ended_at=None, end_reason=None, address=address)
+                )
+            return True
+
+        return self._write_retrying(body)
+
+    def leave_session(self, peer_id: str, token: str, *, now: float) -> bool:
+        """``peer_id``'s process with session ``token`` is leaving cleanly: its session ends at ``now``.
+
+        Returns:
+            True if an open (or timed-out) session was closed as ``leave``; False if there is no such
+            session or it had ended by a leave or was replaced.
+        """
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                update(PeerSession)
+                .where(
+                    PeerSession.peer_id == peer_id,
+                    PeerSession.token == token,
+                    (PeerSession.end_reason.is_(None)) | (PeerSession.end_reason == "timeout"),
+                )
+                .values(ended_at=now, last_seen_at=now, end_reason="leave")
+            )
+            if result.rowcount == 0:
+                return False
+            _touch(conn, peer_id, now)
+            return True
+
+    def close_silent_sessions(self, *, silent_since: float) -> int:
+        """Close every open session not heard from since ``silent_since`` as ``timeout``, ended at its
+        last heartbeat (the last time anyone knew it alive). Returns how many were closed."""
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                update(PeerSession)
+                .where(
+                    PeerSession.ended_at.is_(None),
+                    func.coalesce(PeerSession.last_seen_at, PeerSession.started_at) < silent_since,
+                )
+                .values(
+                    ended_at=func.coalesce(PeerSession.last_seen_at, PeerSession.started_at),
+                    end_reason="timeout",
+                )
+            )
+            return int(result.rowcount)
+
+    def sessions(self, peer_id: str | None = None) -> list[SessionRow]:
+        """Every session (of ``peer_id``, if given), oldest first."""
+        query = select(
+            PeerSession.peer_id,
+            PeerSession.token,
+            PeerSession.address,
+            PeerSession.started_at,
+            PeerSession.last_seen_at,
+            PeerSession.ended_at,
+            PeerSession.end_reason,
+        ).order_by(PeerSession.started_at, PeerSession.id)
+        if peer_id is not None:
+            query = query.where(PeerSession.peer_id == peer_id)
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+        return [
+            SessionRow(
+                r.peer_id,
+                r.token,
+                r.address,
+                r.started_at,
+                r.last_seen_at if r.last_seen_at is not None else r.started_at,
+                r.ended_at,
+                r.end_reason,
+            )
+            for r in rows
+        ]
 
     def touch_peer(self, peer_id: str, *, now: float) -> None:
         """Set the peer's last-seen time to ``now`` (it never moves backwards).
@@ -763,6 +896,11 @@ def _describe(exc: SQLAlchemyError) -> str:
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         return f"{type(exc.orig).__name__}: {str(exc.orig).strip()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _check_address(address: str) -> None:
+    if len(address) > _MAX_ADDRESS:
+        raise ConfigError(f"an address has at most {_MAX_ADDRESS} characters, got {len(address)}")
 
 
 def _check_username(username: str) -> None:

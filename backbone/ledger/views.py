@@ -8,7 +8,16 @@ from typing import Literal, NamedTuple
 
 from protocols.ledger import SignedReport
 
-__all__ = ["LeaderboardRow", "PeerSeen", "ReportStatus", "StepRow", "StoredReport", "UserSummary", "Verdict"]
+__all__ = [
+    "LeaderboardRow",
+    "PeerSeen",
+    "ReportStatus",
+    "SessionRow",
+    "StepRow",
+    "StoredReport",
+    "UserSummary",
+    "Verdict",
+]
 
 ReportStatus = Literal["credited", "flagged"]
 
@@ -30,6 +39,20 @@ class UserSummary:
     revoked_at: float | None
     #: the user's machines, most recently seen first
     peers: tuple[PeerSeen, ...]
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """One volunteer process in the run: open while ``ended_at`` is None; ``end_reason`` is ``leave``
+    (it said so), ``replaced`` (a newer process of the same peer) or ``timeout`` (silent too long)."""
+
+    peer_id: str
+    token: str | None
+    address: str
+    started_at: float
+    last_seen_at: float
+    ended_at: float | None
+    end_reason: str | None
 
 
 @dataclass(frozen=True)
