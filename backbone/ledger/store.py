@@ -56,6 +56,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 
 from protocols.ledger import Capabilities, ContributionReport, SignedReport
@@ -74,7 +76,18 @@ from .accounting import (
     valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
-from .schema import Invite, Peer, PeerSession, Pull, Receipt, Report, Step, User, create_schema
+from .schema import (
+    Discard,
+    Invite,
+    Peer,
+    PeerSession,
+    Pull,
+    Receipt,
+    Report,
+    Step,
+    User,
+    create_schema,
+)
 from .views import (
     LeaderboardRow,
     PeerSeen,
@@ -619,8 +632,14 @@ class LedgerStore:
                 key = result.inserted_primary_key
                 assert key is not None  # a single-row INSERT always has one
                 report_id = int(key[0])
+                _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
-                credit = _credit(conn, report.peer_id) if assessment.credited else Credit()
+                _record_evidenced_steps(conn, now)
+                credit = (
+                    _credit(conn, report.peer_id, debit=bool(report.discarded))
+                    if assessment.credited
+                    else Credit()
+                )
                 conn.execute(
                     update(Report)
                     .where(Report.id == report_id)
@@ -697,7 +716,8 @@ class LedgerStore:
     def record_step(
         self, global_step: int, *, finished_at: float, loss: float | None, samples: int, peers: int
     ) -> bool:
-        """Record that ``global_step`` finished; the first record of a step wins.
+        """Record that a backbone saw the collaboration take ``global_step`` (``source = 'tracker'``); the
+        first record of a step wins, except that a row only receipts evidenced takes these numbers.
 
         A non-finite ``loss`` is stored as NULL (SQLite cannot store NaN).
 
@@ -708,19 +728,20 @@ class LedgerStore:
             raise ValueError(f"negative step record: {global_step=}, {samples=}, {peers=}")
         if loss is not None and not math.isfinite(loss):
             loss = None
+        values = {"finished_at": finished_at, "loss": loss, "samples": samples, "peers": peers}
         try:
             with self._tx(write=True) as conn:
-                if _step_exists(conn, global_step):
-                    return False
-                conn.execute(
-                    insert(Step).values(
-                        global_step=global_step,
-                        finished_at=finished_at,
-                        loss=loss,
-                        samples=samples,
-                        peers=peers,
+                source = conn.execute(
+                    select(Step.source).where(Step.global_step == global_step)
+                ).scalar_one_or_none()
+                if source == "receipts":  # evidenced by receipts first: the tracker knows more of it
+                    conn.execute(
+                        update(Step).where(Step.global_step == global_step).values(source="tracker", **values)
                     )
-                )
+                    return True
+                if source is not None:
+                    return False
+                conn.execute(insert(Step).values(global_step=global_step, source="tracker", **values))
         except _Conflict:
             if self._exists(lambda conn: _step_exists(conn, global_step)):
                 return False
@@ -731,11 +752,21 @@ class LedgerStore:
         """The ``limit`` most recent finished steps, newest first."""
         with self._tx(write=False) as conn:
             rows = conn.execute(
-                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers)
+                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers, Step.source)
                 .order_by(Step.global_step.desc())
                 .limit(limit)
             ).all()
-        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers) for r in rows]
+        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source) for r in rows]
+
+    def discards(self, peer_id: str) -> list[tuple[int, int]]:
+        """The step ranges ``peer_id`` reported discarded, by first step."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(Discard.first_step, Discard.last_step)
+                .where(Discard.peer_id == peer_id)
+                .order_by(Discard.first_step)
+            ).all()
+        return [(r.first_step, r.last_step) for r in rows]
 
     # ------------------------------------------------------------------ queries
 
@@ -789,6 +820,15 @@ class LedgerStore:
                 .join(Report, Report.user_id == User.id)
                 .where(Report.status == "flagged")
             ).all()
+            discarded = dict(
+                conn.execute(
+                    select(User.username, func.sum(sql_cast(Receipt.weight, Double)))
+                    .join(Peer, Peer.user_id == User.id)
+                    .join(Receipt, Receipt.sender == Peer.peer_id)
+                    .where(Receipt.discarded == 1)
+                    .group_by(User.username)
+                ).all()
+            )
         reasons: dict[str, Counter[str]] = {}
         for username, reason in flagged:
             reasons.setdefault(username, Counter()).update(set(reason_codes(reason)))
@@ -803,6 +843,7 @@ class LedgerStore:
                 last_seen=row.last_seen,
                 flagged_reports=int(row.flagged or 0),
                 flag_reasons=dict(sorted(reasons.get(row.username, Counter()).items())),
+                discarded_samples=round(discarded.get(row.username) or 0),
             )
             for row in rows
         ]
@@ -1038,7 +1079,7 @@ def _store_evidence(
         if known is not None:
             notes["receipt_duplicate"] += 1
             continue
-        if step not in recorded:
+        if step not in recorded and step > _frontier(conn):
             notes["receipt_held"] += 1
         conn.execute(
             insert(Receipt).values(
@@ -1048,6 +1089,7 @@ def _store_evidence(
                 weight=receipt.weight,
                 nbytes=receipt.nbytes,
                 report_id=report_id,
+                discarded=int(_is_discarded(conn, report.peer_id, step)),
             )
         )
     seen: set[tuple[str, int]] = set()
@@ -1087,8 +1129,9 @@ def _format_notes(notes: Counter[str]) -> str | None:
     return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
 
 
-def _credit(conn: Connection, peer_id: str) -> Credit:
-    """What the peer's newest report adds (accounting.credit_due), from the sums in the database."""
+def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
+    """What the peer's newest report adds (accounting.credit_due), from the sums in the database; with
+    ``debit`` (the report discards steps) it may take back what discarded receipts were credited."""
     mine = (Report.peer_id == peer_id, Report.status == "credited", Report.scheme == 2)
     totals = conn.execute(
         select(
@@ -1112,7 +1155,7 @@ def _credit(conn: Connection, peer_id: str) -> Credit:
         select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
         .select_from(Receipt)
         .join(Step, Step.global_step == Receipt.step)
-        .where(Receipt.sender == peer_id)
+        .where(Receipt.sender == peer_id, Receipt.discarded == 0)
     ).scalar_one()
     pulled = conn.execute(
         select(func.coalesce(func.sum(sql_cast(Pull.nbytes, Double)), 0.0))
@@ -1124,4 +1167,78 @@ def _credit(conn: Connection, peer_id: str) -> Credit:
         Credit(float(totals[0]), float(totals[1]), float(totals[2])),
         Credit(samples=float(weights), bytes_aggregated=float(pulled)),
         Credit(float(totals[3]), float(totals[4]), float(totals[5])),
+        debit=debit,
     )
+
+
+def _frontier(conn: Connection) -> int:
+    """The highest step a backbone saw taken (``-1``: none): receipts fill steps at or below it."""
+    top = conn.execute(select(func.max(Step.global_step)).where(Step.source != "receipts")).scalar_one()
+    return -1 if top is None else int(top)
+
+
+#: Steps one report's transaction records from stored receipts (the rest: with the next reports).
+_EVIDENCED_PER_REPORT = 1024
+
+
+def _record_evidenced_steps(conn: Connection, now: float) -> None:
+    """Record the steps at or below the frontier that counting receipts evidence and ``steps`` lacks
+    (the tracker jumped over them): ``source = 'receipts'``, peers = distinct peers in those receipts."""
+    frontier = _frontier(conn)
+    if frontier < 0:
+        return
+    rows = conn.execute(
+        select(
+            Receipt.step,
+            func.count(func.distinct(Receipt.sender)),
+            func.count(func.distinct(Receipt.aggregator)),
+        )
+        .select_from(Receipt)
+        .outerjoin(Step, Step.global_step == Receipt.step)
+        .where(Step.global_step.is_(None), Receipt.step <= frontier, Receipt.discarded == 0)
+        .group_by(Receipt.step)
+        .order_by(Receipt.step)
+        .limit(_EVIDENCED_PER_REPORT)
+    ).all()
+    for step, senders, aggregators in rows:
+        conn.execute(
+            _insert_ignore(conn, Step).values(
+                global_step=step,
+                finished_at=now,
+                loss=None,
+                samples=0,
+                peers=max(2, int(senders), int(aggregators)),
+                source="receipts",
+            )
+        )
+
+
+def _insert_ignore(conn: Connection, table: Any) -> Any:
+    """An INSERT that does nothing when the key exists (another backbone won the race)."""
+    if conn.dialect.name == "postgresql":
+        return postgresql_insert(table).on_conflict_do_nothing()
+    return sqlite_insert(table).on_conflict_do_nothing()
+
+
+def _is_discarded(conn: Connection, peer_id: str, step: int) -> bool:
+    found = conn.execute(
+        select(Discard.first_step).where(
+            Discard.peer_id == peer_id, Discard.first_step <= step, Discard.last_step >= step
+        )
+    ).first()
+    return found is not None
+
+
+def _store_discards(conn: Connection, report: ContributionReport, report_id: int) -> None:
+    """The report's discarded step ranges: stored, and the sender's receipts in them marked discarded."""
+    for span in report.discarded:
+        conn.execute(
+            _insert_ignore(conn, Discard).values(
+                peer_id=report.peer_id, first_step=span.first, last_step=span.last, report_id=report_id
+            )
+        )
+        conn.execute(
+            update(Receipt)
+            .where(Receipt.sender == report.peer_id, Receipt.step.between(span.first, span.last))
+            .values(discarded=1)
+        )

@@ -70,6 +70,9 @@ class LeaderboardRow:
     last_seen: float | None
     flagged_reports: int
     flag_reasons: dict[str, int] = field(default_factory=dict)
+    #: receipt weights of steps its peers reported discarded (a fork that did not survive): work done,
+    #: shown, not credited (not in ``samples`` nor ``compute_hours``)
+    discarded_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One finished global step; ``loss`` is None if unknown or not finite."""
+    """One global step the collaboration took; ``loss`` is None if unknown or not finite, ``samples`` 0
+    if unknown (a step only receipts evidenced)."""
 
     global_step: int
     finished_at: float
     loss: float | None
     samples: int
     peers: int
+    #: how the ledger knows it was taken: ``tracker``, ``receipts`` or ``legacy`` (schema version <= 2)
+    source: str = "tracker"
