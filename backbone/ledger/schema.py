@@ -32,10 +32,14 @@ PostgreSQL). To change the schema later:
 
 1. change the table classes here (new databases are created in the new shape directly);
 2. bump :data:`SCHEMA_VERSION` to ``N + 1`` and add ``MIGRATIONS[N] = _migrate_N_to_N_plus_1``, a
-   function of a ``Connection`` that brings a version-``N`` database to ``N + 1`` with plain DDL
-   (``conn.execute(text("ALTER TABLE ... ADD COLUMN ..."))``) valid on both dialects;
+   function of a ``Connection`` that brings a version-``N`` database to ``N + 1`` with plain DDL valid on
+   both dialects (new columns through ``_add_column``, which skips a table ``create_all`` has just made
+   in the newest shape);
 3. :func:`create_schema` runs the missing steps in order and updates ``schema_version``; a database
    newer than this code is refused rather than written to.
+
+4. add a fixture made by the previous release's code and a test that opens it (``tests/fixtures/<commit>``,
+   ``tests/backbone/ledger/test_upgrade.py``: every old row is kept).
 
 When migrations outgrow this, Alembic can take over with ``schema_version`` as its baseline.
 """

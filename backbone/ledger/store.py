@@ -820,7 +820,7 @@ class LedgerStore:
                 .join(Report, Report.user_id == User.id)
                 .where(Report.status == "flagged")
             ).all()
-            discarded = dict(
+            discarded: dict[str, float | None] = dict(
                 conn.execute(
                     select(User.username, func.sum(sql_cast(Receipt.weight, Double)))
                     .join(Peer, Peer.user_id == User.id)
