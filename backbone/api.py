@@ -84,6 +84,9 @@ MAX_INVITE_LIFETIME = 10 * 365 * 86400.0
 #: seconds without a heartbeat after which a volunteer's session is closed (it heartbeats every ~1/4 of it)
 SESSION_TIMEOUT = 90.0
 _SESSION_TOKEN = re.compile(SESSION_TOKEN_PATTERN)
+#: the API version in every path (``/v1/runs/...``); a request of another version is told who upgrades
+API_VERSION = "1"
+_API_VERSION = re.compile(r"^/v(\d{1,6})/")
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -442,6 +445,12 @@ def build_app(state: ApiState) -> Starlette:
 
     async def not_routed(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
+        version = _API_VERSION.match(request.url.path)
+        if version and version.group(1) != API_VERSION:  # another API version: say who must upgrade
+            theirs = int(version.group(1))
+            who = "upgrade dedloc" if theirs < int(API_VERSION) else "this backbone must be upgraded"
+            message = f"{who}: this backbone speaks API v{API_VERSION}, the request v{theirs}"
+            return _json(ApiError("wrong_version", message), 404)
         code = "method_not_allowed" if status == 405 else "not_found"
         return _json(ApiError(code, f"no {request.method} {request.url.path[:200]!r} here"), status)
 
