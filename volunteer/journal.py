@@ -25,7 +25,8 @@ the steps that were never reported, and carries on. What is journaled:
 garbage, never stops a volunteer. The file is rewritten on open (compacted, so a torn tail is gone
 before the first append) and whenever it grows past twice its compacted size and
 :data:`COMPACT_BYTES`; a compacted journal holding more than :data:`MAX_JOURNAL_BYTES` drops its oldest
-queued reports (logged), so the journal is bounded however long no backbone answers.
+queued reports (logged; they stay queued in memory), so the file stays below about twice that however
+long no backbone answers (16 MiB hold over a thousand full reports: hours of work).
 
 **Durability**: every entry is written with one ``write`` to the kernel as it happens, which a killed
 *process* cannot lose; ``fdatasync`` runs off the event loop at most every few seconds
@@ -50,18 +51,26 @@ from pathlib import Path
 
 import msgspec
 
-from protocols.ledger import ContributionReport, SignedReport
+from protocols.ledger import MAX_DISCARDED_PER_REPORT, ContributionReport, SignedReport
 from protocols.receipts import PulledSlice, SignedReceipt, decode_receipt
 from shared.errors import ProtocolError
 
 from .receipts import ReceiptBook
 
-__all__ = ["COMPACT_BYTES", "JOURNAL_FILE", "MAX_JOURNAL_BYTES", "JournaledStep", "Replayed", "ReportJournal"]
+__all__ = [
+    "COMPACT_BYTES",
+    "JOURNAL_FILE",
+    "MAX_JOURNAL_BYTES",
+    "JournaledStep",
+    "Replayed",
+    "ReportJournal",
+    "merge_ranges",
+]
 
 logger = logging.getLogger(__name__)
 JOURNAL_FILE = "reports.journal"
 COMPACT_BYTES = 1 << 20
-MAX_JOURNAL_BYTES = 32 << 20
+MAX_JOURNAL_BYTES = 16 << 20
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
 
 
@@ -137,8 +146,10 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.open_steps.append(entry)
         elif isinstance(entry, _Booked):
             book.add(entry.step, entry.receipts, entry.pulled)
-        elif isinstance(entry, _Discarded):
-            state.discarded.append((entry.first, entry.last))
+        elif isinstance(entry, _Discarded):  # as Reporter.discard does
+            first, last = entry.first, entry.last
+            state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
+            state.discarded = merge_ranges([*state.discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
         elif isinstance(entry, _State):
             state.seq = max(state.seq, entry.seq)
             state.last_end = max(state.last_end or entry.last_end, entry.last_end)
@@ -151,7 +162,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                 continue
             book.take()  # what close_interval took from the live book
             state.open_steps.clear()
-            del state.discarded[: len(report.discarded)]
+            state.discarded.clear()  # close_interval takes them all
             state.seq = max(state.seq, report.seq + 1)
             state.last_end = report.interval_end
             state.last_step = report.global_step
@@ -164,6 +175,22 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                         book.put_back(report.global_step, list(report.receipts), list(report.pulled))
                     break
     return state
+
+
+def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """Sorted, overlapping or adjacent ranges merged; beyond ``limit`` ranges the closest ones are joined
+    (a wider range discards more of our own steps, never fewer)."""
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    while len(merged) > limit:
+        gaps = [merged[i + 1][0] - merged[i][1] for i in range(len(merged) - 1)]
+        i = gaps.index(min(gaps))
+        merged[i : i + 2] = [(merged[i][0], merged[i + 1][1])]
+    return merged
 
 
 def encode_line(entry: Entry) -> bytes:

@@ -182,7 +182,7 @@ class Reporter:
         if last < first:
             return
         self._open = [s for s in self._open if not first <= s.step <= last]
-        self._discarded = _merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
+        self._discarded = journal.merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
         self.journal.append(journal.discarded_steps(first, last))
         self._wakeup.set()
 
@@ -278,7 +278,9 @@ class Reporter:
         """Send what is queued; stops at the first failure (the rest waits for the next try). When
         leaving and the queue is empty, says so to the backbone (once)."""
         async with self._sending:
-            if self.client is None:
+            if self.client is None:  # an open run: no ledger to send to
+                for _, report in self._pending:
+                    self.journal.append(journal.done(report.seq))
                 self._pending.clear()
                 return
             while self._pending:
@@ -308,19 +310,3 @@ class Reporter:
     @property
     def pending(self) -> int:
         return len(self._pending)
-
-
-def _merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
-    """Sorted, overlapping or adjacent ranges merged; beyond ``limit`` ranges the closest ones are joined
-    (a wider range discards more of our own steps, never fewer)."""
-    merged: list[tuple[int, int]] = []
-    for first, last in sorted(ranges):
-        if merged and first <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
-        else:
-            merged.append((first, last))
-    while len(merged) > limit:
-        gaps = [merged[i + 1][0] - merged[i][1] for i in range(len(merged) - 1)]
-        i = gaps.index(min(gaps))
-        merged[i : i + 2] = [(merged[i][0], merged[i + 1][1])]
-    return merged
