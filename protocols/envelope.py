@@ -10,7 +10,7 @@ Frame (RPC lane)::
   (:class:`~protocols.errors.WrongVersion`). Every connection begins with the listener's
   ``ServerHello`` envelope, so a dialer of another version fails there, before it sends anything, with
   one line that says who must upgrade (``upgrade dedloc: this run speaks protocol N, you speak M``);
-  a volunteer that reaches no initial peer for that reason exits with that line.
+  a volunteer that reaches no initial peer for that reason exits with one error line ending in it.
 * ``kind`` names the payload type (``"dht.find_node"``); each kind is registered once with its
   :class:`Message` subclass and a per-kind size limit.
 * ``request_id`` pairs a response with its request; ids are chosen by the requester and are unique per

@@ -57,7 +57,6 @@ from protocols.dht import (
     StoreResponse,
 )
 from protocols.envelope import Message, Request
-from protocols.errors import WrongVersion
 from protocols.peer_id import PeerId
 
 from ..errors import ConfigError, PeerUnavailable, RecordRejected, RemoteError
@@ -172,7 +171,6 @@ class DHTNode:
         Raises:
             PeerUnavailable: initial peers were given and none of them could be reached (the message
                 lists why each failed).
-            WrongVersion: every initial peer speaks another wire protocol version (says who upgrades).
         """
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -190,7 +188,6 @@ class DHTNode:
     async def bootstrap(self, initial_peers: Sequence[PeerAddress | str]) -> int:
         """Contact ``initial_peers`` and fill the routing table with a lookup of our own id."""
         errors: list[str] = []
-        versions: list[WrongVersion] = []
 
         async def reach(item: PeerAddress | str) -> None:
             address = parse_multiaddr(item) if isinstance(item, str) else item
@@ -200,8 +197,6 @@ class DHTNode:
                     await channel.call(PingRequest())
             except _CALL_ERRORS as exc:
                 errors.append(f"{address}: {exc or type(exc).__name__}")
-                if isinstance(exc, WrongVersion):
-                    versions.append(exc)
                 return
             addrs = (str(address.with_peer(channel.peer_id)),)
             self._learn(Contact.of(channel.peer_id, addrs))
@@ -210,8 +205,6 @@ class DHTNode:
             for item in initial_peers:
                 nursery.start_soon(reach, item)
         if len(self.routing) == 0:
-            if versions and len(versions) == len(errors):  # one line that says who must upgrade
-                raise versions[0]
             raise PeerUnavailable("no initial peer could be reached: " + "; ".join(errors))
         await self._find_nodes(self.node_id, self.config.k)
         return len(self.routing)
