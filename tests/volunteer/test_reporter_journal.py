@@ -15,9 +15,10 @@ import trio
 
 from backbone.sessions import close_silent_sessions_forever
 from shared.faults import ENV
+from tests.backbone.ledger.reports import part_receipt
 from tests.backbone.pinned_api import PinnedApi, member_client, serve_pinned_api
 from volunteer.api_client import ApiClient
-from volunteer.journal import JOURNAL_FILE
+from volunteer.journal import JOURNAL_FILE, JournaledStep
 from volunteer.reporting import Reporter
 
 from .journal_child import SAMPLES, VOLUNTEER, WITNESS
@@ -109,3 +110,30 @@ async def test_a_process_opens_its_session_leaving_closes_it_and_a_restart_opens
                     await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
         assert api.store.sessions(peer)[-1].end_reason == "timeout"
+
+
+async def test_steps_a_volunteer_discards_after_re_syncing_are_taken_back_by_the_ledger(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "vera"
+    data_dir.mkdir()
+    async with serve_pinned_api(tmp_path / "bb") as api:
+        client = admit_fixed(api)
+        for number in range(1, 7):
+            api.store.record_step(number, finished_at=time.time(), loss=None, samples=0, peers=2)
+        reporter = Reporter(api.run_id, VOLUNTEER, client, data_dir, interval=1e9)
+        start = time.time()
+        for number in range(1, 7):  # steps 4-6 turn out to be a fork's
+            signed = part_receipt(WITNESS, VOLUNTEER.peer_id, number, SAMPLES, api.run_id, 100, start)
+            reporter.book.add(number, [(WITNESS.peer_id, signed)])
+            reporter.record(JournaledStep(number, SAMPLES, 0.5, 0, start + number / 10))
+        reporter.close_interval()
+        await reporter.flush()
+        assert credited(api) == {"vera": 6 * SAMPLES, "will": 0}
+        reporter.discard(4, 6)  # the state it re-synced to replaced them
+        reporter.close_interval()
+        await reporter.flush()
+        assert credited(api) == {"vera": 3 * SAMPLES, "will": 0}
+        [vera, _] = api.store.leaderboard()
+        assert vera.discarded_samples == 3 * SAMPLES
+        assert api.store.discards(VOLUNTEER.peer_id) == [(4, 6)]
