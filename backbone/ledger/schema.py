@@ -206,6 +206,7 @@ class Receipt(Base):
     of ``step`` with ``weight``. Counted as evidence only once ``step`` is in ``steps``."""
 
     __tablename__ = "receipts"
+    __table_args__ = (Index(None, "held", "step"),)
 
     sender: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
@@ -215,6 +216,8 @@ class Receipt(Base):
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
     #: 1 once the sender reported ``step`` discarded: not run progress, not credited
     discarded: Mapped[int] = mapped_column(Integer, default=0)
+    #: 1 while ``step`` is not in ``steps`` (the store records it once the collaboration went past it)
+    held: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Discard(Base):
@@ -294,6 +297,7 @@ def _migrate_2_to_3(conn: Connection) -> None:
         ("sessions", "last_seen_at", "DOUBLE PRECISION"),
         ("sessions", "end_reason", "VARCHAR(16)"),
         ("receipts", "discarded", "INTEGER NOT NULL DEFAULT 0"),
+        ("receipts", "held", "INTEGER NOT NULL DEFAULT 0"),
         ("steps", "source", "VARCHAR(16) NOT NULL DEFAULT 'tracker'"),
     ):
         _add_column(conn, table, column, kind)
@@ -305,6 +309,9 @@ def _migrate_2_to_3(conn: Connection) -> None:
     )
     conn.execute(text("UPDATE sessions SET end_reason = 'leave' WHERE ended_at IS NOT NULL"))
     conn.execute(text("UPDATE steps SET source = 'legacy'"))
+    conn.execute(text("UPDATE receipts SET held = 1 WHERE step NOT IN (SELECT global_step FROM steps)"))
+    if "ix_receipts_held_step" not in {i["name"] for i in inspect(conn).get_indexes("receipts")}:
+        conn.execute(text("CREATE INDEX ix_receipts_held_step ON receipts (held, step)"))
     if "uq_sessions_peer_id_token" not in {i["name"] for i in inspect(conn).get_indexes("sessions")}:
         conn.execute(text("CREATE UNIQUE INDEX uq_sessions_peer_id_token ON sessions (peer_id, token)"))
 

@@ -1090,6 +1090,7 @@ def _store_evidence(
                 nbytes=receipt.nbytes,
                 report_id=report_id,
                 discarded=int(_is_discarded(conn, report.peer_id, step)),
+                held=int(step not in recorded),
             )
         )
     seen: set[tuple[str, int]] = set()
@@ -1183,7 +1184,9 @@ _EVIDENCED_PER_REPORT = 1024
 
 def _record_evidenced_steps(conn: Connection, now: float) -> None:
     """Record the steps at or below the frontier that counting receipts evidence and ``steps`` lacks
-    (the tracker jumped over them): ``source = 'receipts'``, peers = distinct peers in those receipts."""
+    (the tracker jumped over them): ``source = 'receipts'``, peers = distinct peers in those receipts.
+    Only *held* receipts (stored while their step was not recorded) are looked at, so the work is
+    bounded by what is missing, not by the size of the run."""
     frontier = _frontier(conn)
     if frontier < 0:
         return
@@ -1192,25 +1195,30 @@ def _record_evidenced_steps(conn: Connection, now: float) -> None:
             Receipt.step,
             func.count(func.distinct(Receipt.sender)),
             func.count(func.distinct(Receipt.aggregator)),
+            func.count(Step.global_step),  # 0: the step is not recorded
         )
         .select_from(Receipt)
         .outerjoin(Step, Step.global_step == Receipt.step)
-        .where(Step.global_step.is_(None), Receipt.step <= frontier, Receipt.discarded == 0)
+        .where(Receipt.held == 1, Receipt.step <= frontier, Receipt.discarded == 0)
         .group_by(Receipt.step)
         .order_by(Receipt.step)
         .limit(_EVIDENCED_PER_REPORT)
     ).all()
-    for step, senders, aggregators in rows:
-        conn.execute(
-            _insert_ignore(conn, Step).values(
-                global_step=step,
-                finished_at=now,
-                loss=None,
-                samples=0,
-                peers=max(2, int(senders), int(aggregators)),
-                source="receipts",
+    for step, senders, aggregators, recorded in rows:
+        if recorded == 0:
+            conn.execute(
+                _insert_ignore(conn, Step).values(
+                    global_step=step,
+                    finished_at=now,
+                    loss=None,
+                    samples=0,
+                    peers=max(2, int(senders), int(aggregators)),
+                    source="receipts",
+                )
             )
-        )
+    if rows:
+        steps = [row[0] for row in rows]
+        conn.execute(update(Receipt).where(Receipt.held == 1, Receipt.step.in_(steps)).values(held=0))
 
 
 def _insert_ignore(conn: Connection, table: Any) -> Any:
