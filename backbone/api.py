@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from protocols.api import (
     ACCESS_SCHEME,
     MAX_BODY_BYTES,
+    SESSION_TOKEN_PATTERN,
     ApiError,
     Invite,
     JoinRequest,
@@ -34,6 +36,7 @@ from protocols.api import (
     RefreshResponse,
     ReportReceipt,
     RevocationList,
+    SessionState,
     ShardList,
     Username,
     api_request_payload,
@@ -42,7 +45,7 @@ from protocols.api import (
     join_payload,
     refresh_payload,
 )
-from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, SignedRevocation
+from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, AccessToken, SignedRevocation
 from protocols.errors import DECODE_FAILURES
 from protocols.ledger import (
     CapabilitiesReceipt,
@@ -68,7 +71,7 @@ from .ledger import (
 )
 from .ratelimit import RateLimiter
 
-__all__ = ["ApiState", "DB_READ", "DB_WRITE", "build_app"]
+__all__ = ["DB_READ", "DB_WRITE", "SESSION_TIMEOUT", "ApiState", "build_app"]
 
 logger = logging.getLogger("backbone.api")
 DB_WRITE = trio.CapacityLimiter(1)
@@ -78,6 +81,12 @@ FILES = trio.CapacityLimiter(2)  # listing and hashing dataset shards
 REFRESH_GRACE = 24 * 3600.0
 #: the longest invite lifetime the admin API grants (ten years)
 MAX_INVITE_LIFETIME = 10 * 365 * 86400.0
+#: seconds without a heartbeat after which a volunteer's session is closed (it heartbeats every ~1/4 of it)
+SESSION_TIMEOUT = 90.0
+_SESSION_TOKEN = re.compile(SESSION_TOKEN_PATTERN)
+#: the API version in every path (``/v1/runs/...``); a request of another version is told who upgrades
+API_VERSION = "1"
+_API_VERSION = re.compile(r"^/v(\d{1,6})/")
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -115,6 +124,9 @@ class ApiState:
     refresh_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.05, burst=5))
     reports_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=1.0, burst=120))
     capabilities_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.1, burst=10))
+    sessions_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.5, burst=10))
+    #: a volunteer process silent this long has its session closed (backbone.sessions sweeps)
+    session_timeout: float = SESSION_TIMEOUT
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
 
 
@@ -181,12 +193,13 @@ def build_app(state: ApiState) -> Starlette:
             lambda: fn(*args, **kwargs), limiter=DB_WRITE if write else DB_READ
         )
 
-    async def check_access(request: Request) -> None:
+    async def check_access(request: Request, *, member: bool = False) -> AccessToken | None:
+        """The member's verified token (None: the admin token, unless ``member`` demands a member)."""
         header = request.headers.get("authorization", "")
         scheme, _, value = header.partition(" ")
-        if scheme == "Bearer":
+        if scheme == "Bearer" and not member:
             _check_admin(request, state.admin_token)
-            return
+            return None
         denied = "this needs a member's access credential (or the admin token)"
         if scheme != ACCESS_SCHEME:
             raise HttpError(401, "access_required", denied)
@@ -206,6 +219,7 @@ def build_app(state: ApiState) -> Starlette:
             raise HttpError(401, "bad_signature", "the credential is not signed by the token's key")
         if await db(state.store.active_user_of_peer, access.peer_id) != access.username:
             raise HttpError(403, "revoked", f"user {access.username} has been removed from this run")
+        return access
 
     def address_of(request: Request) -> str:
         return request.client.host if request.client else "?"
@@ -257,7 +271,6 @@ def build_app(state: ApiState) -> Starlette:
         token = state.authority.issue_token(
             state.run_id, username, body.peer_id, body.public_key, now, state.token_lifetime
         )
-        await db(state.store.open_session, body.peer_id, client, now=now, write=True)
         logger.info("admitted %s (user %s) from %s", body.peer_id, username, client)
         return _json(JoinResponse(username=username, token=token, manifest=state.manifest()))
 
@@ -353,6 +366,34 @@ def build_app(state: ApiState) -> Starlette:
         logger.debug("capabilities of %s: %s (held: %s)", signed.peer_id, measured, held)
         return _json(CapabilitiesReceipt(peer_id=signed.peer_id, capabilities=held))
 
+    @route("sessions/{token}/{event}", ["POST"])
+    async def session(request: Request) -> Response:
+        now = state.clock()
+        _limit(state.posts_by_address, address_of(request), now, "requests from your address")
+        token, event = request.path_params["token"], request.path_params["event"]
+        if not _SESSION_TOKEN.match(token) or event not in ("alive", "leave"):
+            raise HttpError(404, "not_found", "expected sessions/<32 hex digits>/alive or .../leave")
+        access = await check_access(request, member=True)
+        assert access is not None  # member=True: a member's token or HttpError
+        _limit(state.sessions_by_peer, access.peer_id, now, "session notices from this peer")
+        try:
+            if event == "alive":
+                is_open = await db(
+                    state.store.session_heartbeat,
+                    access.peer_id,
+                    token,
+                    address_of(request),
+                    now=now,
+                    write=True,
+                )
+            else:
+                await db(state.store.leave_session, access.peer_id, token, now=now, write=True)
+                is_open = False
+                logger.info("%s (user %s) left (session %s)", access.peer_id, access.username, token[:8])
+        except UnknownPeer as exc:
+            raise HttpError(403, "unknown_peer", str(exc)) from exc
+        return _json(SessionState(open=is_open, timeout_s=state.session_timeout))
+
     catalog = ShardCatalog(state.shards_dir) if state.shards_dir is not None else None
 
     @route("shards", ["GET"], access=True)
@@ -404,6 +445,12 @@ def build_app(state: ApiState) -> Starlette:
 
     async def not_routed(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
+        version = _API_VERSION.match(request.url.path)
+        if version and version.group(1) != API_VERSION:  # another API version: say who must upgrade
+            theirs = int(version.group(1))
+            who = "upgrade dedloc" if theirs < int(API_VERSION) else "this backbone must be upgraded"
+            message = f"{who}: this backbone speaks API v{API_VERSION}, the request v{theirs}"
+            return _json(ApiError("wrong_version", message), 404)
         code = "method_not_allowed" if status == 405 else "not_found"
         return _json(ApiError(code, f"no {request.method} {request.url.path[:200]!r} here"), status)
 
@@ -418,6 +465,7 @@ def build_app(state: ApiState) -> Starlette:
             ledger,
             reports,
             capabilities,
+            session,
             list_shards,
             get_shard,
             add_user,

@@ -53,6 +53,7 @@ from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
 from .runinfo import RunInfo, write_run_info
+from .sessions import close_silent_sessions_forever
 from .steps import record_steps_forever
 
 __all__ = ["BackboneOptions", "serve_backbone"]
@@ -276,6 +277,7 @@ async def _serve_pinned(
         nursery.start_soon(sync_revocations)
         nursery.start_soon(refresh_own_token)
         nursery.start_soon(record_steps_forever, node, store, options.training)
+        nursery.start_soon(close_silent_sessions_forever, store, state.session_timeout)
         await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
         nursery.cancel_scope.cancel()
 

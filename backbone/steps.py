@@ -1,12 +1,21 @@
-"""The backbone records every global step of the run in the ledger (time, loss, samples, peers).
+"""The backbone records the global steps it saw the collaboration take in the ledger (time, loss,
+samples, peers).
 
 Every ``period`` seconds it reads the peers' progress records and summarizes them as a newcomer would
 (:func:`shared.progress.summarize`, not anchored: absurd or unsupported claims are ignored). While the
 collaboration is at step ``s`` it remembers the largest sample count and number of peers seen there and
 the samples-weighted loss they report (the loss of the batch that takes ``s`` to ``s + 1``). When the
-collaboration's step moves past ``s``, step ``s + 1`` is recorded with those numbers; steps jumped over
-(the backbone was down, or a step took less than a period) are recorded without loss or samples.
-``record_step`` keeps the first record of a step, so several backbones on one database agree.
+collaboration's step moves past ``s``, step ``s + 1`` is recorded with those numbers, if the tracker saw
+anyone working toward it (samples or peers at ``s``).
+
+**Only steps really taken.** Steps jumped over (the backbone was down, or several steps passed within
+one period) get *no* row here: the tracker did not see them, and a placeholder row would make a claimed
+step look taken (version 2 wrote 351 such rows in one soak). The ledger records such a step when a
+report brings a receipt of it signed by a peer of another user than its sender, for a step at or below
+the highest step the tracker recorded (``source = 'receipts'``; see
+:meth:`backbone.ledger.LedgerStore.assess_and_record`): two users averaged for it, and the collaboration
+went past it. ``record_step`` keeps the first record of a step (a receipt-evidenced row takes the
+tracker's numbers when it comes), so several backbones on one database agree.
 """
 
 from __future__ import annotations
@@ -31,9 +40,6 @@ from .ledger import LedgerStore
 __all__ = ["StepTracker", "record_steps_forever"]
 
 logger = logging.getLogger(__name__)
-#: Rows recorded for steps the backbone jumped over in one view (0 samples, 0 peers: it did not see them).
-#: A claim of step 2**40 must not become 2**40 rows: only the last ones are kept.
-MAX_SKIPPED_ROWS = 64
 
 
 @dataclass
@@ -48,12 +54,11 @@ class StepTracker:
     def observe(
         self, step: int, samples: float, peers: int, loss: float | None
     ) -> list[tuple[int, float | None, int, int]]:
-        """Returns ``(global_step, loss, samples, peers)`` for each step finished since the last view."""
+        """Returns ``(global_step, loss, samples, peers)`` of the step seen taken since the last view
+        (at most one: the one the tracker saw worked toward; steps jumped over are not its to record)."""
         finished: list[tuple[int, float | None, int, int]] = []
-        if self.step is not None and step > self.step:
+        if self.step is not None and step > self.step and (self.samples > 0 or self.peers > 0):
             finished.append((self.step + 1, self.loss, round(self.samples), self.peers))
-            first = max(self.step + 2, step + 1 - MAX_SKIPPED_ROWS)
-            finished.extend((s, None, 0, 0) for s in range(first, step + 1))
         if self.step is None or step != self.step:
             self.step, self.samples, self.peers, self.loss = step, 0.0, 0, None
         self.samples = max(self.samples, samples)

@@ -14,6 +14,9 @@ GET      ``shards/<name>``       one shard's bytes (JSON lines; check them again
 GET      ``ledger``              the leaderboard (see ``backbone ledger``) (access or admin)
 POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
 POST     ``capabilities``        a peer's signed measured capabilities (``protocols.ledger``) -> receipt
+POST     ``sessions/<t>/alive``  heartbeat of the volunteer process with session token ``t`` (access)
+                                 -> :class:`SessionState`; the first one opens its session
+POST     ``sessions/<t>/leave``  that process leaves cleanly: its session ends now (access)
 POST     ``admin/users``         admin: allow a user, get an invite (Bearer admin token)
 GET      ``admin/users``         admin: list users
 DELETE   ``admin/users/<name>``  admin: remove a user (revokes at once)
@@ -37,6 +40,12 @@ token verifies, is this run's and unexpired, the timestamp is within ``MAX_CLOCK
 verifies with the token's key, and the token's user is still allowed. The admin token
 (``Authorization: Bearer <admin token>``) is accepted too. A token alone is not enough: tokens travel
 in every RPC to other peers, so any peer could replay one; the signature proves the key.
+
+**Sessions.** Each volunteer process draws a random session token (:data:`SESSION_TOKEN_PATTERN`) and
+sends a heartbeat at least every ``SessionState.timeout_s / 4`` seconds; the token and the event are in
+the path, so the access credential's signature covers them (no body). A session silent for
+``timeout_s`` is closed by the backbone at its last heartbeat; a new token of the same peer (a restart)
+closes the peer's older open session. An older backbone answers 404 here: the volunteer carries on.
 
 **Rate limits**: ``join``, ``refresh``, ``reports`` and ``capabilities`` answer 429 ``rate_limited`` past
 a per-address budget and a per-peer (or per-invite) budget, before any database work.
@@ -71,6 +80,8 @@ __all__ = [
     "RefreshResponse",
     "ReportReceipt",
     "RevocationList",
+    "SESSION_TOKEN_PATTERN",
+    "SessionState",
     "SHARD_NAME_PATTERN",
     "ShardInfo",
     "ShardList",
@@ -157,6 +168,16 @@ class ReportReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: str | None = None
     samples: float = 0.0  # what the ledger credited now (receipt-backed; see backbone.ledger.accounting)
     notes: str | None = None  # receipts / pull records that did not count, "code: n; ..."
+
+
+SESSION_TOKEN_PATTERN = r"^[0-9a-f]{32}$"
+
+
+class SessionState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The backbone's answer to a session heartbeat or leave."""
+
+    open: bool  # False: the session has ended (left, or replaced by a newer process of the peer)
+    timeout_s: float  # a session silent this long is closed: send heartbeats well within it
 
 
 class ApiCredential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

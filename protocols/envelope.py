@@ -6,7 +6,11 @@ Frame (RPC lane)::
     | length: u32 BE | msgpack array [version, kind, request_id, flags, payload, auth?] |
     +----------------+---------------------------------------------------------------+
 
-* ``version`` must equal :data:`PROTOCOL_VERSION`; anything else is answered with ``WRONG_VERSION``.
+* ``version`` must equal :data:`PROTOCOL_VERSION`; anything else is answered with ``WRONG_VERSION``
+  (:class:`~protocols.errors.WrongVersion`). Every connection begins with the listener's
+  ``ServerHello`` envelope, so a dialer of another version fails there, before it sends anything, with
+  one line that says who must upgrade (``upgrade dedloc: this run speaks protocol N, you speak M``);
+  a volunteer that reaches no initial peer for that reason exits with one error line ending in it.
 * ``kind`` names the payload type (``"dht.find_node"``); each kind is registered once with its
   :class:`Message` subclass and a per-kind size limit.
 * ``request_id`` pairs a response with its request; ids are chosen by the requester and are unique per
@@ -44,7 +48,7 @@ from typing import Any, ClassVar, TypeVar
 import msgspec
 
 from .codes import ErrorCode
-from .errors import DECODE_FAILURES, ProtocolError, decode_typed
+from .errors import DECODE_FAILURES, ProtocolError, WrongVersion, decode_typed
 
 __all__ = [
     "BULK_FRAME_BYTES",
@@ -188,8 +192,8 @@ def decode_envelope(body: bytes | memoryview) -> Envelope:
     """Decode and check an envelope's header fields (not its payload).
 
     Raises:
-        ProtocolError: garbage, wrong version (code ``WRONG_VERSION``), unknown kind (``UNKNOWN_KIND``),
-            payload too large for its kind (``TOO_LARGE``), bad flags or request id.
+        ProtocolError: garbage, wrong version (:class:`~protocols.errors.WrongVersion`), unknown kind
+            (``UNKNOWN_KIND``), payload too large for its kind (``TOO_LARGE``), bad flags or request id.
     """
     return check_envelope(parse_envelope(body))
 
@@ -211,11 +215,7 @@ def check_envelope(envelope: Envelope) -> Envelope:
     """
     request_id = envelope.request_id if 0 <= envelope.request_id < 2**63 else 0
     if envelope.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {envelope.version} is not supported (this peer speaks {PROTOCOL_VERSION})",
-            ErrorCode.WRONG_VERSION,
-            request_id=request_id,
-        )
+        raise WrongVersion(envelope.version, PROTOCOL_VERSION, request_id=request_id)
     if not 0 <= envelope.request_id < 2**63:
         raise ProtocolError(f"request id {envelope.request_id} out of range")
     if envelope.flags not in _FLAG_VALUES:

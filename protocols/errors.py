@@ -21,7 +21,14 @@ import msgspec
 
 from .codes import ErrorCode
 
-__all__ = ["DECODE_FAILURES", "ProjectError", "ProtocolError", "decode_typed", "wire_decoding"]
+__all__ = [
+    "DECODE_FAILURES",
+    "ProjectError",
+    "ProtocolError",
+    "WrongVersion",
+    "decode_typed",
+    "wire_decoding",
+]
 
 T = TypeVar("T")
 
@@ -53,6 +60,25 @@ class ProtocolError(ProjectError):
         super().__init__(message)
         self.code = code
         self.request_id = request_id
+
+
+class WrongVersion(ProtocolError):
+    """The peer speaks another wire protocol version (code ``WRONG_VERSION``). The message is one line
+    a person can act on: a newer peer tells us to upgrade (``upgrade dedloc: this run speaks protocol
+    N, you speak M``); an older one is the one that must upgrade. ``theirs`` and ``ours`` are the two
+    versions."""
+
+    def __init__(self, theirs: int, ours: int, *, request_id: int = 0) -> None:
+        if theirs > ours:
+            message = f"upgrade dedloc: this run speaks protocol {theirs}, you speak {ours}"
+        else:
+            message = (
+                f"the peer speaks protocol {theirs}, older than this program's {ours}: it must upgrade "
+                f"dedloc (or use a release that speaks {theirs})"
+            )
+        super().__init__(message, ErrorCode.WRONG_VERSION, request_id=request_id)
+        self.theirs = theirs
+        self.ours = ours
 
 
 @contextlib.contextmanager

@@ -5,6 +5,14 @@ and signs :func:`report_payload` of those exact bytes with its identity key (Ed2
 inside the peer id, so anyone can verify without a lookup). It sends both as a :class:`SignedReport`; the
 backbone keeps the original bytes and signature, so every credited row can be re-verified later.
 
+**Discarded steps.** A volunteer that re-syncs after its state diverged (it stepped on a fork that did not
+survive, e.g. a partition's minority) lists its own steps the loaded state replaced in ``discarded``
+(inclusive ranges of global steps). The ledger credits no receipts of those steps as run progress (see
+:mod:`backbone.ledger.accounting`). Compatibility: the field is new and omitted when empty
+(``omit_defaults``, as are empty ``receipts`` and ``pulled``), so a report without discards decodes on
+backbones of every version; one with discards is refused by a backbone older than the field (and given
+up by the volunteer, its receipts carried by a later report).
+
 ``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
 sent twice (a retry after a lost reply, a second backbone) is credited once.
 
@@ -35,6 +43,7 @@ from .types import Bytes64, PeerIdStr, RunIdStr
 __all__ = [
     "MAX_CAPABILITIES_BYTES",
     "MAX_COUNT",
+    "MAX_DISCARDED_PER_REPORT",
     "MAX_INTERVAL_S",
     "MAX_REPORT_AGE_S",
     "MAX_REPORT_BYTES",
@@ -43,6 +52,7 @@ __all__ = [
     "ContributionReport",
     "SignedCapabilities",
     "SignedReport",
+    "StepRange",
     "capabilities_payload",
     "decode_capabilities",
     "report_payload",
@@ -56,6 +66,8 @@ MAX_INTERVAL_S = 3600.0
 MAX_REPORT_AGE_S = 24 * 3600.0
 #: Upper bound of every integer field: exact as a float, far beyond any real interval's work.
 MAX_COUNT = 2**53
+#: Ranges of discarded steps one report lists (a volunteer re-syncs rarely; ranges are merged).
+MAX_DISCARDED_PER_REPORT = 16
 #: Unix times beyond this (year ~33658) are garbage, not clocks.
 _MAX_TIME = 1e12
 #: Capability ceilings, far above any real device or link (1e13 B/s = 80 Tbit/s).
@@ -77,7 +89,18 @@ def _check(name: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{name} {value!r} is not within [{low}, {high}]")
 
 
-class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class StepRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Global steps ``first..last``, both included."""
+
+    first: Count
+    last: Count
+
+    def __post_init__(self) -> None:
+        _check("first", self.first, 0, MAX_COUNT)
+        _check("last", self.last, self.first, MAX_COUNT)
+
+
+class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One peer's work over ``[interval_start, interval_end]`` (unix seconds), report number ``seq``."""
 
     run_id: RunIdStr
@@ -94,6 +117,8 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     receipts: Annotated[list[SignedReceipt], msgspec.Meta(max_length=MAX_RECEIPTS_PER_REPORT)] = []
     #: averaged bytes this peer pulled from each aggregator (evidence of *their* aggregation work)
     pulled: Annotated[list[PulledSlice], msgspec.Meta(max_length=MAX_PULLED_PER_REPORT)] = []
+    #: our own steps that a state we loaded replaced: not run progress (module docstring)
+    discarded: Annotated[list[StepRange], msgspec.Meta(max_length=MAX_DISCARDED_PER_REPORT)] = []
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed"):
@@ -101,6 +126,8 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         _check("compute_seconds", self.compute_seconds, 0, _MAX_TIME)
         _check("interval_start", self.interval_start, -_MAX_TIME, _MAX_TIME)
         _check("interval_end", self.interval_end, -_MAX_TIME, _MAX_TIME)
+        if len(self.discarded) > MAX_DISCARDED_PER_REPORT:
+            raise ValueError(f"a report lists at most {MAX_DISCARDED_PER_REPORT} discarded step ranges")
         if len(self.receipts) > MAX_RECEIPTS_PER_REPORT or len(self.pulled) > MAX_PULLED_PER_REPORT:
             raise ValueError(
                 f"a report carries at most {MAX_RECEIPTS_PER_REPORT} receipts and "

@@ -5,6 +5,7 @@
     ProjectError                    (protocols.errors; root of everything raised on purpose)
     ├── ConfigError                 bad user input: flags, files, addresses, data dirs
     ├── ProtocolError               (protocols.errors) a frame or message violates the wire protocol
+    │   └── WrongVersion            (protocols.errors) the peer speaks another protocol version
     ├── RemoteError                 the peer answered with an error code
     │   ├── Overloaded              ... code OVERLOADED: retry later
     │   └── AccessDenied            ... an authentication code: the peer does not accept our credentials

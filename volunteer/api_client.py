@@ -34,6 +34,7 @@ from protocols.api import (
     RefreshRequest,
     RefreshResponse,
     ReportReceipt,
+    SessionState,
     ShardInfo,
     ShardList,
     api_request_payload,
@@ -248,6 +249,21 @@ class ApiClient:
     async def report(self, signed: SignedReport) -> ReportReceipt:
         """Submit a signed contribution report; resubmitting the same one changes nothing."""
         return await self._post("reports", signed, ReportReceipt)
+
+    async def session(self, token: str, event: str) -> SessionState:
+        """Tell the backbone that this process (session ``token``) is ``"alive"`` or ``"leave"``-ing
+        (signed with the access credential, which covers the path; see :mod:`protocols.api`).
+
+        Raises:
+            AdmissionError: refused (not an admitted peer, removed user) or an impostor server.
+            PeerUnavailable: no API URL answered (also: only backbones too old to know sessions).
+            ProtocolError: the answer is malformed.
+        """
+        content = await self._request("POST", f"sessions/{token}/{event}", None, refusals=(401, 403))
+        try:
+            return msgspec.json.decode(content, type=SessionState)
+        except DECODE_FAILURES as exc:
+            raise ProtocolError(f"the backbone's answer to a session notice is malformed: {exc}") from exc
 
     async def refresh(self, token: SignedToken, identity: Identity) -> SignedToken:
         now = time.time()

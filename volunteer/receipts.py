@@ -13,7 +13,7 @@ Plain Python, no trio, no locks: every call runs on the trio thread.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from protocols.receipts import (
@@ -42,6 +42,8 @@ class ReceiptBook:
     max_steps: int = MAX_HELD_STEPS
     dropped: int = 0  # steps dropped on overflow
     _steps: OrderedDict[int, _Step] = field(default_factory=OrderedDict)
+    #: called with each :meth:`add`'s arguments first (the reporter journals them: volunteer.journal)
+    on_add: Callable[[int, list[tuple[str, SignedReceipt]], list[PulledSlice]], None] | None = None
 
     def add(
         self,
@@ -50,6 +52,9 @@ class ReceiptBook:
         pulled: Iterable[PulledSlice] = (),
     ) -> None:
         """Hold what one round of ``step`` left. ``receipts``: (aggregator peer id, signed receipt)."""
+        receipts, pulled = list(receipts), list(pulled)
+        if self.on_add is not None:
+            self.on_add(step, receipts, pulled)
         entry = self._steps.setdefault(step, _Step())
         others = [(a, r) for a, r in receipts if a != self.peer_id]
         own = [(a, r) for a, r in receipts if a == self.peer_id]
@@ -89,6 +94,10 @@ class ReceiptBook:
         entry.receipts[:0] = receipts
         entry.pulled[:0] = pulled
         self._steps.move_to_end(step, last=False)
+
+    def held(self) -> list[tuple[int, list[SignedReceipt], list[PulledSlice]]]:
+        """Everything held, oldest step first: ``(step, receipts, pull records)``."""
+        return [(step, list(e.receipts), list(e.pulled)) for step, e in self._steps.items()]
 
     def __len__(self) -> int:
         return sum(len(e.receipts) + len(e.pulled) for e in self._steps.values())

@@ -11,44 +11,25 @@
 A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its own deadline; then the loop
 returns and the daemon reports and leaves.
 
-:class:`Reporter` turns each step we took part in into a signed
-:class:`~protocols.ledger.ContributionReport` (consecutive, non-overlapping intervals of at most
-``MAX_INTERVAL_S``; ``seq`` persisted in the data dir so a restart never reuses one) and posts it to the
-backbone's API, retrying later when no backbone answers. Nothing is lost while the queue (bounded) has
-room. The ledger credits a report only up to the receipts other peers signed for our work
-(:mod:`protocols.receipts`): the reporter owns this peer's :class:`~volunteer.receipts.ReceiptBook`
-(the averaging side fills it), takes one report's worth of receipts and pull records into each report,
-closes a report early when the book holds a full report's worth, and puts back what a report carried
-when that report is given up (queue overflow, or refused by the backbone), so the next one carries it.
+:class:`Reporter` (:mod:`volunteer.reporting`, re-exported here) reports what the loop contributed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 
-from protocols.ledger import MAX_INTERVAL_S, ContributionReport, SignedReport, report_payload
-from protocols.receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT
-from shared.auth.keys import Identity
-from shared.errors import AdmissionError, PeerUnavailable, ProtocolError, StateUnavailable
+from shared.errors import StateUnavailable
 
-from .api_client import ApiClient
-from .collab.optimizer import CollaborativeOptimizer, StepRecord
-from .receipts import ReceiptBook
+from .collab.optimizer import CollaborativeOptimizer
+from .reporting import Reporter as Reporter
 
 __all__ = ["Reporter", "train_until_stopped"]
 
 logger = logging.getLogger(__name__)
-MAX_PENDING_REPORTS = 10_000
-REPORT_RETRY = 5.0
 
 
 async def train_until_stopped(
@@ -93,149 +74,6 @@ async def train_until_stopped(
             collab.stats.waiting = None
             await collab.accumulate(batch)
     return "stopped"
-
-
-class Reporter:
-    """Signed contribution reports to the backbone's API (see the module docstring).
-
-    Steps are credited in intervals of at least :data:`REPORT_INTERVAL` seconds (one report may cover
-    several steps): fewer rows, and the ledger's throughput check compares samples against compute time
-    over a stretch long enough for the measurement noise of single short steps to average out.
-    """
-
-    def __init__(
-        self,
-        run_id: str,
-        identity: Identity,
-        client: ApiClient | None,
-        data_dir: Path,
-        interval: float = 10.0,
-    ) -> None:
-        self.run_id = run_id
-        self.identity = identity
-        self.client = client
-        self.interval = interval
-        self._seq_path = data_dir / "report.seq"
-        self._seq = self._load_seq()
-        self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
-        self.book = ReceiptBook(identity.peer_id)
-        self._open: list[StepRecord] = []  # steps not in a report yet
-        self._last_end = time.time()
-        self._last_step = 0
-        self._wakeup = trio.Event()
-        self._sending = trio.Lock()
-        self.sent = 0
-        self.credited = 0
-
-    def _load_seq(self) -> int:
-        with contextlib.suppress(OSError, ValueError):
-            return int(self._seq_path.read_text().strip())
-        return 0
-
-    def _save_seq(self) -> None:
-        tmp = self._seq_path.with_suffix(".tmp")
-        tmp.write_text(f"{self._seq}\n")
-        tmp.replace(self._seq_path)
-
-    def record(self, step: StepRecord) -> None:
-        """Note one step we took part in (called from the optimizer; never blocks)."""
-        self._open.append(step)
-        if step.finished_at - self._last_end >= self.interval or self._book_full():
-            self.close_interval()
-
-    def _book_full(self) -> bool:
-        """The book holds a report's worth of receipts and pull records (a little early at worst)."""
-        return len(self.book) >= min(MAX_RECEIPTS_PER_REPORT, MAX_PULLED_PER_REPORT)
-
-    def close_interval(self) -> None:
-        """Turn the steps noted so far, and one report's worth of the receipt book, into one signed
-        report, queued for sending. With no step but receipts (the last round's, arriving after its
-        step was noted), the report claims nothing and carries them."""
-        if not self._open and not len(self.book):
-            return
-        steps, self._open = self._open, []
-        end = max([s.finished_at for s in steps] or [time.time()])
-        end = max(end, self._last_end)
-        # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
-        # state download, no peers) covers only the last hour of it, which holds all of its compute.
-        self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
-        receipts, pulled = self.book.take()
-        report = ContributionReport(
-            run_id=self.run_id,
-            peer_id=self.identity.peer_id,
-            seq=self._seq,
-            global_step=max([s.step for s in steps] or [self._last_step]),
-            samples=sum(s.samples for s in steps),
-            compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
-            bytes_aggregated=sum(s.bytes_aggregated for s in steps),
-            bytes_relayed=0,
-            interval_start=self._last_end,
-            interval_end=end,
-            receipts=receipts,
-            pulled=pulled,
-        )
-        self._last_end = end
-        self._last_step = report.global_step
-        self._seq += 1
-        self._save_seq()
-        data = msgspec.msgpack.encode(report)
-        if len(self._pending) >= MAX_PENDING_REPORTS:
-            logger.warning("report queue full: dropping the oldest unsent report (its receipts stay)")
-            self._give_up(self._pending.popleft()[1])
-        signed = SignedReport(report=data, signature=self.identity.sign(report_payload(data)))
-        self._pending.append((signed, report))
-        self._wakeup.set()
-
-    def _give_up(self, report: ContributionReport) -> None:
-        """A report that will never be credited: its receipts and pull records go out with a later one."""
-        if report.receipts or report.pulled:
-            self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
-
-    def close_all(self) -> None:
-        """Before leaving: report the open steps and everything the receipt book holds."""
-        self.close_interval()
-        # Bounded: with the pending queue full, each report evicts an older one whose receipts return
-        # to the book, so "until the book is empty" could loop forever on the trio thread.
-        for _ in range(1 + len(self.book)):
-            if not len(self.book):
-                break
-            self.close_interval()
-
-    async def send_forever(self) -> None:
-        while True:
-            await self.flush()
-            with trio.move_on_after(REPORT_RETRY):
-                await self._wakeup.wait()
-            self._wakeup = trio.Event()
-
-    async def flush(self) -> None:
-        """Send what is queued; stops at the first failure (the rest waits for the next try)."""
-        async with self._sending:
-            if self.client is None:
-                self._pending.clear()
-                return
-            while self._pending:
-                signed, report = self._pending[0]
-                try:
-                    receipt = await self.client.report(signed)
-                except (PeerUnavailable, ProtocolError) as exc:  # a garbled answer: try again later
-                    logger.info("contribution report not sent yet: %s", exc)
-                    return
-                except AdmissionError as exc:
-                    logger.warning("contribution report refused: %s", exc)
-                    self._give_up(report)
-                else:
-                    self.sent += 1
-                    self.credited += receipt.credited
-                    if receipt.notes:
-                        logger.info("report %s: evidence not counted: %s", report.seq, receipt.notes)
-                    if not receipt.credited:
-                        logger.warning("contribution report flagged: %s", receipt.reason)
-                self._pending.popleft()
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
 
 
 def batches(

@@ -7,7 +7,7 @@ Modules:
     store       LedgerStore, the only module with SQL I/O: allowlist (users, invites, peers), sessions,
                 reports (exactly once per (peer_id, seq)), steps, leaderboard; SQLite (WAL) or PostgreSQL
     views       the frozen values queries return: UserSummary, PeerSeen, LeaderboardRow, StoredReport,
-                StepRow, Verdict
+                StepRow, SessionRow, Verdict
     schema      the tables (SQLAlchemy 2 typed declarative), schema_version and how to migrate
     errors      LedgerError, UnknownUser, UnknownPeer, InviteRejected
 
@@ -30,6 +30,7 @@ from .store import RESERVED_USERNAMES as RESERVED_USERNAMES
 from .store import LedgerStore as LedgerStore
 from .views import LeaderboardRow as LeaderboardRow
 from .views import PeerSeen as PeerSeen
+from .views import SessionRow as SessionRow
 from .views import StepRow as StepRow
 from .views import StoredReport as StoredReport
 from .views import UserSummary as UserSummary
@@ -46,6 +47,7 @@ __all__ = [
     "LedgerStore",
     "PeerSeen",
     "ReportRejected",
+    "SessionRow",
     "StepRow",
     "StoredReport",
     "UnknownPeer",

@@ -36,10 +36,24 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   duplicates. The weight is capped by the step's recorded sample count (the whole collaboration's
   batch of that step), or, for a step recorded without one (jumped over), by the largest batch the run
   recorded.
-* a receipt's step must be one the run recorded (:mod:`backbone.steps` writes ``steps``): a receipt for a
-  step not (yet) in ``steps`` is *held*: stored, not counted, and counted from the first report after
-  the step is recorded (a report can race the step recorder by a second). One for a step the run never
-  records stays held forever: it never becomes credit.
+* a receipt's step must be one the run took: a row of ``steps``. :mod:`backbone.steps` writes the steps a
+  backbone saw taken (``tracker``); a step it jumped over is recorded by the ledger itself once a
+  counting receipt evidences it (two users averaged for it) and the step is at or below the highest step
+  a backbone saw taken (the collaboration went past it): ``source = 'receipts'``. A receipt for a step
+  beyond that frontier is *held*: stored, not counted, and counted from the first report after the step
+  is recorded (a report can race the step recorder by a second). One for a step the run never reaches
+  stays held forever: it never becomes credit. No placeholder rows: a claimed step is never taken on
+  its own say-so.
+* **discarded steps**: a report lists ranges of its sender's steps that a state it loaded replaced (it
+  had diverged: a fork that did not survive, see :mod:`protocols.ledger`). The sender's receipts of
+  those steps, stored or arriving later, are marked discarded and count as no evidence: they are not
+  run progress. What they were credited is *taken back* by that report (its credited samples and
+  compute are negative: a debit), so the totals stay ``min(claims, evidence)`` of the surviving
+  history. The work is not forgotten: the leaderboard shows it as ``discarded_samples`` (not in
+  ``samples`` nor ``compute_hours``). Judgement: a fork's minority did real work in good faith, but
+  crediting it as run progress rewards forking (the lone fork of issue 10 topped the leaderboard), so
+  it is shown apart and left to the organizer. A sender that hides its discards gains nothing beyond
+  one batch per step per receipt, as for any colluding pair (see Limits).
 * **pull records** about aggregator A in reports of peers of *other users* than A's (each
   ``(puller, aggregator, step)`` once, only for recorded steps) are the evidence of A's aggregation work.
 
@@ -50,9 +64,10 @@ Per peer, with sums over its unflagged reports (this one included) and over its 
     credited compute  C = claimed compute seconds * S / claimed samples     (0 if nothing claimed)
 
 and a report is credited the increase of (S, C, B) over what the peer's earlier reports were credited
-(:func:`credit_due`; never negative). So evidence that arrives late (a held receipt, a pull reported by
-another peer after this one) is credited with the peer's next report, a duplicate or replayed receipt
-adds nothing, and no peer is ever credited more than both it claimed and others observed.
+(:func:`credit_due`; never negative, except for a report that discards steps). So evidence that
+arrives late (a held receipt, a pull reported by another peer after this one) is credited with the
+peer's next report, a duplicate or replayed receipt adds nothing, and no peer is ever credited more than
+both it claimed and others observed.
 ``bytes_relayed`` has no evidence yet (relays sign nothing) and is credited 0.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
@@ -267,20 +282,23 @@ def valid_receipts(
     return valid, rejected
 
 
-def credit_due(claimed: Credit, evidence: Credit, credited: Credit) -> Credit:
+def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bool = False) -> Credit:
     """What a report adds: the peer's creditable totals (module docstring) less what it was credited.
 
     Args:
         claimed: the peer's claims summed over its unflagged reports, the new one included.
         evidence: receipt weights (``samples``) and bytes others pulled (``bytes_aggregated``).
         credited: what its earlier reports were credited.
+        debit: the report discards steps, so evidence may have shrunk: samples and compute may come out
+            negative (taking back what the discarded steps were credited). Otherwise never negative.
     """
     samples = min(claimed.samples, evidence.samples)
     compute = claimed.compute_seconds * samples / claimed.samples if claimed.samples > 0 else 0.0
     aggregated = min(claimed.bytes_aggregated, evidence.bytes_aggregated)
+    floor = -math.inf if debit else 0.0
     return Credit(
-        samples=max(0.0, samples - credited.samples),
-        compute_seconds=max(0.0, compute - credited.compute_seconds),
+        samples=max(floor, samples - credited.samples),
+        compute_seconds=max(floor, compute - credited.compute_seconds),
         bytes_aggregated=max(0.0, aggregated - credited.bytes_aggregated),
     )
 

@@ -5,12 +5,20 @@ Tables::
     users          one row per allowlisted person; revoked_at set by ``backbone allow remove``
     invites        invite codes of a user, stored only as sha256(secret) in hex
     peers          one row per machine (peer id) that redeemed an invite; its measured capabilities
-    sessions       a peer's connections to this run (join .. leave)
+    sessions       one row per volunteer *process* (its random session token): opened by its first
+                   heartbeat, closed by its leave notice, by a newer session of the same peer
+                   (``replaced``: a restart), or by the backbone's sweep after SESSION_TIMEOUT of silence
+                   (``timeout``); ``ended_at`` is then the last time it was heard from
     reports        signed contribution reports; UNIQUE(peer_id, seq) makes crediting exactly-once;
                    the credited_* columns hold what receipts backed (backbone.ledger.accounting)
-    receipts       part receipts that count, one per (sender, step) ever
+    receipts       part receipts that count, one per (sender, step) ever; ``discarded`` once its
+                   sender reported the step discarded (a fork it left)
     pulls          pull records about aggregators, one per (puller, aggregator, step)
-    steps          one row per finished global step
+    discards       step ranges a peer reported discarded: it re-synced to another state
+    steps          one row per global step the collaboration really took: ``source`` says how the ledger
+                   knows (``tracker``: a backbone saw it taken; ``receipts``: a counting receipt of it,
+                   for a step below the tracker's frontier; ``legacy``: recorded by schema version <= 2,
+                   which also wrote rows for steps it jumped over)
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -24,10 +32,14 @@ PostgreSQL). To change the schema later:
 
 1. change the table classes here (new databases are created in the new shape directly);
 2. bump :data:`SCHEMA_VERSION` to ``N + 1`` and add ``MIGRATIONS[N] = _migrate_N_to_N_plus_1``, a
-   function of a ``Connection`` that brings a version-``N`` database to ``N + 1`` with plain DDL
-   (``conn.execute(text("ALTER TABLE ... ADD COLUMN ..."))``) valid on both dialects;
+   function of a ``Connection`` that brings a version-``N`` database to ``N + 1`` with plain DDL valid on
+   both dialects (new columns through ``_add_column``, which skips a table ``create_all`` has just made
+   in the newest shape);
 3. :func:`create_schema` runs the missing steps in order and updates ``schema_version``; a database
    newer than this code is refused rather than written to.
+
+4. add a fixture made by the previous release's code and a test that opens it (``tests/fixtures/<commit>``,
+   ``tests/backbone/ledger/test_upgrade.py``: every old row is kept).
 
 When migrations outgrow this, Alembic can take over with ``schema_version`` as its baseline.
 """
@@ -50,6 +62,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     insert,
+    inspect,
     select,
     text,
     update,
@@ -65,6 +78,7 @@ __all__ = [
     "Peer",
     "PeerSession",
     "Pull",
+    "Discard",
     "Receipt",
     "Report",
     "SchemaVersion",
@@ -73,7 +87,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -135,11 +149,19 @@ class Peer(Base):
 class PeerSession(Base):
     __tablename__ = "sessions"
 
+    __table_args__ = (UniqueConstraint("peer_id", "token"),)
+
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     peer_id: Mapped[str] = mapped_column(ForeignKey("peers.peer_id"), index=True)
     started_at: Mapped[float]
     ended_at: Mapped[float | None]
     address: Mapped[str] = mapped_column(String(256))
+    #: the volunteer process's random session token (NULL: opened at join by schema version <= 2)
+    token: Mapped[str | None] = mapped_column(String(64))
+    #: the last heartbeat (or the leave); a session silent for SESSION_TIMEOUT is closed at this time
+    last_seen_at: Mapped[float | None]
+    #: ``leave``, ``replaced`` or ``timeout``; NULL while open
+    end_reason: Mapped[str | None] = mapped_column(String(16))
 
 
 class Report(Base):
@@ -184,12 +206,29 @@ class Receipt(Base):
     of ``step`` with ``weight``. Counted as evidence only once ``step`` is in ``steps``."""
 
     __tablename__ = "receipts"
+    __table_args__ = (Index(None, "held", "step"),)
 
     sender: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     aggregator: Mapped[str] = mapped_column(String(64))
     weight: Mapped[float]
     nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+    #: 1 once the sender reported ``step`` discarded: not run progress, not credited
+    discarded: Mapped[int] = mapped_column(Integer, default=0)
+    #: 1 while ``step`` is not in ``steps`` (the store records it once the collaboration went past it)
+    held: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Discard(Base):
+    """``peer_id`` reported that its steps ``first_step..last_step`` were discarded: it re-synced to a
+    state that replaced them (a fork that did not survive)."""
+
+    __tablename__ = "discards"
+
+    peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    first_step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    last_step: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
 
 
@@ -214,6 +253,7 @@ class Step(Base):
     loss: Mapped[float | None]
     samples: Mapped[int]
     peers: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str] = mapped_column(String(16), default="tracker")
 
 
 class SchemaVersion(Base):
@@ -234,7 +274,7 @@ def _migrate_1_to_2(conn: Connection) -> None:
         ("scheme", "INTEGER NOT NULL DEFAULT 2"),
         ("notes", "TEXT"),
     ):
-        conn.execute(text(f"ALTER TABLE reports ADD COLUMN {column} {kind}"))
+        _add_column(conn, "reports", column, kind)
     conn.execute(
         text(
             "UPDATE reports SET scheme = 1, credited_samples = CASE WHEN status = 'credited' THEN samples "
@@ -245,8 +285,46 @@ def _migrate_1_to_2(conn: Connection) -> None:
     )
 
 
+def _migrate_2_to_3(conn: Connection) -> None:
+    """Version 3: sessions per volunteer process (token, heartbeats, why it ended), steps with their
+    source, receipts that can be discarded (the ``discards`` table is made by ``create_all``).
+
+    Every row is kept. Old sessions (opened at join, never closed) get the peer's last-seen time as
+    their last heartbeat, so the backbone's sweep closes them as ``timeout`` at that time; old steps are
+    ``legacy`` (version 2 also wrote rows for steps it jumped over, which stay as they were credited)."""
+    for table, column, kind in (
+        ("sessions", "token", "VARCHAR(64)"),
+        ("sessions", "last_seen_at", "DOUBLE PRECISION"),
+        ("sessions", "end_reason", "VARCHAR(16)"),
+        ("receipts", "discarded", "INTEGER NOT NULL DEFAULT 0"),
+        ("receipts", "held", "INTEGER NOT NULL DEFAULT 0"),
+        ("steps", "source", "VARCHAR(16) NOT NULL DEFAULT 'tracker'"),
+    ):
+        _add_column(conn, table, column, kind)
+    conn.execute(
+        text(
+            "UPDATE sessions SET last_seen_at = COALESCE(ended_at, (SELECT peers.last_seen FROM peers "
+            "WHERE peers.peer_id = sessions.peer_id), started_at)"
+        )
+    )
+    conn.execute(text("UPDATE sessions SET end_reason = 'leave' WHERE ended_at IS NOT NULL"))
+    conn.execute(text("UPDATE steps SET source = 'legacy'"))
+    conn.execute(text("UPDATE receipts SET held = 1 WHERE step NOT IN (SELECT global_step FROM steps)"))
+    if "ix_receipts_held_step" not in {i["name"] for i in inspect(conn).get_indexes("receipts")}:
+        conn.execute(text("CREATE INDEX ix_receipts_held_step ON receipts (held, step)"))
+    if "uq_sessions_peer_id_token" not in {i["name"] for i in inspect(conn).get_indexes("sessions")}:
+        conn.execute(text("CREATE UNIQUE INDEX uq_sessions_peer_id_token ON sessions (peer_id, token)"))
+
+
+def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
+    """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
+    ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
+    if column not in {c["name"] for c in inspect(conn).get_columns(table)}:
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
+
+
 #: version N -> function bringing a version-N database to N + 1.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_1_to_2}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
 
 
 def create_schema(conn: Connection) -> None:

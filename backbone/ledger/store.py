@@ -56,6 +56,8 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 
 from protocols.ledger import Capabilities, ContributionReport, SignedReport
@@ -74,8 +76,28 @@ from .accounting import (
     valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
-from .schema import Invite, Peer, PeerSession, Pull, Receipt, Report, Step, User, create_schema
-from .views import LeaderboardRow, PeerSeen, ReportStatus, StepRow, StoredReport, UserSummary, Verdict
+from .schema import (
+    Discard,
+    Invite,
+    Peer,
+    PeerSession,
+    Pull,
+    Receipt,
+    Report,
+    Step,
+    User,
+    create_schema,
+)
+from .views import (
+    LeaderboardRow,
+    PeerSeen,
+    ReportStatus,
+    SessionRow,
+    StepRow,
+    StoredReport,
+    UserSummary,
+    Verdict,
+)
 
 __all__ = ["BACKBONE_USERNAME", "RESERVED_USERNAMES", "LedgerStore"]
 
@@ -90,6 +112,7 @@ BACKBONE_USERNAME = "backbone"
 RESERVED_USERNAMES = frozenset({BACKBONE_USERNAME})
 _MAX_NOTE = 1024
 _MAX_ADDRESS = 256
+_MAX_TOKEN = 64
 _MAX_SECRET = 256
 _INVITE_BYTES = 32
 _WRITE_OPTION = "dedloc_ledger_write"
@@ -380,33 +403,156 @@ class LedgerStore:
         return None if peer is None else peer.capabilities
 
     def open_session(self, peer_id: str, address: str, *, now: float) -> int:
-        """Record that ``peer_id`` connected from ``address`` (a multiaddr or host:port); returns the
-        session id for :meth:`close_session`.
+        """Record a session of ``peer_id`` from ``address`` without a token (schema version 2's join-time
+        session; volunteers now open theirs with :meth:`session_heartbeat`); returns its id for
+        :meth:`close_session`.
 
         Raises:
             UnknownPeer: ``peer_id`` never redeemed an invite.
             ConfigError: ``address`` is longer than 256 characters.
         """
-        if len(address) > _MAX_ADDRESS:
-            raise ConfigError(f"an address has at most {_MAX_ADDRESS} characters, got {len(address)}")
+        _check_address(address)
         with self._tx(write=True) as conn:
             if not _touch(conn, peer_id, now):
                 raise UnknownPeer(f"unknown peer {peer_id}")
             result = conn.execute(
-                insert(PeerSession).values(peer_id=peer_id, started_at=now, address=address)
+                insert(PeerSession).values(peer_id=peer_id, started_at=now, last_seen_at=now, address=address)
             )
             key = result.inserted_primary_key
             assert key is not None  # a single-row INSERT always has one
             return int(key[0])
 
     def close_session(self, session_id: int, *, now: float) -> None:
-        """Mark a session ended at ``now``. Closing an unknown or already closed session does nothing."""
+        """Mark a session ended at ``now`` (a leave). Closing an unknown or closed session does nothing."""
         with self._tx(write=True) as conn:
             open_session = PeerSession.id == session_id, PeerSession.ended_at.is_(None)
             peer_id = conn.execute(select(PeerSession.peer_id).where(*open_session)).scalar_one_or_none()
             if peer_id is not None:
-                conn.execute(update(PeerSession).where(*open_session).values(ended_at=now))
+                conn.execute(
+                    update(PeerSession)
+                    .where(*open_session)
+                    .values(ended_at=now, last_seen_at=now, end_reason="leave")
+                )
                 _touch(conn, peer_id, now)
+
+    def session_heartbeat(self, peer_id: str, token: str, address: str, *, now: float) -> bool:
+        """``peer_id``'s process with session ``token`` is alive (its heartbeat through the API).
+
+        The first heartbeat of a token opens its session and closes the peer's other open sessions as
+        ``replaced`` at their last heartbeat: a peer id is one identity key in one data dir, which one
+        process at a time holds, so a new token means the old process is gone (a restart after a crash).
+        A heartbeat of a session closed as ``timeout`` reopens it: it was alive, only unheard (a backbone
+        was down). Several backbones on one database agree: ``(peer_id, token)`` is unique.
+
+        Returns:
+            True if the session is open now; False if it had ended by a leave or was replaced (nothing
+            changes: a late heartbeat cannot reopen it).
+
+        Raises:
+            UnknownPeer: ``peer_id`` never redeemed an invite.
+            ConfigError: ``address`` is longer than 256 characters, ``token`` longer than 64.
+        """
+        _check_address(address)
+        if not 1 <= len(token) <= _MAX_TOKEN:
+            raise ConfigError(f"a session token has 1-{_MAX_TOKEN} characters, got {len(token)}")
+
+        def body(conn: Connection) -> bool:
+            if not _touch(conn, peer_id, now):
+                raise UnknownPeer(f"unknown peer {peer_id}")
+            row = conn.execute(
+                select(PeerSession.id, PeerSession.end_reason).where(
+                    PeerSession.peer_id == peer_id, PeerSession.token == token
+                )
+            ).one_or_none()
+            if row is not None and row.end_reason not in (None, "timeout"):
+                return False
+            if row is None:
+                conn.execute(
+                    update(PeerSession)
+                    .where(PeerSession.peer_id == peer_id, PeerSession.ended_at.is_(None))
+                    .values(ended_at=func.coalesce(PeerSession.last_seen_at, now), end_reason="replaced")
+                )
+                conn.execute(
+                    insert(PeerSession).values(
+                        peer_id=peer_id, token=token, started_at=now, last_seen_at=now, address=address
+                    )
+                )
+            else:
+                conn.execute(
+                    update(PeerSession)
+                    .where(PeerSession.id == row.id)
+                    .values(last_seen_at=now, ended_at=None, end_reason=None, address=address)
+                )
+            return True
+
+        return self._write_retrying(body)
+
+    def leave_session(self, peer_id: str, token: str, *, now: float) -> bool:
+        """``peer_id``'s process with session ``token`` is leaving cleanly: its session ends at ``now``.
+
+        Returns:
+            True if an open (or timed-out) session was closed as ``leave``; False if there is no such
+            session or it had ended by a leave or was replaced.
+        """
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                update(PeerSession)
+                .where(
+                    PeerSession.peer_id == peer_id,
+                    PeerSession.token == token,
+                    (PeerSession.end_reason.is_(None)) | (PeerSession.end_reason == "timeout"),
+                )
+                .values(ended_at=now, last_seen_at=now, end_reason="leave")
+            )
+            if result.rowcount == 0:
+                return False
+            _touch(conn, peer_id, now)
+            return True
+
+    def close_silent_sessions(self, *, silent_since: float) -> int:
+        """Close every open session not heard from since ``silent_since`` as ``timeout``, ended at its
+        last heartbeat (the last time anyone knew it alive). Returns how many were closed."""
+        with self._tx(write=True) as conn:
+            result = conn.execute(
+                update(PeerSession)
+                .where(
+                    PeerSession.ended_at.is_(None),
+                    func.coalesce(PeerSession.last_seen_at, PeerSession.started_at) < silent_since,
+                )
+                .values(
+                    ended_at=func.coalesce(PeerSession.last_seen_at, PeerSession.started_at),
+                    end_reason="timeout",
+                )
+            )
+            return int(result.rowcount)
+
+    def sessions(self, peer_id: str | None = None) -> list[SessionRow]:
+        """Every session (of ``peer_id``, if given), oldest first."""
+        query = select(
+            PeerSession.peer_id,
+            PeerSession.token,
+            PeerSession.address,
+            PeerSession.started_at,
+            PeerSession.last_seen_at,
+            PeerSession.ended_at,
+            PeerSession.end_reason,
+        ).order_by(PeerSession.started_at, PeerSession.id)
+        if peer_id is not None:
+            query = query.where(PeerSession.peer_id == peer_id)
+        with self._tx(write=False) as conn:
+            rows = conn.execute(query).all()
+        return [
+            SessionRow(
+                r.peer_id,
+                r.token,
+                r.address,
+                r.started_at,
+                r.last_seen_at if r.last_seen_at is not None else r.started_at,
+                r.ended_at,
+                r.end_reason,
+            )
+            for r in rows
+        ]
 
     def touch_peer(self, peer_id: str, *, now: float) -> None:
         """Set the peer's last-seen time to ``now`` (it never moves backwards).
@@ -486,8 +632,14 @@ class LedgerStore:
                 key = result.inserted_primary_key
                 assert key is not None  # a single-row INSERT always has one
                 report_id = int(key[0])
+                _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
-                credit = _credit(conn, report.peer_id) if assessment.credited else Credit()
+                _record_evidenced_steps(conn, now)
+                credit = (
+                    _credit(conn, report.peer_id, debit=bool(report.discarded))
+                    if assessment.credited
+                    else Credit()
+                )
                 conn.execute(
                     update(Report)
                     .where(Report.id == report_id)
@@ -564,7 +716,8 @@ class LedgerStore:
     def record_step(
         self, global_step: int, *, finished_at: float, loss: float | None, samples: int, peers: int
     ) -> bool:
-        """Record that ``global_step`` finished; the first record of a step wins.
+        """Record that a backbone saw the collaboration take ``global_step`` (``source = 'tracker'``); the
+        first record of a step wins, except that a row only receipts evidenced takes these numbers.
 
         A non-finite ``loss`` is stored as NULL (SQLite cannot store NaN).
 
@@ -575,19 +728,20 @@ class LedgerStore:
             raise ValueError(f"negative step record: {global_step=}, {samples=}, {peers=}")
         if loss is not None and not math.isfinite(loss):
             loss = None
+        values = {"finished_at": finished_at, "loss": loss, "samples": samples, "peers": peers}
         try:
             with self._tx(write=True) as conn:
-                if _step_exists(conn, global_step):
-                    return False
-                conn.execute(
-                    insert(Step).values(
-                        global_step=global_step,
-                        finished_at=finished_at,
-                        loss=loss,
-                        samples=samples,
-                        peers=peers,
+                source = conn.execute(
+                    select(Step.source).where(Step.global_step == global_step)
+                ).scalar_one_or_none()
+                if source == "receipts":  # evidenced by receipts first: the tracker knows more of it
+                    conn.execute(
+                        update(Step).where(Step.global_step == global_step).values(source="tracker", **values)
                     )
-                )
+                    return True
+                if source is not None:
+                    return False
+                conn.execute(insert(Step).values(global_step=global_step, source="tracker", **values))
         except _Conflict:
             if self._exists(lambda conn: _step_exists(conn, global_step)):
                 return False
@@ -598,11 +752,21 @@ class LedgerStore:
         """The ``limit`` most recent finished steps, newest first."""
         with self._tx(write=False) as conn:
             rows = conn.execute(
-                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers)
+                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers, Step.source)
                 .order_by(Step.global_step.desc())
                 .limit(limit)
             ).all()
-        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers) for r in rows]
+        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source) for r in rows]
+
+    def discards(self, peer_id: str) -> list[tuple[int, int]]:
+        """The step ranges ``peer_id`` reported discarded, by first step."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(Discard.first_step, Discard.last_step)
+                .where(Discard.peer_id == peer_id)
+                .order_by(Discard.first_step)
+            ).all()
+        return [(r.first_step, r.last_step) for r in rows]
 
     # ------------------------------------------------------------------ queries
 
@@ -656,6 +820,15 @@ class LedgerStore:
                 .join(Report, Report.user_id == User.id)
                 .where(Report.status == "flagged")
             ).all()
+            discarded: dict[str, float | None] = dict(
+                conn.execute(
+                    select(User.username, func.sum(sql_cast(Receipt.weight, Double)))
+                    .join(Peer, Peer.user_id == User.id)
+                    .join(Receipt, Receipt.sender == Peer.peer_id)
+                    .where(Receipt.discarded == 1)
+                    .group_by(User.username)
+                ).all()
+            )
         reasons: dict[str, Counter[str]] = {}
         for username, reason in flagged:
             reasons.setdefault(username, Counter()).update(set(reason_codes(reason)))
@@ -670,6 +843,7 @@ class LedgerStore:
                 last_seen=row.last_seen,
                 flagged_reports=int(row.flagged or 0),
                 flag_reasons=dict(sorted(reasons.get(row.username, Counter()).items())),
+                discarded_samples=round(discarded.get(row.username) or 0),
             )
             for row in rows
         ]
@@ -763,6 +937,11 @@ def _describe(exc: SQLAlchemyError) -> str:
     if isinstance(exc, DBAPIError) and exc.orig is not None:
         return f"{type(exc.orig).__name__}: {str(exc.orig).strip()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _check_address(address: str) -> None:
+    if len(address) > _MAX_ADDRESS:
+        raise ConfigError(f"an address has at most {_MAX_ADDRESS} characters, got {len(address)}")
 
 
 def _check_username(username: str) -> None:
@@ -900,7 +1079,7 @@ def _store_evidence(
         if known is not None:
             notes["receipt_duplicate"] += 1
             continue
-        if step not in recorded:
+        if step not in recorded and step > _frontier(conn):
             notes["receipt_held"] += 1
         conn.execute(
             insert(Receipt).values(
@@ -910,6 +1089,8 @@ def _store_evidence(
                 weight=receipt.weight,
                 nbytes=receipt.nbytes,
                 report_id=report_id,
+                discarded=int(_is_discarded(conn, report.peer_id, step)),
+                held=int(step not in recorded),
             )
         )
     seen: set[tuple[str, int]] = set()
@@ -949,8 +1130,9 @@ def _format_notes(notes: Counter[str]) -> str | None:
     return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
 
 
-def _credit(conn: Connection, peer_id: str) -> Credit:
-    """What the peer's newest report adds (accounting.credit_due), from the sums in the database."""
+def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
+    """What the peer's newest report adds (accounting.credit_due), from the sums in the database; with
+    ``debit`` (the report discards steps) it may take back what discarded receipts were credited."""
     mine = (Report.peer_id == peer_id, Report.status == "credited", Report.scheme == 2)
     totals = conn.execute(
         select(
@@ -974,7 +1156,7 @@ def _credit(conn: Connection, peer_id: str) -> Credit:
         select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
         .select_from(Receipt)
         .join(Step, Step.global_step == Receipt.step)
-        .where(Receipt.sender == peer_id)
+        .where(Receipt.sender == peer_id, Receipt.discarded == 0)
     ).scalar_one()
     pulled = conn.execute(
         select(func.coalesce(func.sum(sql_cast(Pull.nbytes, Double)), 0.0))
@@ -986,4 +1168,85 @@ def _credit(conn: Connection, peer_id: str) -> Credit:
         Credit(float(totals[0]), float(totals[1]), float(totals[2])),
         Credit(samples=float(weights), bytes_aggregated=float(pulled)),
         Credit(float(totals[3]), float(totals[4]), float(totals[5])),
+        debit=debit,
     )
+
+
+def _frontier(conn: Connection) -> int:
+    """The highest step a backbone saw taken (``-1``: none): receipts fill steps at or below it."""
+    top = conn.execute(select(func.max(Step.global_step)).where(Step.source != "receipts")).scalar_one()
+    return -1 if top is None else int(top)
+
+
+#: Steps one report's transaction records from stored receipts (the rest: with the next reports).
+_EVIDENCED_PER_REPORT = 1024
+
+
+def _record_evidenced_steps(conn: Connection, now: float) -> None:
+    """Record the steps at or below the frontier that counting receipts evidence and ``steps`` lacks
+    (the tracker jumped over them): ``source = 'receipts'``, peers = distinct peers in those receipts.
+    Only *held* receipts (stored while their step was not recorded) are looked at, so the work is
+    bounded by what is missing, not by the size of the run."""
+    frontier = _frontier(conn)
+    if frontier < 0:
+        return
+    rows = conn.execute(
+        select(
+            Receipt.step,
+            func.count(func.distinct(Receipt.sender)),
+            func.count(func.distinct(Receipt.aggregator)),
+            func.count(Step.global_step),  # 0: the step is not recorded
+        )
+        .select_from(Receipt)
+        .outerjoin(Step, Step.global_step == Receipt.step)
+        .where(Receipt.held == 1, Receipt.step <= frontier, Receipt.discarded == 0)
+        .group_by(Receipt.step)
+        .order_by(Receipt.step)
+        .limit(_EVIDENCED_PER_REPORT)
+    ).all()
+    for step, senders, aggregators, recorded in rows:
+        if recorded == 0:
+            conn.execute(
+                _insert_ignore(conn, Step).values(
+                    global_step=step,
+                    finished_at=now,
+                    loss=None,
+                    samples=0,
+                    peers=max(2, int(senders), int(aggregators)),
+                    source="receipts",
+                )
+            )
+    if rows:
+        steps = [row[0] for row in rows]
+        conn.execute(update(Receipt).where(Receipt.held == 1, Receipt.step.in_(steps)).values(held=0))
+
+
+def _insert_ignore(conn: Connection, table: Any) -> Any:
+    """An INSERT that does nothing when the key exists (another backbone won the race)."""
+    if conn.dialect.name == "postgresql":
+        return postgresql_insert(table).on_conflict_do_nothing()
+    return sqlite_insert(table).on_conflict_do_nothing()
+
+
+def _is_discarded(conn: Connection, peer_id: str, step: int) -> bool:
+    found = conn.execute(
+        select(Discard.first_step).where(
+            Discard.peer_id == peer_id, Discard.first_step <= step, Discard.last_step >= step
+        )
+    ).first()
+    return found is not None
+
+
+def _store_discards(conn: Connection, report: ContributionReport, report_id: int) -> None:
+    """The report's discarded step ranges: stored, and the sender's receipts in them marked discarded."""
+    for span in report.discarded:
+        conn.execute(
+            _insert_ignore(conn, Discard).values(
+                peer_id=report.peer_id, first_step=span.first, last_step=span.last, report_id=report_id
+            )
+        )
+        conn.execute(
+            update(Receipt)
+            .where(Receipt.sender == report.peer_id, Receipt.step.between(span.first, span.last))
+            .values(discarded=1)
+        )

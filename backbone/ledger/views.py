@@ -8,7 +8,16 @@ from typing import Literal, NamedTuple
 
 from protocols.ledger import SignedReport
 
-__all__ = ["LeaderboardRow", "PeerSeen", "ReportStatus", "StepRow", "StoredReport", "UserSummary", "Verdict"]
+__all__ = [
+    "LeaderboardRow",
+    "PeerSeen",
+    "ReportStatus",
+    "SessionRow",
+    "StepRow",
+    "StoredReport",
+    "UserSummary",
+    "Verdict",
+]
 
 ReportStatus = Literal["credited", "flagged"]
 
@@ -33,6 +42,20 @@ class UserSummary:
 
 
 @dataclass(frozen=True)
+class SessionRow:
+    """One volunteer process in the run: open while ``ended_at`` is None; ``end_reason`` is ``leave``
+    (it said so), ``replaced`` (a newer process of the same peer) or ``timeout`` (silent too long)."""
+
+    peer_id: str
+    token: str | None
+    address: str
+    started_at: float
+    last_seen_at: float
+    ended_at: float | None
+    end_reason: str | None
+
+
+@dataclass(frozen=True)
 class LeaderboardRow:
     """One user's credited contribution: what receipts and pull records backed (see
     :mod:`backbone.ledger.accounting`); flagged reports only counted in ``flagged_reports``, and why in
@@ -47,6 +70,9 @@ class LeaderboardRow:
     last_seen: float | None
     flagged_reports: int
     flag_reasons: dict[str, int] = field(default_factory=dict)
+    #: receipt weights of steps its peers reported discarded (a fork that did not survive): work done,
+    #: shown, not credited (not in ``samples`` nor ``compute_hours``)
+    discarded_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,10 +105,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One finished global step; ``loss`` is None if unknown or not finite."""
+    """One global step the collaboration took; ``loss`` is None if unknown or not finite, ``samples`` 0
+    if unknown (a step only receipts evidenced)."""
 
     global_step: int
     finished_at: float
     loss: float | None
     samples: int
     peers: int
+    #: how the ledger knows it was taken: ``tracker``, ``receipts`` or ``legacy`` (schema version <= 2)
+    source: str = "tracker"

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 import pytest
 import trio
 
+from backbone.api import build_app
 from backbone.ratelimit import RateLimiter
 from backbone.runinfo import RunInfo, write_run_info
 from protocols.api import RefreshRequest, refresh_payload
@@ -279,3 +281,34 @@ def test_invalid_utf8_inside_a_json_string_is_a_400_not_a_500(tmp_path: Path, pa
         response = trio.run(lambda: api.request("POST", path, content=body))
     assert response.status_code == 400, response.text
     assert response.json()["error"] == "bad_json"
+
+
+async def test_a_request_of_another_api_version_is_told_who_must_upgrade(tmp_path: Path) -> None:
+    with in_process_api(tmp_path) as api:
+        for version, expected in ((0, "upgrade dedloc"), (2, "this backbone must be upgraded")):
+            transport = httpx.ASGITransport(app=build_app(api.state), raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://backbone") as client:
+                answer = await client.get(f"/v{version}/runs/{api.state.run_id}/manifest")
+            assert answer.status_code == 404
+            error = answer.json()
+            assert error["error"] == "wrong_version"
+            assert error["message"] == f"{expected}: this backbone speaks API v1, the request v{version}"
+
+
+async def test_session_notices_need_a_members_signature_over_the_token_and_event(tmp_path: Path) -> None:
+    with in_process_api(tmp_path) as api:
+        token = "0123456789abcdef" * 2
+        path = f"sessions/{token}/alive"
+        admin = await api.request("POST", path, headers={"authorization": f"Bearer {ADMIN}"})
+        assert admin.status_code == 401  # a session is a member's process, not the organizer's
+        other = api.credential("POST", f"sessions/{token}/leave")  # signed for another path
+        assert (await api.request("POST", path, headers=other)).status_code == 401
+        bad = f"sessions/{token[:-1]}/alive"
+        assert (await api.request("POST", bad, headers=api.credential("POST", bad))).status_code == 404
+        alive = await api.request("POST", path, headers=api.credential("POST", path))
+        assert alive.status_code == 200 and alive.json() == {"open": True, "timeout_s": 90.0}
+        leave = f"sessions/{token}/leave"
+        left = await api.request("POST", leave, headers=api.credential("POST", leave))
+        assert left.json()["open"] is False
+        [session] = api.state.store.sessions(api.member.peer_id)
+        assert (session.token, session.end_reason) == (token, "leave")

@@ -72,6 +72,7 @@ def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_cur
         "loss": pytest.approx(3.0),
         "samples": 128,
         "peers": 3,
+        "source": "tracker",
     }
     assert shown["curve_steps"] == 40
     curve = shown["curve"]

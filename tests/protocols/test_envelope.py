@@ -149,12 +149,19 @@ def test_decode_message_rejects_another_kind_than_expected() -> None:
 # ---------------------------------------------------------------- header checks
 
 
-def test_decode_envelope_rejects_wrong_version_with_code_wrong_version() -> None:
-    body = _raw_body(PROTOCOL_VERSION + 1, "dht.ping", 1, 0, {})
-
-    with pytest.raises(ProtocolError, match="version 2 is not supported") as info:
-        decode_envelope(body)
-
+def test_decode_envelope_rejects_wrong_version_with_code_wrong_version_saying_who_upgrades() -> None:
+    newer = _raw_body(PROTOCOL_VERSION + 1, "dht.ping", 1, 0, {})
+    with pytest.raises(ProtocolError) as info:
+        decode_envelope(newer)
+    assert info.value.code == ErrorCode.WRONG_VERSION
+    assert str(info.value) == (
+        f"upgrade dedloc: this run speaks protocol {PROTOCOL_VERSION + 1}, you speak {PROTOCOL_VERSION}"
+    )
+    older = _raw_body(PROTOCOL_VERSION - 1, "dht.ping", 1, 0, {})
+    with pytest.raises(
+        ProtocolError, match=rf"the peer speaks protocol {PROTOCOL_VERSION - 1}, older"
+    ) as info:
+        decode_envelope(older)
     assert info.value.code == ErrorCode.WRONG_VERSION
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from backbone.ledger import LedgerStore
+
 from .procs import ENV, cli, read_line, stop
 
 pytestmark = pytest.mark.slow
@@ -198,6 +200,12 @@ def test_volunteers_train_together_through_churn_and_a_backbone_restart(tmp_path
     rows = json.loads(ledger.stdout)
     credited = {row["username"] for row in rows if row["samples"] > 0}
     assert {"alice", "bob", "dave"} <= credited, rows
+    with LedgerStore.open(f"sqlite:///{backbone.dir / 'ledger.sqlite3'}") as store:
+        sessions = store.sessions()
+        # one per process (the backbone restart did not split them); the ones that left said so
+        assert sum(s.end_reason == "leave" for s in sessions) == len(results), sessions
+        assert all(s.token is not None for s in sessions), sessions
+        assert all(row.peers > 0 for row in store.recent_steps(10_000))  # no placeholder rows
     checkpoints = list((backbone.dir / "checkpoints").glob("*.safetensors"))
     assert 1 <= len(checkpoints) <= 2  # keep the last K = 2
 

@@ -133,9 +133,9 @@ def test_leaving_reports_the_receipts_that_arrived_after_the_last_step(tmp_path:
 def test_leaving_with_a_full_queue_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the queue full, each new report evicts an old one whose receipts go back to the book: leaving
     once looped forever on the trio thread."""
-    import volunteer.training as training
+    import volunteer.reporting as reporting
 
-    monkeypatch.setattr(training, "MAX_PENDING_REPORTS", 2)
+    monkeypatch.setattr(reporting, "MAX_PENDING_REPORTS", 2)
     alice, bob = Identity.generate(), Identity.generate()
     reporter = Reporter("r@x", alice, None, tmp_path)
     for number in range(1, 80):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protocols.ledger import Capabilities, ContributionReport, SignedReport, report_payload
+from protocols.ledger import Capabilities, ContributionReport, SignedReport, StepRange, report_payload
 from protocols.receipts import (
     PartReceipt,
     PulledSlice,
@@ -38,6 +38,7 @@ def make_report(
     run_id: str = RUN_ID,
     receipts: list[SignedReceipt] | None = None,
     pulled: list[PulledSlice] | None = None,
+    discarded: list[tuple[int, int]] | None = None,
 ) -> ContributionReport:
     """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
     begin = T0 + seq * length if start is None else start
@@ -54,6 +55,7 @@ def make_report(
         interval_end=begin + length,
         receipts=receipts or [],
         pulled=pulled or [],
+        discarded=[StepRange(a, b) for a, b in discarded or []],
     )
 
 

@@ -1,0 +1,85 @@
+"""Only steps the collaboration really took are run progress: steps the tracker jumped over are recorded
+from receipts of two users (below the tracker's frontier), a lone fork earns nothing, and steps a peer
+reports discarded are taken back (SQLite and PostgreSQL, see ``ledger_url``)."""
+
+from __future__ import annotations
+
+from backbone.ledger import LedgerStore
+
+from .reports import T0, identity, receipt
+from .test_store import board, join, record
+
+LAPTOP, DESKTOP, SERVER = identity(51), identity(52), identity(53)
+
+
+def tracked(store: LedgerStore, *numbers: int, peers: int = 2) -> None:
+    for step in numbers:
+        assert store.record_step(step, finished_at=T0 + step, loss=None, samples=64, peers=peers)
+
+
+def sources(store: LedgerStore) -> dict[int, str]:
+    return {row.global_step: row.source for row in store.recent_steps(1000)}
+
+
+def test_a_lone_fork_earns_no_run_progress_credit(store: LedgerStore) -> None:
+    """alice and bob average steps 1-3; then alice's two machines step alone (4-40), vouching for each
+    other; the tracker even follows her fork. Only steps 1-3 are credited."""
+    join(store, "alice", LAPTOP, DESKTOP)
+    join(store, "bob", SERVER)
+    tracked(store, 1, 2, 3)
+    together = [receipt(SERVER, LAPTOP, s, 32) for s in (1, 2, 3)]
+    assert record(store, LAPTOP, 0, samples=96, receipts=together).samples == 96
+    tracked(store, *range(4, 41), peers=1)  # a backbone that followed the fork records its steps
+    alone = [receipt(DESKTOP, LAPTOP, s, 32) for s in range(4, 36)]  # her other machine vouches
+    verdict = record(store, LAPTOP, 1, samples=37 * 32, receipts=alone)
+    assert verdict.samples == 0 and verdict.notes == "receipt_same_user: 32"
+    assert record(store, DESKTOP, 0, samples=37 * 32, receipts=[receipt(LAPTOP, DESKTOP, 5, 32)]).samples == 0
+    assert board(store) == {"alice": (96, 0), "bob": (0, 0)}
+
+
+def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_frontier(
+    store: LedgerStore,
+) -> None:
+    join(store, "alice", LAPTOP)
+    join(store, "bob", SERVER)
+    tracked(store, 1, 10)  # the tracker saw 1 and 10 taken, jumped over 2-9
+    verdict = record(
+        store,
+        LAPTOP,
+        0,
+        samples=96,
+        receipts=[
+            receipt(SERVER, LAPTOP, 5, 32),
+            receipt(SERVER, LAPTOP, 7, 32),
+            receipt(SERVER, LAPTOP, 50, 32),
+        ],
+    )
+    assert verdict.samples == 64 and verdict.notes == "receipt_held: 1"  # 50 is beyond the frontier
+    assert sources(store) == {1: "tracker", 5: "receipts", 7: "receipts", 10: "tracker"}
+    tracked(store, 60)  # the collaboration went past 50: the next report's transaction records it
+    assert record(store, LAPTOP, 1, samples=0).samples == 32
+    assert sources(store)[50] == "receipts"
+    # the tracker's numbers replace what receipts alone knew of a step
+    assert store.record_step(7, finished_at=T0, loss=2.0, samples=128, peers=3) is True
+    assert sources(store)[7] == "tracker"
+    assert store.record_step(7, finished_at=T0, loss=9.0, samples=1, peers=1) is False
+    assert board(store) == {"alice": (96, 0), "bob": (0, 0)}
+
+
+def test_steps_a_peer_reports_discarded_are_taken_back_and_shown_apart(store: LedgerStore) -> None:
+    """alice and bob were a partition's minority for steps 4-6; alice re-synced to the survivors' state
+    and reports them discarded: what they were credited is taken back, a late receipt of one of them
+    counts nothing, and the leaderboard shows them as discarded work."""
+    join(store, "alice", LAPTOP)
+    join(store, "bob", SERVER)
+    tracked(store, *range(1, 8))
+    receipts = [receipt(SERVER, LAPTOP, s, 32) for s in range(1, 6)]
+    assert record(store, LAPTOP, 0, samples=7 * 32, receipts=receipts).samples == 5 * 32
+    verdict = record(store, LAPTOP, 1, samples=0, compute_seconds=0.0, discarded=[(4, 6)])
+    assert verdict.samples == -2 * 32 and verdict.compute_seconds < 0
+    late = record(store, LAPTOP, 2, samples=0, receipts=[receipt(SERVER, LAPTOP, 6, 32)])
+    assert late.samples == 0
+    assert store.discards(LAPTOP.peer_id) == [(4, 6)]
+    [alice, bob] = store.leaderboard()
+    assert (alice.username, alice.samples, alice.discarded_samples) == ("alice", 3 * 32, 3 * 32)
+    assert (bob.samples, bob.discarded_samples) == (0, 0)

@@ -1,0 +1,138 @@
+"""A ledger and data dirs made by the code before issue 10 (commit b253b6f; ``tests/fixtures/b253b6f``,
+made by its ``make_old.py``) open with this code: the ledger is migrated to the current schema version
+keeping every row and every credit, on SQLite and (its rows copied into the old shape) on PostgreSQL."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+import sqlalchemy
+
+from backbone.ledger import LedgerStore
+from backbone.ledger.schema import SCHEMA_VERSION
+from shared.auth.authority import Authority
+from tests.pg import PostgresCluster
+from volunteer.journal import JOURNAL_FILE
+from volunteer.reporting import Reporter
+
+from .reports import T0, identity, make_report, receipt, sign
+
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "b253b6f"
+ALICE, BOB, CAROL = identity(21), identity(22), identity(23)
+#: the old code's leaderboard of the fixture: (username, samples, bytes aggregated, flagged reports)
+OLD_BOARD = [("alice", 200, 0, 0), ("bob", 150, 1000, 0), ("carol", 0, 0, 1)]
+TABLES = ("users", "invites", "peers", "sessions", "reports", "receipts", "pulls", "steps")
+
+
+def old_rows() -> dict[str, list[tuple[object, ...]]]:
+    with sqlite3.connect(FIXTURE / "backbone" / "ledger.sqlite3") as db:
+        return {t: db.execute(f"SELECT * FROM {t} ORDER BY 1, 2").fetchall() for t in TABLES}
+
+
+def rows_now(url: str) -> dict[str, list[tuple[object, ...]]]:
+    """The rows of each old table, the old columns only, in the old order."""
+    old = {t: len(r[0]) if r else 0 for t, r in old_rows().items()}
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            out = {}
+            for table in TABLES:
+                names = [c["name"] for c in sqlalchemy.inspect(conn).get_columns(table)][: old[table]]
+                query = f"SELECT {', '.join(names)} FROM {table} ORDER BY 1, 2"
+                out[table] = [tuple(r) for r in conn.execute(sqlalchemy.text(query))]
+            return out
+    finally:
+        engine.dispose()
+
+
+def check_upgraded(url: str) -> None:
+    before = old_rows()
+    LedgerStore.open(url).close()  # the migration
+    after = rows_now(url)
+    for table in TABLES:
+        assert before[table] == after[table], table
+    with LedgerStore.open(url) as store:
+        board = [(r.username, r.samples, r.bytes_aggregated, r.flagged_reports) for r in store.leaderboard()]
+        assert board == OLD_BOARD
+        [alice_session] = store.sessions(ALICE.peer_id)
+        [bob_session] = store.sessions(BOB.peer_id)
+        assert (alice_session.end_reason, alice_session.ended_at) == ("leave", T0 + 50)
+        assert bob_session.ended_at is None and bob_session.last_seen_at == T0 + 100  # bob's last seen
+        assert store.close_silent_sessions(silent_since=T0 + 1000) == 1  # the sweep closes it
+        assert {r.global_step: r.source for r in store.recent_steps()} == {
+            1: "legacy",
+            2: "legacy",
+            3: "legacy",
+        }
+        # the upgraded ledger keeps working: a new report, a new session, a new step
+        store.record_step(4, finished_at=T0 + 30, loss=None, samples=256, peers=2)
+        report = make_report(ALICE, 1, receipts=[receipt(BOB, ALICE, 4, 50)])
+        verdict = store.assess_and_record(sign(ALICE, report), report, now=T0 + 3600)
+        assert verdict is not None and verdict.samples == 50
+        assert store.session_heartbeat(ALICE.peer_id, "c" * 32, "127.0.0.1", now=T0 + 3600)
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            assert (
+                conn.execute(sqlalchemy.text("SELECT version FROM schema_version")).scalar() == SCHEMA_VERSION
+            )
+    finally:
+        engine.dispose()
+
+
+def test_a_sqlite_ledger_of_the_old_code_is_migrated_keeping_every_row(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURE / "backbone", tmp_path / "bb")
+    check_upgraded(f"sqlite:///{tmp_path / 'bb' / 'ledger.sqlite3'}")
+    # the old backbone data dir's authority key still pins the same run
+    old = Authority.load_or_create(FIXTURE / "backbone" / "authority.key")
+    assert Authority.load_or_create(tmp_path / "bb" / "authority.key").fingerprint == old.fingerprint
+
+
+def test_a_postgresql_ledger_of_the_old_code_is_migrated_keeping_every_row(postgres: PostgresCluster) -> None:
+    url = postgres.create_database()
+    source = sqlalchemy.create_engine(f"sqlite:///{FIXTURE / 'backbone' / 'ledger.sqlite3'}")
+    target = sqlalchemy.create_engine(url)
+    try:
+        old = sqlalchemy.MetaData()
+        old.reflect(source)
+        for table in old.tables.values():  # SQLite's reflected types, in PostgreSQL's words
+            for column in table.columns:
+                if isinstance(column.type, sqlalchemy.LargeBinary):
+                    column.type = sqlalchemy.LargeBinary()
+                elif isinstance(column.type, sqlalchemy.Float):
+                    column.type = sqlalchemy.Double()
+        old.create_all(target)
+        with source.connect() as src, target.begin() as dst:
+            for table in old.sorted_tables:
+                rows = [dict(r._mapping) for r in src.execute(table.select())]
+                if rows:
+                    dst.execute(table.insert(), rows)
+                if "id" in table.columns and table.name != "schema_version":  # as if it had made them
+                    dst.execute(
+                        sqlalchemy.text(
+                            f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
+                            f"(SELECT max(id) FROM {table.name}))"
+                        )
+                    )
+    finally:
+        source.dispose()
+        target.dispose()
+    check_upgraded(url)
+
+
+def test_a_volunteer_data_dir_of_the_old_code_keeps_its_report_seq(tmp_path: Path) -> None:
+    shutil.copytree(FIXTURE / "volunteer", tmp_path / "vol")
+    reporter = Reporter("r@x", ALICE, None, tmp_path / "vol")
+    assert reporter.recovered == (0, 0) and (tmp_path / "vol" / JOURNAL_FILE).exists()
+    reporter.book.add(1, [(BOB.peer_id, receipt(BOB, ALICE, 1, 1.0, run_id="r@x"))])
+    reporter.close_interval()
+    assert [r.seq for _, r in reporter._pending] == [7]  # report.seq of the old code said 7
+    assert (tmp_path / "vol" / "report.seq").read_text().strip() == "8"
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_the_fixture_holds_rows_of_every_table(table: str) -> None:
+    assert old_rows()[table]

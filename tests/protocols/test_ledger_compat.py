@@ -1,0 +1,66 @@
+"""Wire compatibility of contribution reports: a report without discarded steps decodes on a backbone of
+the version before the field existed (its decoder forbids unknown fields), and one with them is refused
+there (the volunteer gives it up and a later report carries its receipts)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import pytest
+
+from protocols.ledger import ContributionReport, StepRange
+from protocols.receipts import PulledSlice, SignedReceipt
+from shared.auth.keys import Identity
+
+
+class OldReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """ContributionReport as commit b253b6f defined it."""
+
+    run_id: str
+    peer_id: str
+    seq: int
+    global_step: int
+    samples: int
+    compute_seconds: float
+    bytes_aggregated: int
+    bytes_relayed: int
+    interval_start: float
+    interval_end: float
+    receipts: Annotated[list[SignedReceipt], msgspec.Meta(max_length=32)] = []
+    pulled: Annotated[list[PulledSlice], msgspec.Meta(max_length=32)] = []
+
+
+def report(**fields: object) -> ContributionReport:
+    return ContributionReport(
+        run_id="r@x",
+        peer_id=Identity.generate().peer_id,
+        seq=3,
+        global_step=7,
+        samples=64,
+        compute_seconds=1.0,
+        bytes_aggregated=0,
+        bytes_relayed=0,
+        interval_start=1.0,
+        interval_end=2.0,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def test_a_report_without_discards_decodes_on_the_previous_version() -> None:
+    new = report(pulled=[PulledSlice(Identity.generate().peer_id, 7, 10)])
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldReport)
+    assert (old.seq, old.samples, old.pulled, old.receipts) == (3, 64, new.pulled, [])
+
+
+def test_a_report_with_discards_is_refused_by_the_previous_version_and_read_by_this_one() -> None:
+    new = report(discarded=[StepRange(4, 6)])
+    data = msgspec.msgpack.encode(new)
+    with pytest.raises(msgspec.ValidationError, match="discarded"):
+        msgspec.msgpack.decode(data, type=OldReport)
+    assert msgspec.msgpack.decode(data, type=ContributionReport) == new
+
+
+def test_a_step_range_is_ordered() -> None:
+    with pytest.raises(ValueError, match="last"):
+        StepRange(5, 4)

@@ -1,0 +1,127 @@
+"""The reporter's journal (volunteer.journal): replay never fails on damaged bytes, compaction keeps the
+state it replays to, the file stays bounded, and discarded steps survive a restart until reported."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols.ledger import ContributionReport
+from shared.auth.keys import Identity
+from tests.backbone.ledger.reports import part_receipt
+from volunteer import journal
+from volunteer.journal import JOURNAL_FILE, JournaledStep, decode_lines, encode_line
+from volunteer.receipts import ReceiptBook
+from volunteer.reporting import Reporter
+
+ALICE, BOB = Identity.generate(), Identity.generate()
+RUN = "r@x"
+
+
+def step(number: int, at: float) -> JournaledStep:
+    return JournaledStep(number, 32, 0.5, 0, at)
+
+
+def fill(reporter: Reporter, first: int, last: int, start: float) -> None:
+    for number in range(first, last + 1):
+        signed = part_receipt(BOB, ALICE.peer_id, number, 32.0, RUN, 10, start)
+        reporter.book.add(number, [(BOB.peer_id, signed)])
+        reporter.record(step(number, start + number))
+
+
+def decoded(reporter: Reporter) -> list[ContributionReport]:
+    return [msgspec.msgpack.decode(s.report, type=ContributionReport) for s, _ in reporter._pending]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cut=st.integers(0, 10_000),
+    garbage=st.binary(max_size=200),
+    where=st.integers(0, 10_000),
+)
+def test_replay_of_a_damaged_journal_never_raises_and_keeps_whole_lines(
+    cut: int, garbage: bytes, where: int
+) -> None:
+    lines = [encode_line(step(n, 1.0 + n)) for n in range(1, 30)]
+    data = b"".join(lines)
+    data = data[: cut % (len(data) + 1)]  # a torn tail
+    at = where % (len(data) + 1)
+    damaged = data[:at] + garbage + data[at:]
+    entries, _ = decode_lines(damaged)
+    assert all(isinstance(e, JournaledStep) for e in entries)
+    intact = decode_lines(data)[0]
+    assert len(entries) >= len(intact) - 2  # garbage spoils at most the line it lands in, and the torn one
+    assert set(entries) <= set(intact) | set(decode_lines(garbage + b"\n")[0])
+
+
+def test_a_restart_keeps_queued_and_open_steps_and_the_compacted_journal_replays_the_same(
+    tmp_path: Path,
+) -> None:
+    start = time.time()
+    first = Reporter(RUN, ALICE, None, tmp_path, interval=2.5)
+    fill(first, 1, 5, start)
+    queued, open_steps = len(first._pending), len(first._open)
+    assert (queued, open_steps) == (1, 2)
+    second = Reporter(RUN, ALICE, None, tmp_path, interval=2.5)  # "restarted": the same state, reported
+    assert second.recovered == (1, 2)
+    assert [r.samples for r in decoded(second)] == [3 * 32, 2 * 32]
+    assert [len(r.receipts) for r in decoded(second)] == [3, 2]
+    assert [r.seq for r in decoded(second)] == [0, 1]
+    third = Reporter(RUN, ALICE, None, tmp_path)  # nothing was acknowledged: all of it again, no new seq
+    assert [r.seq for r in decoded(third)] == [0, 1] and third._seq == 2
+
+
+def test_the_journal_stays_bounded_while_no_backbone_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal, "COMPACT_BYTES", 4096)
+    monkeypatch.setattr(journal, "MAX_JOURNAL_BYTES", 64 * 1024)
+    reporter = Reporter(RUN, ALICE, None, tmp_path, interval=0.0)
+    reporter.client = None
+    start = time.time()
+    sizes = []
+    for chunk in range(40):
+        fill(reporter, 10 * chunk + 1, 10 * chunk + 10, start)
+        sizes.append((tmp_path / JOURNAL_FILE).stat().st_size)
+    assert max(sizes) <= 2 * 64 * 1024 + 8192
+    again = Reporter(RUN, ALICE, None, tmp_path)
+    assert again._seq == reporter._seq  # the seq survives compaction, whatever was dropped
+    assert decoded(again)[-1].global_step == 400
+
+
+def test_discarded_steps_survive_a_restart_and_go_out_in_the_next_report(tmp_path: Path) -> None:
+    start = time.time()
+    reporter = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)
+    fill(reporter, 1, 4, start)
+    reporter.discard(3, 4)  # the state we loaded replaced our steps 3 and 4
+    reporter.discard(6, 6)
+    reporter.discard(5, 5)
+    restarted = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)
+    [report] = decoded(restarted)
+    assert [(r.first, r.last) for r in report.discarded] == [(3, 6)]
+    assert report.samples == 2 * 32  # steps 3 and 4 are not claimed
+    assert Reporter(RUN, ALICE, None, tmp_path)._discarded == []
+
+
+def test_an_open_run_has_nothing_to_resend_after_a_restart(tmp_path: Path) -> None:
+    reporter = Reporter(RUN, ALICE, None, tmp_path, interval=0.0)
+    fill(reporter, 1, 3, time.time())
+    trio.run(reporter.flush)  # no client: nothing to send, the reports are done with
+    assert Reporter(RUN, ALICE, None, tmp_path).pending == 0
+
+
+def test_a_receipt_book_replays_as_it_was(tmp_path: Path) -> None:
+    book = ReceiptBook(ALICE.peer_id)
+    entries = []
+    for number in range(1, 6):
+        signed = part_receipt(BOB, ALICE.peer_id, number, 1.0, RUN, 10, 1.0)
+        entries.append(journal.booked(number, [(BOB.peer_id, signed)], []))
+        book.add(number, [(BOB.peer_id, signed)])
+    state = journal.replay_into(entries, ReceiptBook(ALICE.peer_id))
+    assert state.book.held() == book.held()

@@ -1,0 +1,366 @@
+"""The reporter's journal: what a volunteer contributed survives a SIGKILL (``reports.journal``).
+
+The contribution reporter (:class:`volunteer.training.Reporter`) keeps its work in memory until it is
+reported: the steps of the current interval (~10 s), the receipt book, and the queue of signed reports
+no backbone has acknowledged yet. A process killed without warning (SIGKILL, out of memory, a pulled
+plug) lost all of that. The journal is an append-only log of everything that changes that state, one
+entry per line, in the volunteer's data dir; a new process replays it, resends what was queued, reports
+the steps that were never reported, and carries on. What is journaled:
+
+=============  ============================================================================================
+``opened``     a reporter started at ``t`` (its first report's interval begins there)
+``stepped``    one step we took part in, recorded *after* its round completed and the step was applied:
+               samples accumulated but never averaged are not run progress and are never journaled
+``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
+``queued``     a report was closed: its signed bytes and signature (it took the open steps and one
+               report's worth of the book, exactly as replaying ``take()`` on the replayed book does)
+``done``       a queued report was acknowledged (recorded or a duplicate) or given up (``put_back``: its
+               receipts went back into the book)
+``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive)
+``state``      written by compaction: the next seq and where the next interval begins
+=============  ============================================================================================
+
+**Line format**: ``<crc32 of the JSON, 8 hex digits> <JSON>\\n``. Replay reads line by line and skips
+(counting them) lines whose checksum or JSON does not check out: a torn last line after SIGKILL, or
+garbage, never stops a volunteer. The file is rewritten on open (compacted, so a torn tail is gone
+before the first append) and whenever it grows past twice its compacted size and
+:data:`COMPACT_BYTES`; a compacted journal holding more than :data:`MAX_JOURNAL_BYTES` drops its oldest
+queued reports (logged; they stay queued in memory), so the file stays below about twice that however
+long no backbone answers (16 MiB hold over a thousand full reports: hours of work).
+
+**Durability**: every entry is written with one ``write`` to the kernel as it happens, which a killed
+*process* cannot lose; ``fdatasync`` runs off the event loop at most every few seconds
+(:meth:`ReportJournal.sync`), so an OS crash or power loss loses at most those seconds. Compaction
+writes a temporary file, syncs it and renames it over the journal.
+
+**Sequence numbers**: replay yields the next seq as one more than the largest seq ever queued, and the
+reporter takes the larger of that and ``report.seq`` (kept for data dirs of older versions): a restart
+never reuses a seq. A queued report resent after a restart is the *same* signed report (same seq), which
+the ledger credits once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from protocols.ledger import MAX_DISCARDED_PER_REPORT, ContributionReport, SignedReport
+from protocols.receipts import PulledSlice, SignedReceipt, decode_receipt
+from shared.errors import ProtocolError
+
+from .receipts import ReceiptBook
+
+__all__ = [
+    "COMPACT_BYTES",
+    "JOURNAL_FILE",
+    "MAX_JOURNAL_BYTES",
+    "JournaledStep",
+    "Replayed",
+    "ReportJournal",
+    "merge_ranges",
+]
+
+logger = logging.getLogger(__name__)
+JOURNAL_FILE = "reports.journal"
+COMPACT_BYTES = 1 << 20
+MAX_JOURNAL_BYTES = 16 << 20
+_REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
+
+
+class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k"):
+    """What a report needs of one step (``volunteer.collab``'s StepRecord without loss and timing)."""
+
+    step: int
+    samples: int
+    compute_seconds: float
+    bytes_aggregated: int
+    finished_at: float
+
+
+class _Opened(msgspec.Struct, frozen=True, tag="opened", tag_field="k"):
+    t: float
+
+
+class _Booked(msgspec.Struct, frozen=True, tag="booked", tag_field="k"):
+    step: int
+    receipts: list[tuple[str, SignedReceipt]]
+    pulled: list[PulledSlice]
+
+
+class _Queued(msgspec.Struct, frozen=True, tag="queued", tag_field="k"):
+    report: bytes
+    signature: bytes
+
+
+class _Done(msgspec.Struct, frozen=True, tag="done", tag_field="k"):
+    seq: int
+    put_back: bool = False
+
+
+class _Discarded(msgspec.Struct, frozen=True, tag="discarded", tag_field="k"):
+    first: int
+    last: int
+
+
+class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k"):
+    seq: int
+    last_end: float
+    last_step: int
+
+
+Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _State
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Entry)
+
+
+@dataclass
+class Replayed:
+    """The reporter's state as the journal left it."""
+
+    book: ReceiptBook
+    seq: int = 0
+    last_end: float | None = None  # where the next interval begins (None: nothing journaled)
+    last_step: int = 0
+    open_steps: list[JournaledStep] = field(default_factory=list)
+    #: queued reports not acknowledged, oldest first: (signed, decoded)
+    unsent: deque[tuple[SignedReport, ContributionReport]] = field(default_factory=deque)
+    discarded: list[tuple[int, int]] = field(default_factory=list)
+    damaged: int = 0  # lines skipped
+
+
+def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
+    """Apply ``entries`` in order (pure: no I/O). ``book`` is filled as the live one was."""
+    state = Replayed(book)
+    for entry in entries:
+        if isinstance(entry, _Opened):
+            if not state.open_steps:
+                state.last_end = max(state.last_end or entry.t, entry.t)
+        elif isinstance(entry, JournaledStep):
+            state.open_steps.append(entry)
+        elif isinstance(entry, _Booked):
+            book.add(entry.step, entry.receipts, entry.pulled)
+        elif isinstance(entry, _Discarded):  # as Reporter.discard does
+            first, last = entry.first, entry.last
+            state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
+            state.discarded = merge_ranges([*state.discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
+        elif isinstance(entry, _State):
+            state.seq = max(state.seq, entry.seq)
+            state.last_end = max(state.last_end or entry.last_end, entry.last_end)
+            state.last_step = entry.last_step
+        elif isinstance(entry, _Queued):
+            try:
+                report = _REPORT_DECODER.decode(entry.report)
+            except (msgspec.MsgspecError, ValueError):
+                state.damaged += 1
+                continue
+            book.take()  # what close_interval took from the live book
+            state.open_steps.clear()
+            state.discarded.clear()  # close_interval takes them all
+            state.seq = max(state.seq, report.seq + 1)
+            state.last_end = report.interval_end
+            state.last_step = report.global_step
+            state.unsent.append((SignedReport(report=entry.report, signature=entry.signature), report))
+        elif isinstance(entry, _Done):
+            for i, (_, report) in enumerate(state.unsent):
+                if report.seq == entry.seq:
+                    del state.unsent[i]
+                    if entry.put_back and (report.receipts or report.pulled):
+                        book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+                    break
+    return state
+
+
+def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """Sorted, overlapping or adjacent ranges merged; beyond ``limit`` ranges the closest ones are joined
+    (a wider range discards more of our own steps, never fewer)."""
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(ranges):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    while len(merged) > limit:
+        gaps = [merged[i + 1][0] - merged[i][1] for i in range(len(merged) - 1)]
+        i = gaps.index(min(gaps))
+        merged[i : i + 2] = [(merged[i][0], merged[i + 1][1])]
+    return merged
+
+
+def encode_line(entry: Entry) -> bytes:
+    body = _ENCODER.encode(entry)
+    return b"%08x " % zlib.crc32(body) + body + b"\n"
+
+
+def decode_lines(data: bytes) -> tuple[list[Entry], int]:
+    """The entries of a journal's bytes and how many lines were skipped (torn, garbage, bad checksum)."""
+    entries: list[Entry] = []
+    damaged = 0
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        lines.pop()  # a torn last line (no newline: the process died mid-write)
+        damaged += 1
+    for line in lines:
+        crc, _, body = line.partition(b" ")
+        try:
+            if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
+                raise ValueError("checksum")
+            entries.append(_DECODER.decode(body))
+        except (ValueError, msgspec.MsgspecError):
+            damaged += 1
+    return entries, damaged
+
+
+class ReportJournal:
+    """The append-only journal file of the module docstring (synchronous; the reporter calls
+    :meth:`append` on the trio thread — one small ``write`` — and :meth:`sync` in a worker thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._size = 0
+        self._compacted = 0
+        self.failures = 0  # writes that failed (disk full...): counted, logged, never raised
+
+    def replay(self, book: ReceiptBook) -> Replayed:
+        """Read and apply the journal (missing: an empty state). Never raises for damaged content."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        except OSError as exc:
+            logger.warning("cannot read %s (%s): starting without it", self.path, exc)
+            data = b""
+        entries, damaged = decode_lines(data)
+        state = replay_into(entries, book)
+        state.damaged += damaged
+        if state.damaged:
+            logger.warning("%s: skipped %d damaged lines (a torn write after a crash?)", self.path, damaged)
+        return state
+
+    def rewrite(self, entries: list[Entry]) -> None:
+        """Replace the journal by ``entries`` (compaction): write, sync, rename, reopen for appending."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        data = b"".join(encode_line(e) for e in entries)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            tmp.replace(self.path)
+            with contextlib.suppress(OSError):  # the rename's durability; not available everywhere
+                dir_fd = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            self.close()
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as exc:
+            self._failed("rewrite", exc)
+            return
+        self._size = self._compacted = len(data)
+
+    def append(self, entry: Entry) -> None:
+        if self._fd is None:
+            return
+        line = encode_line(entry)
+        try:
+            os.write(self._fd, line)
+        except OSError as exc:
+            self._failed("append to", exc)
+            return
+        self._size += len(line)
+
+    def wants_compaction(self) -> bool:
+        return self._size > max(COMPACT_BYTES, 2 * self._compacted)
+
+    def sync(self) -> None:
+        """``fdatasync`` the journal (blocking: call it in a worker thread)."""
+        fd = self._fd
+        if fd is not None:
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                self._failed("sync", exc)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def _failed(self, what: str, exc: OSError) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 100 == 0:
+            logger.warning("could not %s %s (%d failures): %s", what, self.path, self.failures, exc)
+
+
+def compacted(
+    seq: int,
+    last_end: float,
+    last_step: int,
+    book: ReceiptBook,
+    unsent: list[tuple[SignedReport, ContributionReport]],
+    open_steps: list[JournaledStep],
+    discarded: list[tuple[int, int]],
+) -> list[Entry]:
+    """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
+    held: list[Entry] = []
+    for step, receipts, pulled in book.held():
+        pairs = []
+        for signed in receipts:
+            try:
+                pairs.append((decode_receipt(signed.receipt).aggregator, signed))
+            except ProtocolError:
+                continue
+        held.append(_Booked(step, pairs, pulled))
+    queued: list[Entry] = [_Queued(s.report, s.signature) for s, _ in unsent]
+    budget = MAX_JOURNAL_BYTES - sum(len(encode_line(e)) for e in held)
+    sizes = [len(encode_line(e)) for e in queued]
+    dropped = 0
+    while queued and sum(sizes) > budget:
+        queued.pop(0)
+        sizes.pop(0)
+        dropped += 1
+    if dropped:
+        logger.warning("report journal full: %d oldest unsent reports are kept in memory only", dropped)
+    # A queued entry replays take() on the book: with the queue first, take() meets an empty book (a
+    # no-op), then the held steps are booked; the state after the queue overrides what it set.
+    return [
+        *queued,
+        _State(seq, last_end, last_step),
+        *held,
+        *open_steps,
+        *(_Discarded(a, b) for a, b in discarded),
+    ]
+
+
+def opened(t: float) -> Entry:
+    return _Opened(t)
+
+
+def queued(signed: SignedReport) -> Entry:
+    return _Queued(signed.report, signed.signature)
+
+
+def done(seq: int, put_back: bool = False) -> Entry:
+    return _Done(seq, put_back)
+
+
+def booked(step: int, receipts: list[tuple[str, SignedReceipt]], pulled: list[PulledSlice]) -> Entry:
+    return _Booked(step, receipts, pulled)
+
+
+def discarded_steps(first: int, last: int) -> Entry:
+    return _Discarded(first, last)

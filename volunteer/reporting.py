@@ -1,0 +1,312 @@
+"""The volunteer's contribution reports, their journal and its session (no torch: a killed process's
+successor and the tests load it fast).
+
+:class:`Reporter` turns each step we took part in into a signed
+:class:`~protocols.ledger.ContributionReport` (consecutive, non-overlapping intervals of at most
+``MAX_INTERVAL_S``; ``seq`` persisted in the data dir so a restart never reuses one) and posts it to the
+backbone's API, retrying later when no backbone answers. Nothing is lost while the queue (bounded) has
+room. The ledger credits a report only up to the receipts other peers signed for our work
+(:mod:`protocols.receipts`): the reporter owns this peer's :class:`~volunteer.receipts.ReceiptBook`
+(the averaging side fills it), takes one report's worth of receipts and pull records into each report,
+closes a report early when the book holds a full report's worth, and puts back what a report carried
+when that report is given up (queue overflow, or refused by the backbone), so the next one carries it.
+Everything the reporter holds is journaled as it happens (:mod:`volunteer.journal`, ``reports.journal``
+in the data dir): a process killed without warning loses no step whose round completed, and the next
+process in the same data dir reports it. The reporter also owns this process's *session* in the ledger:
+a heartbeat every quarter of the backbone's session timeout (the first opens it) and a leave notice
+after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import secrets
+import time
+from collections import deque
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+import trio
+
+from protocols.ledger import (
+    MAX_DISCARDED_PER_REPORT,
+    MAX_INTERVAL_S,
+    ContributionReport,
+    SignedReport,
+    StepRange,
+    report_payload,
+)
+from protocols.receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT, PulledSlice, SignedReceipt
+from shared.auth.keys import Identity
+from shared.errors import AdmissionError, PeerUnavailable, ProtocolError
+from shared.tolerated import Tolerated
+
+from . import journal
+from .api_client import ApiClient
+from .journal import JOURNAL_FILE, JournaledStep, ReportJournal
+from .receipts import ReceiptBook
+
+__all__ = ["MAX_PENDING_REPORTS", "REPORT_RETRY", "FinishedStep", "Reporter"]
+
+logger = logging.getLogger(__name__)
+MAX_PENDING_REPORTS = 10_000
+REPORT_RETRY = 5.0
+#: the backbone's session timeout until its first answer says (backbone.api.SESSION_TIMEOUT)
+SESSION_TIMEOUT_GUESS = 90.0
+
+
+class FinishedStep(Protocol):
+    """What the reporter reads of one step we took part in (``volunteer.collab``'s StepRecord)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def compute_seconds(self) -> float: ...
+    @property
+    def bytes_aggregated(self) -> int: ...
+    @property
+    def finished_at(self) -> float: ...
+
+
+class Reporter:
+    """Signed contribution reports to the backbone's API, a journal that survives a SIGKILL, and this
+    process's session (see the module docstring and :mod:`volunteer.journal`).
+
+    Steps are credited in intervals of at least :data:`REPORT_INTERVAL` seconds (one report may cover
+    several steps): fewer rows, and the ledger's throughput check compares samples against compute time
+    over a stretch long enough for the measurement noise of single short steps to average out.
+
+    On construction the journal of an earlier process in ``data_dir`` is replayed: its queued reports are
+    queued again (the same signed reports: the ledger credits each once), its steps that were never put in
+    a report go into one report now, and its receipt book is restored.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        identity: Identity,
+        client: ApiClient | None,
+        data_dir: Path,
+        interval: float = 10.0,
+    ) -> None:
+        self.run_id = run_id
+        self.identity = identity
+        self.client = client
+        self.interval = interval
+        self._seq_path = data_dir / "report.seq"
+        self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
+        self._open: list[JournaledStep] = []  # steps not in a report yet
+        self._discarded: list[tuple[int, int]] = []  # step ranges not in a report yet
+        self._wakeup = trio.Event()
+        self._sending = trio.Lock()
+        self.sent = 0
+        self.credited = 0
+        #: this process's session: opened by the first heartbeat, ended by the leave notice
+        self.session = secrets.token_hex(16)
+        self.session_timeout = SESSION_TIMEOUT_GUESS
+        self._last_heartbeat = -math.inf
+        self._leaving = False
+        self._left = False
+        self.tolerated = Tolerated(logger)
+        self.journal = ReportJournal(data_dir / JOURNAL_FILE)
+        self.book = ReceiptBook(identity.peer_id)
+        state = self.journal.replay(self.book)
+        self.book.on_add = self._journal_booked
+        self._seq = max(self._load_seq(), state.seq)
+        self._last_step = state.last_step
+        self._pending.extend(state.unsent)
+        self._discarded = list(state.discarded)
+        self._open = list(state.open_steps)
+        self._last_end = state.last_end if state.last_end is not None else time.time()
+        self.recovered = len(state.unsent), len(state.open_steps)
+        self._compact()
+        if self._open or self._discarded:
+            self.close_interval()  # the steps a killed process never reported
+        if any(self.recovered):
+            logger.info(
+                "resuming from the report journal: %d unsent reports, %d unreported steps",
+                *self.recovered,
+            )
+        self._last_end = max(self._last_end, time.time())
+        self.journal.append(journal.opened(self._last_end))
+
+    def _load_seq(self) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return int(self._seq_path.read_text().strip())
+        return 0
+
+    def _save_seq(self) -> None:
+        tmp = self._seq_path.with_suffix(".tmp")
+        with self.tolerated.around("saving report.seq", OSError):
+            tmp.write_text(f"{self._seq}\n")
+            tmp.replace(self._seq_path)
+
+    def _journal_booked(
+        self, step: int, receipts: list[tuple[str, SignedReceipt]], pulled: list[PulledSlice]
+    ) -> None:
+        self.journal.append(journal.booked(step, receipts, pulled))
+
+    def _compact(self) -> None:
+        self.journal.rewrite(
+            journal.compacted(
+                self._seq,
+                self._last_end,
+                self._last_step,
+                self.book,
+                list(self._pending),
+                self._open,
+                self._discarded,
+            )
+        )
+
+    def record(self, step: FinishedStep) -> None:
+        """Note one step we took part in (called from the optimizer after the step is applied: its round
+        completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing."""
+        entry = JournaledStep(
+            step.step, step.samples, step.compute_seconds, step.bytes_aggregated, step.finished_at
+        )
+        self.journal.append(entry)
+        self._open.append(entry)
+        if step.finished_at - self._last_end >= self.interval or self._book_full():
+            self.close_interval()
+
+    def discard(self, first: int, last: int) -> None:
+        """Our steps ``first..last`` were replaced by a state we loaded (we had diverged: a fork that did not
+        survive); the next report lists them so the ledger does not credit them as run progress.
+        Steps noted but not yet reported in that range are dropped from the claim."""
+        if last < first:
+            return
+        self._open = [s for s in self._open if not first <= s.step <= last]
+        self._discarded = journal.merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
+        self.journal.append(journal.discarded_steps(first, last))
+        self._wakeup.set()
+
+    def _book_full(self) -> bool:
+        """The book holds a report's worth of receipts and pull records (a little early at worst)."""
+        return len(self.book) >= min(MAX_RECEIPTS_PER_REPORT, MAX_PULLED_PER_REPORT)
+
+    def close_interval(self) -> None:
+        """Turn the steps noted so far, and one report's worth of the receipt book, into one signed
+        report, queued for sending. With no step but receipts (the last round's, arriving after its
+        step was noted), the report claims nothing and carries them."""
+        if not self._open and not len(self.book) and not self._discarded:
+            return
+        steps, self._open = self._open, []
+        end = max([s.finished_at for s in steps] or [time.time()])
+        end = max(end, self._last_end)
+        # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
+        # state download, no peers) covers only the last hour of it, which holds all of its compute.
+        self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
+        receipts, pulled = self.book.take()
+        discarded, self._discarded = self._discarded, []
+        report = ContributionReport(
+            run_id=self.run_id,
+            peer_id=self.identity.peer_id,
+            seq=self._seq,
+            global_step=max([s.step for s in steps] or [self._last_step]),
+            samples=sum(s.samples for s in steps),
+            compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
+            bytes_aggregated=sum(s.bytes_aggregated for s in steps),
+            bytes_relayed=0,
+            interval_start=self._last_end,
+            interval_end=end,
+            receipts=receipts,
+            pulled=pulled,
+            discarded=[StepRange(a, b) for a, b in discarded],
+        )
+        self._last_end = end
+        self._last_step = report.global_step
+        self._seq += 1
+        data = msgspec.msgpack.encode(report)
+        signed = SignedReport(report=data, signature=self.identity.sign(report_payload(data)))
+        # Journal first, seq file second: a crash between them leaves a journal that knows the seq.
+        self.journal.append(journal.queued(signed))
+        self._save_seq()
+        if len(self._pending) >= MAX_PENDING_REPORTS:
+            logger.warning("report queue full: dropping the oldest unsent report (its receipts stay)")
+            self._give_up(self._pending.popleft()[1])
+        self._pending.append((signed, report))
+        if self.journal.wants_compaction():
+            self._compact()
+        self._wakeup.set()
+
+    def _give_up(self, report: ContributionReport) -> None:
+        """A report that will never be credited: its receipts and pull records go out with a later one."""
+        self.journal.append(journal.done(report.seq, put_back=True))
+        if report.receipts or report.pulled:
+            self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+
+    def close_all(self) -> None:
+        """Before leaving: report the open steps and everything the receipt book holds; the flush that
+        empties the queue then ends with this process's leave notice (its session closes)."""
+        self._leaving = True
+        self.close_interval()
+        # Bounded: with the pending queue full, each report evicts an older one whose receipts return
+        # to the book, so "until the book is empty" could loop forever on the trio thread.
+        for _ in range(1 + len(self.book)):
+            if not len(self.book):
+                break
+            self.close_interval()
+        self._wakeup.set()
+
+    async def send_forever(self) -> None:
+        while True:
+            await self.heartbeat()
+            await self.flush()
+            await trio.to_thread.run_sync(self.journal.sync)
+            with trio.move_on_after(REPORT_RETRY):
+                await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    async def heartbeat(self) -> None:
+        """Tell the backbone this process is alive, if a quarter of its session timeout has passed
+        (the first call opens the session). Failures are counted and retried at the next call."""
+        now = trio.current_time()
+        if self.client is None or self._leaving or now - self._last_heartbeat < self.session_timeout / 4:
+            return
+        with self.tolerated.around("session heartbeat", PeerUnavailable, ProtocolError, AdmissionError):
+            state = await self.client.session(self.session, "alive")
+            self._last_heartbeat = now
+            self.session_timeout = max(4 * REPORT_RETRY, state.timeout_s)
+
+    async def flush(self) -> None:
+        """Send what is queued; stops at the first failure (the rest waits for the next try). When
+        leaving and the queue is empty, says so to the backbone (once)."""
+        async with self._sending:
+            if self.client is None:  # an open run: no ledger to send to
+                for _, report in self._pending:
+                    self.journal.append(journal.done(report.seq))
+                self._pending.clear()
+                return
+            while self._pending:
+                signed, report = self._pending[0]
+                try:
+                    receipt = await self.client.report(signed)
+                except (PeerUnavailable, ProtocolError) as exc:  # a garbled answer: try again later
+                    logger.info("contribution report not sent yet: %s", exc)
+                    return
+                except AdmissionError as exc:
+                    logger.warning("contribution report refused: %s", exc)
+                    self._give_up(report)
+                else:
+                    self.journal.append(journal.done(report.seq))
+                    self.sent += 1
+                    self.credited += receipt.credited
+                    if receipt.notes:
+                        logger.info("report %s: evidence not counted: %s", report.seq, receipt.notes)
+                    if not receipt.credited:
+                        logger.warning("contribution report flagged: %s", receipt.reason)
+                self._pending.popleft()
+            if self._leaving and not self._left:
+                with self.tolerated.around("leave notice", PeerUnavailable, ProtocolError, AdmissionError):
+                    await self.client.session(self.session, "leave")
+                    self._left = True
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
