@@ -132,15 +132,17 @@ class TrainingSession:
             self.collab = collab
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._show_forever, console)
+                # the session opens at join (its first heartbeat), not after the warm-up
+                nursery.start_soon(self.reporter.send_forever)
                 shutdown.ready()
                 with trio.CancelScope() as warmup:
                     nursery.start_soon(_cancel_when, shutdown.requested, warmup)
                     await self._measure(collab, prefetch)
                 if shutdown.requested.is_set():
+                    await self._report_and_leave()
                     nursery.cancel_scope.cancel()
                     return
                 await nursery.start(collab.run)
-                nursery.start_soon(self.reporter.send_forever)
                 nursery.start_soon(self._remeasure_on_drift, collab)
                 self.headline = "training (press Ctrl+C to leave)"
                 reason = await train_until_stopped(
@@ -148,15 +150,19 @@ class TrainingSession:
                 )
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)
-                self.reporter.close_all()
                 await collab.leave()
-                with trio.move_on_after(REPORT_FLUSH_DEADLINE):
-                    await self.reporter.flush()
-                if self.reporter.pending:
-                    logger.warning("%d contribution reports could not be sent", self.reporter.pending)
+                await self._report_and_leave()
                 nursery.cancel_scope.cancel()
         finally:
             prefetch.close()
+
+    async def _report_and_leave(self) -> None:
+        """Report every open step and close our ledger session (best effort, bounded)."""
+        self.reporter.close_all()
+        with trio.move_on_after(REPORT_FLUSH_DEADLINE):
+            await self.reporter.flush()
+        if self.reporter.pending:
+            logger.warning("%d contribution reports could not be sent", self.reporter.pending)
 
     async def _measure(self, collab: CollaborativeOptimizer, prefetch: Prefetcher[dict[str, Any]]) -> None:
         trainer = collab.trainer
