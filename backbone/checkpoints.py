@@ -147,6 +147,20 @@ class CheckpointStore:
         self._delete_unlisted()
         return entry
 
+    def discard(self, digest: bytes) -> bool:
+        """Forget the checkpoint ``digest`` -- a state the run did not keep (a losing fork's, see
+        :mod:`backbone.checkpointer`) -- and delete its file. Returns whether it was kept.
+
+        Raises:
+            OSError: the disk refused.
+        """
+        self._require_writable()
+        if self._entries.pop(digest, None) is None:
+            return False
+        self._write_index()
+        self._delete_unlisted()
+        return True
+
     # ---------------------------------------------------------------- internals
 
     def _require_writable(self) -> None:

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from protocols.auth import MAX_CLOCK_SKEW
 from protocols.training import PROGRESS_TTL, Progress
 
-from .merge import collaborations, is_member, survivor
+from .merge import Collaboration, collaborations, is_member, survivor
 
 __all__ = [
     "MAX_EXTRAPOLATION",
@@ -103,6 +103,7 @@ class CollabView:
     #: the survivor's step when another user stands behind it: what the collaboration credibly showed us
     #: (feeds the high-water mark of :mod:`shared.alone`); None when only our own user is there
     shown: int | None = None
+    survivor: Collaboration | None = None  # the surviving collaboration (None: nobody holds a state)
 
     def eta(self, target_batch: int) -> float | None:
         """Seconds until the target batch is reached at the current rate, or None if nobody computes."""
@@ -213,6 +214,7 @@ def summarize(
         minority=best is not None and not best.spans(mine.step) and (mine.step > best.top or me in members),
         collaborations=len(found),
         shown=best.top if best is not None and best.users - {user(me)} else None,
+        survivor=best,
     )
 
 
