@@ -53,11 +53,23 @@ and re-syncs to the survivor's step.
 **What it does not decide.** Which *state* to download (``shared.state.trust`` ranks announcements by
 users), and whether a peer may step alone (:mod:`shared.alone`).
 
-**Residual risk, stated.** A group of laggards of more users than the group that stepped on, all at least
+**Residual risks, stated.** (1) A group of laggards of more users than the group that stepped on, all at least
 two steps behind it and none flagged ``syncing``, would win and make the faster group re-sync down a few
 steps. Laggards flag ``syncing`` within one poll period of seeing a higher step in their chain, while the
 faster group needs a full round (target batch plus a matchmaking window) per step, so this takes peers
 stalled for a whole round; it ends in one collaboration either way, with the discarded steps in the ledger.
+(2) Rule 2 of :mod:`shared.progress` counts a newcomer that has not downloaded anything yet (step 0, no
+fingerprint, not syncing) as a user who does not vouch for a step above 1 -- that is what keeps one admitted
+liar from moving a fresh run to step 10**9. So a collaboration of a *single* user is not credible to two
+newcomers that appear in the same second before either flags ``syncing``; if they then train from step 0
+they become a collaboration of two users and win. Before issue 10 this was a permanent split; the
+volunteer's wiring closes it: a newcomer downloads before it trains whenever a credible backbone announces
+a state above its own (``resume_if_behind``), and stays flagged ``syncing`` until a view taken after the
+download confirms it is in the survivor -- a peer flagged ``syncing`` vouches for nothing and is nobody's
+rival, so the single user's claim is credible again.
+(3) Two collaborations that meet within one step of each other are one chain: the higher step leads, whoever
+is behind it. Partitions that trained apart are rarely that close, and lone steps are gated by
+:mod:`shared.alone`.
 """
 
 from __future__ import annotations

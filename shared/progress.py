@@ -11,11 +11,10 @@ read from the DHT into a :class:`CollabView`:
 2. **Support.** Honest peers are never more than one step apart for long: a peer that steps is followed
    by every peer of the round within seconds, and laggards download the state. So a step claim ``s`` is
    *credible* only if a peer of *another user* claims at least ``s - 1`` (or we do, once we hold real
-   state; only peers holding a state a collaboration continues vouch -- not a newcomer's step 0, not the
-   step a downloading peer is replacing: :func:`shared.merge.is_member`), or if the claimant's user is
-   the only user we know of. Our own claim is judged by the same
-   rule (it decides whether we are a member of a collaboration, :mod:`shared.merge`), so every reader of
-   the same records believes the same claims. A single user announcing an
+   state; a downloading peer vouches for nothing: the step it holds is one it is replacing), or if the
+   claimant's user is the only user we know of. Our own claim is judged by the same rule (it decides
+   whether we are a member of a collaboration, :mod:`shared.merge`), so every reader of the same records
+   believes the same claims. A single user announcing an
    absurd step is ignored, whatever it writes and under however many peer ids. (Two colluding admitted
    users could still fake a step; the allowlist and the ledger are the defence there.)
 3. **The collaboration's step** is the highest step of the *surviving collaboration*
@@ -154,15 +153,17 @@ def summarize(
     # Rule 2 is applied to every voter alike, our own record included, so that every reader of the same
     # records finds the same credible claims (shared.merge relies on it): a lone claim far ahead of the
     # others is not believed by its own writer either.
-    # Only a state a collaboration continues supports a claim: not a newcomer's step 0 (no fingerprint),
-    # not the step a downloading peer is replacing (shared.merge.is_member).
-    voters = {peer: p for peer, p in fresh.items() if is_member(p)}
+    # The step a downloading peer is replacing vouches for nothing (a losing fork's peers re-syncing must
+    # not keep its claims credible); a newcomer's step 0 vouches for steps up to 1 only, as always.
+    voters = {peer: p for peer, p in fresh.items() if not p.syncing}
     if anchored and not mine.syncing:
         voters[me] = mine
+    known = {user(peer) for peer in voters}
 
     def supported(peer: str, step: int) -> bool:
-        steps = [q.step for q_peer, q in voters.items() if user(q_peer) != user(peer)]
-        return not steps or any(s >= step - 1 for s in steps)
+        if known <= {user(peer)}:  # the only user we know of: nobody to agree with
+            return True
+        return any(q.step >= step - 1 for q_peer, q in voters.items() if user(q_peer) != user(peer))
 
     credible: dict[str, Progress] = {}
     for peer, progress in fresh.items():

@@ -152,17 +152,20 @@ def test_an_honest_collaboration_is_never_split(
     chain = [(USERS[i % len(USERS)], i, b"x") for i in range(len(offsets))]  # somebody at every step
     for i, (user, which, params) in enumerate(chain + members):
         records[f"m{i}"], users[f"m{i}"] = rec(step + offsets[which % len(offsets)], params=params), user
-    for i, (user, step) in enumerate(downloading):
-        records[f"s{i}"], users[f"s{i}"] = rec(step, syncing=True), user
+    for i, (user, held) in enumerate(downloading):
+        records[f"s{i}"], users[f"s{i}"] = rec(held, syncing=True), user
     for i in range(newcomers):
         records[f"n{i}"], users[f"n{i}"] = rec(0, params=b""), f"new{i}"
     highest = max(p.step for peer, p in records.items() if peer.startswith("m"))
+    if len({user for peer, user in users.items() if peer.startswith("m")}) == 1 and newcomers:
+        # one user's step rests on that user alone: beside newcomers of other users (not anchored yet)
+        # it is not credible, as before issue 10 (see "Residual risks" in shared.merge)
+        return
     for reader in records:
         got = view_of(records, reader, users)
         assert got.step == highest
         assert got.collaborations == 1
-        if reader.startswith("m"):
-            assert not got.minority
+        assert not (got.minority and reader.startswith("m"))
 
 
 @given(
