@@ -20,6 +20,8 @@ import trio
 
 from protocols.dht import FindValueRequest, FindValueResponse, SignedRecord
 from protocols.errors import DECODE_FAILURES
+from protocols.peer_id import PeerId
+from protocols.presence import PRESENCE_KEY, Presence
 from protocols.training import PROGRESS_KEY, Progress
 
 from .alone import Reading
@@ -34,10 +36,19 @@ from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES
 from .node import Node
 
-__all__ = ["read_progress", "read_progress_everywhere", "read_progress_with_users"]
+__all__ = [
+    "MAX_SEEDS",
+    "known_backbones",
+    "read_progress",
+    "read_progress_everywhere",
+    "read_progress_with_users",
+]
 
 logger = logging.getLogger(__name__)
 _PROGRESS = msgspec.msgpack.Decoder(Progress)
+_PRESENCE = msgspec.msgpack.Decoder(Presence)
+#: The most backbones a read is seeded at (each is one lookup).
+MAX_SEEDS = 8
 
 
 async def read_progress(dht: DHTNode) -> dict[str, Progress]:
@@ -85,6 +96,42 @@ async def read_progress_everywhere(node: Node, backbones: Sequence[PeerAddress])
             if address.peer_id is not None and address.peer_id != node.peer_id:
                 nursery.start_soon(seeded, address)
     return readings
+
+
+async def known_backbones(dht: DHTNode, listed: Sequence[str] = ()) -> list[PeerAddress]:
+    """Where to seed :func:`read_progress_everywhere`: the backbones ``listed`` (the run manifest's
+    multiaddrs; ones without a peer id or malformed are skipped), then peers whose presence record says
+    ``backbone`` (self-declared, which is harmless here: a seed can only add records that pass our
+    validator, or withhold some), one address per peer, at most :data:`MAX_SEEDS`.
+
+    Raises:
+        whatever the DHT lookup raises (CALL_FAILURES).
+    """
+    seeds: dict[str, PeerAddress] = {}
+    for text in listed:
+        try:
+            address = parse_multiaddr(text)
+        except ConfigError:
+            continue
+        if address.peer_id is not None:
+            seeds.setdefault(address.peer_id, address)
+    found = await dht.get(PRESENCE_KEY, latest=True)
+    for subkey, record in found.entries.items() if found is not None else ():
+        if subkey != record.writer.encode():
+            continue
+        try:
+            presence = _PRESENCE.decode(record.value)
+        except DECODE_FAILURES:
+            continue
+        if presence.role != "backbone" or record.writer in seeds:
+            continue
+        for text in presence.addrs:
+            try:
+                seeds[record.writer] = parse_multiaddr(text).with_peer(PeerId(record.writer))
+                break
+            except ConfigError:
+                continue
+    return list(seeds.values())[:MAX_SEEDS]
 
 
 async def _read_seeded(node: Node, seed: PeerAddress) -> Reading:

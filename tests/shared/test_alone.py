@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.auth import MAX_CLOCK_SKEW
+from protocols.presence import PRESENCE_KEY, Presence
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress
 from shared.alone import (
     EVIDENCE_MAX_AGE,
@@ -25,10 +26,9 @@ from shared.alone import (
     save_high_water,
 )
 from shared.auth.keys import Identity
-from shared.net.addresses import parse_multiaddr
 from shared.node import Node, open_node
 from shared.progress import plausible
-from shared.progress_records import read_progress_everywhere
+from shared.progress_records import known_backbones, read_progress_everywhere
 
 NOW = 1_000_000.0
 TARGET = 100
@@ -164,7 +164,14 @@ async def test_a_split_dht_is_read_through_the_other_sides_backbone(nursery: tri
     trainer = await start_node(nursery, "volunteer", other)  # the collaboration, on the other half
     await publish(trainer, 124)
     await publish(me, 90)
-    seeds = [parse_multiaddr(n.host.listen_addrs[0]) for n in (restarted, other)]
+    # the manifest lists the other half's backbone; our half's backbone is found by its presence record
+    presence = Presence(role="backbone", addrs=restarted.host.listen_addrs[:8])
+    await restarted.dht.store(
+        PRESENCE_KEY, msgspec.msgpack.encode(presence), time.time() + 60, subkey=restarted.peer_id.encode()
+    )
+    listed = [other.host.listen_addrs[0], "/ip4/127.0.0.1/tcp/1", "not an address"]
+    seeds = await known_backbones(me.dht, listed)
+    assert {s.peer_id for s in seeds} == {restarted.peer_id, other.peer_id}
     own_only = await read_progress_everywhere(me, [])
     assert [set(r.records) for r in own_only] == [{me.peer_id}]
     readings = await read_progress_everywhere(me, seeds)
