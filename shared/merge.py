@@ -12,10 +12,21 @@ fingerprint or a step above 0 (a newcomer at step 0 holds the initial parameters
 The reader itself is a member on the same terms.
 
 **Collaborations** (:func:`collaborations`). Sort the members' distinct steps; consecutive steps at most
-:data:`CHAIN` (1) apart belong to one collaboration, a gap of 2 or more starts another. So a
-collaboration is a maximal chain of steps, and two collaborations never share a step. Its ``top`` is its
-highest step, its *support* the number of distinct **users** among its members (``users`` of
-:mod:`shared.progress`: one user's many peer ids count once, as issue 9 counts votes).
+:data:`CHAIN` apart belong to one collaboration, a larger gap starts another. So a collaboration is a
+maximal chain of steps, and two collaborations never share a step. Its ``top`` is its highest step, its
+*support* the number of distinct **users** among its members (``users`` of :mod:`shared.progress`: one
+user's many peer ids count once, as issue 9 counts votes).
+
+*Why a chain of* :data:`CHAIN` *(32) steps, not 1.* Within a chain, the top step leads and the members
+below it are laggards that download the state -- exactly what an honest collaboration needs: a peer that
+just stepped is one ahead; a peer that missed a round is one or two behind; a peer whose download gave up
+waiting for the newest state loads the newest *announced* one, which peers and backbones publish every
+``checkpoint_every`` steps, so it lands up to a few tens of steps behind and shows up, for a moment,
+holding that older state. Were such honest laggards a collaboration of their own, several of them could
+outnumber the peers that stepped on and be named the survivor -- the faster peers would then discard real
+steps (seen under load: peers loading step 18 while one was at 20). Chains of 32 steps keep every honest
+laggard inside its collaboration; groups that trained apart drift further apart than that within
+seconds to minutes, and closer ones simply follow the higher step.
 
 **The survivor** (:func:`survivor`) is the collaboration with the most support; among equal support the
 one with the highest ``top`` (more steps: more samples trained, since every step is one target batch).
@@ -33,43 +44,40 @@ and re-syncs to the survivor's step.
 
 * *Determinism.* The clusters are a function of the multiset of (step, user) pairs of the members, and the
   survivor a maximum under a total order, so every reader holding the same records -- in any order --
-  picks the same survivor (property-tested with permutations and with every member as the reader). The
-  reader's own record is one of the records: a reader evaluates what it publishes.
-* *An honest collaboration is never split.* In one honest collaboration every member is within one step
-  of the collaboration's step ``S``: a member that stepped ``S -> S + 1`` did so in a round the others
-  were in, and they apply the same step within seconds; a peer left out of a round sees ``S + 1`` and
-  flags ``syncing`` (then it is no member). Newcomers at step 0 and syncing peers are no members. So the
-  members' steps lie in ``{S - 1, S, S + 1}``, one chain: one collaboration, nobody in the minority,
-  nothing discarded (property-tested).
+  picks the same survivor (property-tested with permutations and with every member as the reader). For
+  the members to be the same for every reader, rule 2 of :mod:`shared.progress` judges the reader's own
+  claim like anyone's.
+* *An honest collaboration is never split.* In one honest collaboration every member's step lies within
+  :data:`CHAIN` of the next member's (see above: one ahead after a step, laggards a round or a stale
+  download behind); newcomers at step 0 and syncing peers are no members. So the members form one chain:
+  one collaboration, nobody in the minority, nothing discarded (property-tested).
 * *A lone user never beats two users.* Support counts users; a collaboration of one user has support 1,
-  whatever its steps or peer ids, and loses to any collaboration of two users that is not within one step
-  of it (within one step they are one collaboration: the higher step leads, as it must for a peer that
-  just stepped; lone steps are prevented before they happen by :mod:`shared.alone`).
+  whatever its steps or peer ids, and loses to any collaboration of two users further than :data:`CHAIN`
+  from it. Within :data:`CHAIN` it is in their chain: if it is behind, it is their laggard; if it is ahead
+  by two or more, its claim has no other user within one step and is not credible (rule 2), so it is no
+  member at all and is told to go back; only a claim one step ahead -- a peer that just stepped -- leads.
+  Lone steps are prevented before they happen by :mod:`shared.alone`.
 * *Partitions heal into one.* Once every peer reads the records of both groups, all of them name the same
   survivor; the minority flags ``syncing`` (so it stops being a member and cannot tip the count back),
-  downloads the survivor's state and joins it: one collaboration. Between the two, the survivor can only
-  change when a collaboration gains or loses users, not by stepping faster.
+  downloads the survivor's state and joins it: one collaboration. Between the two, the survivor changes
+  only when a collaboration gains or loses users or the groups come within :data:`CHAIN` steps, not by
+  a group stepping faster.
 
-**What it does not decide.** Which *state* to download (``shared.state.trust`` ranks announcements by
-users), and whether a peer may step alone (:mod:`shared.alone`).
+**What it does not decide.** Which *state* to download (:func:`shared.state.trust.usable_states`), and
+whether a peer may step alone (:mod:`shared.alone`).
 
-**Residual risks, stated.** (1) A group of laggards of more users than the group that stepped on, all at least
-two steps behind it and none flagged ``syncing``, would win and make the faster group re-sync down a few
-steps. Laggards flag ``syncing`` within one poll period of seeing a higher step in their chain, while the
-faster group needs a full round (target batch plus a matchmaking window) per step, so this takes peers
-stalled for a whole round; it ends in one collaboration either way, with the discarded steps in the ledger.
-(2) Rule 2 of :mod:`shared.progress` counts a newcomer that has not downloaded anything yet (step 0, no
-fingerprint, not syncing) as a user who does not vouch for a step above 1 -- that is what keeps one admitted
-liar from moving a fresh run to step 10**9. So a collaboration of a *single* user is not credible to two
-newcomers that appear in the same second before either flags ``syncing``; if they then train from step 0
-they become a collaboration of two users and win. Before issue 10 this was a permanent split; the
-volunteer's wiring closes it: a newcomer downloads before it trains whenever a credible backbone announces
-a state above its own (``resume_if_behind``), and stays flagged ``syncing`` until a view taken after the
-download confirms it is in the survivor -- a peer flagged ``syncing`` vouches for nothing and is nobody's
-rival, so the single user's claim is credible again.
-(3) Two collaborations that meet within one step of each other are one chain: the higher step leads, whoever
-is behind it. Partitions that trained apart are rarely that close, and lone steps are gated by
-:mod:`shared.alone`.
+**Residual risks, stated.** (1) Honest laggards further than :data:`CHAIN` behind (a download that fell
+back to a backbone checkpoint far older than the collaboration) that outnumber the peers ahead, none
+flagged ``syncing``, would be named the survivor; the volunteer's wiring closes this: a peer stays flagged
+``syncing`` after loading a state until a view taken after the load confirms it is not behind (a peer
+flagged ``syncing`` is nobody's member). (2) Rule 2 of :mod:`shared.progress` counts a newcomer that has
+not downloaded anything yet (step 0, no fingerprint, not syncing) as a user who does not vouch for a step
+above 1 -- that is what keeps one admitted liar from moving a fresh run to step 10**9. So a collaboration
+of a *single* user is not credible to two newcomers that appear in the same second before either flags
+``syncing``; if they then trained from step 0 they would become a collaboration of two users and win.
+Before issue 10 this was a permanent split; the wiring closes it: a newcomer downloads before it trains
+whenever a credible backbone announces a state above its own (``resume_if_behind``), and stays flagged
+``syncing`` as above.
 """
 
 from __future__ import annotations
@@ -81,8 +89,8 @@ from protocols.training import Progress
 
 __all__ = ["CHAIN", "Collaboration", "collaborations", "is_member", "survivor"]
 
-#: Steps at most this far apart chain into one collaboration (a laggard, a peer that just stepped).
-CHAIN = 1
+#: Steps at most this far apart chain into one collaboration (see "Why a chain of 32 steps").
+CHAIN = 32
 
 
 @dataclass(frozen=True)
@@ -109,12 +117,15 @@ def is_member(progress: Progress) -> bool:
     return not progress.left and not progress.syncing and (bool(progress.params) or progress.step > 0)
 
 
-def collaborations(steps: Mapping[str, int], user: Callable[[str], str]) -> list[Collaboration]:
+def collaborations(
+    steps: Mapping[str, int], user: Callable[[str], str], *, gap: int = CHAIN
+) -> list[Collaboration]:
     """The collaborations of the members ``steps`` (peer id -> step), lowest first.
 
     Args:
         steps: each member's step (members only: see :func:`is_member`).
         user: the user a peer id speaks for.
+        gap: steps at most this far apart chain (every reader must use the same).
     """
     by_step: dict[int, list[str]] = {}
     for peer, step in steps.items():
@@ -122,7 +133,7 @@ def collaborations(steps: Mapping[str, int], user: Callable[[str], str]) -> list
     found: list[Collaboration] = []
     chain: list[int] = []
     for step in sorted(by_step):
-        if chain and step - chain[-1] > CHAIN:
+        if chain and step - chain[-1] > gap:
             found.append(_collaboration(chain, by_step, user))
             chain = []
         chain.append(step)

@@ -19,7 +19,8 @@ read from the DHT into a :class:`CollabView`:
    users could still fake a step; the allowlist and the ledger are the defence there.)
 3. **The collaboration's step** is the highest step of the *surviving collaboration*
    (:mod:`shared.merge`: the credible, anchored, non-syncing peers chain into collaborations of steps
-   at most one apart; the one with the most users survives, then the one with the most steps). With one
+   at most :data:`~shared.merge.CHAIN` apart; the one with the most users survives, then the one with
+   the most steps). With one
    collaboration -- normal operation -- this is the highest credible step, as it always was; with several,
    ``minority`` tells a peer outside the survivor to re-sync to ``step`` even if that is lower than its own
    (``collaborations`` counts them). With no such peer at all (only newcomers and downloads), the highest

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.training import Progress
-from shared.merge import collaborations, is_member, survivor
+from shared.merge import CHAIN, collaborations, is_member, survivor
 from shared.progress import CollabView, summarize
 
 NOW = 1_000_000.0
@@ -27,14 +27,24 @@ def view_of(records: dict[str, Progress], reader: str, users: dict[str, str]) ->
     return summarize(records, reader, mine, now=NOW, target_batch=TARGET, anchored=anchored, users=users)
 
 
-def test_collaborations_chain_steps_at_most_one_apart() -> None:
-    steps = {"a": 250, "b": 251, "c": 249, "d": 568, "e": 568, "f": 570}
+def test_collaborations_are_chains_of_steps_at_most_chain_apart() -> None:
+    steps = {"a": 250, "b": 251, "c": 249, "d": 568, "e": 568, "f": 570, "g": 570 + CHAIN + 1}
     found = collaborations(steps, lambda peer: peer)
     assert [(c.low, c.top, sorted(c.peers)) for c in found] == [
         (249, 251, ["a", "b", "c"]),
-        (568, 568, ["d", "e"]),
-        (570, 570, ["f"]),
+        (568, 570, ["d", "e", "f"]),
+        (603, 603, ["g"]),
     ]
+    assert [c.top for c in collaborations(steps, lambda peer: peer, gap=1)] == [251, 568, 570, 603]
+
+
+def test_laggards_that_loaded_an_older_state_stay_laggards_however_many() -> None:
+    """Seen under load: peers whose download gave up waiting loaded an older announced state; three of
+    them must not outvote the two that stepped on (they download again, nobody discards steps)."""
+    records = {"a": rec(20), "b": rec(20), "l1": rec(14), "l2": rec(14), "l3": rec(15)}
+    for reader in records:
+        got = view_of(records, reader, {})
+        assert (got.step, got.minority, got.collaborations) == (20, False, 1)
 
 
 def test_survivor_prefers_more_users_then_more_steps() -> None:
@@ -181,7 +191,8 @@ def test_an_honest_collaboration_is_never_split(
 def test_a_lone_user_never_wins_against_two_users(
     group: list[tuple[str, int]], base: int, lone: list[int], gap: int, lone_ahead: bool
 ) -> None:
-    """However many peer ids the lone user runs and however far ahead (or behind) it is."""
+    """However many peer ids the lone user runs and however far ahead (or behind) it is: everyone is told
+    to go to the two users' step (the lone user as minority, or, within CHAIN behind them, as a laggard)."""
     if len({user for user, _ in group}) < 2:
         group = [*group, ("bob" if group[0][0] != "bob" else "alice", 0)]
     group_base = base + (0 if lone_ahead else gap + 2)
@@ -195,4 +206,7 @@ def test_a_lone_user_never_wins_against_two_users(
     for reader in records:
         got = view_of(records, reader, users)
         assert got.step == group_top
-        assert got.minority == reader.startswith("l")
+        if reader.startswith("g"):
+            assert not got.minority
+        else:  # the lone user goes to the group: down as the minority, or up as a laggard
+            assert got.minority or records[reader].step < group_top
