@@ -28,9 +28,10 @@ read from the DHT into a :class:`CollabView`:
    by its own throughput since its record was written (for at
    most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on time, not one publishing period
    late.
-4. **Divergence.** Peers at one step should hold identical parameters; if the fingerprints at our step
-   disagree, the fingerprint held by more distinct *users* wins (ties: the smaller fingerprint), and a
-   peer holding another one must re-download the state. Votes are counted in users, not peer ids, because
+4. **Divergence.** A peer in the ``minority`` has diverged (its state is not the survivor's). Peers at
+   one step should hold identical parameters; if the fingerprints at our step disagree, the fingerprint
+   held by more distinct *users* wins (ties: the smaller fingerprint), and a peer holding another one
+   must re-download the state. Votes are counted in users, not peer ids, because
    one admitted user may run many peer ids: each user's peers cast one vote per fingerprint.
 
 **Users.** ``users`` maps a peer id to the user it speaks for (``DHTValue.users``, the admitted username
@@ -91,7 +92,9 @@ class CollabView:
     peers: int  # credible peers (ourselves included)
     peers_at_step: int
     ready: bool  # the target batch is reached: average now
-    diverged: bool  # our parameters differ from the majority at our step
+    #: our parameters are not the collaboration's: they differ from the majority at our step, or we are in
+    #: the ``minority`` (re-download the state of ``step``, whatever our own step)
+    diverged: bool
     ignored: tuple[str, ...]  # peers whose records were implausible or unsupported
     syncing: tuple[str, ...]  # credible peers that are downloading the state
     loss: float | None  # samples-weighted mean of the losses reported at ``step``
@@ -197,6 +200,7 @@ def summarize(
             else p.samples_per_second * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
         )
         samples += p.samples + extra
+    minority = best is not None and not best.spans(mine.step) and (mine.step > best.top or me in members)
     sps = sum(p.samples_per_second for p in at_step.values())
     weights = [(p.loss, p.samples) for p in at_step.values() if p.loss is not None and p.samples > 0]
     total = sum(w for _, w in weights)
@@ -208,12 +212,12 @@ def summarize(
         peers=len(everyone),
         peers_at_step=len(at_step),
         ready=samples > 0 and (samples >= target_batch or any(p.ready for p in at_step.values())),
-        diverged=_diverged(everyone, mine, user) if anchored else False,
+        diverged=minority or (_diverged(everyone, mine, user) if anchored else False),
         ignored=tuple(sorted(ignored)),
         syncing=tuple(sorted(syncing)),
         loss=loss if loss is None or math.isfinite(loss) else None,
         entered=any(p.ready for p in at_step.values()),
-        minority=best is not None and not best.spans(mine.step) and (mine.step > best.top or me in members),
+        minority=minority,
         collaborations=len(found),
         shown=best.top if best is not None and best.users - {user(me)} else None,
         survivor=best,

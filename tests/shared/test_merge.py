@@ -77,6 +77,7 @@ def test_a_lone_fork_ahead_is_told_to_go_back_to_the_two_users() -> None:
     mine = view_of(records, "lone", users)
     # its own claim is judged like anyone's: no other user near it, so not even a collaboration of its own
     assert (mine.step, mine.minority, mine.collaborations) == (250, True, 1)
+    assert mine.diverged  # what the optimizer already re-syncs on: to ``step``, though lower than its own
     for reader in ("a", "b"):
         theirs = view_of(records, reader, users)
         assert (theirs.step, theirs.minority) == (250, False)
