@@ -61,6 +61,7 @@ __all__ = [
     "EVIDENCE_MAX_AGE",
     "HIGH_WATER_FILE",
     "HIGH_WATER_TTL",
+    "SAVE_PERIOD",
     "HighWater",
     "LoneStep",
     "Reading",
@@ -69,6 +70,7 @@ __all__ = [
     "lone_step",
     "observe",
     "save_high_water",
+    "worth_saving",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ HIGH_WATER_TTL = 4 * PROGRESS_TTL
 EVIDENCE_MAX_AGE = 5.0
 #: The mark's file in the volunteer's data dir.
 HIGH_WATER_FILE = "high-water.json"
+#: A confirmation of an unchanged mark is written at most this often.
+SAVE_PERIOD = 10.0
 
 
 class HighWater(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,6 +122,15 @@ def observe(mark: HighWater | None, shown: int | None, run_id: str, now: float) 
     if shown is None:
         return mark
     return HighWater(run_id=run_id, step=shown, seen=now)
+
+
+def worth_saving(saved: HighWater | None, mark: HighWater | None) -> bool:
+    """Whether ``mark`` should be written over ``saved``: its step changed, or it was confirmed
+    :data:`SAVE_PERIOD` seconds after the saved one (the wait after a restart is then at most that much
+    longer than :data:`HIGH_WATER_TTL`, and the file is written at most every few seconds)."""
+    if mark is None:
+        return False
+    return saved is None or mark.step != saved.step or mark.seen - saved.seen >= SAVE_PERIOD
 
 
 def lone_step(

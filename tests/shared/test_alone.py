@@ -17,6 +17,7 @@ from shared.alone import (
     EVIDENCE_MAX_AGE,
     HIGH_WATER_FILE,
     HIGH_WATER_TTL,
+    SAVE_PERIOD,
     HighWater,
     Reading,
     binding,
@@ -24,6 +25,7 @@ from shared.alone import (
     lone_step,
     observe,
     save_high_water,
+    worth_saving,
 )
 from shared.auth.keys import Identity
 from shared.node import Node, open_node
@@ -117,6 +119,14 @@ def test_a_lone_step_is_allowed_only_with_evidence_and_on_a_state_not_older_than
             if r.answered:
                 assert all(p == "me" or q.left or not plausible(q, NOW, TARGET) for p, q in r.records.items())
         assert mark is None or step >= mark.step or not binding(mark, NOW)
+
+
+def test_the_mark_is_written_when_it_moves_and_confirmed_every_few_seconds() -> None:
+    saved = HighWater(run_id=RUN, step=124, seen=NOW)
+    assert worth_saving(None, saved) and not worth_saving(saved, None)
+    assert not worth_saving(saved, HighWater(run_id=RUN, step=124, seen=NOW + SAVE_PERIOD / 2))
+    assert worth_saving(saved, HighWater(run_id=RUN, step=124, seen=NOW + SAVE_PERIOD))
+    assert worth_saving(saved, HighWater(run_id=RUN, step=125, seen=NOW + 0.3))
 
 
 def test_the_mark_survives_a_restart_and_damage_reads_as_no_mark(tmp_path: Path) -> None:
