@@ -20,26 +20,24 @@ read from the DHT into a :class:`CollabView`:
 3. **The collaboration's step** is the highest step of the *surviving collaboration*
    (:mod:`shared.merge`: the credible, anchored, non-syncing peers chain into collaborations of steps
    at most :data:`~shared.merge.CHAIN` apart; the one with the most users survives, then the one with
-   the most steps). With one
-   collaboration -- normal operation -- this is the highest credible step, as it always was; with several,
-   ``minority`` tells a peer outside the survivor to re-sync to ``step`` even if that is lower than its own
-   (``collaborations`` counts them). With no such peer at all (only newcomers and downloads), the highest
-   credible step. **Its samples** are the credible samples of the peers at that step, each extrapolated
-   by its own throughput since its record was written (for at
-   most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on time, not one publishing period
-   late.
+   the most steps). With one collaboration -- normal operation -- this is the highest credible step, as
+   it always was; with several, ``minority`` tells a peer outside the survivor to re-sync to ``step``
+   even if that is lower than its own (``collaborations`` counts them, ``survivor`` is the survivor).
+   With no such peer at all (only newcomers and downloads), the highest credible step. **Its samples**
+   are the credible samples of the peers at that step, each extrapolated by its own throughput since its
+   record was written (for at most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on
+   time, not one publishing period late.
 4. **Divergence.** A peer in the ``minority`` has diverged (its state is not the survivor's). Peers at
    one step should hold identical parameters; if the fingerprints at our step disagree, the fingerprint
    held by more distinct *users* wins (ties: the smaller fingerprint), and a peer holding another one
    must re-download the state. Votes are counted in users, not peer ids, because
    one admitted user may run many peer ids: each user's peers cast one vote per fingerprint.
-
-**Users.** ``users`` maps a peer id to the user it speaks for (``DHTValue.users``, the admitted username
-of its DHT records: see ``shared.dht.admission``); a peer missing from it is its own user (open runs).
-
 5. **Syncing.** ``syncing`` lists the peers downloading the state, so that the peers at the
    collaboration's step announce theirs -- including a peer whose step claim is not credible (a minority
    peer ahead of the survivor): its step is never followed, only answered with the survivor's state.
+
+**Users.** ``users`` maps a peer id to the user it speaks for (``DHTValue.users``, the admitted username
+of its DHT records: see ``shared.dht.admission``); a peer missing from it is its own user (open runs).
 
 ``ready`` is true when the samples at the collaboration's step reach the target batch, or when any peer
 of that step already entered averaging (``entered``: the others follow it into the same round) — never
@@ -96,7 +94,7 @@ class CollabView:
     #: the ``minority`` (re-download the state of ``step``, whatever our own step)
     diverged: bool
     ignored: tuple[str, ...]  # peers whose records were implausible or unsupported
-    syncing: tuple[str, ...]  # credible peers that are downloading the state
+    syncing: tuple[str, ...]  # peers downloading the state (plausible records; their step claim aside)
     loss: float | None  # samples-weighted mean of the losses reported at ``step``
     entered: bool = False  # a peer at ``step`` already entered averaging (its round is under way)
     #: our state is not the surviving collaboration's (we are in another collaboration, or ahead of it):
@@ -154,11 +152,11 @@ def summarize(
     others = {peer: p for peer, p in records.items() if peer != me and not p.left}
     fresh = {peer: p for peer, p in others.items() if plausible(p, now, target_batch)}
     ignored = set(others) - set(fresh)
-    # Rule 2 is applied to every voter alike, our own record included, so that every reader of the same
-    # records finds the same credible claims (shared.merge relies on it): a lone claim far ahead of the
-    # others is not believed by its own writer either.
-    # The step a downloading peer is replacing vouches for nothing (a losing fork's peers re-syncing must
-    # not keep its claims credible); a newcomer's step 0 vouches for steps up to 1 only, as always.
+    # Rule 2 is applied to every claim alike, our own included, so that every reader of the same records
+    # finds the same credible claims (shared.merge relies on it): a lone claim far ahead of the others is
+    # not believed by its own writer either. The step a downloading peer is replacing vouches for nothing
+    # (a losing fork's peers re-syncing must not keep its claims credible); a newcomer's step 0 vouches
+    # for steps up to 1 only, as always.
     voters = {peer: p for peer, p in fresh.items() if not p.syncing}
     if anchored and not mine.syncing:
         voters[me] = mine
@@ -189,8 +187,7 @@ def summarize(
             step = max(p.step for p in credible.values())
     # Anyone flagged syncing gets the state announced (rule 5), whatever step it still holds: a peer of a
     # losing collaboration that is ahead of the survivor is not credible, yet must be able to re-sync.
-    syncing = {peer for peer, p in credible.items() if p.syncing}
-    syncing |= {peer for peer, p in fresh.items() if p.syncing and peer in ignored}
+    syncing = {peer for peer, p in fresh.items() if p.syncing}
     at_step = {peer: p for peer, p in everyone.items() if p.step == step and not p.syncing}
     samples = 0.0
     for peer, p in at_step.items():
