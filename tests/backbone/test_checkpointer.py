@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from backbone.checkpointer import Checkpointer, CheckpointLimits, keep_checkpoints
-from backbone.checkpoints import CheckpointStore
+from backbone.checkpoints import DISCARDED_DIR, CheckpointStore
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, StateAnnouncement, TrainingSpec
 from shared.auth.keys import Identity
@@ -340,6 +340,9 @@ async def test_checkpointer_discards_a_forks_checkpoints_once_the_survivor_is_se
     assert entry is not None and entry.step == 250
     assert [e.step for e in store.entries()] == [250]
     assert not any(store.path(e.digest).exists() for e in fork)
+    aside = sorted(p.name for p in (tmp_path / DISCARDED_DIR).iterdir())  # set aside, not destroyed
+    assert aside == sorted(store.path(e.digest).name for e in fork)
+    assert [e.step for e in CheckpointStore(tmp_path, keep=2).entries()] == [250]  # and so after a restart
     assert checkpointer.sync_offers() is not None and checkpointer.sync_offers().step == 250  # type: ignore[union-attr]
 
 
