@@ -29,8 +29,9 @@ the two sides met (the backbone sat in the fork's half of a split DHT) are disca
 ahead of a surviving collaboration of two or more users, seen there in two polls in a row (a verdict that
 holds for :data:`POLL_PERIOD` seconds, not a moment's reading), is a state the run did not keep -- it is
 set aside (:meth:`CheckpointStore.discard`: moved to ``discarded/``, not deleted), so that the survivor's
-checkpoints are kept (the store keeps the highest steps) and the newest one announced is the survivor's. A survivor of a single user discards nothing: one user
-behind the stored checkpoints is more likely a volunteer that did not resume than the run.
+checkpoints are kept (the store keeps the highest steps) and the newest one announced is the survivor's.
+A survivor of a single user discards nothing: one user behind the stored checkpoints is more likely a
+volunteer that did not resume than the run.
 
 An announced size is checked before anything is allocated or requested: against
 :class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
