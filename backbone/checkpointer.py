@@ -21,6 +21,18 @@ is stored only up to the collaboration's *credible* step (:func:`shared.progress
 peers' progress: one peer claiming a step far ahead of the others is not credible); with nobody training,
 the lone peer's state is taken (a run with one volunteer, its final hand-over).
 
+**Only the surviving collaboration's state** (issue 10: no lone forks). With several collaborations in
+the peers' progress records, :mod:`shared.merge` names the survivor (most users, then most steps), and a
+state is stored only if at least one of its announcers is a member of the survivor, and only up to the
+survivor's step -- never a lone fork's, never a losing partition's, however new. **Forks** stored before
+the two sides met (the backbone sat in the fork's half of a split DHT) are discarded: a stored checkpoint
+ahead of a surviving collaboration of two or more users, seen there in two polls in a row (a verdict that
+holds for :data:`POLL_PERIOD` seconds, not a moment's reading), is a state the run did not keep -- it is
+set aside (:meth:`CheckpointStore.discard`: moved to ``discarded/``, not deleted), so that the survivor's
+checkpoints are kept (the store keeps the highest steps) and the newest one announced is the survivor's.
+A survivor of a single user discards nothing: one user behind the stored checkpoints is more likely a
+volunteer that did not resume than the run.
+
 An announced size is checked before anything is allocated or requested: against
 :class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
 the largest kept checkpoint when only one user vouches for it (a state is the model plus optimizer slots
@@ -48,10 +60,11 @@ import trio
 from protocols.errors import ProtocolError
 from protocols.training import Progress, StateAnnouncement, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
+from shared.merge import Collaboration
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
-from shared.progress import summarize
+from shared.progress import CollabView, summarize
 from shared.progress_records import read_progress_with_users
 from shared.state.blob import read_metadata, state_step
 from shared.state.limits import DISK_RESERVE, SourceBook, checkpoint_size_limit
@@ -128,6 +141,8 @@ class Checkpointer:
         self._offered: set[bytes] = set()
         self._short_of_disk: set[bytes] = set()  # digests already reported as not fitting on disk
         self._ahead: set[bytes] = set()  # digests already reported as beyond the credible step
+        self._foreign: set[bytes] = set()  # digests already reported as not the survivor's
+        self._fork_suspects: set[bytes] = set()  # stored digests ahead of the survivor at the last poll
 
     def sync_offers(self) -> StateAnnouncement | None:
         """Serve exactly the stored checkpoints; return the announcement of the newest."""
@@ -164,6 +179,10 @@ class Checkpointer:
         Raises:
             whatever reading the DHT raises (:data:`~shared.net.host.CALL_FAILURES`).
         """
+        view = await self._view()
+        survivor = view.survivor if view.peers > 1 else None
+        credible = view.step if view.peers > 1 else None
+        await self._discard_forks(survivor)
         newest = self.store.newest()
         min_step = 0 if newest is None else newest.step + self.spec.checkpoint_every
         if newest is not None and 0 < self.spec.max_steps <= min_step and newest.step < self.spec.max_steps:
@@ -173,7 +192,6 @@ class Checkpointer:
         candidates = trusted_state(announced, min_step=min_step)
         if not candidates:
             return None
-        credible = await self._credible_step()
         addresses = await presence_addresses(self.node.dht)
         stored = {e.digest for e in self.store.entries()}
         for announcement, writers in candidates:
@@ -188,6 +206,19 @@ class Checkpointer:
                         "not (yet) storing the state of step %d: the training peers are at step %d",
                         announcement.step,
                         credible,
+                    )
+                continue
+            if survivor is not None and not survivor.peers & set(writers):
+                # nobody of the surviving collaboration vouches for it: a losing fork's, or a state whose
+                # holders left it (not refused: the same writers may join the survivor and announce again)
+                if _first_time(self._foreign, announcement.digest):
+                    logger.info(
+                        "not storing the state of step %d: none of its %d announcer(s) is in the surviving "
+                        "collaboration (step %d, %d users)",
+                        announcement.step,
+                        len(writers),
+                        survivor.top,
+                        survivor.support,
                     )
                 continue
             if announcement.nbytes > limit:
@@ -207,13 +238,14 @@ class Checkpointer:
                 return entry
         return None
 
-    async def _credible_step(self) -> int | None:
-        """The collaboration's credible step from the peers' progress (:func:`shared.progress.summarize`:
-        a lone claim far ahead of the others is not credible), or ``None`` when nobody is training (then
-        the lone peer's state is the run's, as in :mod:`shared.state.trust`)."""
+    async def _view(self) -> CollabView:
+        """The collaboration as a newcomer sees it (:func:`shared.progress.summarize`: a lone claim far
+        ahead of the others is not credible; with several collaborations, the survivor's step and peers).
+        ``peers <= 1`` means nobody is training (then the lone peer's state is the run's, as in
+        :mod:`shared.state.trust`)."""
         records, users = await read_progress_with_users(self.node.dht)
         nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
-        view = summarize(
+        return summarize(
             records,
             self.node.peer_id,
             nobody,
@@ -222,7 +254,32 @@ class Checkpointer:
             anchored=False,
             users=users,
         )
-        return view.step if view.peers > 1 else None
+
+    async def _discard_forks(self, survivor: Collaboration | None) -> None:
+        """Forget stored checkpoints ahead of a surviving collaboration of two or more users, once two
+        polls in a row saw them there (see "Forks" in the module docstring)."""
+        ahead = (
+            {e.digest for e in self.store.entries() if e.step > survivor.top}
+            if survivor is not None and survivor.support >= 2
+            else set()
+        )
+        confirmed, self._fork_suspects = ahead & self._fork_suspects, ahead
+        for entry in [e for e in self.store.entries() if e.digest in confirmed]:
+            assert survivor is not None
+            try:
+                await trio.to_thread.run_sync(self.store.discard, entry.digest, limiter=STATE_IO)
+            except OSError as exc:
+                logger.error("could not discard the checkpoint of step %d: %r", entry.step, exc)
+                continue
+            logger.warning(
+                "discarded the checkpoint of step %d (%s…): the surviving collaboration (%d users) is at "
+                "step %d, so it was a fork's",
+                entry.step,
+                entry.digest.hex()[:12],
+                survivor.support,
+                survivor.top,
+            )
+            self.changed.set()
 
     def size_limit(self, *, lone: bool = True) -> int:
         """The largest state accepted now, free disk aside (:func:`~shared.state.checkpoint_size_limit`).

@@ -5,6 +5,7 @@ Layout of the directory::
     <sha256 hex>.safetensors   one state blob each, named by the SHA-256 of its bytes
     index.json                 msgspec JSON: (step, digest, nbytes, time) of each kept checkpoint
     partial/                   downloads in progress (see :func:`shared.state.fetch_state`)
+    discarded/                 the last few checkpoints set aside as a losing fork's (``discard``)
 
 **Crash safety.** A checkpoint is written to a temporary file, fsynced, renamed into place and the
 directory fsynced; only then is the index rewritten the same way (temporary file, fsync, rename). A
@@ -31,11 +32,12 @@ import msgspec
 from shared.errors import ConfigError, StateError
 from shared.state.blob import file_digest, read_metadata, state_digest, state_step
 
-__all__ = ["CheckpointEntry", "CheckpointStore"]
+__all__ = ["DISCARDED_DIR", "CheckpointEntry", "CheckpointStore"]
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
+DISCARDED_DIR = "discarded"
 _SUFFIX = ".safetensors"
 _NAME = re.compile(r"^[0-9a-f]{64}\.safetensors$")
 _TMP_PREFIX = ".tmp-"
@@ -146,6 +148,31 @@ class CheckpointStore:
         self._write_index()
         self._delete_unlisted()
         return entry
+
+    def discard(self, digest: bytes) -> bool:
+        """Set the checkpoint ``digest`` aside -- a state the run did not keep (a losing fork's, see
+        :mod:`backbone.checkpointer`): its file moves to ``discarded/`` (the last ``keep`` are kept there,
+        for an operator who disagrees) and the index no longer lists it. The file moves first, so a crash
+        in between leaves an index entry without a file, which the next open drops -- never an unlisted
+        file in the store, which it would adopt. Returns whether it was kept.
+
+        Raises:
+            OSError: the disk refused.
+        """
+        self._require_writable()
+        if digest not in self._entries:
+            return False
+        aside = self.directory / DISCARDED_DIR
+        aside.mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(self.path(digest), aside / self.path(digest).name)
+        _fsync_dir(self.directory)
+        del self._entries[digest]
+        self._write_index()
+        for old in sorted(aside.glob(f"*{_SUFFIX}"), key=lambda path: path.stat().st_mtime)[: -self.keep]:
+            with contextlib.suppress(FileNotFoundError):
+                old.unlink()
+        return True
 
     # ---------------------------------------------------------------- internals
 

@@ -10,6 +10,10 @@ Packages and modules:
     lifecycle   running under SIGINT/SIGTERM with a clean, graceful stop
     console     CLI support: logging, data-dir locks, errors to exit codes
     panel       the rich status panel
+    progress    where the collaboration stands, from the peers' progress records (pure)
+    progress_records  reading those records: through our DHT, and seeded at each backbone
+    merge       which collaboration survives when the records show several (pure)
+    alone       may a volunteer step without a group: evidence and the high-water mark
 """
 
 from __future__ import annotations

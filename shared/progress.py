@@ -11,17 +11,30 @@ read from the DHT into a :class:`CollabView`:
 2. **Support.** Honest peers are never more than one step apart for long: a peer that steps is followed
    by every peer of the round within seconds, and laggards download the state. So a step claim ``s`` is
    *credible* only if a peer of *another user* claims at least ``s - 1`` (or we do, once we hold real
-   state), or if the claimant's user is the only other user we know of. A single user announcing an
+   state; a downloading peer vouches for nothing: the step it holds is one it is replacing), or if the
+   claimant's user is the only user we know of. Our own claim is judged by the same rule (it decides
+   whether we are a member of a collaboration, :mod:`shared.merge`), so every reader of the same records
+   believes the same claims. A single user announcing an
    absurd step is ignored, whatever it writes and under however many peer ids. (Two colluding admitted
    users could still fake a step; the allowlist and the ledger are the defence there.)
-3. **The collaboration's step** is the highest credible step; **its samples** are the credible samples of
-   the peers at that step, each extrapolated by its own throughput since its record was written (for at
-   most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on time, not one publishing period
-   late.
-4. **Divergence.** Peers at one step should hold identical parameters; if the fingerprints at our step
-   disagree, the fingerprint held by more distinct *users* wins (ties: the smaller fingerprint), and a
-   peer holding another one must re-download the state. Votes are counted in users, not peer ids, because
+3. **The collaboration's step** is the highest step of the *surviving collaboration*
+   (:mod:`shared.merge`: the credible, anchored, non-syncing peers chain into collaborations of steps
+   at most :data:`~shared.merge.CHAIN` apart; the one with the most users survives, then the one with
+   the most steps). With one collaboration -- normal operation -- this is the highest credible step, as
+   it always was; with several, ``minority`` tells a peer outside the survivor to re-sync to ``step``
+   even if that is lower than its own (``collaborations`` counts them, ``survivor`` is the survivor).
+   With no such peer at all (only newcomers and downloads), the highest credible step. **Its samples**
+   are the credible samples of the peers at that step, each extrapolated by its own throughput since its
+   record was written (for at most :data:`MAX_EXTRAPOLATION` seconds), so the target is detected on
+   time, not one publishing period late.
+4. **Divergence.** A peer in the ``minority`` has diverged (its state is not the survivor's). Peers at
+   one step should hold identical parameters; if the fingerprints at our step disagree, the fingerprint
+   held by more distinct *users* wins (ties: the smaller fingerprint), and a peer holding another one
+   must re-download the state. Votes are counted in users, not peer ids, because
    one admitted user may run many peer ids: each user's peers cast one vote per fingerprint.
+5. **Syncing.** ``syncing`` lists the peers downloading the state, so that the peers at the
+   collaboration's step announce theirs -- including a peer whose step claim is not credible (a minority
+   peer ahead of the survivor): its step is never followed, only answered with the survivor's state.
 
 **Users.** ``users`` maps a peer id to the user it speaks for (``DHTValue.users``, the admitted username
 of its DHT records: see ``shared.dht.admission``); a peer missing from it is its own user (open runs).
@@ -51,6 +64,8 @@ from dataclasses import dataclass
 from protocols.auth import MAX_CLOCK_SKEW
 from protocols.training import PROGRESS_TTL, Progress
 
+from .merge import Collaboration, collaborations, is_member, survivor
+
 __all__ = [
     "MAX_EXTRAPOLATION",
     "MAX_SAMPLES_FACTOR",
@@ -69,17 +84,27 @@ MAX_EXTRAPOLATION = 3.0
 
 @dataclass(frozen=True)
 class CollabView:
-    step: int  # the collaboration's step (highest credible; ours if nobody else is credible)
+    step: int  # the collaboration's step: the surviving collaboration's highest step (rule 3)
     samples: float  # samples accumulated toward step + 1 by the peers at ``step`` (ours included)
     samples_per_second: float  # sum over the peers at ``step``
     peers: int  # credible peers (ourselves included)
     peers_at_step: int
     ready: bool  # the target batch is reached: average now
-    diverged: bool  # our parameters differ from the majority at our step
+    #: our parameters are not the collaboration's: they differ from the majority at our step, or we are in
+    #: the ``minority`` (re-download the state of ``step``, whatever our own step)
+    diverged: bool
     ignored: tuple[str, ...]  # peers whose records were implausible or unsupported
-    syncing: tuple[str, ...]  # credible peers that are downloading the state
+    syncing: tuple[str, ...]  # peers downloading the state (plausible records; their step claim aside)
     loss: float | None  # samples-weighted mean of the losses reported at ``step``
     entered: bool = False  # a peer at ``step`` already entered averaging (its round is under way)
+    #: our state is not the surviving collaboration's (we are in another collaboration, or ahead of it):
+    #: re-sync to ``step`` even though it may be lower than ours (:mod:`shared.merge`)
+    minority: bool = False
+    collaborations: int = 1  # how many collaborations the records show (:func:`shared.merge.collaborations`)
+    #: the survivor's step when another user stands behind it: what the collaboration credibly showed us
+    #: (feeds the high-water mark of :mod:`shared.alone`); None when only our own user is there
+    shown: int | None = None
+    survivor: Collaboration | None = None  # the surviving collaboration (None: nobody holds a state)
 
     def eta(self, target_batch: int) -> float | None:
         """Seconds until the target batch is reached at the current rate, or None if nobody computes."""
@@ -127,20 +152,42 @@ def summarize(
     others = {peer: p for peer, p in records.items() if peer != me and not p.left}
     fresh = {peer: p for peer, p in others.items() if plausible(p, now, target_batch)}
     ignored = set(others) - set(fresh)
+    # Rule 2 is applied to every claim alike, our own included, so that every reader of the same records
+    # finds the same credible claims (shared.merge relies on it): a lone claim far ahead of the others is
+    # not believed by its own writer either. The step a downloading peer is replacing vouches for nothing
+    # (a losing fork's peers re-syncing must not keep its claims credible); a newcomer's step 0 vouches
+    # for steps up to 1 only, as always.
+    voters = {peer: p for peer, p in fresh.items() if not p.syncing}
+    if anchored and not mine.syncing:
+        voters[me] = mine
+    known = {user(peer) for peer in voters}
+
+    def supported(peer: str, step: int) -> bool:
+        if known <= {user(peer)}:  # the only user we know of: nobody to agree with
+            return True
+        return any(q.step >= step - 1 for q_peer, q in voters.items() if user(q_peer) != user(peer))
+
     credible: dict[str, Progress] = {}
-    fresh_users = {user(peer) for peer in fresh}
     for peer, progress in fresh.items():
-        supporters = [q.step for q_peer, q in fresh.items() if user(q_peer) != user(peer)]
-        if anchored:
-            supporters.append(mine.step)
-        if (not supporters and len(fresh_users) == 1) or any(s >= progress.step - 1 for s in supporters):
+        if supported(peer, progress.step):
             credible[peer] = progress
         else:
             ignored.add(peer)
     everyone = {**credible, me: mine}
-    step = max((p.step for p in everyone.values()), default=mine.step)
-    if not anchored and credible:
-        step = max(p.step for p in credible.values())
+    members = {peer: p.step for peer, p in credible.items() if is_member(p)}
+    if anchored and not mine.syncing and not mine.left and supported(me, mine.step):
+        members[me] = mine.step
+    found = collaborations(members, user)
+    best = survivor(found)
+    if best is not None:
+        step = best.top
+    else:  # nobody holds a state a collaboration continues (newcomers, downloads): the newest claim
+        step = max((p.step for p in everyone.values()), default=mine.step)
+        if not anchored and credible:
+            step = max(p.step for p in credible.values())
+    # Anyone flagged syncing gets the state announced (rule 5), whatever step it still holds: a peer of a
+    # losing collaboration that is ahead of the survivor is not credible, yet must be able to re-sync.
+    syncing = {peer for peer, p in fresh.items() if p.syncing}
     at_step = {peer: p for peer, p in everyone.items() if p.step == step and not p.syncing}
     samples = 0.0
     for peer, p in at_step.items():
@@ -150,6 +197,7 @@ def summarize(
             else p.samples_per_second * min(MAX_EXTRAPOLATION, max(0.0, now - p.time))
         )
         samples += p.samples + extra
+    minority = best is not None and not best.spans(mine.step) and (mine.step > best.top or me in members)
     sps = sum(p.samples_per_second for p in at_step.values())
     weights = [(p.loss, p.samples) for p in at_step.values() if p.loss is not None and p.samples > 0]
     total = sum(w for _, w in weights)
@@ -161,11 +209,15 @@ def summarize(
         peers=len(everyone),
         peers_at_step=len(at_step),
         ready=samples > 0 and (samples >= target_batch or any(p.ready for p in at_step.values())),
-        diverged=_diverged(everyone, mine, user) if anchored else False,
+        diverged=minority or (_diverged(everyone, mine, user) if anchored else False),
         ignored=tuple(sorted(ignored)),
-        syncing=tuple(sorted(peer for peer, p in credible.items() if p.syncing)),
+        syncing=tuple(sorted(syncing)),
         loss=loss if loss is None or math.isfinite(loss) else None,
         entered=any(p.ready for p in at_step.values()),
+        minority=minority,
+        collaborations=len(found),
+        shown=best.top if best is not None and best.users - {user(me)} else None,
+        survivor=best,
     )
 
 

@@ -5,7 +5,8 @@ Modules:
               reading without loading tensors; never pickle
     limits    bounds on a download decided before anything is allocated (a volunteer's model bound, a
               backbone's checkpoint limit), and the SourceBook of failed sources and refused announcements
-    trust     trusted_state: which announcement to believe (majorities of distinct admitted users)
+    trust     trusted_state: which announcement to believe (majorities of distinct admitted users);
+              usable_states: which of them a re-syncing peer may load (the surviving collaboration's)
     transfer  StateServer (serves offered blobs and files on the bulk lane), fetch_state / fetch_state_file
               (chunked, resumable, multi-source download to a file, verified against the announced
               SHA-256), and the DHT announcement helpers
@@ -33,6 +34,7 @@ from .transfer import presence_addresses as presence_addresses
 from .transfer import read_announcements as read_announcements
 from .trust import Announced as Announced
 from .trust import trusted_state as trusted_state
+from .trust import usable_states as usable_states
 
 __all__ = [
     "STATE_FORMAT",
@@ -53,4 +55,5 @@ __all__ = [
     "state_size_bound",
     "state_step",
     "trusted_state",
+    "usable_states",
 ]

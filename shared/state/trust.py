@@ -24,16 +24,26 @@ order never depends on the mapping's order.
 volunteer, or the first peer at a new step, has nobody to agree with. It is never preferred over a state
 of the same step that more users announce, and callers decide whether to take a lone claim at all (the
 volunteer refuses a state beyond the collaboration's credible step while others train).
+
+**Which of them a peer that re-syncs may load** (:func:`usable_states`, the filter of the volunteer's
+state sync). ``target`` is the collaboration's step (:attr:`shared.progress.CollabView.step`: the
+*surviving* collaboration's, :mod:`shared.merge`, which may be *below* the step of a peer in the minority).
+While others train, a state is usable only at exactly ``target`` and only if a member of the surviving
+collaboration is among its announcers -- a state announced only by peers outside it (a losing fork's,
+even one that passed through ``target`` on its way) is never loaded; past the caller's patience, any state
+up to ``target`` that a survivor member or a credible backbone announces (backbones store only the
+survivor's states). With nobody else training (``alone``), the newest state at or above ``target``, and
+past patience any: that is how a run resumes from a backbone checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from protocols.training import StateAnnouncement
 
-__all__ = ["BACKBONE_USER", "Announced", "support_of", "trusted_state"]
+__all__ = ["BACKBONE_USER", "Announced", "support_of", "trusted_state", "usable_states"]
 
 #: The username the authority issues to its backbones (backbone/service.py); reserved for them.
 BACKBONE_USER = "backbone"
@@ -86,6 +96,38 @@ def trusted_state(
 def support_of(announced: Mapping[str, Announced], writers: list[str]) -> int:
     """How many distinct users stand behind ``writers`` (a group :func:`trusted_state` returned)."""
     return len({announced[w].user for w in writers if w in announced})
+
+
+def usable_states(
+    ranked: Sequence[tuple[StateAnnouncement, list[str]]],
+    *,
+    target: int,
+    alone: bool,
+    patient: bool,
+    survivor: Set[str] | None = None,
+) -> list[tuple[StateAnnouncement, list[str]]]:
+    """The states of ``ranked`` (:func:`trusted_state`'s order, kept) a re-syncing peer may load (see the
+    module docstring).
+
+    Args:
+        target: the collaboration's step (the survivor's; may be below our own).
+        alone: nobody else trains (no credible peer but us).
+        patient: still within the caller's patience for a state at ``target``.
+        survivor: the peer ids of the surviving collaboration (:attr:`shared.progress.CollabView.survivor`),
+            if known; without it, announcers are not checked (the filter of before issue 10).
+    """
+    usable = []
+    for announcement, writers in ranked:
+        step = announcement.step
+        if alone:
+            ok = step >= target or not patient
+        else:
+            ok = step == target if patient else step <= target
+            if ok and survivor is not None and not any(w in survivor for w in writers):
+                ok = not patient and announcement.backbone
+        if ok:
+            usable.append((announcement, writers))
+    return usable
 
 
 def _credible_backbone(writer: str, entry: Announced) -> bool:

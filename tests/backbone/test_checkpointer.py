@@ -12,12 +12,12 @@ import pytest
 import trio
 
 from backbone.checkpointer import Checkpointer, CheckpointLimits, keep_checkpoints
-from backbone.checkpoints import CheckpointStore
+from backbone.checkpoints import DISCARDED_DIR, CheckpointStore
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, StateAnnouncement, TrainingSpec
 from shared.auth.keys import Identity
 from shared.node import Node, open_node
-from shared.state.blob import encode_state, state_digest
+from shared.state.blob import encode_state, read_metadata, state_digest, state_step
 from shared.state.limits import STATE_GROWTH
 from shared.state.transfer import (
     StateServer,
@@ -281,3 +281,96 @@ async def test_read_announcements_counts_the_users_behind_the_writers(nursery: t
     assert by_writer[0][0].digest == state_digest(forged)
     assert by_user[0][0].digest == state_digest(honest)
     assert sorted(by_user[0][1]) == sorted(n.peer_id for n in nodes[:2])
+
+
+# ------------------------------------------------------------------ forks (issue 10: no lone forks)
+
+
+async def training_peer(nursery: trio.Nursery, backbone: Node, step: int, blob: bytes | None = None) -> Node:
+    """A volunteer at ``step`` that announces ``blob`` (the state of ``step`` unless given) as its state."""
+    node = await start_node(nursery, "volunteer", backbone)
+    announced = blob if blob is not None else blob_of(step)
+    await announce_state(node.dht, StateServer(node.host).offer(state_step_of(announced), announced))
+    progress = Progress(step=step, samples=1, samples_per_second=10.0, time=time.time(), params=b"f")
+    value = msgspec.msgpack.encode(progress)
+    await node.dht.store(PROGRESS_KEY, value, time.time() + PROGRESS_TTL, subkey=node.peer_id.encode())
+    return node
+
+
+def state_step_of(blob: bytes) -> int:
+    return state_step(read_metadata(blob))
+
+
+async def test_checkpointer_stores_the_survivors_state_not_a_newer_fork_of_fewer_users(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Two collaborations, both credible on their own: 3 users at step 20 and a fork of 2 users at step 60
+    (each pair backs the other up). The newer step once ranked first and was stored as the run's."""
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path, keep=3)
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    for _ in range(3):
+        await training_peer(nursery, backbone, 20)
+    for _ in range(2):
+        await training_peer(nursery, backbone, 60)
+
+    entry = await checkpointer.poll_once()
+
+    assert entry is not None and entry.step == 20
+    assert await checkpointer.poll_once() is None
+    assert [e.step for e in store.entries()] == [20]
+
+
+async def test_checkpointer_discards_a_forks_checkpoints_once_the_survivor_is_seen_twice(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The backbone sat in the fork's half of a split DHT and stored the fork's states; once the halves
+    meet, the survivor's states must be kept and announced, not pruned below the fork's higher steps."""
+    store = CheckpointStore(tmp_path, keep=2)
+    fork = [store.save(blob_of(step), step) for step in (500, 510)]
+    backbone = await start_node(nursery, "backbone")
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    for _ in range(2):
+        await training_peer(nursery, backbone, 250)
+
+    assert await checkpointer.poll_once() is None  # one poll is a moment's reading: nothing discarded yet
+    assert [e.step for e in store.entries()] == [500, 510]
+    entry = await checkpointer.poll_once()
+
+    assert entry is not None and entry.step == 250
+    assert [e.step for e in store.entries()] == [250]
+    assert not any(store.path(e.digest).exists() for e in fork)
+    aside = sorted(p.name for p in (tmp_path / DISCARDED_DIR).iterdir())  # set aside, not destroyed
+    assert aside == sorted(store.path(e.digest).name for e in fork)
+    assert [e.step for e in CheckpointStore(tmp_path, keep=2).entries()] == [250]  # and so after a restart
+    assert checkpointer.sync_offers() is not None and checkpointer.sync_offers().step == 250  # type: ignore[union-attr]
+
+
+async def test_checkpointer_keeps_its_checkpoints_when_only_one_user_is_behind_them(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    store = CheckpointStore(tmp_path, keep=3)
+    store.save(blob_of(500), 500)
+    backbone = await start_node(nursery, "backbone")
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    await training_peer(nursery, backbone, 20)
+    for _ in range(3):
+        await checkpointer.poll_once()
+    assert [e.step for e in store.entries()] == [500]
+
+
+async def test_checkpointer_does_not_store_a_losing_partitions_state_even_when_it_is_older(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    # the survivor (3 users at 250) has announced nothing yet; a losing partition of 2 users at 60 has
+    store = CheckpointStore(tmp_path, keep=3)
+    backbone = await start_node(nursery, "backbone")
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    survivors = [await start_node(nursery, "volunteer", backbone) for _ in range(3)]
+    for node in survivors:
+        await publish_progress(node, 250)
+    for _ in range(2):
+        await training_peer(nursery, backbone, 60)
+
+    assert await checkpointer.poll_once() is None
+    assert store.entries() == []

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols.training import StateAnnouncement
-from shared.state.trust import BACKBONE_USER, Announced, support_of, trusted_state
+from shared.state.trust import BACKBONE_USER, Announced, support_of, trusted_state, usable_states
 
 
 def ann(
@@ -159,3 +159,62 @@ def test_trusted_state_takes_a_lone_peer_when_nobody_contradicts_it() -> None:
     ranked = trusted_state(announced)
     # newest step first even with less support: whether a step is credible is the caller's question
     assert [(s.step, support_of(announced, w)) for s, w in ranked] == [(7, 1), (6, 2)]
+
+
+# ------------------------------------------------------------------ usable_states (issue 10: no lone forks)
+
+
+def test_a_minority_peer_may_load_the_survivors_lower_state_and_never_a_forks() -> None:
+    """A peer of a losing fork at step 568 re-syncs to the survivor at 250: the state there is usable,
+    although lower than its own; the fork's own announcement of step 250 (made while it passed there) is
+    not, though more users announce it."""
+    survivors = {"a", "b", "c"}
+    announced = {
+        "a": by("alice", ann(250, 1)),
+        "f1": by("frank", ann(250, 2)),
+        "f2": by("fred", ann(250, 2)),
+        "f3": by("fiona", ann(568, 3)),
+    }
+    ranked = trusted_state(announced)
+    assert ranked[0][0].step == 568 and ranked[1][0].digest == bytes([2]) * 32  # newest, then most users
+    usable = usable_states(ranked, target=250, alone=False, patient=True, survivor=survivors)
+    assert [(u[0].step, u[0].digest[0]) for u in usable] == [(250, 1)]
+    # without knowing the survivor (the filter of before) the fork's state would win
+    before = usable_states(ranked, target=250, alone=False, patient=True)
+    assert before[0][0].digest[0] == 2
+
+
+def test_past_patience_a_backbone_checkpoint_or_an_older_survivor_state_is_usable() -> None:
+    announced = {
+        "bb": by(BACKBONE_USER, ann(240, 4, backbone=True)),
+        "f1": by("frank", ann(240, 5)),
+        "a": by("alice", ann(230, 6)),
+    }
+    ranked = trusted_state(announced)
+    assert usable_states(ranked, target=250, alone=False, patient=True, survivor={"a"}) == []
+    late = usable_states(ranked, target=250, alone=False, patient=False, survivor={"a"})
+    assert [u[0].digest[0] for u in late] == [4, 6]
+    # alone (nobody trains): the newest at or above the target, then anything
+    assert usable_states(ranked, target=235, alone=True, patient=True)[0][0].step == 240
+
+
+@given(
+    st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _announcement, max_size=4),
+    st.integers(0, 4),
+    st.booleans(),
+    st.booleans(),
+    st.sets(st.sampled_from(["a", "b", "c", "d"])),
+)
+def test_usable_states_keep_the_trusted_order_and_need_a_survivor_within_patience(
+    raw: dict[str, StateAnnouncement], target: int, alone_: bool, patient: bool, survivor: set[str]
+) -> None:
+    ranked = trusted_state(alone(raw))
+    usable = usable_states(ranked, target=target, alone=alone_, patient=patient, survivor=survivor)
+    assert usable == [r for r in ranked if r in usable]  # a sub-sequence: the order is trusted_state's
+    for announcement, writers in usable:
+        if not alone_:
+            assert announcement.step <= target
+            if patient:
+                assert announcement.step == target and set(writers) & survivor
+            else:
+                assert set(writers) & survivor or announcement.backbone
