@@ -39,12 +39,16 @@ samples, peers, wall time) and from the ledger's database, then the backbones st
   on a stale state and then re-synced; every other one is *unexplained* (a fork);
 * **computed samples**: the samples of the majority-fingerprint lines of every step (what the surviving
   collaboration computed); **credited**: ``SUM(reports.credited_samples)`` in the ledger;
-* **one collaboration at the end**: every volunteer that stopped cleanly logged the same fingerprint at
+* **credited ≤ computed** holds in total and per volunteer (its peer's credited samples against its own
+  majority-fingerprint samples): nothing is credited twice, whichever backbone a report reached;
+* **one collaboration at the end**: every volunteer that stopped cleanly (and has stepped since it last
+  started; one still joining is listed as ``not_rejoined``) logged the same fingerprint at
   the highest step all of them logged, and each one's last step is at most one behind the highest.
 
 Invariants (listed by name in ``failures`` when broken): ``one_collaboration``, ``no_unexplained_forks``,
 ``credited_le_computed``, ``clean_exits``, ``no_open_sessions``, ``no_zero_peer_steps``,
-``converged_after_backbone_restart``, ``no_unexpected_exits``. The exit status is 0 when none broke, 1
+``converged_after_backbone_restart``, ``no_unexpected_exits``, ``survives_backbone_lost`` (two backbones:
+reports reach the ledger and volunteers step after the loss). The exit status is 0 when none broke, 1
 otherwise. The machine's load average is reported: stall times mean little on a saturated machine.
 
 Run: ``.venv/bin/python scripts/soak.py --seconds 600 --json`` (``--backbones 2``, ``--seed N``).
@@ -281,6 +285,15 @@ def computed_samples(lines: list[Line]) -> int:
     return sum(line.samples for line in lines if line.fingerprint == best[line.step])
 
 
+def peer_id_of(log: Path) -> str | None:
+    """The volunteer's peer id, from its ``joined run … as <peer id>`` line."""
+    with contextlib.suppress(FileNotFoundError):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("joined run ") and " as " in line:
+                return line.rsplit(" as ", 1)[1].strip()
+    return None
+
+
 def stall_after(kill_time: float, survivors: dict[str, list[Line]], until: float) -> float | None:
     """Seconds until every survivor logged a step after ``kill_time``; None if one did not by ``until``."""
     worst = 0.0
@@ -364,6 +377,18 @@ def ledger_figures(url: str) -> dict[str, Any]:
                 "max_recorded_step": one("SELECT MAX(global_step) FROM steps"),
                 "sessions": int(one("SELECT COUNT(*) FROM sessions")),
                 "open_sessions": int(one("SELECT COUNT(*) FROM sessions WHERE ended_at IS NULL")),
+                "credited_by_peer": {
+                    str(peer): float(samples)
+                    for peer, samples in conn.execute(
+                        text("SELECT peer_id, SUM(credited_samples) FROM reports GROUP BY peer_id")
+                    )
+                },
+                "report_times": sorted(
+                    float(t) for (t,) in conn.execute(text("SELECT received_at FROM reports"))
+                ),
+                "step_times": sorted(
+                    float(t) for (t,) in conn.execute(text("SELECT finished_at FROM steps"))
+                ),
             }
     finally:
         engine.dispose()
@@ -400,12 +425,12 @@ class Event:
     target: int = 0  # for backbone_lost: which backbone (0 or 1)
 
 
-def schedule(rng: random.Random, seconds: float, backbones: int) -> list[Event]:
+def schedule(rng: random.Random, seconds: float, backbones: int, lost: int | None = None) -> list[Event]:
     quiet = max(30.0, seconds / 4)
     fixed = [Event(0.2 * seconds, "kill_two"), Event(0.35 * seconds, "backbone_restart")]
     fixed.append(Event(0.5 * seconds, "download_kill"))
     if backbones == 2:
-        fixed.append(Event(0.65 * seconds, "backbone_lost", rng.randrange(2)))
+        fixed.append(Event(0.65 * seconds, "backbone_lost", rng.randrange(2) if lost is None else lost - 1))
     events = list(fixed)
     t = rng.uniform(20, 60)
     while t < seconds - quiet:
@@ -598,7 +623,7 @@ class Soak:
         self.log(f"run {self.run_id}: {len(self.volunteers)} volunteers starting")
         self.wait_first_steps()
         t0 = time.time()
-        plan = schedule(self.rng, self.args.seconds, self.args.backbones)
+        plan = schedule(self.rng, self.args.seconds, self.args.backbones, self.args.lost_backbone)
         self.log(f"every volunteer stepped; {len(plan)} faults over {self.args.seconds:.0f} s")
         start = time.monotonic()
         while (elapsed := time.monotonic() - start) < self.args.seconds:
@@ -614,7 +639,7 @@ class Soak:
         """Wait (at most :data:`SETTLE_S`) until every volunteer has stepped since it last started and all
         hold the same latest (step, fingerprint): a condition, not a sleep; the check reports what holds."""
         began = time.monotonic()
-        while time.monotonic() - began < SETTLE_S:
+        while time.monotonic() - began < self.args.settle:
             self.watch()
             if not self.pending and all(v.alive() for v in self.volunteers):
                 latest = []
@@ -696,7 +721,11 @@ def analyse(
     best = majority(everything)
     start_step = max((line.step for line in everything if line.time <= t0), default=0)
     top = max(best, default=0)
-    finals = [name for name, code in codes.items() if code == 0]
+    # A volunteer that has not stepped since it last started is still joining (slow on a busy machine): it
+    # is in no collaboration yet, so it is listed, not compared.
+    stopped = [name for name, code in codes.items() if code == 0]
+    rejoined = {n for n in stopped if any(x.time >= procs[n].lives[-1][0] for x in lines[n])}
+    finals = [n for n in stopped if n in rejoined]
     agreement = (
         final_agreement(lines, finals)
         if finals
@@ -704,6 +733,26 @@ def analyse(
     )
     computed = computed_samples(everything)
     ledger = ledger_figures(ledger_url)
+    report_times, step_times = ledger.pop("report_times"), ledger.pop("step_times")
+    credited_by_peer = ledger.pop("credited_by_peer")
+    per_volunteer = {}
+    for v in soak.volunteers:
+        own = [line for line in everything if line.volunteer == v.name]
+        peer = peer_id_of(v.log)
+        per_volunteer[v.name] = {
+            "peer_id": peer,
+            "computed": sum(line.samples for line in own if line.fingerprint == best[line.step]),
+            "credited": credited_by_peer.get(peer or "", 0.0),
+        }
+    overcredited = [n for n, f in per_volunteer.items() if f["credited"] > f["computed"] + 1e-6]
+    lost_at = [e["time"] for e in soak.events if e["kind"] == "backbone_lost"]
+    after_lost = None
+    if lost_at:
+        after_lost = {
+            "reports_received": sum(1 for t in report_times if t > lost_at[0]),
+            "steps_recorded": sum(1 for t in step_times if t > lost_at[0]),
+            "volunteer_steps": len({line.step for line in everything if line.time > lost_at[0]}),
+        }
     minutes = max(1e-9, (end - t0) / 60)
 
     failures = []
@@ -711,8 +760,10 @@ def analyse(
         failures.append("one_collaboration")
     if forks:
         failures.append("no_unexplained_forks")
-    if ledger["credited_samples"] > computed + 1e-6:
+    if ledger["credited_samples"] > computed + 1e-6 or overcredited:
         failures.append("credited_le_computed")
+    if after_lost is not None and not (after_lost["reports_received"] and after_lost["volunteer_steps"]):
+        failures.append("survives_backbone_lost")
     if any(code != 0 for code in codes.values()):
         failures.append("clean_exits")
     if ledger["open_sessions"]:
@@ -756,12 +807,15 @@ def analyse(
             if len({line.volunteer for line in everything if line.step == step}) > 1
         ),
         "lone_steps": sum(1 for line in everything if line.peers <= 1),
-        "final": agreement,
+        "final": {**agreement, "not_rejoined": sorted(set(stopped) - rejoined)},
         "samples": {
             "computed": computed,
             "credited": ledger["credited_samples"],
             "ratio": round(ledger["credited_samples"] / computed, 3) if computed else None,
         },
+        "per_volunteer": per_volunteer,
+        "overcredited": overcredited,
+        "after_backbone_lost": after_lost,
         "ledger": ledger,
         "exit_codes": codes,
         "unexpected_exits": soak.unexpected,
@@ -788,6 +842,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object (no progress lines)")
     parser.add_argument("--work-dir", type=Path, help="an empty dir for data dirs and logs (default: temp)")
     parser.add_argument("--database-url", help="the ledger database for the backbones (default: see doc)")
+    parser.add_argument("--lost-backbone", type=int, choices=(1, 2), help="which one (default: by the seed)")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, help="longest wait for one collaboration")
     parser.add_argument("--small", action="store_true", help="a smaller model (CI): same target batch")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (always kept on failure)")
     args = parser.parse_args()
