@@ -25,13 +25,14 @@ gets SIGTERM (it finishes its round, reports, leaves and must exit 0), then the 
 computed from the volunteers' ``steps.jsonl`` (one line per step taken: step, parameter fingerprint,
 samples, peers, wall time) and from the ledger's database, then the backbones stop. Definitions:
 
-* **steps per minute**: the collaboration's highest step at the end minus its highest step at ``t0``,
-  per minute of soak;
+* **steps per minute**: the steps the surviving collaboration took from ``t0`` to the end (the median
+  of the volunteers' last steps, so that a lone fork does not count), per minute;
 * **stall** after a volunteer kill at ``t``: the time from ``t`` until every survivor (alive from ``t``
   to its next step, not killed itself) has logged a step after ``t``; ``null`` when some survivor took
   none before the next fault (counted as unresolved);
 * **convergence** after a backbone restart at ``t``: the first moment after ``t`` at which every live
-  volunteer that has stepped since it last started holds the same (step, fingerprint) as the others;
+  volunteer has stepped since it last started and all hold the same (step, fingerprint) (a volunteer
+  killed and restarted meanwhile must have rejoined too); ``null`` if that never happened;
 * **disagreeing steps**: step numbers logged with more than one fingerprint. The *majority* fingerprint
   of a step is the one most volunteers logged (ties: the greater sample count). A disagreement is
   *discarded by re-sync* when each minority fingerprint there comes from one volunteer whose minority
@@ -320,8 +321,9 @@ def convergence_after(
                 continue
             began = proc.life_start(t)
             mine = [line for line in own if began is not None and began <= line.time <= t]
-            if not mine:
-                continue  # still joining: not in any collaboration yet
+            if not mine:  # still joining: in no collaboration yet, so not "every volunteer in one"
+                held.add(("joining", name))
+                break
             last = mine[-1]
             if last.time <= restart:
                 held.add(("stale", name))  # has not stepped since the restart
@@ -720,7 +722,7 @@ def analyse(
     discarded, forks = disagreements(everything)
     best = majority(everything)
     start_step = max((line.step for line in everything if line.time <= t0), default=0)
-    top = max(best, default=0)
+    top = int(statistics.median([own[-1].step for own in lines.values() if own] or [0]))
     # A volunteer that has not stepped since it last started is still joining (slow on a busy machine): it
     # is in no collaboration yet, so it is listed, not compared.
     stopped = [name for name, code in codes.items() if code == 0]
@@ -820,6 +822,12 @@ def analyse(
         "exit_codes": codes,
         "unexpected_exits": soak.unexpected,
         "events": [{**e, "time": round(e["time"] - t0, 1)} for e in soak.events],
+        "lives": {
+            v.name: [
+                [round(a - t0, 1), None if b is None else round(b - t0, 1), how] for a, b, how in v.lives
+            ]
+            for v in soak.volunteers
+        },
         "failures": failures,
     }
 

@@ -1,0 +1,99 @@
+"""Issue 10's churn soak in CI (``scripts/soak.py``, shortened): real processes, a seeded fault schedule
+(volunteers SIGKILLed and restarted, two at once, one in its state download, the backbone SIGKILLed and
+restarted on its ports and data dir), then only invariants are asserted, never stall times.
+
+One soak runs per module (a backbone, 3 volunteers, the small model, 80 s of faults); each invariant is
+its own test so that the lead sees which hold. The soak's whole JSON report (and its work dir, with one log
+per process) is printed when an assertion fails.
+
+Status on main at 7f02799 (issue 10 open), measured with this test:
+
+* ``test_one_collaboration_at_the_end`` FAILS: after the backbone restart a volunteer restarted
+  meanwhile joins alone and steps by itself (hundreds of "1 peers" steps); the run ends as two
+  collaborations (issue 10 items 1, 2 and 4).
+* ``test_no_fork_but_resync_discards`` FAILS for the same reason: the lone volunteer's steps carry other
+  fingerprints at step numbers the collaboration also took.
+* ``test_credited_at_most_computed`` passes today (the lone fork is credited nothing, since no receipt of
+  another user backs it).
+* ``test_volunteers_leave_cleanly`` passes.
+
+The two-backbone variant (item 7: one ledger on PostgreSQL, failover) is ``test_two_backbones``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .procs import ENV
+
+pytestmark = pytest.mark.slow
+
+SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+#: the soak's own limits: start-up (torch imports on a busy machine) + 80 s + settle + stop
+TIMEOUT_S = 900
+
+
+def run_soak(work: Path, *extra: str) -> dict[str, Any]:
+    argv = [sys.executable, str(SOAK), "--json", "--work-dir", str(work), "--small", "--volunteers", "3"]
+    result = subprocess.run(
+        [*argv, *extra], capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S, check=False
+    )
+    failed = f"the soak itself failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode in (0, 1), failed
+    report: dict[str, Any] = json.loads(result.stdout)
+    return report
+
+
+def shown(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=1)[-6000:]
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("soak") / "work"
+    return run_soak(work, "--seconds", "80", "--seed", "3", "--settle", "60")
+
+
+def test_one_collaboration_at_the_end(soak: dict[str, Any]) -> None:
+    """Every volunteer that is back in the run holds the same parameters (FAILS on main: a lone fork)."""
+    assert soak["final"]["one_collaboration"], shown(soak)
+    assert len(soak["final"]["last_steps"]) >= 2, shown(soak)
+
+
+def test_no_fork_but_resync_discards(soak: dict[str, Any]) -> None:
+    """A step taken by several peers has one fingerprint, except where a peer that stepped on a stale state
+    re-synced right after (FAILS on main: the lone fork after the backbone restart)."""
+    assert soak["unexplained_forks"] == 0, shown(soak)
+
+
+def test_credited_at_most_computed(soak: dict[str, Any]) -> None:
+    """The ledger credits no more than the surviving collaboration computed, in total and per volunteer."""
+    assert soak["samples"]["credited"] <= soak["samples"]["computed"], shown(soak)
+    assert not soak["overcredited"], shown(soak)
+    assert soak["samples"]["credited"] > 0, shown(soak)  # the check is not vacuous
+
+
+def test_volunteers_leave_cleanly(soak: dict[str, Any]) -> None:
+    assert soak["exit_codes"] and all(code == 0 for code in soak["exit_codes"].values()), shown(soak)
+
+
+def test_two_backbones(tmp_path: Path) -> None:
+    """Item 7: two backbones on one ledger database (PostgreSQL when installed); backbone 1 — the one the
+    volunteers were invited through, first in their API and DHT lists — is SIGKILLed for good: reports
+    still reach the ledger through backbone 2, nothing is credited twice, the volunteers keep stepping."""
+    report = run_soak(
+        tmp_path / "work", "--backbones", "2", "--lost-backbone", "1", "--seconds", "60", "--seed", "5",
+        "--settle", "60",
+    )  # fmt: skip
+    after = report["after_backbone_lost"]
+    assert after is not None and after["reports_received"] > 0, shown(report)
+    assert after["volunteer_steps"] > 0, shown(report)
+    assert report["samples"]["credited"] <= report["samples"]["computed"], shown(report)
+    assert not report["overcredited"], shown(report)
+    assert all(code == 0 for code in report["exit_codes"].values()), shown(report)
