@@ -10,14 +10,16 @@ Processes (each with its own data dir and one log, appended across restarts, in 
   synthetic corpus the backbone generates: no network).
 
 Faults, from ``random.Random(--seed)``, once every volunteer has taken a step (``t0``), over
-``--seconds``; the last quarter (at least 30 s) is quiet so that the run can converge before the check:
+``--seconds``; the last quarter (at least 30 s) is quiet so that the run can converge before the check,
+and the fixed faults sit at fractions of the active time before it:
 
 * every 20-60 s one volunteer is SIGKILLed and restarted 1-4 s later with its data dir;
 * at 20 %: two volunteers are SIGKILLed at once (both restarted);
-* at 35 %: backbone 1 is SIGKILLed and restarted 3 s later on the same ports and data dir;
-* at 50 %: a volunteer is SIGKILLed and restarted with ``DEDLOC_FAULTS=state.mid_download=kill`` so that
+* at 45 %: backbone 1 is SIGKILLed and restarted 3 s later on the same ports and data dir;
+* at 65 %: a volunteer is SIGKILLed and restarted with ``DEDLOC_FAULTS=state.mid_download=kill`` so that
   it dies again in its state download (where that fault point exists); then it is restarted plainly;
-* at 65 % (two backbones only): one backbone, chosen by the seed, is SIGKILLed for good.
+* at 85 % (two backbones only): one backbone (``--lost-backbone``, else by the seed) is SIGKILLed for
+  good.
 
 Then the soak waits (at most :data:`SETTLE_S`: a condition, not a sleep) until every volunteer has
 stepped since it last started and all hold the same latest (step, fingerprint); then every volunteer
@@ -47,6 +49,7 @@ samples, peers, wall time) and from the ledger's database, then the backbones st
   the highest step all of them logged, and each one's last step is at most one behind the highest.
 
 Invariants (listed by name in ``failures`` when broken): ``one_collaboration``, ``no_unexplained_forks``,
+``progress_kept`` (the collaboration ends at a later step than it was at ``t0``: it did not start over),
 ``credited_le_computed``, ``clean_exits``, ``no_open_sessions``, ``no_zero_peer_steps``,
 ``converged_after_backbone_restart``, ``no_unexpected_exits``, ``survives_backbone_lost`` (two backbones:
 reports reach the ledger and volunteers step after the loss). The exit status is 0 when none broke, 1
@@ -178,11 +181,13 @@ class Proc:
             self._ended(f"exit {code}")
         return code
 
-    def terminate(self, within: float) -> int | None:
-        """SIGTERM and wait; None when it had to be SIGKILLed."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
+    def terminate(self, within: float, signalled: bool = False) -> int | None:
+        """SIGTERM (once: a second one may land after the node removed its handler) and wait; None when it
+        had to be SIGKILLed."""
+        if self.proc is None:
+            return None
+        if not signalled and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
         try:
             code: int | None = self.proc.wait(timeout=within)
         except subprocess.TimeoutExpired:
@@ -428,18 +433,19 @@ class Event:
 
 
 def schedule(rng: random.Random, seconds: float, backbones: int, lost: int | None = None) -> list[Event]:
-    quiet = max(30.0, seconds / 4)
-    fixed = [Event(0.2 * seconds, "kill_two"), Event(0.35 * seconds, "backbone_restart")]
-    fixed.append(Event(0.5 * seconds, "download_kill"))
+    """The faults of the module docstring; the fixed ones at fractions of the active (not quiet) time."""
+    active = seconds - max(30.0, seconds / 4)
+    fixed = [Event(0.2 * active, "kill_two"), Event(0.45 * active, "backbone_restart")]
+    fixed.append(Event(0.65 * active, "download_kill"))
     if backbones == 2:
-        fixed.append(Event(0.65 * seconds, "backbone_lost", rng.randrange(2) if lost is None else lost - 1))
+        fixed.append(Event(0.85 * active, "backbone_lost", rng.randrange(2) if lost is None else lost - 1))
     events = list(fixed)
     t = rng.uniform(20, 60)
-    while t < seconds - quiet:
+    while t < active:
         if all(abs(t - e.at) > 8 for e in fixed):
             events.append(Event(t, "kill"))
         t += rng.uniform(20, 60)
-    return sorted((e for e in events if e.at < seconds - quiet), key=lambda e: e.at)
+    return sorted(events, key=lambda e: e.at)
 
 
 class Soak:
@@ -661,7 +667,8 @@ class Soak:
         for v in live:
             if v.proc is not None:
                 v.proc.send_signal(signal.SIGTERM)
-        return {v.name: v.terminate(STOP_S) for v in live}
+        deadline = time.monotonic() + STOP_S
+        return {v.name: v.terminate(max(0.1, deadline - time.monotonic()), signalled=True) for v in live}
 
 
 def analyse(
@@ -768,6 +775,8 @@ def analyse(
         failures.append("survives_backbone_lost")
     if any(code != 0 for code in codes.values()):
         failures.append("clean_exits")
+    if top < start_step:
+        failures.append("progress_kept")
     if ledger["open_sessions"]:
         failures.append("no_open_sessions")
     if ledger["zero_peer_step_rows"]:
