@@ -51,8 +51,9 @@ def run_soak(work: Path, *extra: str) -> dict[str, Any]:
 
 
 KEYS = (
-    "work_dir", "load_average", "final", "unexplained_forks", "fork_steps_sample", "discarded_by_resync",
-    "samples", "per_volunteer", "overcredited", "after_backbone_lost", "exit_codes", "events", "failures",
+    "work_dir", "load_average", "steps", "final", "unexplained_forks", "fork_steps_sample",
+    "discarded_by_resync", "samples", "per_volunteer", "overcredited", "after_backbone_lost",
+    "exit_codes", "events", "failures",
 )  # fmt: skip
 
 
@@ -79,6 +80,12 @@ def test_no_fork_but_resync_discards(soak: dict[str, Any]) -> None:
     assert soak["unexplained_forks"] == 0, shown(soak)
 
 
+def test_the_run_does_not_start_over(soak: dict[str, Any]) -> None:
+    """The collaboration ends at a later step than it was at when the faults began: restarted volunteers
+    resume the run's state (a peer's or a backbone checkpoint), they never drag it back to step 0."""
+    assert "progress_kept" not in soak["failures"], shown(soak)
+
+
 def test_credited_at_most_computed(soak: dict[str, Any]) -> None:
     """The ledger credits no more than the surviving collaboration computed, in total and per volunteer."""
     assert soak["samples"]["credited"] <= soak["samples"]["computed"], shown(soak)
@@ -95,8 +102,8 @@ def test_two_backbones(tmp_path: Path) -> None:
     volunteers were invited through, first in their API and DHT lists — is SIGKILLed for good: reports
     still reach the ledger through backbone 2, nothing is credited twice, the volunteers keep stepping."""
     report = run_soak(
-        tmp_path / "work", "--backbones", "2", "--lost-backbone", "1", "--seconds", "60", "--seed", "5",
-        "--settle", "60",
+        tmp_path / "work", "--backbones", "2", "--lost-backbone", "1", "--seconds", "80", "--seed", "5",
+        "--settle", "45",
     )  # fmt: skip
     after = report["after_backbone_lost"]
     assert after is not None and after["reports_received"] > 0, shown(report)
