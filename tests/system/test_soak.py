@@ -6,16 +6,21 @@ One soak runs per module (a backbone, 3 volunteers, the small model, 70 s of fau
 its own test so that the lead sees which hold. The soak's whole JSON report (and its work dir, with one log
 per process) is printed when an assertion fails.
 
-Status on main at 7f02799 (issue 10 open), measured with this test:
+Wall time on the shared 2-core machine (load 6-11): about 110 s for the module's soak, 150 s for
+``test_two_backbones``. Whether a fork happens depends on timing, so a test below may pass by luck on a
+main that still forks; each failure prints the figures and the work dir (one log per process).
 
-* ``test_one_collaboration_at_the_end`` FAILS: after the backbone restart a volunteer restarted
-  meanwhile joins alone and steps by itself (hundreds of "1 peers" steps); the run ends as two
-  collaborations (issue 10 items 1, 2 and 4).
-* ``test_no_fork_but_resync_discards`` FAILS for the same reason: the lone volunteer's steps carry other
-  fingerprints at step numbers the collaboration also took.
-* ``test_credited_at_most_computed`` passes today (the lone fork is credited nothing, since no receipt of
-  another user backs it).
-* ``test_volunteers_leave_cleanly`` passes.
+Status, measured with these tests:
+
+* on 7f02799 (before the DHT healing and the optimizer split), three runs: two ended with forks
+  (``test_no_fork_but_resync_discards`` failed). In one, every volunteer had been restarted and they
+  re-synced to a restarted peer's step-0 state: the run started over at step 1 (what
+  ``test_the_run_does_not_start_over``, added after, checks). One run also failed
+  ``test_credited_at_most_computed`` (its report was not kept); one run passed everything;
+* on 7c2234e (main with fix/heal merged): the five single-backbone tests pass (one run);
+  ``test_two_backbones`` FAILS: after backbone 1 was lost the run split (two volunteers at step 21, one
+  alone at step 94, 21 disagreeing steps) and backbone 2 recorded no step after the loss (a lone
+  volunteer's progress is not credible, and the other two were stuck in failing rounds).
 
 The two-backbone variant (item 7: one ledger on PostgreSQL, failover) is ``test_two_backbones``.
 """
@@ -106,8 +111,10 @@ def test_two_backbones(tmp_path: Path) -> None:
         "--settle", "45",
     )  # fmt: skip
     after = report["after_backbone_lost"]
-    assert after is not None and after["reports_received"] > 0, shown(report)
-    assert after["volunteer_steps"] > 0, shown(report)
-    assert report["samples"]["credited"] <= report["samples"]["computed"], shown(report)
+    assert after is not None and after["reports_received"] > 0, shown(report)  # failover of the API
+    assert report["samples"]["credited"] <= report["samples"]["computed"], shown(report)  # once
     assert not report["overcredited"], shown(report)
     assert all(code == 0 for code in report["exit_codes"].values()), shown(report)
+    # The run survives: the volunteers go on as one collaboration and backbone 2 records its steps.
+    assert report["final"]["one_collaboration"] and report["unexplained_forks"] == 0, shown(report)
+    assert after["steps_recorded"] > 0, shown(report)
