@@ -5,7 +5,12 @@
    the data dir, so later joins need no invite. A saved token close to expiry is refreshed first.
 2. **Trust**: the manifest's authority key must be the one the run id pins; the token must be that
    authority's, for this run and this peer.
-3. **Freshness**: :func:`keep_admitted` refreshes the token at two thirds of its lifetime without
+3. **Backbones**: the manifest a backbone serves at each start is merged into the saved one
+   (:func:`remember_manifest`): its API URLs and backbone addresses first, then the saved ones it does
+   not list (up to the manifest's bounds), so that backbones added after our admission are known at the
+   next start, and one backbone that does not know the others makes us forget none. Its authority key
+   must be the one the run id pins: it is believed exactly as much as the manifest saved at admission.
+4. **Freshness**: :func:`keep_admitted` refreshes the token at two thirds of its lifetime without
    interrupting work, and ends the daemon with a clear error when the run has removed our user.
 Open runs (no ``@`` in the run id) skip all of this.
 """
@@ -32,11 +37,13 @@ from shared.errors import AdmissionError, AuthError, ConfigError, PeerUnavailabl
 
 from .api_client import ApiClient
 
-__all__ = ["Admission", "Credential", "admit", "keep_admitted"]
+__all__ = ["Admission", "Credential", "admit", "keep_admitted", "remember_manifest"]
 
 logger = logging.getLogger("volunteer")
 CREDENTIAL_FILE = "credential.json"
 RETRY = 30.0
+MAX_API_URLS = 16  # protocols.api.Manifest's bounds
+MAX_BACKBONES = 64
 
 
 class Credential(msgspec.Struct, frozen=True):
@@ -124,6 +131,38 @@ async def admit(
     return Admission(
         run_id, auth, list(initial_peers) or list(credential.manifest.backbones), credential, access
     )
+
+
+def remember_manifest(admission: Admission, data_dir: Path, manifest: Manifest) -> bool:
+    """Merge ``manifest`` (served by a backbone of the run, checked by :meth:`ApiClient.manifest`) into
+    the saved credential's (point 3 of the module docstring); returns whether the saved one changed.
+
+    Raises:
+        AdmissionError: the manifest is not one of this run (another run id or authority key).
+    """
+    credential = admission.credential
+    if credential is None:
+        return False
+    if manifest.run_id != credential.run_id or manifest.authority_public_key != (
+        credential.manifest.authority_public_key
+    ):
+        raise AdmissionError(f"a manifest of another run than {credential.run_id} was served")
+    saved = credential.manifest
+    merged = msgspec.structs.replace(
+        manifest,
+        api=_merged(manifest.api, saved.api, MAX_API_URLS),
+        backbones=_merged(manifest.backbones, saved.backbones, MAX_BACKBONES),
+    )
+    if set(merged.api) == set(saved.api) and set(merged.backbones) == set(saved.backbones):
+        return False  # nothing new (the order is the first manifest's: no rewrite at every start)
+    fresh = msgspec.structs.replace(credential, manifest=merged)
+    _save(data_dir, fresh)
+    admission.credential = fresh
+    return True
+
+
+def _merged(first: list[str], then: list[str], limit: int) -> list[str]:
+    return list(dict.fromkeys([*first, *then]))[:limit]
 
 
 def _needs_refresh(access: AccessToken, now: float) -> bool:

@@ -2,7 +2,9 @@
 
 Before any request the client fetches the server's certificate and accepts it only if its key has the
 fingerprint the run id carries; httpx then trusts exactly that certificate. URLs are tried in order
-until one answers. A client made with the volunteer's identity and (a getter of) its current access token
+until one answers, and the client keeps to the URL that last answered (a run with several backbones:
+once one is gone, a request does not first wait out the dead server). A client made with the volunteer's
+identity and (a getter of) its current access token
 signs its GET requests (``Authorization: Dedloc ...``, see :mod:`protocols.api`): the shards and the
 ledger of a run are for its members only.
 """
@@ -77,6 +79,7 @@ class ApiClient:
         self.run_id = run_id
         self.fingerprint = fingerprint
         self.urls = list(urls)
+        self.preferred: str | None = None  # the URL that answered last: tried first
         self.identity = identity
         self.token = token
 
@@ -114,10 +117,13 @@ class ApiClient:
     async def _request(
         self, method: str, path: str, body: msgspec.Struct | None, refusals: tuple[int, ...]
     ) -> bytes:
-        """The body of the first 200 answer, trying the URLs in order; a status in ``refusals`` ends the
-        search with :class:`AdmissionError`, any other failure moves on to the next URL."""
+        """The body of the first 200 answer, trying :attr:`preferred` first, then the URLs in order; a
+        status in ``refusals`` ends the search with :class:`AdmissionError`, any other failure moves on to
+        the next URL. A URL that answers 200 becomes :attr:`preferred`."""
         errors: list[str] = []
-        for url in self.urls:
+        first = self.preferred
+        order = [first] if first is not None and first in self.urls else []
+        for url in [*order, *(u for u in self.urls if u not in order)]:
             try:
                 context = await self._pinned_context(url)
                 headers = (
@@ -136,6 +142,7 @@ class ApiClient:
                 errors.append(f"{url}: {exc or type(exc).__name__}")
                 continue
             if response.status_code == 200:
+                self.preferred = url  # a live backbone of the run (its certificate is pinned)
                 return response.content
             try:
                 error = msgspec.json.decode(response.content, type=ApiError)

@@ -25,7 +25,7 @@ from shared.manifest import load_training_spec
 from shared.node import Node, open_node
 from shared.panel import render_status, status_line
 
-from .admission import Admission, admit, keep_admitted
+from .admission import Admission, admit, keep_admitted, remember_manifest
 from .api_client import ApiClient
 from .session import TrainingSession
 
@@ -113,6 +113,9 @@ async def _training_spec(options: VolunteerOptions, admission: Admission) -> Tra
     except (PeerUnavailable, AdmissionError) as exc:
         logger.warning("using the manifest saved at admission (the API did not answer: %s)", exc)
         manifest = credential.manifest
+    else:
+        if await trio.to_thread.run_sync(remember_manifest, admission, options.data_dir, manifest):
+            logger.info("the run's backbones changed: now %d API URLs", len(manifest.api))
     return manifest.training
 
 

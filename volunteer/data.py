@@ -10,7 +10,9 @@ shuffle also interleaves up to 10 shards at a time, read by a pool of threads.) 
   example ``{"text": line}`` per line), named by paths, directories or globs;
 * ``backbone``: the shards the run's backbones serve (:class:`ShardSource`). Each shard is fetched when
   the epoch reaches it, checked against its SHA-256 and kept in ``cache_dir``; the list is read again at
-  every epoch, so shards added to a backbone join the next pass;
+  every epoch, so shards added to a backbone join the next pass. The last list read is kept in
+  ``cache_dir`` too (``shards.json``): a volunteer (re)started while no backbone API answers (a backbone
+  restarting) reads the shards it cached, listed as the backbone last listed them, instead of exiting;
 * ``hub``: a dataset of a dataset hub, streamed (needs network access to the hub).
 
 Everything here blocks: consume the iterator in a worker thread, never in the trio loop. A
@@ -36,9 +38,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+import msgspec
 import trio
 
 from protocols.api import ShardInfo
+from protocols.errors import DECODE_FAILURES
 from protocols.training import DatasetSpec
 from shared.data import file_sha256
 from shared.errors import ConfigError, ProjectError, ProtocolError
@@ -48,6 +52,7 @@ from .api_client import ApiClient
 __all__ = ["BackboneShards", "Prefetcher", "ShardSource", "open_examples"]
 
 logger = logging.getLogger(__name__)
+LISTING_FILE = "shards.json"  # the last shard list a backbone gave, in the cache dir
 X = TypeVar("X")
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt",)
@@ -255,7 +260,7 @@ def _backbone_epochs(
         reader.directory.mkdir(exist_ok=True)
         try:
             for epoch in itertools.count():
-                reader.infos = _list_shards(source, spec, reader.infos)
+                reader.infos = _list_shards(source, spec, reader.infos, directory / LISTING_FILE)
                 dataset = datasets.IterableDataset.from_generator(
                     _shard_examples, gen_kwargs={"shards": sorted(reader.infos), "reader": key}
                 )
@@ -265,17 +270,24 @@ def _backbone_epochs(
 
 
 def _list_shards(
-    source: ShardSource, spec: DatasetSpec, previous: dict[str, ShardInfo]
+    source: ShardSource, spec: DatasetSpec, previous: dict[str, ShardInfo], saved: Path | None = None
 ) -> dict[str, ShardInfo]:
     """The shards to read this epoch (``spec.files`` are name patterns); the previous epoch's list if
-    the backbones cannot be asked right now."""
+    the backbones cannot be asked right now, else the list ``saved`` at the last successful listing
+    (written here after each one)."""
     try:
         infos = source.list()
     except ProjectError as exc:
-        if not previous:
+        if previous:
+            logger.warning("cannot list the dataset shards (%s); reading the previous list again", exc)
+            return previous
+        remembered = _load_listing(saved)
+        if not remembered:
             raise
-        logger.warning("cannot list the dataset shards (%s); reading the previous list again", exc)
-        return previous
+        logger.warning(
+            "cannot list the dataset shards (%s); reading the %d listed last time", exc, len(remembered)
+        )
+        return remembered
     chosen = {
         info.name: info
         for info in infos
@@ -284,7 +296,25 @@ def _list_shards(
     if not chosen:
         wanted = f" matching {', '.join(spec.files)}" if spec.files else ""
         raise ConfigError(f"the run's backbones serve no dataset shards{wanted}")
+    if saved is not None and chosen != previous:
+        tmp = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(msgspec.json.encode(list(chosen.values())))
+        os.replace(tmp, saved)
     return chosen
+
+
+def _load_listing(saved: Path | None) -> dict[str, ShardInfo]:
+    """The shard list saved at the last listing; empty if there is none or it does not decode."""
+    if saved is None:
+        return {}
+    try:
+        infos = msgspec.json.decode(saved.read_bytes(), type=list[ShardInfo])
+    except FileNotFoundError:
+        return {}
+    except DECODE_FAILURES as exc:
+        logger.warning("ignoring the damaged shard list %s: %s", saved, exc)
+        return {}
+    return {info.name: info for info in infos}
 
 
 _ITEM, _END, _ERROR = range(3)

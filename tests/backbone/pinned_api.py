@@ -32,11 +32,14 @@ class PinnedApi:
 
 @contextlib.asynccontextmanager
 async def serve_pinned_api(
-    data_dir: Path, shards_dir: Path | None = None, run_id: str = "api-run"
+    data_dir: Path, shards_dir: Path | None = None, run_id: str = "api-run", database_url: str | None = None
 ) -> AsyncIterator[PinnedApi]:
+    """``database_url``: the ledger (default: SQLite in ``data_dir``); two APIs of one run share the
+    authority key in their ``data_dir`` and one ``database_url``, as two backbones do."""
     authority = await trio.to_thread.run_sync(Authority.load_or_create, data_dir / AUTHORITY_FILE)
     pinned = pin_run_id(run_id, authority)
-    store = await trio.to_thread.run_sync(LedgerStore.open, f"sqlite:///{data_dir / 'ledger.sqlite3'}")
+    url = database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}"
+    store = await trio.to_thread.run_sync(LedgerStore.open, url)
     urls: list[str] = []
 
     async def no_op(username: str) -> None:

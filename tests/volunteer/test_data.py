@@ -17,7 +17,7 @@ import trio
 from protocols.api import ShardInfo
 from protocols.training import DatasetSpec
 from shared.data.corpus import write_shards
-from shared.errors import ConfigError, ProtocolError
+from shared.errors import ConfigError, PeerUnavailable, ProtocolError
 from tests.backbone.pinned_api import member_client, serve_pinned_api
 from volunteer.data import BackboneShards, Prefetcher, open_examples
 
@@ -248,3 +248,26 @@ def test_prefetcher_close_releases_a_consumer_waiting_for_a_slow_producer() -> N
     release.set()
     prefetcher.close()
     assert not prefetcher.running
+
+
+class Unreachable(DirectoryShards):
+    """The backbone API does not answer (a backbone restarting): listing fails."""
+
+    def list(self) -> list[ShardInfo]:
+        raise PeerUnavailable("no backbone API of the run answered")
+
+
+def test_a_restart_while_no_backbone_answers_reads_the_shards_listed_last_time(tmp_path: Path) -> None:
+    write_shards(tmp_path / "served", shards=3, examples_per_shard=4)
+    spec = DatasetSpec(source="backbone", shuffle_buffer=4)
+    first = open_examples(spec, seed=3, shards=DirectoryShards(tmp_path / "served"), cache_dir=tmp_path / "c")
+    epoch = _take(first, 12)
+    first.close()
+
+    down = Unreachable(tmp_path / "served")
+    again = open_examples(spec, seed=3, shards=down, cache_dir=tmp_path / "c")
+    assert _take(again, 12) == epoch  # the same shards, read from the cache
+    assert down.fetched == []
+    again.close()
+    with pytest.raises(PeerUnavailable):  # nothing cached: nothing to read
+        next(open_examples(spec, seed=3, shards=down, cache_dir=tmp_path / "empty"))

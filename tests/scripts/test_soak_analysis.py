@@ -1,0 +1,76 @@
+"""The soak's figures (``scripts/soak.py``) from volunteers' step lines: which disagreements are a
+re-syncing peer's discarded step and which are forks, what the surviving collaboration computed, and
+whether the volunteers end in one collaboration."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("soak_script", SOAK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak_script"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = load()
+
+
+def lines(name: str, steps: range, prints: str | list[str], samples: int = 10, start: float = 0.0) -> list:
+    fps = [prints] * len(steps) if isinstance(prints, str) else prints
+    return [
+        soak.Line(name, s, fp, samples, 2, start + i)
+        for i, (s, fp) in enumerate(zip(steps, fps, strict=True))
+    ]
+
+
+def test_steps_all_peers_agree_on_are_no_disagreement() -> None:
+    everything = lines("a", range(1, 6), "x") + lines("b", range(1, 6), "x")
+    assert soak.disagreements(everything) == ([], [])
+    assert soak.computed_samples(everything) == 100
+
+
+def test_one_stale_step_then_a_resync_is_a_discard_not_a_fork() -> None:
+    a = lines("a", range(1, 6), ["a1", "a2", "a3", "a4", "a5"])
+    b = lines("b", range(1, 6), ["a1", "a2", "a3", "a4", "a5"])
+    c = lines("c", range(3, 6), ["stale", "a4", "a5"])  # restarted: one step on an old state, then synced
+    assert soak.disagreements(a + b + c) == ([3], [])
+    assert soak.computed_samples(a + b + c) == 120  # the stale step's samples are not the run's
+
+
+def test_a_lone_fork_is_unexplained_and_its_samples_not_computed() -> None:
+    a = lines("a", range(1, 8), [f"m{i}" for i in range(1, 8)])
+    b = lines("b", range(1, 8), [f"m{i}" for i in range(1, 8)])
+    lone = lines("c", range(2, 8), [f"f{i}" for i in range(2, 8)], samples=100)
+    discarded, forks = soak.disagreements(a + b + lone)
+    assert (discarded, forks) == ([], [2, 3, 4, 5, 6, 7])
+    assert soak.computed_samples(a + b + lone) == 140
+
+
+def test_the_end_is_one_collaboration_only_with_one_fingerprint_and_nobody_behind() -> None:
+    together = {
+        "a": lines("a", range(1, 4), ["1", "2", "3"]),
+        "b": lines("b", range(1, 5), ["1", "2", "3", "4"]),
+    }
+    assert soak.final_agreement(together, ["a", "b"])["one_collaboration"]
+    split = {"a": lines("a", range(1, 4), ["1", "2", "3"]), "b": lines("b", range(1, 4), ["1", "2", "x"])}
+    assert soak.final_agreement(split, ["a", "b"])["why"] == "different parameters"
+    behind = {
+        "a": lines("a", range(1, 3), ["1", "2"]),
+        "b": lines("b", range(1, 6), ["1", "2", "3", "4", "5"]),
+    }
+    assert soak.final_agreement(behind, ["a", "b"])["why"] == "a volunteer is behind"
+
+
+def test_stall_waits_for_every_survivor_and_is_none_when_one_never_steps() -> None:
+    survivors = {"a": lines("a", range(1, 4), "x", start=10.0), "b": lines("b", range(1, 4), "x", start=13.0)}
+    assert soak.stall_after(9.5, survivors, until=100.0) == 3.5  # a at 10, b at 13
+    assert soak.stall_after(12.5, survivors, until=12.9) is None
