@@ -127,6 +127,8 @@ class TrainingSession:
                 data_dir=self.data_dir,
                 config=CollabConfig(),
                 on_step=self._on_step,
+                backbones=self.initial_peers,
+                on_discard=self.reporter.discard,
                 **_receipts_argument(self.reporter.book),
             )
             self.collab = collab

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shared.alone import HIGH_WATER_TTL, HighWater, save_high_water
 from volunteer.collab.optimizer import CollaborativeOptimizer
 from volunteer.collab.phase import _ALLOWED, PeerState, Phase, PhaseError
+from volunteer.collab.trainer import LocalTrainer
 
-from .test_collab import LinearTask, examples, see_each_other, spec, start_collab, start_nodes
+from .test_collab import CONFIG, LinearTask, examples, see_each_other, spec, start_collab, start_nodes
 
 
 @given(st.lists(st.sampled_from(list(Phase)), max_size=30))
@@ -66,3 +71,28 @@ async def test_a_rejoining_peer_downloads_the_state_before_any_round(nursery: tr
         assert await rejoined.sync_state() == 1
     assert rejoined.peer.phase is Phase.TRAINING and rejoined.anchored
     assert rejoined.progress().params == first.progress().params != b""
+
+
+async def test_a_lone_volunteer_does_not_train_on_a_state_older_than_its_high_water_mark(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Restarted alone after the collaboration showed it step 5 a moment ago (the issue's split DHT: it
+    sees nobody), a volunteer re-syncs instead of forking from step 0; once the mark expired, the run goes
+    on from what there is."""
+    training = spec(8)
+    (node,) = await start_nodes(nursery, 1)
+    save_high_water(tmp_path, HighWater(run_id="collab-test", step=5, seen=time.time()))
+    trainer = LocalTrainer(LinearTask(), training, "collab-test")  # type: ignore[arg-type]
+    collab = CollaborativeOptimizer(node, trainer, training, data_dir=tmp_path, config=CONFIG)
+    await nursery.start(collab.run)
+    await collab.refresh_view()
+    assert collab.behind()  # fresh, alone, and the collaboration was at step 5
+    await collab.accumulate(LinearTask().collate(examples(1, 8)))
+    assert not await collab.average_and_step()  # no lone step on step 0
+    assert "older than step 5" in (collab.stats.waiting or "")
+    assert collab.trainer.step == 0
+    # the mark expired (the collaboration was last seen long ago): the lone step is taken
+    collab.evidence.mark = HighWater(run_id="collab-test", step=5, seen=time.time() - 2 * HIGH_WATER_TTL)
+    assert not collab.behind()
+    assert await collab.average_and_step()
+    assert collab.trainer.step == 1

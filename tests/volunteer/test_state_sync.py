@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import trio
 
-from protocols.training import OptimizerSpec, ScheduleSpec, StateAnnouncement, TrainingSpec
+from protocols.training import (
+    PROGRESS_KEY,
+    PROGRESS_TTL,
+    OptimizerSpec,
+    ScheduleSpec,
+    StateAnnouncement,
+    TrainingSpec,
+)
 from shared.data.corpus import generate_examples
 from shared.node import Node
 from shared.state.blob import decode_state, encode_state
@@ -57,6 +65,15 @@ async def test_sync_refuses_a_huge_claim_by_many_identities_and_takes_the_honest
     liar_servers = [StateServer(node.host) for node in liars]
     for node in liars:
         await claim(node, 1, 1 << 40)
+        # ... and they pose as members of the collaboration (step 1, its fingerprint), so their states
+        # are candidates at all: announcers outside the surviving collaboration are not even tried
+        pose = msgspec.structs.replace(first.progress(), time=time.time() + 20.0)
+        await node.dht.store(
+            PROGRESS_KEY,
+            msgspec.msgpack.encode(pose),
+            time.time() + PROGRESS_TTL,
+            subkey=node.peer_id.encode(),
+        )
     newcomer = await start_collab(nursery, nodes[5], training)
     await newcomer.refresh_view()
     assert newcomer.behind()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from shared.state.limits import SourceBook
 from shared.tolerated import Tolerated
 
 from ..receipts import ReceiptBook
+from .evidence import Evidence
 from .phase import PeerState, Phase
 from .progress_board import ProgressBoard
 from .step import BatchStep, StepMode, StepRecord
@@ -79,6 +80,10 @@ class CollaborativeOptimizer:
     on_step: Callable[[StepRecord], None] | None = None
     #: where each finished round's receipts and pull records go, for the contribution reports
     receipts: ReceiptBook | None = None
+    #: the backbones we were given (multiaddrs): lone-step evidence reads the records through each
+    backbones: Sequence[str] = ()
+    #: called with (first, last) when a loaded state replaced steps only we took (for the ledger)
+    on_discard: Callable[[int, int], None] | None = None
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,14 @@ class CollaborativeOptimizer:
             poll_period=self.config.poll_period,
             publish_period=self.config.publish_period,
         )
+        self.evidence = Evidence(
+            self.node,
+            self.trainer.run_id,
+            self.spec.target_batch,
+            self.tolerated,
+            backbones=self.backbones,
+            data_dir=self.data_dir,
+        )
         self.sync = StateSync(
             self.node,
             self.trainer,
@@ -103,6 +116,8 @@ class CollaborativeOptimizer:
             data_dir=self.data_dir,
             patience=self.config.sync_patience,
             waiting=self._waiting,
+            evidence=self.evidence,
+            on_discard=self._discard,
         )
         self.mode: StepMode = self._batch_step()
 
@@ -124,6 +139,7 @@ class CollaborativeOptimizer:
             after_step=self._after_step,
             receipts=self.receipts,
             waiting=self._waiting,
+            lone=self.evidence.verdict,
         )
 
     @property
@@ -201,7 +217,27 @@ class CollaborativeOptimizer:
         """Publish our progress, read everyone's, announce our state when asked. Runs until cancelled."""
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
         await self.board.try_refresh()
-        await self.board.run(self.sync.announce_if_asked, task_status=task_status)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.evidence.refresh_forever, lambda: self.board.view)
+            await nursery.start(self.board.run, self._after_read)
+            task_status.started()
+
+    async def _after_read(self) -> None:
+        view = self.board.view
+        if view is None:
+            return
+        await self.evidence.observe(view)
+        peer = self.peer
+        if (
+            peer.anchored
+            and not peer.syncing
+            and not view.diverged
+            and view.step == self.trainer.step
+            and view.shown is not None  # another user stands behind the survivor's state ...
+            and view.peers_at_step > 1  # ... at our step, with our fingerprint (not diverged)
+        ):
+            peer.agreed_step = self.trainer.step
+        await self.sync.announce_if_asked()
 
     async def refresh_view(self) -> CollabView:
         return await self.board.refresh()
@@ -241,8 +277,20 @@ class CollaborativeOptimizer:
         return self.mode.ready()
 
     def behind(self) -> bool:
+        """Our state is not the collaboration's: a credible peer is ahead, we diverged or are outside
+        the surviving collaboration, our state is older than the collaboration last showed us (the
+        high-water mark binds), or we are fresh and know the run got further than our step."""
         view = self.view
-        return view is not None and (view.step > self.trainer.step or view.diverged)
+        if view is None:
+            return False
+        step = self.trainer.step
+        return (
+            view.step > step
+            or view.diverged
+            or view.minority
+            or self.evidence.holds_back(step)
+            or (self.peer.phase is Phase.FRESH and self.evidence.above(step) is not None)
+        )
 
     def finished(self) -> bool:
         return 0 < self.spec.max_steps <= self.trainer.step
@@ -274,6 +322,13 @@ class CollaborativeOptimizer:
     def _record_step(self, record: StepRecord) -> None:
         if self.on_step is not None:  # read at each step: callers may set it after construction
             self.on_step(record)
+
+    def _discard(self, first: int, last: int) -> None:
+        logger.warning(
+            "steps %d-%d were a fork that did not survive: replaced by the collaboration's", first, last
+        )
+        if self.on_discard is not None:
+            self.on_discard(first, last)
 
     def _waiting(self, why: str | None) -> None:
         self.stats.waiting = why

@@ -61,6 +61,9 @@ class PeerState:
     loss: float | None = None  # smoothed loss of our recent micro-batches
     round_step: int = -1  # while AVERAGING: the step whose round we are in
     round_samples: int = 0  # ... and our weight in it
+    #: the last step at which our state was known to be the collaboration's (downloaded it, or a view
+    #: showed another user at our step with our fingerprint); steps after it are ours alone until then
+    agreed_step: int = 0
 
     def enter(self, phase: Phase) -> Phase:
         """Move to ``phase``; returns the phase we left. Entering the current phase is a no-op."""

@@ -20,7 +20,11 @@ protocol beside :class:`BatchStep`; they read the view from the progress board a
    accumulators and the survivors retry the round (a new matchmaking key per attempt): no accumulated
    sample is lost. A peer left out of the round while others stepped re-downloads the state.
 5. Alone in the run (no other credible peer), we step with our own gradient at once, without
-   matchmaking; alone at our step after a matchmaking that found nobody, likewise.
+   matchmaking; alone at our step after a matchmaking that found nobody, likewise -- but only with
+   evidence that we *are* alone (``lone``: :func:`shared.alone.lone_step`, fed by
+   :class:`~.evidence.Evidence`): reads through our DHT and through every known backbone show nobody,
+   and our state is not older than the collaboration last showed us. Without it we wait and retry: a
+   volunteer that joined through half of a split DHT never forks the run.
 
 **Holding a round** (:meth:`BatchStep.holding`): peers at the collaboration's step hold their round for
 a peer downloading the state of that step (:func:`shared.progress.held_for`, per user, bounded).
@@ -42,6 +46,7 @@ from protocols.averaging import MAX_NORM, JoinTicket
 from protocols.receipts import PulledSlice
 from protocols.training import TrainingSpec
 from shared import faults
+from shared.alone import LoneStep
 from shared.averaging.allreduce import Averager
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.errors import ProjectError
@@ -59,6 +64,7 @@ from .trainer import Accumulated, LocalTrainer
 __all__ = ["BatchStep", "StepMode", "StepRecord", "StepStats"]
 
 logger = logging.getLogger(__name__)
+LONE_RETRY = 1.0  # seconds before looking again when a lone step is not allowed
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,8 @@ class BatchStep:
     on_step: Callable[[StepRecord], None] | None = None
     #: called after a step with the new step; the state sync announces the state at checkpoints
     after_step: Callable[[int], Awaitable[None]] | None = None
+    #: may we step alone at this step? (shared.alone; None: always, e.g. in tests of the step alone)
+    lone: Callable[[int], Awaitable[LoneStep]] | None = None
     receipts: ReceiptBook | None = None  # where each finished round's receipts and pull records go
     stats: StepStats = field(default_factory=StepStats)
     waiting: Callable[[str | None], None] = lambda _: None
@@ -228,7 +236,8 @@ class BatchStep:
         """One averaging attempt: (mean gradient, members, bytes we aggregated), or None if it failed."""
         view = await self.board.try_refresh()
         if (view is None or view.peers <= 1) and taken.samples > 0:
-            return taken.mean(), 1, 0  # nobody else in the run: no group to find, no window to wait
+            # nobody else in the run: no group to find, no window to wait -- if we have evidence of it
+            return await self._alone(step, taken)
         alone = view is None or view.peers_at_step <= 1
         vector = taken.mean()
         weight, norm = float(taken.samples), _norm(vector)
@@ -253,7 +262,7 @@ class BatchStep:
             return None
         if plan is None:
             if alone and taken.samples > 0:
-                return taken.mean(), 1, 0
+                return await self._alone(step, taken)
             logger.info("step %d: no group this time (attempt %d)", step + 1, attempt + 1)
             return None
         if not any(m.weight > 0 for m in plan.members):
@@ -284,6 +293,18 @@ class BatchStep:
             return None
         senders = sum(1 for m in plan.members if m.weight > 0)
         return vector, len(plan.members), share * 4 * senders
+
+    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int] | None:
+        """Our own mean gradient as the step's, when the evidence says we are alone (no lone forks:
+        :mod:`shared.alone`); otherwise None after a short wait (the round is retried)."""
+        if self.lone is not None:
+            verdict = await self.lone(step)
+            if not verdict.allowed:
+                self.waiting(f"not stepping alone: {verdict.why}")
+                logger.info("step %d: not stepping alone: %s", step + 1, verdict.why)
+                await trio.sleep(LONE_RETRY)
+                return None
+        return taken.mean(), 1, 0
 
     async def _apply(
         self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float

@@ -41,9 +41,10 @@ from shared.state.transfer import (
     read_announcements,
     trusted_state,
 )
-from shared.state.trust import BACKBONE_USER, Announced
+from shared.state.trust import BACKBONE_USER, Announced, usable_states
 from shared.tolerated import Tolerated
 
+from .evidence import Evidence
 from .phase import PeerState, Phase
 from .progress_board import ProgressBoard
 from .torch_thread import run_torch
@@ -69,6 +70,9 @@ class StateSync:
     download: tuple[int, int] | None = None
     waiting: Callable[[str | None], None] = lambda _: None
     sources: SourceBook = field(default_factory=SourceBook)  # failed sources, refused announcements
+    evidence: Evidence | None = None  # the high-water mark: no older state is loaded while it binds
+    #: called with (first, last) when a loaded state replaced steps only we took (a fork that lost)
+    on_discard: Callable[[int, int], None] | None = None
     _announced_step: int = -1
     _max_state_bytes: int | None = None  # the largest state of this run's model
 
@@ -99,8 +103,10 @@ class StateSync:
             and self.peer.anchored
             and not self.peer.syncing
             and not view.diverged
+            and not view.minority
             and view.step == self.trainer.step
             and self._announced_step != self.trainer.step
+            and not (self.evidence is not None and self.evidence.holds_back(self.trainer.step))
         ):
             await self.announce_state()
 
@@ -112,6 +118,17 @@ class StateSync:
         Raises:
             StateUnavailable: no trustworthy state could be downloaded within ``patience``.
         """
+        view = self.board.view
+        # Steps we took since our state was last known to be the collaboration's are lost if we re-sync
+        # because we diverged (a fork that did not survive); merely behind, nothing of ours is replaced.
+        ours_alone = (
+            (self.peer.agreed_step + 1, self.trainer.step)
+            if view is not None
+            and view.diverged
+            and self.peer.anchored
+            and self.trainer.step > self.peer.agreed_step
+            else None
+        )
         came_from = self.peer.enter(Phase.SYNCING)
         self.waiting("re-syncing: downloading the collaboration's state")
         self.board.publish_soon()
@@ -122,17 +139,25 @@ class StateSync:
             while True:
                 view = await self.board.try_refresh()
                 target = view.step if view is not None else 0
+                mark = self.evidence.above(target) if self.evidence is not None else None
+                binding = self.evidence is not None and self.evidence.holds_back(target)
+                if binding and mark is not None:
+                    target = mark  # the collaboration showed us this step: nothing older will do
                 candidates = trusted_state(await self._announcements(), min_step=0)
                 patient = trio.current_time() - started < self.patience
                 # Wait for a state at the collaboration's step; past our patience take the newest there is.
                 # A state beyond the collaboration's credible step is a lone claim: refused while peers
-                # train (nobody vouches for it); with nobody training it is how a run resumes.
+                # train (nobody vouches for it); with nobody training it is how a run resumes. A peer
+                # outside the surviving collaboration takes the survivor's state, even a lower step, and
+                # never one only the losing side announced (shared.state.trust.usable_states).
                 alone = view is None or view.peers <= 1
-                usable = [
-                    c
-                    for c in candidates
-                    if (c[0].step >= target or not patient) and (alone or c[0].step <= target)
-                ]
+                usable = usable_states(
+                    candidates,
+                    target=target,
+                    alone=alone,
+                    patient=patient or binding,
+                    survivor=view.survivor.peers if view is not None and view.survivor is not None else None,
+                )
                 for announcement, writers in usable:
                     # a state refused outright (too large, not loadable) is not retried until it changes;
                     # each source's failure is counted and logged once in ``sources``
@@ -155,8 +180,14 @@ class StateSync:
                             self.sources.refuse(writer, announcement, str(exc))
                     else:
                         loaded = True
+                        if ours_alone is not None and self.on_discard is not None:
+                            self.on_discard(*ours_alone)
+                        if self._announced_step != -1:  # we announced another state: that is over
+                            await self.announce_state()
                         return step
                 if not patient:
+                    if self.evidence is not None and not binding:
+                        self.evidence.give_up_mark()  # expired and nothing of its step: go on from what is
                     raise StateUnavailable(
                         f"no trustworthy state of step {target} could be downloaded"
                         + (f": {'; '.join(errors[-3:])}" if errors else " (nobody announced one)")
@@ -202,6 +233,7 @@ class StateSync:
             raise StateError(f"the state does not load: {exc!r}") from exc  # a decoder's failure
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
         self.peer.anchored = True
+        self.peer.agreed_step = step
         self.server.offer(step, blob)
         logger.info("loaded the state of step %d (%d bytes) from %s", step, len(blob), sources[0][0].peer_id)
         return step

@@ -1,0 +1,127 @@
+"""What this volunteer knows about being alone: the readings behind a lone step and the high-water mark
+(the rule is :mod:`shared.alone`'s; this module gathers its inputs and keeps the mark on disk).
+
+* **Readings.** While our view shows nobody else (``view.peers <= 1``), :meth:`Evidence.refresh_forever`
+  reads the progress records every :data:`READ_PERIOD` seconds through our DHT and through a lookup seeded
+  at each known backbone (:func:`shared.progress_records.read_progress_everywhere`); a step that finds
+  the readings older than :data:`~shared.alone.EVIDENCE_MAX_AGE` reads once more before deciding. With
+  company the readings are not needed (the step matchmakes), so a collaboration pays nothing.
+* **The mark** is loaded from the data dir at start, moved by every view that shows another user in the
+  surviving collaboration (:func:`shared.alone.observe`) and saved when worth it, in a worker thread.
+* :meth:`Evidence.holds_back` says whether the mark forbids training on our state: it binds and our step
+  is below it. The optimizer then treats us as behind (we re-sync, flagged ``syncing``, and never announce
+  our state as current). :meth:`Evidence.give_up_mark` drops a mark that expired while no state could be
+  had: the run then goes on from what there is (the run resumed from an older checkpoint, or from scratch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from shared.alone import (
+    EVIDENCE_MAX_AGE,
+    HighWater,
+    LoneStep,
+    Reading,
+    binding,
+    load_high_water,
+    lone_step,
+    observe,
+    save_high_water,
+    worth_saving,
+)
+from shared.node import Node
+from shared.progress import CollabView
+from shared.progress_records import known_backbones, read_progress_everywhere
+from shared.tolerated import Tolerated
+
+__all__ = ["READ_PERIOD", "Evidence"]
+
+logger = logging.getLogger(__name__)
+READ_PERIOD = 2.0  # seconds between reads while we see nobody
+READ_DEADLINE = 5.0  # one round of reads, at most
+
+
+@dataclass
+class Evidence:
+    node: Node
+    run_id: str
+    target_batch: int
+    tolerated: Tolerated
+    backbones: Sequence[str] = ()  # the backbones we were given (multiaddrs), to seed the reads
+    data_dir: Path | None = None
+    readings: list[Reading] = field(default_factory=list)
+    read_at: float = 0.0  # unix time the latest readings started
+    mark: HighWater | None = None
+
+    def __post_init__(self) -> None:
+        if self.data_dir is not None:
+            self.mark = load_high_water(self.data_dir, self.run_id)
+        self._saved = self.mark
+        self._reading = trio.Lock()
+
+    async def read(self) -> None:
+        """Read the progress records everywhere now (failures counted; the readings say who answered)."""
+        async with self._reading:
+            started = time.time()
+            with trio.move_on_after(READ_DEADLINE), self.tolerated.around("evidence.read"):
+                seeds = await known_backbones(self.node.dht, self.backbones)
+                self.readings = await read_progress_everywhere(self.node, seeds)
+                self.read_at = started
+
+    async def refresh_forever(self, view: Callable[[], CollabView | None]) -> None:
+        while True:
+            current = view()
+            if current is not None and current.peers <= 1:
+                await self.read()
+            await trio.sleep(READ_PERIOD)
+
+    async def verdict(self, step: int) -> LoneStep:
+        """May we step alone at ``step`` now? Reads first when the readings are too old to tell."""
+        if time.time() - self.read_at > EVIDENCE_MAX_AGE * 0.8:
+            await self.read()
+        return lone_step(
+            self.readings,
+            self.node.peer_id,
+            step,
+            self.mark,
+            now=time.time(),
+            read_at=self.read_at,
+            target_batch=self.target_batch,
+        )
+
+    async def observe(self, view: CollabView) -> None:
+        """Move the mark by what ``view`` showed; save it when worth it."""
+        self.mark = observe(self.mark, view.shown, self.run_id, time.time())
+        if self.data_dir is not None and self.mark is not None and worth_saving(self._saved, self.mark):
+            mark, data_dir = self.mark, self.data_dir
+            try:
+                await trio.to_thread.run_sync(save_high_water, data_dir, mark)
+            except OSError as exc:
+                self.tolerated.note("evidence.save", exc)
+            else:
+                self._saved = mark
+
+    def holds_back(self, step: int) -> bool:
+        """The mark binds and our state is older than it: do not train on it, re-sync."""
+        return self.mark is not None and binding(self.mark, time.time()) and step < self.mark.step
+
+    def above(self, step: int) -> int | None:
+        """The mark's step if it is above ``step`` (binding or not), else None."""
+        return self.mark.step if self.mark is not None and step < self.mark.step else None
+
+    def give_up_mark(self) -> None:
+        """Forget an expired mark (no state of its step could be had: the run goes on from what there is)."""
+        if self.mark is not None and not binding(self.mark, time.time()):
+            logger.warning(
+                "step %d, last shown by the collaboration %.0f s ago, is gone: going on from the newest",
+                self.mark.step,
+                time.time() - self.mark.seen,
+            )
+            self.mark = None
