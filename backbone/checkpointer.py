@@ -162,10 +162,8 @@ class Checkpointer:
         while True:
             newest = self.sync_offers()
             if newest is not None:
-                try:
+                with self.node.tolerated.around("checkpoint.announce"):
                     await announce_state(self.node.dht, newest)
-                except CALL_FAILURES as exc:
-                    logger.debug("could not announce the checkpoint of step %d: %s", newest.step, exc)
             with trio.move_on_after(ANNOUNCE_PERIOD):
                 await self.changed.wait()
             self.changed = trio.Event()
@@ -386,13 +384,9 @@ async def keep_checkpoints(
         checkpointer.sync_offers()
         nursery.start_soon(checkpointer.announce_forever)
         task_status.started()
-        unreadable = 0  # polls in a row that could not read the DHT
         while True:
             try:
                 await checkpointer.poll_once()
-                unreadable = 0
             except CALL_FAILURES as exc:
-                unreadable += 1
-                if unreadable == 1:
-                    logger.info("cannot read the peers' state announcements: %s", exc)
+                checkpointer.node.tolerated.note("checkpoint.poll", exc)  # counted in the node's status
             await trio.sleep(POLL_PERIOD)

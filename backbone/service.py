@@ -276,7 +276,7 @@ async def _serve_pinned(
             print(f"api on {url}", flush=True)
         nursery.start_soon(sync_revocations)
         nursery.start_soon(refresh_own_token)
-        nursery.start_soon(record_steps_forever, node, store, options.training)
+        nursery.start_soon(record_steps_forever, node, store, options.training, 1.0, node.tolerated)
         nursery.start_soon(close_silent_sessions_forever, store, state.session_timeout)
         await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
         nursery.cancel_scope.cancel()

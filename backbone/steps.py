@@ -20,7 +20,6 @@ tracker's numbers when it comes), so several backbones on one database agree.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -29,10 +28,10 @@ from dataclasses import dataclass
 import trio
 
 from protocols.training import Progress, TrainingSpec
-from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.progress import summarize
 from shared.progress_records import read_progress_with_users
+from shared.tolerated import Tolerated
 
 from .api import DB_WRITE
 from .ledger import LedgerStore
@@ -69,12 +68,19 @@ class StepTracker:
 
 
 async def record_steps_forever(
-    node: Node, store: LedgerStore, spec: TrainingSpec, period: float = 1.0
+    node: Node,
+    store: LedgerStore,
+    spec: TrainingSpec,
+    period: float = 1.0,
+    tolerated: Tolerated | None = None,
 ) -> None:
+    """Feed the tracker every ``period`` seconds; a failed read is counted in ``tolerated`` (the
+    backbone's status shows it) and retried at the next period."""
     tracker = StepTracker()
+    tolerated = tolerated if tolerated is not None else Tolerated(logger)
     nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
     while True:
-        with contextlib.suppress(*CALL_FAILURES):
+        with tolerated.around("steps.read"):
             records, users = await read_progress_with_users(node.dht)
             if records:
                 view = summarize(
