@@ -39,6 +39,14 @@ Because the plan is the leader's, members that read slightly different ticket se
 consistent plan; a late ticket (stored after the leader read the key) merely misses the round, and a
 follower that read one refuses the plan (the round fails for the group and is retried with a new key).
 A group of fewer than two peers does not average.
+
+**Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
+:data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
+or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait at once, without a plan, so the
+caller retries under its next key instead of waiting ``plan_wait``. A member other than the leader that
+dies after its ticket was read is in the plan; the all-reduce notices it from its connections or its
+stall (:mod:`.allreduce`, "Departures") and the round fails fast, naming it. Fault point:
+``matchmaking.joined`` (after our ticket is stored, before the plan).
 """
 
 from __future__ import annotations
@@ -52,14 +60,18 @@ import msgspec
 import trio
 
 from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
+from protocols.dht import PingRequest
 from protocols.errors import DECODE_FAILURES
 from protocols.peer_id import PeerId
 from protocols.training import AveragingSpec
 
+from .. import faults
 from ..dht.node import DHTNode
 from ..errors import ConfigError
-from ..net.addresses import parse_multiaddr
+from ..net.addresses import PeerAddress, parse_multiaddr
+from ..net.host import CALL_FAILURES
 from .allreduce import GroupPlan, Member
+from .deadlines import FLOOR
 from .groups import adaptive_deadline, bound_weights, deadline_acceptable, leader_of
 from .load_balance import PeerSpec, plan_averaging
 from .partition import auto_part_numel
@@ -71,6 +83,8 @@ _TICKET = msgspec.msgpack.Decoder(JoinTicket)
 _ASSEMBLY = msgspec.msgpack.Decoder(GroupAssembly)
 #: How far (as a share of the vector) a member's slice may differ from the follower's own LP solution.
 SLICE_TOLERANCE = 0.05
+#: Seconds between a follower's pings of the leader while it waits for the plan.
+LEADER_PROBE_PERIOD = 0.25
 
 
 class PlanRefused(ValueError):
@@ -116,6 +130,7 @@ class Matchmaker:
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
+        await faults.point("matchmaking.joined")
         await trio.sleep(self.config.window)
         tickets = await self._tickets(key)
         tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
@@ -209,6 +224,43 @@ class Matchmaker:
         )
 
     async def _await_plan(
+        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
+    ) -> GroupAssembly | None:
+        leader = PeerId(leader_of(key, tickets))
+        found: list[GroupAssembly] = []
+        async with trio.open_nursery() as nursery:
+
+            async def poll() -> None:
+                plan = await self._poll_plan(round_, key, tickets, numel)
+                if plan is not None:
+                    found.append(plan)
+                nursery.cancel_scope.cancel()
+
+            async def probe(address: PeerAddress) -> None:
+                why = await self._unreachable(address)
+                logger.warning(
+                    "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, why
+                )
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(poll)
+            addr = tickets[leader].addr
+            if addr is not None:
+                nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
+        return found[0] if found else None
+
+    async def _unreachable(self, address: PeerAddress) -> str:
+        """Return why, once the peer at ``address`` is no longer reachable (never, while it answers)."""
+        while True:
+            await trio.sleep(LEADER_PROBE_PERIOD)
+            try:
+                with trio.fail_after(FLOOR):
+                    channel = await self.dht.host.channel_to(address)
+                    await channel.call(PingRequest())
+            except CALL_FAILURES as exc:
+                return str(exc) or type(exc).__name__
+
+    async def _poll_plan(
         self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
     ) -> GroupAssembly | None:
         judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
@@ -333,5 +385,6 @@ def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
         assembly.deadline,
         codec=assembly.codec,
         part_numel=assembly.part_numel,
+        predicted_seconds=assembly.predicted_seconds,
         averaging=averaging,
     )
