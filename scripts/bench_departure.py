@@ -8,7 +8,8 @@ attempt's key. At step ``--kill-step`` the last peer SIGKILLs itself at a protoc
 * ``joined`` -- right after storing its matchmaking ticket (it is in the group, dies before the plan);
 * ``pushed`` -- right after its first part push of the round completes (mid-averaging);
 * ``fault:<point>`` -- at the named fault point (:mod:`shared.faults`, armed through ``DEDLOC_FAULTS``
-  to ``kill`` on the hit of the kill step, counting one hit per earlier step).
+  to ``--action`` on the hit of the kill step, counting one hit per earlier step): ``kill`` (SIGKILL)
+  or ``stop`` (SIGSTOP: the victim hangs with its connections open; it is SIGKILLed at the end).
 
 ``joined`` and ``pushed`` find their moment by wrapping methods of this code base (``DHTNode.store``,
 ``Averager._push_slice``), not by the named fault points, so that the same script measures code that
@@ -137,7 +138,7 @@ def trial(args: argparse.Namespace, at: str) -> dict[str, object]:
     def spawn(extra: list[str]) -> subprocess.Popen[str]:
         env = dict(os.environ)
         if at.startswith("fault:") and "--victim" in extra:
-            env["DEDLOC_FAULTS"] = f"{at.removeprefix('fault:')}=kill@{args.kill_step + 1}"
+            env["DEDLOC_FAULTS"] = f"{at.removeprefix('fault:')}={args.action}@{args.kill_step + 1}"
         command = [sys.executable, __file__, "--worker", "--at", at, *extra]
         for name in ("numel", "window", "kill_step", "max_attempts"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -154,7 +155,10 @@ def trial(args: argparse.Namespace, at: str) -> dict[str, object]:
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
         killed = None
-        for line in procs[-1].stdout:  # type: ignore[union-attr]
+        if at.startswith("fault:") and args.action == "stop":
+            os.waitpid(procs[-1].pid, os.WUNTRACED)  # returns once it froze, connections open
+            killed = time.time()
+        for line in procs[-1].stdout if killed is None else ():  # type: ignore[union-attr]
             if "killed" in (event := json.loads(line)):
                 killed = event["killed"]
         if killed is None and at.startswith("fault:") and procs[-1].wait(timeout=60) == -signal.SIGKILL:
@@ -192,6 +196,7 @@ def main() -> None:
     parser.add_argument("--max-attempts", type=int, default=6)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--at", default="joined,pushed", help="comma-separated kill moments")
+    parser.add_argument("--action", default="kill", choices=["kill", "stop"], help="for fault: moments")
     parser.add_argument("--verbose", action="store_true", help="children log to stderr at INFO")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--victim", action="store_true", help=argparse.SUPPRESS)
