@@ -59,7 +59,9 @@ departed member has no ticket):
 * *from a stall*: a member that stops without closing anything (a hung process, a member whose round
   never started) is caught by the stall timeouts of :mod:`.deadlines`, derived from the plan's expected
   part time and the part times measured in this round: a sender of our slice with no part for ``T`` is
-  dropped ("stalled"), an aggregator with no completed push or pull for ``2 T`` fails for this round.
+  dropped ("stalled"); an aggregator fails for this round when it acknowledges no push of ours for ``T``
+  while we have parts to send (it acknowledges a part once read, waiting for nobody), or answers no pull
+  for ``2 T`` (an average waits for every sender, a stalled one up to the aggregator's own ``T``).
   The plan's deadline still bounds the whole round (at 90 % of it, missing senders are dropped).
 
 A member with no slice that dies before it pushed anything is only caught by the stall timeout (nobody
@@ -215,34 +217,54 @@ class _Stalled(ProjectError):
 
 
 @dataclass
+class _Exchange:
+    """The stall clock of our exchange with one remote aggregator."""
+
+    scope: trio.CancelScope
+    pushed: float  # when our last push to it completed (or the exchange began)
+    pulled: float  # when our last pull from it completed (or the exchange began)
+    pushing: bool  # pushes remain
+
+
+@dataclass
 class _Watch:
     """One round's stall timeouts (module docstring, "Departures"; :mod:`.deadlines`): the part times
     measured so far, and the cancel scope of each exchange with a remote aggregator, whose deadline is
-    its last progress plus ``2 T``. ``changed`` is set (and replaced) whenever ``T`` may have changed."""
+    ``T`` after our last completed push while pushes remain (an aggregator acknowledges a part once it
+    read it, waiting for nobody), and ``2 T`` after our last completed pull (an average waits for every
+    sender: for a stalled one, up to the aggregator's own ``T``). ``changed`` is set (and replaced)
+    whenever ``T`` may have changed."""
 
     times: PartTimes
-    exchanges: dict[int, tuple[trio.CancelScope, float]] = field(default_factory=dict)
+    exchanges: dict[int, _Exchange] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
 
-    def open(self, j: int, scope: trio.CancelScope, since: float) -> None:
-        self.exchanges[j] = (scope, since)
+    def open(self, j: int, scope: trio.CancelScope, since: float, pushing: bool) -> None:
+        self.exchanges[j] = _Exchange(scope, since, since, pushing)
         self.refresh()
 
-    def progress(self, j: int) -> None:
-        """A push to or a pull from aggregator ``j`` completed."""
-        now = trio.current_time()
-        scope, last = self.exchanges[j]
-        self.times.observe(last, now)
-        self.exchanges[j] = (scope, now)
+    def pushed(self, j: int) -> None:
+        """A push of a part to aggregator ``j`` completed."""
+        exchange, now = self.exchanges[j], trio.current_time()
+        self.times.observe(exchange.pushed, now)
+        exchange.pushed = now
         self.refresh()
 
-    def limit(self) -> float:
-        return 2.0 * self.times.timeout()
+    def pushes_done(self, j: int) -> None:
+        self.exchanges[j].pushing = False
+        self.refresh()
+
+    def pulled(self, j: int) -> None:
+        """A pull of an averaged part from aggregator ``j`` completed."""
+        exchange, now = self.exchanges[j], trio.current_time()
+        self.times.observe(exchange.pulled, now)
+        exchange.pulled = now
+        self.refresh()
 
     def refresh(self) -> None:
-        limit = self.limit()
-        for scope, last in self.exchanges.values():
-            scope.deadline = last + limit
+        limit = self.times.timeout()
+        for e in self.exchanges.values():
+            e.scope.deadline = min(e.pushed + limit if e.pushing else math.inf, e.pulled + 2 * limit)
         self.changed.set()
         self.changed = trio.Event()
 
@@ -518,10 +540,11 @@ class Averager:
             async def pull_all() -> None:
                 for k in range(num_parts(slice_j.numel, plan.part_numel)):
                     await self._pull_part(address, plan, me, j, k, slice_j, result, got)
-                    watch.progress(j)
+                    watch.pulled(j)
 
             async def push_all() -> None:
-                await self._push_slice(address, plan, slice_j, local, weight, partial(watch.progress, j))
+                await self._push_slice(address, plan, slice_j, local, weight, partial(watch.pushed, j))
+                watch.pushes_done(j)
                 got.pushes_left -= 1
                 if not got.pushes_left:
                     await faults.point("allreduce.after_push")
@@ -530,14 +553,15 @@ class Averager:
             # as soon as every sender delivered it, while our later parts are still going out. Both end
             # when no push or pull completes within the stall timeout (module docstring, "Departures").
             with trio.CancelScope() as stall:
-                watch.open(j, stall, trio.current_time())
+                watch.open(j, stall, trio.current_time(), pushing=weight > 0)
                 async with trio.open_nursery() as both:
                     if weight > 0:
                         both.start_soon(guarded, push_all, both.cancel_scope)
                     both.start_soon(guarded, pull_all, both.cancel_scope)
             watch.exchanges.pop(j, None)
+            limit = watch.times.timeout()
             if stall.cancelled_caught:
-                raise _Stalled(f"stalled: no push or pull completed within {watch.limit():.1f} s")
+                raise _Stalled(f"stalled: no push within {limit:.1f} s or pull within {2 * limit:.1f} s")
             if errors:
                 raise errors[0]
             averaged[j] = result

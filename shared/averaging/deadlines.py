@@ -29,10 +29,17 @@ Then:
 1. *aggregator side*: a sender of our slice that completes no part for ``T`` (counted from our round's
    start, then from its previous part) is dropped from the parts not yet reduced, as if its connection
    had broken ("stalled"); the average renormalizes over the others;
-2. *member side*: an aggregator with which we complete no push or pull for ``2 T`` fails for this round
-   (its slice keeps our values, and the round is retried without it).
+2. *member side*: an aggregator fails for this round (its slice keeps our values, and the round is
+   retried without it) when it acknowledges no push of ours for ``T`` while we have parts to send
+   (counted from our round's start, then from our previous acknowledged push), or answers no pull for
+   ``2 T`` (counted likewise from our previous completed pull).
 
-**Why 2 T on the member side.** A live aggregator ``j`` reduces part ``k`` once every sender delivered it
+**Why T for pushes.** A live aggregator acknowledges a part once it has read it (and reduced that part,
+if it was the last one missing): it waits for nobody else, so the acknowledgement takes at most a part
+time or two after the part went out, well within ``T >= FACTOR * e``; for the first part, the floor
+covers the aggregator starting the round a little later than we did (it waits for its plan).
+
+**Why 2 T for pulls.** A live aggregator ``j`` reduces part ``k`` once every sender delivered it
 or was dropped. Let ``p`` be when we pulled part ``k - 1`` from ``j``: by then every sender still in the
 round had delivered part ``k - 1`` to ``j``, so by rule 1 each delivers part ``k`` or is dropped by
 ``p + T_j``; ``j`` reduces and serves the part within one part time more, which is at most ``T / FACTOR``.
