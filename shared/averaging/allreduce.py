@@ -232,12 +232,10 @@ class _Watch:
     measured so far, and the cancel scope of each exchange with a remote aggregator, whose deadline is
     ``T`` after our last completed push while pushes remain (an aggregator acknowledges a part once it
     read it, waiting for nobody), and ``2 T`` after our last completed pull (an average waits for every
-    sender: for a stalled one, up to the aggregator's own ``T``). ``changed`` is set (and replaced)
-    whenever ``T`` may have changed."""
+    sender: for a stalled one, up to the aggregator's own ``T``)."""
 
     times: PartTimes
     exchanges: dict[int, _Exchange] = field(default_factory=dict)
-    changed: trio.Event = field(default_factory=trio.Event)
 
     def open(self, j: int, scope: trio.CancelScope, since: float, pushing: bool) -> None:
         self.exchanges[j] = _Exchange(scope, since, since, pushing)
@@ -265,8 +263,6 @@ class _Watch:
         limit = self.times.timeout()
         for e in self.exchanges.values():
             e.scope.deadline = min(e.pushed + limit if e.pushing else math.inf, e.pulled + 2 * limit)
-        self.changed.set()
-        self.changed = trio.Event()
 
 
 @dataclass
@@ -933,8 +929,9 @@ class Averager:
             if stalled:
                 await self._finalize_ready(duty)
                 continue
-            with trio.move_on_at(min([*due.values(), cutoff])):
-                await watch.changed.wait()
+            # progress only moves a sender's due time later: waking at the earliest one and looking
+            # again is exact (a timeout that shrank meanwhile takes effect at that wake-up)
+            await trio.sleep_until(min([*due.values(), cutoff]))
 
 
 def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
