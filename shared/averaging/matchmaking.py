@@ -42,11 +42,12 @@ A group of fewer than two peers does not average.
 
 **Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
 :data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
-or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait at once, without a plan, so the
-caller retries under its next key instead of waiting ``plan_wait``. A member other than the leader that
-dies after its ticket was read is in the plan; the all-reduce notices it from its connections or its
-stall (:mod:`.allreduce`, "Departures") and the round fails fast, naming it. Fault point:
-``matchmaking.joined`` (after our ticket is stored, before the plan).
+or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait after one last read of the
+plan (it may have stored one just before it died), so the caller retries under its next key instead of
+waiting ``plan_wait``. A member other than the leader that dies after its ticket was read is in the
+plan; the all-reduce notices it from its connections or its stall (:mod:`.allreduce`, "Departures") and
+the round fails fast, naming it. Fault point: ``matchmaking.joined`` (after our ticket is stored, before
+the plan).
 """
 
 from __future__ import annotations
@@ -227,26 +228,34 @@ class Matchmaker:
         self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
     ) -> GroupAssembly | None:
         leader = PeerId(leader_of(key, tickets))
-        found: list[GroupAssembly] = []
+        judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
+        found: list[GroupAssembly | None] = []
+        gone: list[str] = []
         async with trio.open_nursery() as nursery:
 
             async def poll() -> None:
-                plan = await self._poll_plan(round_, key, tickets, numel)
-                if plan is not None:
-                    found.append(plan)
+                with trio.move_on_after(self.config.plan_wait):
+                    while True:  # polled: the plan arrives through the DHT, not as an event
+                        if (plan := await self._read_plan(round_, key, tickets, numel, judged)) is not None:
+                            found.append(plan)
+                            break
+                        await trio.sleep(0.05)
                 nursery.cancel_scope.cancel()
 
             async def probe(address: PeerAddress) -> None:
-                why = await self._unreachable(address)
-                logger.warning(
-                    "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, why
-                )
+                gone.append(await self._unreachable(address))
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(poll)
             addr = tickets[leader].addr
             if addr is not None:
                 nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
+        if not found and gone:  # it may have stored the plan just before it died: one last look
+            found.append(await self._read_plan(round_, key, tickets, numel, judged))
+            if found[0] is None:
+                logger.warning(
+                    "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, gone[0]
+                )
         return found[0] if found else None
 
     async def _unreachable(self, address: PeerAddress) -> str:
@@ -260,26 +269,28 @@ class Matchmaker:
             except CALL_FAILURES as exc:
                 return str(exc) or type(exc).__name__
 
-    async def _poll_plan(
-        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
+    async def _read_plan(
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        judged: dict[tuple[str, bytes], GroupAssembly | None],
     ) -> GroupAssembly | None:
-        judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
-        with trio.move_on_after(self.config.plan_wait):
-            while True:
-                found = await self.dht.get(f"{key}.plan", latest=True)
-                accepted: list[tuple[str, GroupAssembly]] = []
-                for subkey, record in found.entries.items() if found is not None else ():
-                    verdict_key = (record.writer, record.value)
-                    if verdict_key not in judged:
-                        judged[verdict_key] = await self._judge(
-                            round_, key, subkey, record.writer, record.value, tickets, numel
-                        )
-                    if (assembly := judged[verdict_key]) is not None:
-                        accepted.append((record.writer, assembly))
-                if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
-                    ranked = leader_of(key, [w for w, _ in accepted])
-                    return next(a for w, a in accepted if w == ranked)
-                await trio.sleep(0.05)
+        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts)."""
+        found = await self.dht.get(f"{key}.plan", latest=True)
+        accepted: list[tuple[str, GroupAssembly]] = []
+        for subkey, record in found.entries.items() if found is not None else ():
+            verdict_key = (record.writer, record.value)
+            if verdict_key not in judged:
+                judged[verdict_key] = await self._judge(
+                    round_, key, subkey, record.writer, record.value, tickets, numel
+                )
+            if (assembly := judged[verdict_key]) is not None:
+                accepted.append((record.writer, assembly))
+        if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
+            ranked = leader_of(key, [w for w, _ in accepted])
+            return next(a for w, a in accepted if w == ranked)
         return None
 
     async def _judge(
