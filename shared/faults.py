@@ -19,29 +19,41 @@ Actions:
 * ``raise`` -- raise :class:`FaultInjected` (a :class:`~protocols.errors.ProjectError`, so it travels the
   same paths as a real failure);
 * ``hang`` -- block forever (async points only; a synchronous point raises instead): a member that stops
-  answering without closing its connections.
+  answering without closing its connections;
+* ``stop`` -- SIGSTOP ourselves: the whole process freezes with every connection open (a hung or swapped
+  out machine); whoever started it ends it with SIGKILL (or resumes it with SIGCONT).
+
+**Several members in one process.** Points are process-wide, so a test that runs several members in one
+trio run tags each member's task with :func:`scope` (a context variable, inherited by the tasks it
+starts) and arms a point for one tag only (``arm(name, action, where=tag)``): that entry counts and fires
+only on hits made under the tag.
 
 The list of points is not fixed: any name works, and :func:`hits` tells a test how often a point was
-passed. Points in use: ``matchmaking.joined``, ``allreduce.after_push``, ``allreduce.before_result``,
-``state.mid_download``, ``state.before_load`` (downloaded and checked, not loaded yet),
+passed. Points in use: ``matchmaking.joined`` (our ticket is stored, the plan not read yet),
+``allreduce.after_push`` (once per round, when all our parts went out), ``allreduce.before_result`` (every
+exchange of the round ended, before the averages are written back), ``state.mid_download`` (after each
+chunk of a state download but the last), ``state.before_load`` (downloaded and checked, not loaded yet),
 ``step.after_apply`` (stepped; nothing reported or published yet).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections import Counter
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import trio
 
 from protocols.errors import ProjectError
 
-__all__ = ["ENV", "FaultInjected", "arm", "disarm", "hit", "hits", "parse", "point"]
+__all__ = ["ENV", "FaultInjected", "arm", "disarm", "hit", "hits", "parse", "point", "scope"]
 
 ENV = "DEDLOC_FAULTS"
-ACTIONS = ("kill", "exit", "raise", "hang")
+ACTIONS = ("kill", "exit", "raise", "hang", "stop")
 EXIT_STATUS = 70
 
 
@@ -53,10 +65,23 @@ class FaultInjected(ProjectError):
 class _Armed:
     action: str
     on_hit: int  # fire on this hit (1-based)
+    where: str | None = None  # only hits made under this scope tag count
+    seen: int = 0  # hits counted so far (scoped entries)
 
 
 _armed: dict[str, _Armed] = {}
 _hits: Counter[str] = Counter()
+_scope: ContextVar[str | None] = ContextVar("dedloc_fault_scope", default=None)
+
+
+@contextlib.contextmanager
+def scope(tag: str) -> Iterator[None]:
+    """Tag the current task (and the tasks it starts from now on) for points armed ``where=tag``."""
+    token = _scope.set(tag)
+    try:
+        yield
+    finally:
+        _scope.reset(token)
 
 
 def parse(text: str) -> dict[str, tuple[str, int]]:
@@ -81,11 +106,15 @@ def parse(text: str) -> dict[str, tuple[str, int]]:
     return out
 
 
-def arm(name: str, action: str, on_hit: int = 1) -> None:
-    """Fire ``action`` at the ``on_hit``-th hit of ``name`` from now on (once)."""
+def arm(name: str, action: str, on_hit: int = 1, *, where: str | None = None) -> None:
+    """Fire ``action`` at the ``on_hit``-th hit of ``name`` from now on (once); with ``where``, count and
+    fire only on hits made under :func:`scope` ``(where)``."""
     if action not in ACTIONS:
         raise ValueError(f"unknown fault action {action!r} (one of {ACTIONS})")
-    _armed[name] = _Armed(action, _hits[name] + on_hit)
+    if where is None:
+        _armed[name] = _Armed(action, _hits[name] + on_hit)
+    else:
+        _armed[name] = _Armed(action, on_hit, where)
 
 
 def disarm(name: str | None = None) -> None:
@@ -104,22 +133,33 @@ def hits(name: str) -> int:
 def _due(name: str) -> str | None:
     _hits[name] += 1
     armed = _armed.get(name)
-    if armed is None or _hits[name] != armed.on_hit:
+    if armed is None:
+        return None
+    if armed.where is not None:
+        if _scope.get() != armed.where:
+            return None
+        armed.seen += 1
+        if armed.seen != armed.on_hit:
+            return None
+    elif _hits[name] != armed.on_hit:
         return None
     del _armed[name]
     if armed.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if armed.action == "exit":
         os._exit(EXIT_STATUS)
+    if armed.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None  # resumed by SIGCONT: carry on
     return armed.action
 
 
 def hit(name: str) -> None:
     """A synchronous fault point (``hang`` raises here: blocking a thread would hang the test itself)."""
-    if _armed and _due(name) is not None:
-        raise FaultInjected(f"fault injected at {name}")
     if not _armed:
         _hits[name] += 1
+    elif _due(name) is not None:
+        raise FaultInjected(f"fault injected at {name}")
 
 
 async def point(name: str) -> None:

@@ -11,6 +11,7 @@ Modules:
     compression          (planned) codecs: none, fp16, 8-bit blockwise
     matchmaking          (planned) trio: form a group through DHT keys and deadlines
     allreduce            (planned) trio: run the LP-weighted butterfly all-reduce for one group
+    deadlines            the stall timeout that ends a round's wait for a member that makes no progress
 
 Everything but ``matchmaking`` and ``allreduce`` is pure: no trio, no sockets, no torch.
 """

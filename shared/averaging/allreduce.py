@@ -44,6 +44,32 @@ until every member has fetched its slice or the deadline passes.
   (signer = the aggregator, sender = itself, this run, step, group and round, weight at most its plan
   weight) and keeps it in ``RoundResult.receipts``; a bad receipt is logged and counted, never kept.
 
+**Departures** (issue 10; seed 000 §3.2). A member that leaves mid-round must cost the others seconds,
+not the round's deadline, and the round's result names it (``RoundResult.departed``) so the caller
+retries at once without it (the optimizer retries under a new matchmaking key per attempt, on which the
+departed member has no ticket):
+
+* *from its connections*: a killed process's TCP connections are reset or closed by its kernel at once,
+  and a dial to it is refused. So when an exchange with aggregator ``j`` fails with
+  :class:`~shared.errors.PeerUnavailable` (refused, reset, closed), ``j`` has departed: its slice fails
+  for us, and if our own slice still waits for parts of ``j`` we drop ``j`` from it at once (parts it
+  delivered whole are kept); a sender whose connection breaks mid-part is dropped as well. Every member
+  with a slice exchanges with every aggregator, so all of them see a departed aggregator within a round
+  trip, and all drop it as a sender together;
+* *from a stall*: a member that stops without closing anything (a hung process, a member whose round
+  never started) is caught by the stall timeouts of :mod:`.deadlines`, derived from the plan's expected
+  part time and the part times measured in this round: a sender of our slice with no part for ``T`` is
+  dropped ("stalled"); an aggregator fails for this round when it acknowledges no push of ours for ``T``
+  while we have parts to send (it acknowledges a part once read, waiting for nobody), or answers no pull
+  for ``2 T`` (an average waits for every sender, a stalled one up to the aggregator's own ``T``).
+  The plan's deadline still bounds the whole round (at 90 % of it, missing senders are dropped).
+
+A member with no slice that dies before it pushed anything is only caught by the stall timeout (nobody
+dials it); one that dies after its parts arrived costs nothing: the others average with its parts.
+
+Fault points (:mod:`shared.faults`): ``allreduce.after_push`` (once per round, when all our parts went
+out) and ``allreduce.before_result`` (every exchange ended, before the averages are written back).
+
 Blocking numpy work (decoding, the reduction, checks, writing back) runs in worker threads (``COMPUTE``).
 """
 
@@ -80,6 +106,7 @@ from protocols.peer_id import PeerId
 from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload, sign_receipt
 from protocols.training import AveragingSpec
 
+from .. import faults
 from ..auth.keys import verify_by_peer_id
 from ..errors import PeerUnavailable, ProjectError, RemoteError
 from ..net.addresses import PeerAddress
@@ -87,6 +114,7 @@ from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
 from .compression import codec_by_name
+from .deadlines import PartTimes, expected_part_seconds
 from .groups import WeightHistory, average_norm_bound, codec_norm_slack, lower_median
 from .partition import Slice, auto_part_numel, make_slices, num_parts, part_bounds
 from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
@@ -125,6 +153,8 @@ class GroupPlan:
     codec: CodecName = "none"
     part_numel: int = 0  # elements per part; 0: chosen from the slice sizes (auto_part_numel)
     max_norm: float = math.inf  # largest L2 norm of one part an aggregator accepts
+    #: the LP's predicted averaging seconds (0: unknown), the base of the stall timeouts (.deadlines)
+    predicted_seconds: float = 0.0
     #: how aggregators combine the parts (norm bound, robust rule): each aggregator's *own* run manifest,
     #: never a field of the plan it received, so the plan's writer cannot switch the defences off
     averaging: AveragingSpec = DEFAULT_AVERAGING
@@ -164,6 +194,9 @@ class RoundResult:
     pulled: tuple[tuple[PeerId, int], ...] = ()
     #: aggregators whose averaged values we refused (index -> why); their slices stayed local
     refused: dict[int, str] = field(default_factory=dict)
+    #: members that left this round (unreachable, connection lost, or stalled: peer -> why); the caller
+    #: retries without them (module docstring, "Departures")
+    departed: dict[PeerId, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -177,6 +210,59 @@ class AveragerStatistics:
 
 class BadAverage(ProjectError):
     """An aggregator returned an averaged part that no honest aggregator could have produced."""
+
+
+class _Stalled(ProjectError):
+    """No push or pull with an aggregator completed within the stall timeout (module docstring)."""
+
+
+@dataclass
+class _Exchange:
+    """The stall clock of our exchange with one remote aggregator."""
+
+    scope: trio.CancelScope
+    pushed: float  # when our last push to it completed (or the exchange began)
+    pulled: float  # when our last pull from it completed (or the exchange began)
+    pushing: bool  # pushes remain
+
+
+@dataclass
+class _Watch:
+    """One round's stall timeouts (module docstring, "Departures"; :mod:`.deadlines`): the part times
+    measured so far, and the cancel scope of each exchange with a remote aggregator, whose deadline is
+    ``T`` after our last completed push while pushes remain (an aggregator acknowledges a part once it
+    read it, waiting for nobody), and ``2 T`` after our last completed pull (an average waits for every
+    sender: for a stalled one, up to the aggregator's own ``T``)."""
+
+    times: PartTimes
+    exchanges: dict[int, _Exchange] = field(default_factory=dict)
+
+    def open(self, j: int, scope: trio.CancelScope, since: float, pushing: bool) -> None:
+        self.exchanges[j] = _Exchange(scope, since, since, pushing)
+        self.refresh()
+
+    def pushed(self, j: int) -> None:
+        """A push of a part to aggregator ``j`` completed."""
+        exchange, now = self.exchanges[j], trio.current_time()
+        self.times.observe(exchange.pushed, now)
+        exchange.pushed = now
+        self.refresh()
+
+    def pushes_done(self, j: int) -> None:
+        self.exchanges[j].pushing = False
+        self.refresh()
+
+    def pulled(self, j: int) -> None:
+        """A pull of an averaged part from aggregator ``j`` completed."""
+        exchange, now = self.exchanges[j], trio.current_time()
+        self.times.observe(exchange.pulled, now)
+        exchange.pulled = now
+        self.refresh()
+
+    def refresh(self) -> None:
+        limit = self.times.timeout()
+        for e in self.exchanges.values():
+            e.scope.deadline = min(e.pushed + limit if e.pushing else math.inf, e.pulled + 2 * limit)
 
 
 @dataclass
@@ -211,6 +297,24 @@ class _Aggregation:
     accepted_bytes: dict[PeerId, int] = field(default_factory=dict)
     served: set[tuple[PeerId, int]] = field(default_factory=set)  # (member, part) pulls answered
     receipts: dict[PeerId, SignedReceipt] | None = None  # once the whole slice is averaged
+    watch: _Watch | None = None  # the local round's stall timeouts, while it runs
+    last_part: dict[PeerId, float] = field(default_factory=dict)  # sender -> when its last part arrived
+    departed: dict[PeerId, str] = field(default_factory=dict)  # senders dropped for leaving, and why
+
+    def depart(self, peer: PeerId, reason: str) -> bool:
+        """Drop ``peer`` for having left the round, if we still wait for any part of it; True if so."""
+        if not any(peer in part.reducer.missing() for part in self.parts if not part.finalizing):
+            return False
+        self.departed.setdefault(peer, reason)
+        self.exclude(peer, reason)
+        return True
+
+    def part_arrived(self, peer: PeerId) -> None:
+        now = trio.current_time()
+        if self.watch is not None:
+            self.watch.times.observe(self.last_part.get(peer, now), now)
+            self.watch.refresh()
+        self.last_part[peer] = now
 
     def exclude(self, peer: PeerId, reason: str) -> None:
         self.excluded.setdefault(peer, reason)
@@ -279,12 +383,20 @@ class Averager:
         duty = self._take_duty(plan, slices[me], me, step) if slices[me].numel else None
         averaged: dict[int, Float32Array] = {}
         failed: dict[int, str] = {}
-        got = _Got(step)
+        expected = expected_part_seconds(plan.predicted_seconds, plan.part_numel, plan.slice_sizes)
+        got = _Got(step, _Watch(PartTimes(expected, plan.deadline)))
+        got.pushes_left = sum(
+            1 for j, s in enumerate(slices) if j != me and s.numel and plan.members[me].weight > 0
+        )
+        if duty is not None:
+            duty.watch = got.watch
         try:
+            if not got.pushes_left:
+                await faults.point("allreduce.after_push")
             with trio.move_on_after(plan.deadline):
                 async with trio.open_nursery() as watchdog:
                     if duty is not None:
-                        watchdog.start_soon(self._finalize_at_deadline, duty, started + plan.deadline)
+                        watchdog.start_soon(self._watch_senders, duty, started, started + plan.deadline)
                     async with trio.open_nursery() as nursery:
                         for j, slice_j in enumerate(slices):
                             if slice_j.numel:
@@ -297,6 +409,7 @@ class Averager:
             for j, slice_j in enumerate(slices):
                 if slice_j.numel and j not in averaged:
                     failed.setdefault(j, "deadline passed")
+            await faults.point("allreduce.before_result")
             outcome = RoundOutcome.of(slices, failed)
             await trio.to_thread.run_sync(apply_outcome, vector, averaged, outcome, limiter=COMPUTE)
         finally:
@@ -308,6 +421,16 @@ class Averager:
         for j, reason in failed.items():
             logger.warning(
                 "round %d: slice of %s not averaged: %s", plan.round, plan.members[j].peer_id, reason
+            )
+        departed = dict(got.departed)
+        if duty is not None:
+            departed.update((peer, why) for peer, why in duty.departed.items() if peer not in departed)
+        if departed:
+            logger.warning(
+                "round %d: %d member(s) left: %s",
+                plan.round,
+                len(departed),
+                "; ".join(f"{peer}: {why}" for peer, why in sorted(departed.items())),
             )
         completeness = {j: c for j, c in self._completeness(plan, duty, me).items() if j in averaged}
         if duty is not None and duty.receipts and me in averaged and (own := duty.receipts.get(duty.me)):
@@ -321,6 +444,7 @@ class Averager:
                 (plan.members[j].peer_id, n) for j, n in sorted(got.pulled.items()) if j in averaged
             ),
             refused=dict(got.refused),
+            departed=departed,
         )
 
     def _completeness(self, plan: GroupPlan, duty: _Aggregation | None, me: int) -> dict[int, Completeness]:
@@ -359,7 +483,7 @@ class Averager:
                     hi,
                 )
             )
-        duty = _Aggregation(plan, slice_, parts, own, step, senders)
+        duty = _Aggregation(plan, slice_, parts, own, step, senders, last_part={p: now for p in senders})
         duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)
         key = (plan.group_id, plan.round)
         self._duties[key] = duty
@@ -400,6 +524,7 @@ class Averager:
             assert address is not None  # checked by GroupPlan
             result = np.empty(slice_j.numel, dtype=np.float32)
             errors: list[Exception] = []
+            watch = got.watch
 
             async def guarded(work: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
                 try:
@@ -411,17 +536,28 @@ class Averager:
             async def pull_all() -> None:
                 for k in range(num_parts(slice_j.numel, plan.part_numel)):
                     await self._pull_part(address, plan, me, j, k, slice_j, result, got)
+                    watch.pulled(j)
+
+            async def push_all() -> None:
+                await self._push_slice(address, plan, slice_j, local, weight, partial(watch.pushed, j))
+                watch.pushes_done(j)
+                got.pushes_left -= 1
+                if not got.pushes_left:
+                    await faults.point("allreduce.after_push")
 
             # Pushing and pulling run side by side (on separate pooled connections): part k comes back
-            # as soon as every sender delivered it, while our later parts are still going out.
-            async with trio.open_nursery() as both:
-                if weight > 0:
-                    both.start_soon(
-                        guarded,
-                        partial(self._push_slice, address, plan, slice_j, local, weight),
-                        both.cancel_scope,
-                    )
-                both.start_soon(guarded, pull_all, both.cancel_scope)
+            # as soon as every sender delivered it, while our later parts are still going out. Both end
+            # when no push or pull completes within the stall timeout (module docstring, "Departures").
+            with trio.CancelScope() as stall:
+                watch.open(j, stall, trio.current_time(), pushing=weight > 0)
+                async with trio.open_nursery() as both:
+                    if weight > 0:
+                        both.start_soon(guarded, push_all, both.cancel_scope)
+                    both.start_soon(guarded, pull_all, both.cancel_scope)
+            watch.exchanges.pop(j, None)
+            limit = watch.times.timeout()
+            if stall.cancelled_caught:
+                raise _Stalled(f"stalled: no push within {limit:.1f} s or pull within {2 * limit:.1f} s")
             if errors:
                 raise errors[0]
             averaged[j] = result
@@ -429,11 +565,27 @@ class Averager:
             self.stats.averages_refused += 1
             got.refused[j] = failed[j] = f"refused its average: {exc}"
             got.receipts.pop(j, None)
-        except (*CALL_FAILURES, NothingToAverage, PartRejected) as exc:
+        except (*CALL_FAILURES, NothingToAverage, PartRejected, _Stalled) as exc:
             failed[j] = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, PeerUnavailable | _Stalled):
+                await self._departed(plan, j, failed[j], got)
+
+    async def _departed(self, plan: GroupPlan, j: int, reason: str, got: _Got) -> None:
+        """Aggregator ``j`` left the round: remember it, and stop waiting for its parts of our slice."""
+        peer = plan.members[j].peer_id
+        got.departed.setdefault(peer, reason)
+        duty = self._duties.get((plan.group_id, plan.round))
+        if duty is not None and duty.depart(peer, reason):
+            await self._finalize_ready(duty)
 
     async def _push_slice(
-        self, address: PeerAddress, plan: GroupPlan, slice_j: Slice, local: Float32Array, weight: float
+        self,
+        address: PeerAddress,
+        plan: GroupPlan,
+        slice_j: Slice,
+        local: Float32Array,
+        weight: float,
+        on_part: Callable[[], None] = lambda: None,
     ) -> None:
         """Send our copy of a slice. A refused part is logged, not fatal: we still pull the average (made
         without us), so every member ends with the same values."""
@@ -454,6 +606,7 @@ class Averager:
                     raise
                 logger.warning("round %d: our part %d was refused: %s", plan.round, k, exc)
                 return
+            on_part()
 
     async def _pull_part(
         self,
@@ -613,7 +766,7 @@ class Averager:
 
             norm = await trio.to_thread.run_sync(decode_and_measure, limiter=COMPUTE)
         except PeerUnavailable:
-            duty.exclude(sender, "connection lost mid-part")
+            duty.depart(sender, "connection lost mid-part")
             await self._finalize_ready(duty)
             raise
         if norm > limit:  # NaN compares false: the reducer bans non-finite parts itself
@@ -635,6 +788,7 @@ class Averager:
             await self._finalize_ready(duty)
             raise ProtocolError(f"part rejected: {exc}") from exc
         duty.accepted_bytes[sender] = duty.accepted_bytes.get(sender, 0) + header.nbytes
+        duty.part_arrived(sender)
         await self._maybe_finalize(duty, part.part_index)
         return b""
 
@@ -646,7 +800,8 @@ class Averager:
         if not 0 <= request.part_index < len(duty.parts):
             raise ProtocolError(f"part {request.part_index} out of range")
         part = duty.parts[request.part_index]
-        await part.done.wait()
+        if not part.done.is_set():
+            await self._await_part(duty, part, ctx.peer_id, reader)
         if part.error is not None or part.encoded is None:
             raise RemoteError(ErrorCode.NOT_FOUND, f"part not averaged: {part.error}")
         lo, hi = part.lo, part.hi
@@ -674,6 +829,26 @@ class Averager:
             self._duties.pop(key, None)
             self._started.pop(key, None)
         return reply
+
+    async def _await_part(self, duty: _Aggregation, part: _Part, puller: PeerId, reader: BulkReader) -> None:
+        """Wait until ``part`` is averaged; if ``puller`` closes its connection meanwhile, it has left the
+        round (a killed process's connections close at once): stop waiting for its parts too."""
+        async with trio.open_nursery() as nursery:
+
+            async def averaged() -> None:
+                await part.done.wait()
+                nursery.cancel_scope.cancel()
+
+            async def left() -> None:
+                await reader.peer_closed()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(averaged)
+            nursery.start_soon(left)
+        if not part.done.is_set():
+            if duty.depart(puller, "closed its connection while waiting for an average"):
+                await self._finalize_ready(duty)
+            raise PeerUnavailable(f"{puller} closed the connection of its pull")
 
     async def _maybe_finalize(self, duty: _Aggregation, k: int) -> None:
         """Reduce part ``k`` once every sender still in the round has delivered it."""
@@ -730,14 +905,33 @@ class Averager:
         for k in range(len(duty.parts)):
             await self._maybe_finalize(duty, k)
 
-    async def _finalize_at_deadline(self, duty: _Aggregation, deadline: float) -> None:
-        """At 90 % of the round's time, give up on missing senders so members can still pull in time."""
-        start = trio.current_time()
-        await trio.sleep_until(start + 0.9 * (deadline - start))
-        for part in duty.parts:
-            for peer in part.reducer.missing():
-                duty.exclude(peer, "missed the deadline")
-        await self._finalize_ready(duty)
+    async def _watch_senders(self, duty: _Aggregation, start: float, deadline: float) -> None:
+        """Drop a sender that completes no part within the stall timeout (module docstring,
+        "Departures"); at 90 % of the round's time, drop every missing sender, so members can still pull
+        in time."""
+        cutoff = start + 0.9 * (deadline - start)
+        watch = duty.watch
+        assert watch is not None  # set by all_reduce before this task starts
+        while not all(part.finalizing for part in duty.parts):
+            now = trio.current_time()
+            missing = {p for part in duty.parts if not part.finalizing for p in part.reducer.missing()}
+            missing.discard(duty.me)  # our own parts go in at once
+            if now >= cutoff:
+                for peer in missing:
+                    duty.exclude(peer, "missed the deadline")
+                await self._finalize_ready(duty)
+                return
+            limit = watch.times.timeout()
+            due = {p: duty.last_part.get(p, start) + limit for p in missing}
+            stalled = [p for p, at in due.items() if at <= now]
+            for peer in stalled:
+                duty.depart(peer, f"stalled: no part within {limit:.1f} s")
+            if stalled:
+                await self._finalize_ready(duty)
+                continue
+            # progress only moves a sender's due time later: waking at the earliest one and looking
+            # again is exact (a timeout that shrank meanwhile takes effect at that wake-up)
+            await trio.sleep_until(min([*due.values(), cutoff]))
 
 
 def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
@@ -758,9 +952,12 @@ class _Got:
     """What a member collects during one round, per aggregator index."""
 
     step: int
+    watch: _Watch
     receipts: dict[int, SignedReceipt] = field(default_factory=dict)
     pulled: dict[int, int] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)
+    departed: dict[PeerId, str] = field(default_factory=dict)
+    pushes_left: int = 0  # remote aggregators we have yet to send our whole slice to
 
 
 def _norm(values: Float32Array) -> float:

@@ -39,6 +39,15 @@ Because the plan is the leader's, members that read slightly different ticket se
 consistent plan; a late ticket (stored after the leader read the key) merely misses the round, and a
 follower that read one refuses the plan (the round fails for the group and is retried with a new key).
 A group of fewer than two peers does not average.
+
+**Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
+:data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
+or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait after one last read of the
+plan (it may have stored one just before it died), so the caller retries under its next key instead of
+waiting ``plan_wait``. A member other than the leader that dies after its ticket was read is in the
+plan; the all-reduce notices it from its connections or its stall (:mod:`.allreduce`, "Departures") and
+the round fails fast, naming it. Fault point: ``matchmaking.joined`` (after our ticket is stored, before
+the plan).
 """
 
 from __future__ import annotations
@@ -52,14 +61,18 @@ import msgspec
 import trio
 
 from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
+from protocols.dht import PingRequest
 from protocols.errors import DECODE_FAILURES
 from protocols.peer_id import PeerId
 from protocols.training import AveragingSpec
 
+from .. import faults
 from ..dht.node import DHTNode
 from ..errors import ConfigError
-from ..net.addresses import parse_multiaddr
+from ..net.addresses import PeerAddress, parse_multiaddr
+from ..net.host import CALL_FAILURES
 from .allreduce import GroupPlan, Member
+from .deadlines import FLOOR
 from .groups import adaptive_deadline, bound_weights, deadline_acceptable, leader_of
 from .load_balance import PeerSpec, plan_averaging
 from .partition import auto_part_numel
@@ -71,6 +84,8 @@ _TICKET = msgspec.msgpack.Decoder(JoinTicket)
 _ASSEMBLY = msgspec.msgpack.Decoder(GroupAssembly)
 #: How far (as a share of the vector) a member's slice may differ from the follower's own LP solution.
 SLICE_TOLERANCE = 0.05
+#: Seconds between a follower's pings of the leader while it waits for the plan.
+LEADER_PROBE_PERIOD = 0.25
 
 
 class PlanRefused(ValueError):
@@ -116,6 +131,7 @@ class Matchmaker:
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
+        await faults.point("matchmaking.joined")
         await trio.sleep(self.config.window)
         tickets = await self._tickets(key)
         tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
@@ -211,23 +227,70 @@ class Matchmaker:
     async def _await_plan(
         self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
     ) -> GroupAssembly | None:
+        leader = PeerId(leader_of(key, tickets))
         judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
-        with trio.move_on_after(self.config.plan_wait):
-            while True:
-                found = await self.dht.get(f"{key}.plan", latest=True)
-                accepted: list[tuple[str, GroupAssembly]] = []
-                for subkey, record in found.entries.items() if found is not None else ():
-                    verdict_key = (record.writer, record.value)
-                    if verdict_key not in judged:
-                        judged[verdict_key] = await self._judge(
-                            round_, key, subkey, record.writer, record.value, tickets, numel
-                        )
-                    if (assembly := judged[verdict_key]) is not None:
-                        accepted.append((record.writer, assembly))
-                if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
-                    ranked = leader_of(key, [w for w, _ in accepted])
-                    return next(a for w, a in accepted if w == ranked)
-                await trio.sleep(0.05)
+        found: list[GroupAssembly | None] = []
+        gone: list[str] = []
+        async with trio.open_nursery() as nursery:
+
+            async def poll() -> None:
+                with trio.move_on_after(self.config.plan_wait):
+                    while True:  # polled: the plan arrives through the DHT, not as an event
+                        if (plan := await self._read_plan(round_, key, tickets, numel, judged)) is not None:
+                            found.append(plan)
+                            break
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+
+            async def probe(address: PeerAddress) -> None:
+                gone.append(await self._unreachable(address))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(poll)
+            addr = tickets[leader].addr
+            if addr is not None:
+                nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
+        if not found and gone:  # it may have stored the plan just before it died: one last look
+            found.append(await self._read_plan(round_, key, tickets, numel, judged))
+            if found[0] is None:
+                logger.warning(
+                    "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, gone[0]
+                )
+        return found[0] if found else None
+
+    async def _unreachable(self, address: PeerAddress) -> str:
+        """Return why, once the peer at ``address`` is no longer reachable (never, while it answers)."""
+        while True:
+            await trio.sleep(LEADER_PROBE_PERIOD)
+            try:
+                with trio.fail_after(FLOOR):
+                    channel = await self.dht.host.channel_to(address)
+                    await channel.call(PingRequest())
+            except CALL_FAILURES as exc:
+                return str(exc) or type(exc).__name__
+
+    async def _read_plan(
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        judged: dict[tuple[str, bytes], GroupAssembly | None],
+    ) -> GroupAssembly | None:
+        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts)."""
+        found = await self.dht.get(f"{key}.plan", latest=True)
+        accepted: list[tuple[str, GroupAssembly]] = []
+        for subkey, record in found.entries.items() if found is not None else ():
+            verdict_key = (record.writer, record.value)
+            if verdict_key not in judged:
+                judged[verdict_key] = await self._judge(
+                    round_, key, subkey, record.writer, record.value, tickets, numel
+                )
+            if (assembly := judged[verdict_key]) is not None:
+                accepted.append((record.writer, assembly))
+        if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
+            ranked = leader_of(key, [w for w, _ in accepted])
+            return next(a for w, a in accepted if w == ranked)
         return None
 
     async def _judge(
@@ -333,5 +396,6 @@ def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
         assembly.deadline,
         codec=assembly.codec,
         part_numel=assembly.part_numel,
+        predicted_seconds=assembly.predicted_seconds,
         averaging=averaging,
     )

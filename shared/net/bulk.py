@@ -155,6 +155,12 @@ class BulkReader:
             await _in_thread(self._conn, self._conn.tls.recv_into_blocking, rest, self._stall)
         self.remaining -= view.nbytes
 
+    async def peer_closed(self) -> None:
+        """Return once the sender closed the connection (or spoke out of turn): for a handler that waits
+        before it answers a transfer it has read whole, to notice that nobody waits for the answer."""
+        if not self.remaining:
+            await self._conn.tls.wait_readable()
+
     async def discard(self) -> None:
         """Read and drop whatever the handler did not consume."""
         scratch = bytearray(min(self.remaining, 1 << 20))

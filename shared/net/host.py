@@ -132,6 +132,8 @@ class Host:
         self._by_address: dict[tuple[str, int], PeerId] = {}
         self._dial_locks: dict[object, trio.Lock] = {}
         self._idle_bulk: dict[PeerId, list[SecureConnection]] = {}
+        self._accepted: set[SecureConnection] = set()  # authenticated incoming connections, open now
+        self._busy_bulk: set[SecureConnection] = set()  # our bulk connections checked out by a transfer
         self._nursery: trio.Nursery | None = None
         self._listeners: list[socket.socket] = []
         self._aborted = False
@@ -205,6 +207,9 @@ class Host:
             for lane in lanes:
                 lane.close()
         self._idle_bulk.clear()
+        # connections in use: hung up now, closed by the task using them (a bulk thread may hold one)
+        for conn in [*self._accepted, *self._busy_bulk]:
+            conn.tls.hang_up()
 
     def _require_running(self) -> trio.Nursery:
         if self._nursery is None:
@@ -216,8 +221,9 @@ class Host:
         return self._nursery
 
     def abort(self) -> None:
-        """Drop off the network at once, as a crash would: close listeners and every connection, refuse
-        new dials. Peers see connections reset, with no goodbye. ``run`` still has to be cancelled."""
+        """Drop off the network at once, as a crash would: close listeners and every connection (the ones
+        peers opened to us and the ones in use by a transfer included), refuse new dials. Peers see
+        connections reset, with no goodbye. ``run`` still has to be cancelled."""
         self._aborted = True
         self._close_everything()
 
@@ -335,6 +341,7 @@ class Host:
             return
         pending[0] = False
         self._handshake_done(ip)
+        self._accepted.add(conn)
         try:
             if conn.lane == "bulk":
                 await serve_bulk_lane(
@@ -347,6 +354,7 @@ class Host:
             else:
                 await self._run_channel(self._adopt(conn))
         finally:
+            self._accepted.discard(conn)
             conn.close()
 
     # ---------------------------------------------------------------- RPC
@@ -516,6 +524,7 @@ class Host:
         """
         conn = await self._checkout_bulk(address)
         ok = False
+        self._busy_bulk.add(conn)
         try:
             ack = await send_bulk(
                 conn, topic, memoryview(data), meta, self.config.bulk_stall, self.authenticator, sink
@@ -523,6 +532,7 @@ class Host:
             ok = True
             return ack
         finally:
+            self._busy_bulk.discard(conn)
             idle = self._idle_bulk.setdefault(conn.remote_peer, [])
             if (
                 ok

@@ -228,6 +228,20 @@ class TlsSocket:
             with contextlib.suppress(OSError):
                 socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
+    def hang_up(self) -> None:
+        """End the connection both ways at once, as the kernel does for a process that died: the peer
+        sees it end, and operations in progress here fail. Closing stays with whoever owns the socket."""
+        if not self._closed:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+
+    async def wait_readable(self) -> None:
+        """Return once bytes or the peer's close are waiting (or the socket is closed here)."""
+        if self._closed or self._sock.pending() > 0:
+            return
+        with contextlib.suppress(trio.ClosedResourceError, OSError, ValueError):
+            await trio.lowlevel.wait_readable(self._sock)
+
     def close_from_thread(self) -> None:
         """Close from a worker thread that owned the socket (trio is not waiting on it)."""
         if not self._closed or self._worker_closes:

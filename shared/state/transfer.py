@@ -47,6 +47,7 @@ from protocols.state import (
 )
 from protocols.training import CHECKPOINT_KEY, StateAnnouncement
 
+from .. import faults
 from ..dht.node import DHTNode
 from ..errors import AuthError, ConfigError, RemoteError, StateUnavailable
 from ..net.addresses import PeerAddress, parse_multiaddr
@@ -342,6 +343,8 @@ async def _fetch(
                     continue
                 if on_progress is not None:
                     on_progress(download.done, wanted.nbytes)
+                if download.done < wanted.nbytes:  # fault point: a chunk in, more to come
+                    await faults.point("state.mid_download")
             if await download.verified():
                 if book is not None:
                     for address in download.sources:

@@ -67,3 +67,45 @@ def test_tolerated_counts_what_it_suppresses_and_passes_the_rest() -> None:
     with pytest.raises(KeyError), tolerated.around("publish"):
         raise KeyError("a bug is not a tolerated failure")
     assert tolerated.snapshot() == {"publish": 3}
+
+
+def test_a_scoped_point_fires_only_for_the_tagged_task() -> None:
+    fired: list[str] = []
+
+    async def member(tag: str) -> None:
+        with faults.scope(tag):
+            for _ in range(3):
+                try:
+                    await faults.point("p")
+                except faults.FaultInjected:
+                    fired.append(tag)
+
+    async def main() -> None:
+        faults.arm("p", "raise", on_hit=2, where="b")
+        async with trio.open_nursery() as nursery:
+            for tag in ("a", "b", "c"):
+                nursery.start_soon(member, tag)
+
+    trio.run(main)
+    assert fired == ["b"]  # on b's own second hit, whatever the others did meanwhile
+    assert faults.hits("p") == 9
+
+
+def test_stop_freezes_a_child_process_with_its_connections_open() -> None:
+    code = (
+        "from shared import faults\n"
+        "print('before', flush=True)\nfaults.hit('x')\nprint('resumed', flush=True)"
+    )
+    env = {**os.environ, faults.ENV: "x=stop"}
+    with subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == "before\n"
+            _, status = os.waitpid(child.pid, os.WUNTRACED)  # returns once the child is stopped
+            assert os.WIFSTOPPED(status)
+            os.kill(child.pid, signal.SIGCONT)
+            assert child.stdout.readline() == "resumed\n"
+            assert child.wait(timeout=120) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()

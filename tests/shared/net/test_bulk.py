@@ -18,7 +18,7 @@ from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from shared.errors import PeerUnavailable, RemoteError
 from shared.net.bulk import BulkReader
-from shared.net.host import Host
+from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.net.tls_socket import TlsSocket
 
@@ -308,3 +308,53 @@ async def test_host_send_bulk_downloads_a_reply_payload_into_the_sink(start_host
         with pytest.raises(ProtocolError, match="unexpected reply payload"):
             await sender.send_bulk(address_of(receiver), "swap", b"x" * 10)  # no sink for the reply
         assert await sender.send_bulk(address_of(receiver), "swap", b"y" * 10, sink=sink) == b"hereyyyy"
+
+
+async def test_abort_ends_accepted_bulk_lanes_so_a_waiting_sender_fails_at_once(
+    start_host: StartHost,
+) -> None:
+    """A crash ends every connection, the ones others opened to us included: a sender waiting on our
+    handler sees its connection end instead of waiting out its stall timeout."""
+    sender, receiver = await start_host(), await start_host(HostConfig(bulk_stall=600))
+    entered = trio.Event()
+
+    async def wait_forever(ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
+        entered.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    receiver.bulk_handlers["wait"] = wait_forever
+    async with trio.open_nursery() as nursery:
+
+        async def abort_when_waiting() -> None:
+            await entered.wait()
+            receiver.abort()
+
+        nursery.start_soon(abort_when_waiting)
+        with trio.fail_after(HANG_GUARD_S), pytest.raises(PeerUnavailable):
+            await sender.send_bulk(address_of(receiver), "wait", b"")
+
+
+async def test_bulk_reader_notices_the_sender_closing_while_its_handler_waits(start_host: StartHost) -> None:
+    """A handler that waits before answering learns when nobody waits for the answer any more."""
+    sender, receiver = await start_host(), await start_host()
+    noticed = trio.Event()
+
+    async def wait_for_close(ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
+        await reader.peer_closed()
+        noticed.set()
+        return b""
+
+    receiver.bulk_handlers["wait"] = wait_for_close
+    with trio.fail_after(HANG_GUARD_S):
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(PeerUnavailable):
+                    await sender.send_bulk(address_of(receiver), "wait", b"")
+
+            nursery.start_soon(send)
+            await trio.sleep(0.2)
+            assert not noticed.is_set()  # a live sender that sends nothing more is not "closed"
+            sender.abort()
+            await noticed.wait()

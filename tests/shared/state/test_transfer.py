@@ -21,6 +21,7 @@ from protocols.state import (
     encode_state_meta,
 )
 from protocols.training import StateAnnouncement
+from shared import faults
 from shared.auth.keys import Identity
 from shared.errors import RemoteError, StateError, StateUnavailable
 from shared.net.addresses import PeerAddress, parse_multiaddr
@@ -444,3 +445,28 @@ async def test_fetch_state_blames_a_source_serving_other_bytes_in_the_book(nurse
     assert got == blob
     assert book.statistics().faults == 1
     assert not book.usable(str(liar_addr.peer_id)) and book.usable(str(honest_addr.peer_id))
+
+
+async def test_a_download_broken_at_the_mid_download_fault_point_resumes_from_its_partial_file(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """``state.mid_download`` fires after a chunk with more to come (issue 10, item 9): a member killed
+    there leaves a partial file that its restart resumes."""
+    _, server, address = await start_server(nursery)
+    downloader = await start_host(nursery)
+    blob = make_blob()
+    announcement = server.offer(7, blob)
+    sources = [(address, announcement)]
+    faults.disarm()
+    faults.arm("state.mid_download", "raise", on_hit=2)
+    try:
+        with pytest.raises(faults.FaultInjected):
+            await fetch_state(downloader, sources, chunk_bytes=CHUNK, partial_dir=tmp_path, max_bytes=LIMIT)
+    finally:
+        faults.disarm()  # (also forgets the hit counts)
+    partial = tmp_path / f"{announcement.digest.hex()}.partial"
+    assert partial.stat().st_size == 2 * CHUNK  # broken after its second chunk
+    got = await fetch_state(downloader, sources, chunk_bytes=CHUNK, partial_dir=tmp_path, max_bytes=LIMIT)
+    assert got == blob
+    chunks = -(-len(blob) // CHUNK)
+    assert faults.hits("state.mid_download") == chunks - 3  # resumed after chunk 2; none after the last
