@@ -279,18 +279,24 @@ class BatchStep:
             )
         for j, why in result.refused.items():
             logger.warning("step %d: refused the average of %s: %s", step + 1, plan.members[j].peer_id, why)
-        self.matchmaker.record_round(plan.deadline / 2, result.seconds)
         self.stats.rounds += 1
         self.stats.last_round_seconds = result.seconds
         share = plan.slice_sizes[me]
         self.stats.role = _role(taken.samples > 0, share > 0)
         if not result.outcome.complete:
+            # A member that died is named from its closed connections or its stall (shared.averaging
+            # .deadlines): the survivors retry at once under the next attempt's key, without it.
             logger.warning(
-                "step %d: round incomplete (%d ranges not averaged); retrying with the survivors",
+                "step %d: round incomplete (%d ranges not averaged%s); retrying with the survivors",
                 step + 1,
                 len(result.outcome.unaveraged()),
+                "; left: " + ", ".join(f"{p} ({why})" for p, why in result.departed.items())
+                if result.departed
+                else "",
             )
             return None
+        # the LP's predicted time against what the round took: the next rounds' deadlines adapt
+        self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
         return vector, len(plan.members), share * 4 * senders
 
