@@ -41,6 +41,7 @@ __all__ = [
     "known_backbones",
     "read_progress",
     "read_progress_everywhere",
+    "read_progress_seeded",
     "read_progress_with_users",
 ]
 
@@ -88,7 +89,7 @@ async def read_progress_everywhere(node: Node, backbones: Sequence[PeerAddress])
         readings.append(Reading("dht", True, records, users))
 
     async def seeded(address: PeerAddress) -> None:
-        readings.append(await _read_seeded(node, address))
+        readings.append(await read_progress_seeded(node, address))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(own)
@@ -134,7 +135,7 @@ async def known_backbones(dht: DHTNode, listed: Sequence[str] = ()) -> list[Peer
     return list(seeds.values())[:MAX_SEEDS]
 
 
-async def _read_seeded(node: Node, seed: PeerAddress) -> Reading:
+async def read_progress_seeded(node: Node, seed: PeerAddress) -> Reading:
     dht = node.dht
     kid = key_id(PROGRESS_KEY)
     assert seed.peer_id is not None

@@ -259,15 +259,26 @@ class Matchmaker:
         return found[0] if found else None
 
     async def _unreachable(self, address: PeerAddress) -> str:
-        """Return why, once the peer at ``address`` is no longer reachable (never, while it answers)."""
+        """Return why, once the peer at ``address`` is no longer reachable (never, while it answers).
+
+        A refused or broken connection is a departure at once; a ping that merely takes longer than
+        :data:`~.deadlines.FLOOR` counts only the second time in a row (one slow answer on a loaded
+        machine must not make a follower drop a live leader, failing the attempt for the whole group)."""
+        slow = 0
         while True:
             await trio.sleep(LEADER_PROBE_PERIOD)
             try:
                 with trio.fail_after(FLOOR):
                     channel = await self.dht.host.channel_to(address)
                     await channel.call(PingRequest())
+            except trio.TooSlowError:
+                slow += 1
+                if slow >= 2:
+                    return f"no answer to two pings of {FLOOR:g} s each"
             except CALL_FAILURES as exc:
                 return str(exc) or type(exc).__name__
+            else:
+                slow = 0
 
     async def _read_plan(
         self,

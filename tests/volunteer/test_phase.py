@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -96,3 +97,35 @@ async def test_a_lone_volunteer_does_not_train_on_a_state_older_than_its_high_wa
     assert not collab.behind()
     assert await collab.average_and_step()
     assert collab.trainer.step == 1
+
+
+def test_replaced_steps_are_those_the_collaboration_never_took() -> None:
+    from volunteer.collab.sync import _replaced
+
+    assert _replaced(None, 0, 7, minority_seen=True) is None  # a fresh peer replaced nothing of the run's
+    assert (
+        _replaced(40, 40, 50, minority_seen=False) is None
+    )  # an honest laggard: its last step was a group's
+    assert _replaced(100, 90, 110, minority_seen=False) == (91, 100)  # a lone fork that fell behind
+    assert _replaced(120, 120, 90, minority_seen=True) == (90, 120)  # a group fork ahead of the survivor
+    assert _replaced(60, 60, 60, minority_seen=True) == (60, 60)  # diverged at the same step
+    assert _replaced(5, 0, 3, minority_seen=True) == (1, 5)  # never below step 1
+
+
+async def test_a_partial_read_does_not_lower_the_high_water_mark(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    from shared.progress import CollabView
+
+    (node,) = await start_nodes(nursery, 1)
+    save_high_water(tmp_path, HighWater(run_id="collab-test", step=50, seen=time.time()))
+    trainer = LocalTrainer(LinearTask(), spec(8), "collab-test")  # type: ignore[arg-type]
+    collab = CollaborativeOptimizer(node, trainer, spec(8), data_dir=tmp_path, config=CONFIG)
+    view = CollabView(
+        step=20, samples=0.0, samples_per_second=0.0, peers=3, peers_at_step=2, ready=False,
+        diverged=False, ignored=(), syncing=(), loss=None, shown=20, collaborations=1,
+    )  # fmt: skip
+    await collab.evidence.observe(view)
+    assert collab.evidence.mark is not None and collab.evidence.mark.step == 50  # a lagging group only
+    await collab.evidence.observe(dataclasses.replace(view, collaborations=2))
+    assert collab.evidence.mark.step == 20  # a merge sent the run back: the survivor is what was shown

@@ -36,9 +36,11 @@ from shared.alone import (
     save_high_water,
     worth_saving,
 )
+from shared.errors import ConfigError
+from shared.net.addresses import PeerAddress, parse_multiaddr
 from shared.node import Node
 from shared.progress import CollabView
-from shared.progress_records import known_backbones, read_progress_everywhere
+from shared.progress_records import known_backbones, read_progress_everywhere, read_progress_seeded
 from shared.tolerated import Tolerated
 
 __all__ = ["READ_PERIOD", "Evidence"]
@@ -70,10 +72,30 @@ class Evidence:
         """Read the progress records everywhere now (failures counted; the readings say who answered)."""
         async with self._reading:
             started = time.time()
-            with trio.move_on_after(READ_DEADLINE), self.tolerated.around("evidence.read"):
+            seeds = _listed(self.backbones)
+            with trio.move_on_after(READ_DEADLINE), self.tolerated.around("evidence.seeds"):
                 seeds = await known_backbones(self.node.dht, self.backbones)
-                self.readings = await read_progress_everywhere(self.node, seeds)
-                self.read_at = started
+            # each source bounded on its own: one blackholed backbone must not void the others' answers
+            readings: list[Reading] = []
+
+            async def one(seed: PeerAddress | None) -> None:
+                with trio.move_on_after(READ_DEADLINE) as scope:
+                    if seed is None:  # through our own DHT
+                        readings.extend(await read_progress_everywhere(self.node, []))
+                    else:
+                        readings.append(await read_progress_seeded(self.node, seed))
+                if scope.cancelled_caught:
+                    self.tolerated.note(
+                        "evidence.read", TimeoutError(f"no answer within {READ_DEADLINE:g} s")
+                    )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, None)
+                for seed in seeds:
+                    if seed.peer_id is not None and seed.peer_id != self.node.peer_id:
+                        nursery.start_soon(one, seed)
+            if any(r.answered for r in readings):
+                self.readings, self.read_at = readings, started
 
     async def refresh_forever(self, view: Callable[[], CollabView | None]) -> None:
         while True:
@@ -97,8 +119,18 @@ class Evidence:
         )
 
     async def observe(self, view: CollabView) -> None:
-        """Move the mark by what ``view`` showed; save it when worth it."""
-        self.mark = observe(self.mark, view.shown, self.run_id, time.time())
+        """Move the mark by what ``view`` showed; save it when worth it. The mark is lowered only by a
+        view that saw several collaborations (a merge sent the run back to a lower survivor): a partial
+        read while the DHT heals, showing only a lagging group, must not lift the protection."""
+        shown = view.shown
+        if (
+            shown is not None
+            and self.mark is not None
+            and shown < self.mark.step
+            and view.collaborations <= 1
+        ):
+            shown = self.mark.step  # confirmed, not lowered
+        self.mark = observe(self.mark, shown, self.run_id, time.time())
         if self.data_dir is not None and self.mark is not None and worth_saving(self._saved, self.mark):
             mark, data_dir = self.mark, self.data_dir
             try:
@@ -125,3 +157,17 @@ class Evidence:
                 time.time() - self.mark.seen,
             )
             self.mark = None
+
+
+def _listed(backbones: Sequence[str]) -> list[PeerAddress]:
+    """The backbones we were given, as addresses (unusable ones skipped): the seeds when the presence
+    records that name the others cannot be read."""
+    out = []
+    for text in backbones:
+        try:
+            address = parse_multiaddr(text)
+        except ConfigError:
+            continue
+        if address.peer_id is not None:
+            out.append(address)
+    return out

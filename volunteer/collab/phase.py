@@ -64,6 +64,7 @@ class PeerState:
     #: the last step at which our state was known to be the collaboration's (downloaded it, or a view
     #: showed another user at our step with our fingerprint); steps after it are ours alone until then
     agreed_step: int = 0
+    agreed_before_load: int = 0  # ``agreed_step`` just before the last state load replaced it
 
     def enter(self, phase: Phase) -> Phase:
         """Move to ``phase``; returns the phase we left. Entering the current phase is a no-op."""

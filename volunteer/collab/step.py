@@ -320,6 +320,8 @@ class BatchStep:
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
         self.peer.anchored = True
         self.peer.loss = None
+        if peers > 1:  # stepped with a group: our state is theirs (a lone step is ours alone)
+            self.peer.agreed_step = new_step
         logger.info(
             "step %d done: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
             new_step,

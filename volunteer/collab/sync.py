@@ -118,17 +118,8 @@ class StateSync:
         Raises:
             StateUnavailable: no trustworthy state could be downloaded within ``patience``.
         """
-        view = self.board.view
-        # Steps we took since our state was last known to be the collaboration's are lost if we re-sync
-        # because we diverged (a fork that did not survive); merely behind, nothing of ours is replaced.
-        ours_alone = (
-            (self.peer.agreed_step + 1, self.trainer.step)
-            if view is not None
-            and view.diverged
-            and self.peer.anchored
-            and self.trainer.step > self.peer.agreed_step
-            else None
-        )
+        ours = self.trainer.step if self.peer.anchored else None  # the state a load replaces
+        minority_seen = False  # the survivor was another collaboration (sticky across retries)
         came_from = self.peer.enter(Phase.SYNCING)
         self.waiting("re-syncing: downloading the collaboration's state")
         self.board.publish_soon()
@@ -138,6 +129,7 @@ class StateSync:
         try:
             while True:
                 view = await self.board.try_refresh()
+                minority_seen = minority_seen or (view is not None and (view.minority or view.diverged))
                 target = view.step if view is not None else 0
                 mark = self.evidence.above(target) if self.evidence is not None else None
                 binding = self.evidence is not None and self.evidence.holds_back(target)
@@ -180,8 +172,9 @@ class StateSync:
                             self.sources.refuse(writer, announcement, str(exc))
                     else:
                         loaded = True
-                        if ours_alone is not None and self.on_discard is not None:
-                            self.on_discard(*ours_alone)
+                        discarded = _replaced(ours, self.peer.agreed_before_load, step, minority_seen)
+                        if discarded is not None and self.on_discard is not None:
+                            self.on_discard(*discarded)
                         if self._announced_step != -1:  # we announced another state: that is over
                             await self.announce_state()
                         return step
@@ -233,7 +226,7 @@ class StateSync:
             raise StateError(f"the state does not load: {exc!r}") from exc  # a decoder's failure
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
         self.peer.anchored = True
-        self.peer.agreed_step = step
+        self.peer.agreed_before_load, self.peer.agreed_step = self.peer.agreed_step, step
         self.server.offer(step, blob)
         logger.info("loaded the state of step %d (%d bytes) from %s", step, len(blob), sources[0][0].peer_id)
         return step
@@ -277,15 +270,30 @@ class StateSync:
         if self.peer.anchored:
             return
         with self.tolerated.around("state.resume"):
-            view = await self.board.refresh()
-            if view.peers > 1:
-                return  # peers are training: the step decides, from their credible progress
+            # Even with other peers in view: two newcomers at step 0 see each other as the run (each
+            # doubts a lone veteran's claim) and would train from scratch beside a run announced further.
+            await self.board.refresh()
             candidates = trusted_state(await self._announcements())
             if candidates and candidates[0][0].step > self.trainer.step:
                 try:
                     await self.sync_state()
                 except StateUnavailable as exc:
                     logger.warning("starting from the initial parameters: %s", exc)
+
+
+def _replaced(ours: int | None, agreed: int, loaded: int, minority_seen: bool) -> tuple[int, int] | None:
+    """Our steps a loaded state replaced that were not the collaboration's (reported as discarded), or None.
+
+    ``ours``: our step before the load (None: our state was not the run's); ``agreed``: the last step at
+    which our state was known to be the collaboration's (downloaded, or stepped in a group); ``loaded``:
+    the loaded state's step. At or above the loaded step (a fork ahead, or diverged at the same step), or
+    when the survivor was another collaboration, everything after ``min(agreed, loaded - 1)`` was ours
+    alone; merely behind, only the steps after ``agreed`` (a lone fork that fell behind); an honest
+    laggard, whose last step was with a group, loses nothing."""
+    if ours is None:
+        return None
+    first = max(1, min(agreed, loaded - 1) + 1 if minority_seen or ours >= loaded else agreed + 1)
+    return (first, ours) if ours >= first else None
 
 
 def _state_bound(trainer: LocalTrainer) -> int:
