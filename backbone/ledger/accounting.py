@@ -66,7 +66,9 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   credited as any other. Each replaces the stored discarded receipt of its step (note
   ``receipt_retaken``; the fork's receipt then leaves ``discarded_samples``) instead of being refused as
   a duplicate; a receipt that is covered itself never replaces anything. A later discard of the same
-  steps (a second fork) covers the receipts taken again as well.
+  steps (a second fork) covers the receipts taken again as well. The ledger cannot tell a fork's
+  receipt re-sent after the discard from one of the step taken again (same sender and step number), so
+  a sender that does so gains what it would by hiding the discard: one batch per step per receipt.
 * **pull records** about aggregator A in reports of peers of *other users* than A's (each
   ``(puller, aggregator, step)`` once, only for recorded steps) are the evidence of A's aggregation work.
 
