@@ -30,12 +30,13 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   ``run_id`` is this run's, its ``sender`` is the reporting peer, its ``aggregator`` is not the sender and
   signed it (Ed25519, key inside the aggregator's peer id), and (looked up by the store) the aggregator
   is an admitted peer of *another user* than the reporter's (unknown aggregator: not counted; same user:
-  not counted — one person cannot vouch for themself). Each ``(sender, step)`` is stored once, ever
+  not counted — one person cannot vouch for themself). Each ``(sender, step)`` is stored once
   (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
   receipts of that step in the first report that brought one; later receipts of that pair are
-  duplicates. The weight is capped by the step's recorded sample count (the whole collaboration's
-  batch of that step), or, for a step recorded without one (jumped over), by the largest batch the run
-  recorded.
+  duplicates, except one that no discard covers arriving for a stored receipt a discard covers (the
+  step taken again, see below): it replaces the discarded one. The weight is capped by the step's
+  recorded sample count (the whole collaboration's batch of that step), or, for a step recorded without
+  one (jumped over), by the largest batch the run recorded.
 * a receipt's step must be one the run took: a row of ``steps``. :mod:`backbone.steps` writes the steps a
   backbone saw taken (``tracker``); a step it jumped over is recorded by the ledger itself once a
   counting receipt evidences it (two users averaged for it) and the step is at or below the highest step
@@ -45,15 +46,29 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   stays held forever: it never becomes credit. No placeholder rows: a claimed step is never taken on
   its own say-so.
 * **discarded steps**: a report lists ranges of its sender's steps that a state it loaded replaced (it
-  had diverged: a fork that did not survive, see :mod:`protocols.ledger`). The sender's receipts of
-  those steps, stored or arriving later, are marked discarded and count as no evidence: they are not
-  run progress. What they were credited is *taken back* by that report (its credited samples and
-  compute are negative: a debit), so the totals stay ``min(claims, evidence)`` of the surviving
-  history. The work is not forgotten: the leaderboard shows it as ``discarded_samples`` (not in
-  ``samples`` nor ``compute_hours``). Judgement: a fork's minority did real work in good faith, but
-  crediting it as run progress rewards forking (the lone fork of issue 10 topped the leaderboard), so
-  it is shown apart and left to the organizer. A sender that hides its discards gains nothing beyond
-  one batch per step per receipt, as for any colluding pair (see Limits).
+  had diverged: a fork that did not survive, see :mod:`protocols.ledger`). A discard applies only to
+  work reported *before* it: listed by the sender's report of seq d, it covers the sender's receipts of
+  those steps carried by its reports of seq <= d, stored already or arriving later (a report sent
+  before the discard may be delivered after it). Those are marked discarded and count as no evidence:
+  they are not run progress. What they were credited is *taken back* by the discarding report (its
+  credited samples and compute are negative: a debit), so the totals stay ``min(claims, evidence)`` of
+  the surviving history. The work is not forgotten: the leaderboard shows it as ``discarded_samples``
+  (not in ``samples`` nor ``compute_hours``). Judgement: a fork's minority did real work in good
+  faith, but crediting it as run progress rewards forking (the lone fork of issue 10 topped the
+  leaderboard), so it is shown apart and left to the organizer. A sender that hides its discards gains
+  nothing beyond one batch per step per receipt, as for any colluding pair (see Limits).
+
+  The discarding report's *own* receipts are covered (seq <= d): a volunteer discards when it loads
+  the state and lists the discard in its next report (``volunteer.reporting.Reporter.discard``), whose
+  receipts come oldest first from its book, i.e. from before the reload, while taking those step
+  numbers again takes one step each. Receipts of those steps in reports of seq > d are the steps taken
+  *again* with the survivors (the merge rule lets a peer that was ahead load a lower step): new work,
+  credited as any other. Each replaces the stored discarded receipt of its step (note
+  ``receipt_retaken``; the fork's receipt then leaves ``discarded_samples``) instead of being refused as
+  a duplicate; a receipt that is covered itself never replaces anything. A later discard of the same
+  steps (a second fork) covers the receipts taken again as well. The ledger cannot tell a fork's
+  receipt re-sent after the discard from one of the step taken again (same sender and step number), so
+  a sender that does so gains what it would by hiding the discard: one batch per step per receipt.
 * **pull records** about aggregator A in reports of peers of *other users* than A's (each
   ``(puller, aggregator, step)`` once, only for recorded steps) are the evidence of A's aggregation work.
 

@@ -14,7 +14,9 @@ Tables::
     receipts       part receipts that count, one per (sender, step) ever; ``discarded`` once its
                    sender reported the step discarded (a fork it left)
     pulls          pull records about aggregators, one per (puller, aggregator, step)
-    discards       step ranges a peer reported discarded: it re-synced to another state
+    step_discards  step ranges a peer reported discarded (it re-synced to another state), each bounded
+                   by the ``seq`` of the report that listed it: it covers only that peer's receipts
+                   carried by reports with a seq up to it (schema 3 had ``discards``, unbounded)
     steps          one row per global step the collaboration really took: ``source`` says how the ledger
                    knows (``tracker``: a backbone saw it taken; ``receipts``: a counting receipt of it,
                    for a step below the tracker's frontier; ``legacy``: recorded by schema version <= 2,
@@ -87,7 +89,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -221,12 +223,15 @@ class Receipt(Base):
 
 
 class Discard(Base):
-    """``peer_id`` reported that its steps ``first_step..last_step`` were discarded: it re-synced to a
-    state that replaced them (a fork that did not survive)."""
+    """``peer_id`` reported, in its report ``seq``, that its steps ``first_step..last_step`` were
+    discarded: it re-synced to a state that replaced them (a fork that did not survive). It covers the
+    peer's receipts of those steps carried by its reports with a seq up to ``seq`` only: the same step
+    numbers taken again later, with the survivors, are new work (``backbone.ledger.accounting``)."""
 
-    __tablename__ = "discards"
+    __tablename__ = "step_discards"
 
     peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     first_step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     last_step: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
@@ -287,7 +292,7 @@ def _migrate_1_to_2(conn: Connection) -> None:
 
 def _migrate_2_to_3(conn: Connection) -> None:
     """Version 3: sessions per volunteer process (token, heartbeats, why it ended), steps with their
-    source, receipts that can be discarded (the ``discards`` table is made by ``create_all``).
+    source, receipts that can be discarded (their discards: ``step_discards``, version 4).
 
     Every row is kept. Old sessions (opened at join, never closed) get the peer's last-seen time as
     their last heartbeat, so the backbone's sweep closes them as ``timeout`` at that time; old steps are
@@ -316,6 +321,31 @@ def _migrate_2_to_3(conn: Connection) -> None:
         conn.execute(text("CREATE UNIQUE INDEX uq_sessions_peer_id_token ON sessions (peer_id, token)"))
 
 
+def _migrate_3_to_4(conn: Connection) -> None:
+    """Version 4 bounds each discard by the seq of the report that listed it (``step_discards``, made by
+    ``create_all``): version 3's ``discards`` covered every later receipt of its steps, so steps a peer
+    took again after re-syncing were never credited. Its rows move over with their report's seq (every
+    row kept), and receipts it marked though a later report carried them are unmarked: they count from
+    their sender's next report on (accounting's ``credit_due``)."""
+    if "discards" not in inspect(conn).get_table_names():
+        return
+    conn.execute(
+        text(
+            "INSERT INTO step_discards (peer_id, seq, first_step, last_step, report_id) "
+            "SELECT d.peer_id, r.seq, d.first_step, d.last_step, d.report_id "
+            "FROM discards d JOIN reports r ON r.id = d.report_id"
+        )
+    )
+    conn.execute(text("DROP TABLE discards"))
+    conn.execute(
+        text(
+            "UPDATE receipts SET discarded = 0 WHERE discarded = 1 AND NOT EXISTS (SELECT 1 FROM "
+            "step_discards d JOIN reports r ON r.id = receipts.report_id WHERE d.peer_id = receipts.sender "
+            "AND receipts.step BETWEEN d.first_step AND d.last_step AND r.seq <= d.seq)"
+        )
+    )
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -324,7 +354,11 @@ def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
 
 
 #: version N -> function bringing a version-N database to N + 1.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _migrate_1_to_2,
+    2: _migrate_2_to_3,
+    3: _migrate_3_to_4,
+}
 
 
 def create_schema(conn: Connection) -> None:

@@ -3,7 +3,10 @@
 Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
 assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``) and pull
 records, and credits it the increase of ``min(claims, evidence)``, all in one transaction under the
-reporting peer's row lock, so two backbones on one database cannot credit one receipt twice.
+reporting peer's row lock, so two backbones on one database cannot credit one receipt twice. A discard
+(``step_discards``) covers only the receipts of its steps that the peer's reports up to the discarding
+one (by ``seq``) carried; a receipt of a later report replaces a discarded receipt of its step (the step
+taken again after re-syncing) instead of being a duplicate.
 
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
@@ -759,12 +762,12 @@ class LedgerStore:
         return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source) for r in rows]
 
     def discards(self, peer_id: str) -> list[tuple[int, int]]:
-        """The step ranges ``peer_id`` reported discarded, by first step."""
+        """The step ranges ``peer_id`` reported discarded, by first step (each as often as reported)."""
         with self._tx(write=False) as conn:
             rows = conn.execute(
                 select(Discard.first_step, Discard.last_step)
                 .where(Discard.peer_id == peer_id)
-                .order_by(Discard.first_step)
+                .order_by(Discard.first_step, Discard.seq)
             ).all()
         return [(r.first_step, r.last_step) for r in rows]
 
@@ -1054,7 +1057,8 @@ def _store_evidence(
 ) -> Counter[str]:
     """Store the report's verified receipts (``valid``, by step) and its pull records that may count
     (accounting's docstring); returns how many did not, by code (``receipt_held``: stored, counted once
-    its step is recorded)."""
+    its step is recorded), and ``receipt_retaken``: how many replaced a discarded receipt of their step
+    (the step taken again after the sender re-synced; they count)."""
     notes: Counter[str] = Counter()
     aggregators = {r.aggregator for receipts in valid.values() for r in receipts}
     users = _users_of(conn, aggregators | {p.aggregator for p in report.pulled})
@@ -1074,25 +1078,29 @@ def _store_evidence(
         receipt = max(others, key=lambda r: r.weight)
         notes["receipt_duplicate"] += len(others) - 1
         known = conn.execute(
-            select(Receipt.step).where(Receipt.sender == report.peer_id, Receipt.step == step)
+            select(Receipt.discarded).where(Receipt.sender == report.peer_id, Receipt.step == step)
         ).one_or_none()
-        if known is not None:
+        discarded = _is_discarded(conn, report.peer_id, step, report.seq)
+        if known is not None and (not known.discarded or discarded):
             notes["receipt_duplicate"] += 1
             continue
         if step not in recorded and step > _frontier(conn):
             notes["receipt_held"] += 1
-        conn.execute(
-            insert(Receipt).values(
-                sender=report.peer_id,
-                step=step,
-                aggregator=receipt.aggregator,
-                weight=receipt.weight,
-                nbytes=receipt.nbytes,
-                report_id=report_id,
-                discarded=int(_is_discarded(conn, report.peer_id, step)),
-                held=int(step not in recorded),
+        values = {
+            "aggregator": receipt.aggregator,
+            "weight": receipt.weight,
+            "nbytes": receipt.nbytes,
+            "report_id": report_id,
+            "discarded": int(discarded),
+            "held": int(step not in recorded),
+        }
+        if known is None:
+            conn.execute(insert(Receipt).values(sender=report.peer_id, step=step, **values))
+        else:  # the step taken again after the peer discarded it: the new receipt replaces the old one
+            notes["receipt_retaken"] += 1
+            conn.execute(
+                update(Receipt).where(Receipt.sender == report.peer_id, Receipt.step == step).values(**values)
             )
-        )
     seen: set[tuple[str, int]] = set()
     for pulled in report.pulled:
         aggregator_user = users.get(pulled.aggregator)
@@ -1228,25 +1236,41 @@ def _insert_ignore(conn: Connection, table: Any) -> Any:
     return sqlite_insert(table).on_conflict_do_nothing()
 
 
-def _is_discarded(conn: Connection, peer_id: str, step: int) -> bool:
+def _is_discarded(conn: Connection, peer_id: str, step: int, seq: int) -> bool:
+    """A receipt of ``step`` carried by ``peer_id``'s report ``seq`` is covered by one of its discards:
+    one listed by a report with a seq at least ``seq`` (accounting's docstring)."""
     found = conn.execute(
         select(Discard.first_step).where(
-            Discard.peer_id == peer_id, Discard.first_step <= step, Discard.last_step >= step
+            Discard.peer_id == peer_id,
+            Discard.seq >= seq,
+            Discard.first_step <= step,
+            Discard.last_step >= step,
         )
     ).first()
     return found is not None
 
 
 def _store_discards(conn: Connection, report: ContributionReport, report_id: int) -> None:
-    """The report's discarded step ranges: stored, and the sender's receipts in them marked discarded."""
+    """The report's discarded step ranges: stored with its seq, and the sender's stored receipts in them
+    that its reports up to this one carried marked discarded (not those of later reports that arrived
+    first: the steps taken again)."""
+    earlier = select(Report.id).where(Report.peer_id == report.peer_id, Report.seq <= report.seq)
     for span in report.discarded:
         conn.execute(
             _insert_ignore(conn, Discard).values(
-                peer_id=report.peer_id, first_step=span.first, last_step=span.last, report_id=report_id
+                peer_id=report.peer_id,
+                seq=report.seq,
+                first_step=span.first,
+                last_step=span.last,
+                report_id=report_id,
             )
         )
         conn.execute(
             update(Receipt)
-            .where(Receipt.sender == report.peer_id, Receipt.step.between(span.first, span.last))
+            .where(
+                Receipt.sender == report.peer_id,
+                Receipt.step.between(span.first, span.last),
+                Receipt.report_id.in_(earlier),
+            )
             .values(discarded=1)
         )

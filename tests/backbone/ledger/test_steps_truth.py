@@ -68,18 +68,52 @@ def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_fro
 
 def test_steps_a_peer_reports_discarded_are_taken_back_and_shown_apart(store: LedgerStore) -> None:
     """alice and bob were a partition's minority for steps 4-6; alice re-synced to the survivors' state
-    and reports them discarded: what they were credited is taken back, a late receipt of one of them
-    counts nothing, and the leaderboard shows them as discarded work."""
+    and reports them discarded: what they were credited is taken back, a receipt of one of them carried
+    by a report sent before the discard but delivered after it counts nothing, and the leaderboard
+    shows them as discarded work."""
     join(store, "alice", LAPTOP)
     join(store, "bob", SERVER)
     tracked(store, *range(1, 8))
     receipts = [receipt(SERVER, LAPTOP, s, 32) for s in range(1, 6)]
     assert record(store, LAPTOP, 0, samples=7 * 32, receipts=receipts).samples == 5 * 32
-    verdict = record(store, LAPTOP, 1, samples=0, compute_seconds=0.0, discarded=[(4, 6)])
+    verdict = record(store, LAPTOP, 2, samples=0, compute_seconds=0.0, discarded=[(4, 6)])
     assert verdict.samples == -2 * 32 and verdict.compute_seconds < 0
-    late = record(store, LAPTOP, 2, samples=0, receipts=[receipt(SERVER, LAPTOP, 6, 32)])
-    assert late.samples == 0
+    late = record(store, LAPTOP, 1, samples=0, receipts=[receipt(SERVER, LAPTOP, 6, 32)])
+    assert late.samples == 0 and late.notes is None  # stored, as discarded
     assert store.discards(LAPTOP.peer_id) == [(4, 6)]
     [alice, bob] = store.leaderboard()
     assert (alice.username, alice.samples, alice.discarded_samples) == ("alice", 3 * 32, 3 * 32)
     assert (bob.samples, bob.discarded_samples) == (0, 0)
+
+
+def test_steps_taken_again_after_a_discard_are_credited_and_the_discarded_receipts_are_not(
+    store: LedgerStore,
+) -> None:
+    """alice's laptop was in a fork that got ahead to step 13; it re-synced to the survivors at step 9
+    (the merge rule lets a peer that was ahead load a lower step), reported steps 10-13 discarded and
+    then took steps 10-13 again, for real, with the survivors. A discard covers only receipts its
+    report and earlier ones carried: the receipts of the steps taken again are credited (each replaces
+    the discarded one of its step, if any), the fork's are not, and a stale one later changes nothing."""
+    join(store, "alice", LAPTOP)
+    join(store, "bob", SERVER)
+    join(store, "carol", DESKTOP)
+    tracked(store, *range(1, 14))
+    fork = [receipt(SERVER, LAPTOP, s, 32) for s in range(1, 12)]
+    assert record(store, LAPTOP, 0, samples=13 * 32, receipts=fork).samples == 11 * 32
+    # the discarding report carries the fork's receipt of step 12, still in the book: covered too
+    last = receipt(SERVER, LAPTOP, 12, 32)
+    dropped = record(store, LAPTOP, 1, samples=0, receipts=[last], discarded=[(10, 13)])
+    assert dropped.samples == -2 * 32 and dropped.notes is None
+    again = [receipt(DESKTOP, LAPTOP, s, 16) for s in range(10, 14)]
+    taken = record(store, LAPTOP, 2, samples=4 * 16, receipts=again[:2])
+    assert taken.samples == 2 * 16 and taken.notes == "receipt_retaken: 2"
+    later = record(store, LAPTOP, 3, samples=0, receipts=again[2:])  # 12 replaces, 13 is new
+    assert later.samples == 2 * 16 and later.notes == "receipt_retaken: 1"
+    replayed = record(store, LAPTOP, 4, samples=0, receipts=[*again, receipt(SERVER, LAPTOP, 11, 32)])
+    assert replayed.samples == 0 and replayed.notes == "receipt_duplicate: 5"
+    alice = next(row for row in store.leaderboard() if row.username == "alice")
+    assert (alice.samples, alice.discarded_samples) == (9 * 32 + 4 * 16, 0)
+    assert store.discards(LAPTOP.peer_id) == [(10, 13)]
+    # a second fork over some of those steps discards the receipts taken again as well
+    assert record(store, LAPTOP, 5, samples=0, discarded=[(11, 13)]).samples == -3 * 16
+    assert store.discards(LAPTOP.peer_id) == [(10, 13), (11, 13)]

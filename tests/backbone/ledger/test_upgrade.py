@@ -19,6 +19,7 @@ from volunteer.journal import JOURNAL_FILE
 from volunteer.reporting import Reporter
 
 from .reports import T0, identity, make_report, receipt, sign
+from .test_store import join, record
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "b253b6f"
 ALICE, BOB, CAROL = identity(21), identity(22), identity(23)
@@ -136,3 +137,40 @@ def test_a_volunteer_data_dir_of_the_old_code_keeps_its_report_seq(tmp_path: Pat
 @pytest.mark.parametrize("table", TABLES)
 def test_the_fixture_holds_rows_of_every_table(table: str) -> None:
     assert old_rows()[table]
+
+
+def test_a_schema_3_ledger_gets_its_discards_bounded_by_their_report_seq(ledger_url: str) -> None:
+    """Version 3 stored discards unbounded (``discards``) and so marked a receipt of a step taken again
+    after the discard as discarded; version 4 moves each discard over with its report's seq and
+    unmarks such receipts, which then count from their sender's next report."""
+    with LedgerStore.open(ledger_url) as store:
+        join(store, "alice", ALICE)
+        join(store, "bob", BOB)
+        for step in (1, 2, 3):
+            assert store.record_step(step, finished_at=T0 + step, loss=None, samples=64, peers=2)
+        forked = [receipt(BOB, ALICE, s, 32) for s in (1, 2)]
+        assert record(store, ALICE, 0, samples=4 * 32, receipts=forked).samples == 2 * 32
+        assert record(store, ALICE, 1, samples=0, discarded=[(1, 3)]).samples == -2 * 32
+        assert record(store, ALICE, 2, samples=0, receipts=[receipt(BOB, ALICE, 3, 32)]).samples == 32
+    engine = sqlalchemy.create_engine(ledger_url)
+    try:
+        with engine.begin() as conn:  # back into version 3's shape, as version 3 would have stored it
+            for statement in (
+                "CREATE TABLE discards (peer_id VARCHAR(64) NOT NULL, first_step BIGINT NOT NULL, "
+                "last_step BIGINT NOT NULL, report_id BIGINT NOT NULL REFERENCES reports (id), "
+                "PRIMARY KEY (peer_id, first_step))",
+                "INSERT INTO discards SELECT peer_id, first_step, last_step, report_id FROM step_discards",
+                "DROP TABLE step_discards",
+                "UPDATE receipts SET discarded = 1 WHERE step = 3",
+                "UPDATE reports SET credited_samples = 0 WHERE seq = 2",
+                "UPDATE schema_version SET version = 3",
+            ):
+                conn.execute(sqlalchemy.text(statement))
+    finally:
+        engine.dispose()
+    with LedgerStore.open(ledger_url) as store:
+        assert store.discards(ALICE.peer_id) == [(1, 3)]
+        [alice] = [row for row in store.leaderboard() if row.username == "alice"]
+        assert (alice.samples, alice.discarded_samples) == (0, 2 * 32)
+        assert record(store, ALICE, 3, samples=0).samples == 32  # step 3, taken again, counts now
+        assert record(store, ALICE, 4, samples=0, discarded=[(3, 3)]).samples == -32  # bounded by seq
