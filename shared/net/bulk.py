@@ -58,17 +58,34 @@ REFUSAL_DRAIN_LIMIT = 64 * 1024 * 1024
 
 
 async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any) -> None:
-    """Run ``fn(*args)`` (which uses ``conn``'s socket) in a bulk thread; on cancel, abort the socket."""
+    """Run ``fn(*args)`` (which uses ``conn``'s socket) in a bulk thread; on cancel, abort the socket.
+
+    Who closes the fd after a cancel: the worker, if it is inside ``fn`` then (the trio side only shuts
+    the socket down, so the syscall fails and the fd number stays the worker's until it lets go);
+    otherwise the trio side, at once. "Otherwise" includes a worker that never started: the cancel can
+    come while waiting for a ``BULK_THREADS`` token, or after the thread was handed ``work`` but before
+    it ran; such a worker sees ``aborted`` and leaves the socket alone.
+    """
     lock = threading.Lock()
-    state = {"done": False, "aborted": False}
+    state = {"running": False, "aborted": False}
     tls = conn.tls
 
+    def claim() -> bool:
+        """Take the socket for this thread, unless the trio side was cancelled first (and closed it)."""
+        with lock:
+            if state["aborted"]:
+                return False
+            state["running"] = True
+            return True
+
     def work() -> None:
+        if not claim():
+            return
         try:
             fn(*args)
         finally:
             with lock:
-                state["done"] = True
+                state["running"] = False
                 if state["aborted"]:
                     tls.close_from_thread()
 
@@ -77,10 +94,10 @@ async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any
     except trio.Cancelled:
         with lock:
             state["aborted"] = True
-            if state["done"]:
-                tls.close()
-            else:
+            if state["running"]:
                 tls.shutdown()
+            else:
+                tls.close()
         raise
 
 

@@ -17,7 +17,7 @@ from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from shared.errors import PeerUnavailable, RemoteError
-from shared.net.bulk import BulkReader
+from shared.net.bulk import BULK_THREADS, BulkReader
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.net.tls_socket import TlsSocket
@@ -194,10 +194,11 @@ async def test_host_send_bulk_cancelled_midway_raises_cancelled_and_host_can_sen
     sender, receiver, _ = await _pair(start_host)
     entered, release = trio.Event(), trio.Event()
     worker_outcomes: list[BaseException | None] = []
-    worker_done = threading.Event()
+    worker_sending, worker_done = threading.Event(), threading.Event()
     real_send = TlsSocket.send_all_blocking
 
     def observed_send(self: TlsSocket, data: Any, stall: float) -> None:
+        worker_sending.set()
         try:
             real_send(self, data, stall)
         except BaseException as exc:
@@ -223,11 +224,13 @@ async def test_host_send_bulk_cancelled_midway_raises_cancelled_and_host_can_sen
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sender.send_bulk, address_of(receiver), "stalled", big)
                 await entered.wait()
+                # the thread has the socket (a cancel before that would spare it the send altogether)
+                assert await trio.to_thread.run_sync(worker_sending.wait, HANG_GUARD_S)
                 await trio.testing.wait_all_tasks_blocked()
                 scope.cancel()
         assert scope.cancelled_caught
 
-        await trio.to_thread.run_sync(worker_done.wait)  # the worker thread let go: not leaked
+        assert await trio.to_thread.run_sync(worker_done.wait, HANG_GUARD_S)  # it let go: not leaked
         release.set()
         assert sender.statistics().idle_bulk_connections == 0
 
@@ -279,6 +282,43 @@ async def test_bulk_send_cancelled_while_worker_blocked_closes_socket_only_after
 
     assert seen["fileno_when_worker_resumed"] != -1  # ... but the fd stayed the worker's until it let go
     assert tls._sock.fileno() == -1  # and then it was closed
+
+
+async def test_bulk_send_cancelled_while_waiting_for_a_bulk_thread_closes_its_socket(
+    start_host: StartHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No worker ever held the socket, so none will close it: the cancelled side must. (A member that left
+    # mid-round leaked, on every departure, the bulk connections of its pulls still queued for a thread.)
+    sender, receiver, _ = await _pair(start_host)
+    target = address_of(receiver)
+    dialed: list[TlsSocket] = []  # the sender's connections to the receiver
+    real_send_all = TlsSocket.send_all
+
+    async def recorded_send_all(self: TlsSocket, data: bytes | bytearray | memoryview) -> None:
+        if self.peer == f"{target.host}:{target.port}" and self not in dialed:
+            dialed.append(self)
+        await real_send_all(self, data)
+
+    monkeypatch.setattr(TlsSocket, "send_all", recorded_send_all)
+    borrowers = [object() for _ in range(int(BULK_THREADS.total_tokens))]
+    with trio.fail_after(HANG_GUARD_S):
+        for borrower in borrowers:  # every bulk thread busy elsewhere
+            await BULK_THREADS.acquire_on_behalf_of(borrower)
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sender.send_bulk, target, "sink", b"x" * 1024)
+                    while BULK_THREADS.statistics().tasks_waiting == 0:  # its header is out, it queues
+                        await trio.sleep(0.01)
+                    scope.cancel()
+            assert scope.cancelled_caught
+        finally:
+            for borrower in borrowers:
+                BULK_THREADS.release_on_behalf_of(borrower)
+
+    [tls] = dialed
+    assert tls.closed
+    assert tls._sock.fileno() == -1  # the fd itself, not only the flag
 
 
 async def test_host_send_bulk_downloads_a_reply_payload_into_the_sink(start_host: StartHost) -> None:
