@@ -278,8 +278,8 @@ class CollaborativeOptimizer:
 
     def behind(self) -> bool:
         """Our state is not the collaboration's: a credible peer is ahead, we diverged or are outside
-        the surviving collaboration, our state is older than the collaboration last showed us (the
-        high-water mark binds), or we are fresh and know the run got further than our step."""
+        the surviving collaboration, we see nobody and our state is older than the collaboration last
+        showed us (the high-water mark binds), or we are fresh and know the run got further than our step."""
         view = self.view
         if view is None:
             return False
@@ -288,7 +288,7 @@ class CollaborativeOptimizer:
             view.step > step
             or view.diverged
             or view.minority
-            or self.evidence.holds_back(step)
+            or (self.evidence.holds_back(step) and view.peers <= 1)
             or (self.peer.phase is Phase.FRESH and self.evidence.above(step) is not None)
         )
 

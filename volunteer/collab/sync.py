@@ -131,8 +131,12 @@ class StateSync:
                 view = await self.board.try_refresh()
                 minority_seen = minority_seen or (view is not None and (view.minority or view.diverged))
                 target = view.step if view is not None else 0
+                alone = view is None or view.peers <= 1
                 mark = self.evidence.above(target) if self.evidence is not None else None
-                binding = self.evidence is not None and self.evidence.holds_back(target)
+                # The mark guards a peer that sees nobody (it may be in half of a split DHT). With other
+                # peers in view, the collaboration's view decides: when every holder of the mark's state
+                # died, the peers left resume together from the newest state there is, after patience.
+                binding = alone and self.evidence is not None and self.evidence.holds_back(target)
                 if binding and mark is not None:
                     target = mark  # the collaboration showed us this step: nothing older will do
                 candidates = trusted_state(await self._announcements(), min_step=0)
@@ -142,7 +146,6 @@ class StateSync:
                 # train (nobody vouches for it); with nobody training it is how a run resumes. A peer
                 # outside the surviving collaboration takes the survivor's state, even a lower step, and
                 # never one only the losing side announced (shared.state.trust.usable_states).
-                alone = view is None or view.peers <= 1
                 usable = usable_states(
                     candidates,
                     target=target,
