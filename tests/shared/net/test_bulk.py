@@ -301,10 +301,12 @@ async def test_bulk_send_cancelled_while_waiting_for_a_bulk_thread_closes_its_so
 
     monkeypatch.setattr(TlsSocket, "send_all", recorded_send_all)
     borrowers = [object() for _ in range(int(BULK_THREADS.total_tokens))]
+    held: list[object] = []  # released whatever happens: the limiter is the whole process's
     with trio.fail_after(HANG_GUARD_S):
-        for borrower in borrowers:  # every bulk thread busy elsewhere
-            await BULK_THREADS.acquire_on_behalf_of(borrower)
         try:
+            for borrower in borrowers:  # every bulk thread busy elsewhere
+                await BULK_THREADS.acquire_on_behalf_of(borrower)
+                held.append(borrower)
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(sender.send_bulk, target, "sink", b"x" * 1024)
@@ -313,7 +315,7 @@ async def test_bulk_send_cancelled_while_waiting_for_a_bulk_thread_closes_its_so
                     scope.cancel()
             assert scope.cancelled_caught
         finally:
-            for borrower in borrowers:
+            for borrower in held:
                 BULK_THREADS.release_on_behalf_of(borrower)
 
     [tls] = dialed
