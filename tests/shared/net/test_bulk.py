@@ -17,7 +17,7 @@ from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
 from protocols.errors import ProtocolError
 from shared.errors import PeerUnavailable, RemoteError
-from shared.net.bulk import BULK_THREADS, BulkReader
+from shared.net.bulk import BulkReader
 from shared.net.host import Host, HostConfig
 from shared.net.rpc import RequestContext
 from shared.net.tls_socket import TlsSocket
@@ -282,45 +282,6 @@ async def test_bulk_send_cancelled_while_worker_blocked_closes_socket_only_after
 
     assert seen["fileno_when_worker_resumed"] != -1  # ... but the fd stayed the worker's until it let go
     assert tls._sock.fileno() == -1  # and then it was closed
-
-
-async def test_bulk_send_cancelled_while_waiting_for_a_bulk_thread_closes_its_socket(
-    start_host: StartHost, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # No worker ever held the socket, so none will close it: the cancelled side must. (A member that left
-    # mid-round leaked, on every departure, the bulk connections of its pulls still queued for a thread.)
-    sender, receiver, _ = await _pair(start_host)
-    target = address_of(receiver)
-    dialed: list[TlsSocket] = []  # the sender's connections to the receiver
-    real_send_all = TlsSocket.send_all
-
-    async def recorded_send_all(self: TlsSocket, data: bytes | bytearray | memoryview) -> None:
-        if self.peer == f"{target.host}:{target.port}" and self not in dialed:
-            dialed.append(self)
-        await real_send_all(self, data)
-
-    monkeypatch.setattr(TlsSocket, "send_all", recorded_send_all)
-    borrowers = [object() for _ in range(int(BULK_THREADS.total_tokens))]
-    held: list[object] = []  # released whatever happens: the limiter is the whole process's
-    with trio.fail_after(HANG_GUARD_S):
-        try:
-            for borrower in borrowers:  # every bulk thread busy elsewhere
-                await BULK_THREADS.acquire_on_behalf_of(borrower)
-                held.append(borrower)
-            with trio.CancelScope() as scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(sender.send_bulk, target, "sink", b"x" * 1024)
-                    while BULK_THREADS.statistics().tasks_waiting == 0:  # its header is out, it queues
-                        await trio.sleep(0.01)
-                    scope.cancel()
-            assert scope.cancelled_caught
-        finally:
-            for borrower in held:
-                BULK_THREADS.release_on_behalf_of(borrower)
-
-    [tls] = dialed
-    assert tls.closed
-    assert tls._sock.fileno() == -1  # the fd itself, not only the flag
 
 
 async def test_host_send_bulk_downloads_a_reply_payload_into_the_sink(start_host: StartHost) -> None:
