@@ -308,5 +308,10 @@ class Reporter:
                     self._left = True
 
     @property
+    def last_step(self) -> int:
+        """The highest step this data dir ever took part in (reported, or journaled and not yet reported)."""
+        return max([self._last_step, *(s.step for s in self._open)])
+
+    @property
     def pending(self) -> int:
         return len(self._pending)

@@ -129,6 +129,7 @@ class TrainingSession:
                 on_step=self._on_step,
                 backbones=self.initial_peers,
                 on_discard=self.reporter.discard,
+                previous_life=self.reporter.last_step or None,
                 **_receipts_argument(self.reporter.book),
             )
             self.collab = collab

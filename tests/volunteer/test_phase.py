@@ -44,7 +44,8 @@ def test_a_fresh_peer_cannot_enter_a_round_directly() -> None:
 
 async def test_a_rejoining_peer_downloads_the_state_before_any_round(nursery: trio.Nursery) -> None:
     """Two peers took a step; a restarted third (fresh parameters) is behind, is never ready for a round
-    while fresh, and after the download it publishes the collaboration's fingerprint."""
+    while fresh, after the download it publishes the collaboration's fingerprint, and it reports as
+    discarded the steps its killed process had taken past the state it came back to."""
     b = 8
     training = spec(2 * b)
     nodes = await start_nodes(nursery, 3)
@@ -62,7 +63,18 @@ async def test_a_rejoining_peer_downloads_the_state_before_any_round(nursery: tr
     async with trio.open_nursery() as group:
         group.start_soon(step, first, 0)
         group.start_soon(step, second, b)
-    rejoined = await start_collab(nursery, nodes[2], training)
+    # it took part in step 3 before it was killed, with peers whose state died with them too
+    discarded: list[tuple[int, int]] = []
+    trainer = LocalTrainer(LinearTask(), training, "collab-test")  # type: ignore[arg-type]
+    rejoined = CollaborativeOptimizer(
+        nodes[2],
+        trainer,
+        training,
+        config=CONFIG,
+        previous_life=3,
+        on_discard=lambda first, last: discarded.append((first, last)),
+    )
+    await nursery.start(rejoined.run)
     view = await rejoined.refresh_view()
     assert rejoined.peer.phase is Phase.FRESH and not rejoined.anchored
     assert view.step == 1 and rejoined.behind()
@@ -72,6 +84,7 @@ async def test_a_rejoining_peer_downloads_the_state_before_any_round(nursery: tr
         assert await rejoined.sync_state() == 1
     assert rejoined.peer.phase is Phase.TRAINING and rejoined.anchored
     assert rejoined.progress().params == first.progress().params != b""
+    assert discarded == [(2, 3)]  # the steps its earlier process took past the state it came back to
 
 
 async def test_a_lone_volunteer_does_not_train_on_a_state_older_than_its_high_water_mark(

@@ -84,6 +84,8 @@ class CollaborativeOptimizer:
     backbones: Sequence[str] = ()
     #: called with (first, last) when a loaded state replaced steps only we took (for the ledger)
     on_discard: Callable[[int, int], None] | None = None
+    #: the highest step this data dir took part in before a restart (the report journal's), if any
+    previous_life: int | None = None
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:
@@ -118,6 +120,7 @@ class CollaborativeOptimizer:
             waiting=self._waiting,
             evidence=self.evidence,
             on_discard=self._discard,
+            previous_life=self.previous_life,
         )
         self.mode: StepMode = self._batch_step()
 

@@ -70,6 +70,9 @@ class StateSync:
     download: tuple[int, int] | None = None
     waiting: Callable[[str | None], None] = lambda _: None
     sources: SourceBook = field(default_factory=SourceBook)  # failed sources, refused announcements
+    #: the step this data dir reached before a restart (from the report journal): a fresh peer that then
+    #: loads an older state lost the steps in between with its earlier process, and reports them discarded
+    previous_life: int | None = None
     evidence: Evidence | None = None  # the high-water mark: no older state is loaded while it binds
     #: called with (first, last) when a loaded state replaced steps only we took (a fork that lost)
     on_discard: Callable[[int, int], None] | None = None
@@ -176,6 +179,9 @@ class StateSync:
                     else:
                         loaded = True
                         discarded = _replaced(ours, self.peer.agreed_before_load, step, minority_seen)
+                        if ours is None and self.previous_life is not None and self.previous_life > step:
+                            discarded = (step + 1, self.previous_life)  # died with our earlier process
+                        self.previous_life = None
                         if discarded is not None and self.on_discard is not None:
                             self.on_discard(*discarded)
                         if self._announced_step != -1:  # we announced another state: that is over
