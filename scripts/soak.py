@@ -363,6 +363,34 @@ def final_agreement(lines: dict[str, list[Line]], names: list[str]) -> dict[str,
 # ----------------------------------------------------------------------------- ledger
 
 
+def discards_by_peer(conn: Any) -> dict[str, list[tuple[int, int]]]:
+    """The step ranges each peer reported discarded (the ledger's ``step_discards``)."""
+    from sqlalchemy import text
+
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for peer, first, last in conn.execute(text("SELECT peer_id, first_step, last_step FROM step_discards")):
+        out[str(peer)].append((int(first), int(last)))
+    return dict(out)
+
+
+def superseded(lines: list[Line], discards: dict[str, list[tuple[int, int]]]) -> tuple[list[Line], list[int]]:
+    """Drop the lines a volunteer reported discarded and then logged again (a re-sync to an older state:
+    its earlier line of that step was replaced); returns the kept lines and the steps dropped. ``discards``
+    is keyed by volunteer name."""
+    last_of: dict[tuple[str, int], float] = {}
+    for line in lines:
+        key = (line.volunteer, line.step)
+        last_of[key] = max(last_of.get(key, line.time), line.time)
+    kept, dropped = [], set()
+    for line in lines:
+        ranges = discards.get(line.volunteer, [])
+        if line.time < last_of[(line.volunteer, line.step)] and any(a <= line.step <= b for a, b in ranges):
+            dropped.add(line.step)
+        else:
+            kept.append(line)
+    return kept, sorted(dropped)
+
+
 def ledger_figures(url: str) -> dict[str, Any]:
     """Credited samples, step rows (and those with 0 peers), open sessions, report statuses."""
     from sqlalchemy import create_engine, text
@@ -384,6 +412,7 @@ def ledger_figures(url: str) -> dict[str, Any]:
                 "max_recorded_step": one("SELECT MAX(global_step) FROM steps"),
                 "sessions": int(one("SELECT COUNT(*) FROM sessions")),
                 "open_sessions": int(one("SELECT COUNT(*) FROM sessions WHERE ended_at IS NULL")),
+                "discards_by_peer": discards_by_peer(conn),
                 "credited_by_peer": {
                     str(peer): float(samples)
                     for peer, samples in conn.execute(
@@ -726,7 +755,12 @@ def analyse(
             {"at": round(restart - t0, 1), "seconds": None if converged is None else round(converged, 2)}
         )
 
+    ledger = ledger_figures(ledger_url)
+    discards = ledger.pop("discards_by_peer")
+    named = {v.name: discards.get(peer_id_of(v.log) or "", []) for v in soak.volunteers}
+    everything, replaced = superseded(everything, named)
     discarded, forks = disagreements(everything)
+    discarded = sorted({*discarded, *replaced})
     best = majority(everything)
     start_step = max((line.step for line in everything if line.time <= t0), default=0)
     top = int(statistics.median([own[-1].step for own in lines.values() if own] or [0]))
@@ -741,7 +775,6 @@ def analyse(
         else {"one_collaboration": False, "why": "no volunteer stopped cleanly"}
     )
     computed = computed_samples(everything)
-    ledger = ledger_figures(ledger_url)
     report_times, step_times = ledger.pop("report_times"), ledger.pop("step_times")
     credited_by_peer = ledger.pop("credited_by_peer")
     per_volunteer = {}

@@ -74,3 +74,25 @@ def test_stall_waits_for_every_survivor_and_is_none_when_one_never_steps() -> No
     survivors = {"a": lines("a", range(1, 4), "x", start=10.0), "b": lines("b", range(1, 4), "x", start=13.0)}
     assert soak.stall_after(9.5, survivors, until=100.0) == 3.5  # a at 10, b at 13
     assert soak.stall_after(12.5, survivors, until=12.9) is None
+
+
+def test_a_step_lost_with_its_holders_and_taken_again_is_a_discard_not_a_fork() -> None:
+    # v2 and v3 took step 19 and were killed together; restarted, they loaded 18 from v1, reported 19
+    # discarded, and the three took 19 again: the first 19 is gone with its holders, not a fork
+    v1 = lines("v1", range(17, 21), ["a17", "a18", "new19", "new20"], start=0)
+    v2 = [
+        *lines("v2", range(17, 20), ["a17", "a18", "old19"], start=0),
+        *lines("v2", range(19, 21), ["new19", "new20"], start=10),
+    ]
+    v3 = [
+        *lines("v3", range(17, 20), ["a17", "a18", "old19"], start=0),
+        *lines("v3", range(19, 21), ["new19", "new20"], start=10),
+    ]
+    everything = [*v1, *v2, *v3]
+    assert soak.disagreements(everything)[1] == [19]  # without the ledger's word: a fork
+    kept, replaced = soak.superseded(everything, {"v2": [(19, 19)], "v3": [(19, 19)]})
+    assert replaced == [19]
+    assert soak.disagreements(kept) == ([], [])
+    # a volunteer that did not report the step discarded keeps its line
+    kept, _ = soak.superseded(everything, {"v2": [(19, 19)]})
+    assert [(x.volunteer, x.fingerprint) for x in kept if x.fingerprint == "old19"] == [("v3", "old19")]
