@@ -39,7 +39,9 @@ samples, peers, wall time) and from the ledger's database, then the backbones st
   of a step is the one most volunteers logged (ties: the greater sample count). A disagreement is
   *discarded by re-sync* when each minority fingerprint there comes from one volunteer whose minority
   streak (consecutive minority steps) is at most :data:`RESYNC_STREAK` long — a peer that stepped once
-  on a stale state and then re-synced; every other one is *unexplained* (a fork);
+  on a stale state and then re-synced — or when every volunteer holding it reported that step discarded
+  to the ledger (a round that completed for some members only, whose other members retried together and
+  later re-synced); every other one is *unexplained* (a fork);
 * **computed samples**: the samples of the majority-fingerprint lines of every step (what the surviving
   collaboration computed); **credited**: ``SUM(reports.credited_samples)`` in the ledger;
 * **credited ≤ computed** holds in total and per volunteer (its peer's credited samples against its own
@@ -251,8 +253,17 @@ def majority(lines: list[Line]) -> dict[int, str]:
     }
 
 
-def disagreements(lines: list[Line]) -> tuple[list[int], list[int]]:
-    """(steps discarded by a re-syncing peer, unexplained forks): see the module docstring."""
+def disagreements(
+    lines: list[Line], discards: dict[str, list[tuple[int, int]]] | None = None
+) -> tuple[list[int], list[int]]:
+    """(steps discarded by a re-syncing peer, unexplained forks): see the module docstring. ``discards``
+    (the ledger's discarded step ranges, keyed by volunteer name): a minority fingerprint every holder of
+    which reported that step discarded is a re-sync discard, however many held it."""
+    discards = discards or {}
+
+    def reported(name: str, step: int) -> bool:
+        return any(a <= step <= b for a, b in discards.get(name, []))
+
     best = majority(lines)
     prints: dict[int, set[str]] = defaultdict(set)
     for line in lines:
@@ -279,7 +290,8 @@ def disagreements(lines: list[Line]) -> tuple[list[int], list[int]]:
             if line.step == step and line.fingerprint != best[step]:
                 minority[line.fingerprint].add(line.volunteer)
         explained = all(
-            len(names) == 1 and streak_of.get((next(iter(names)), step), 0) <= RESYNC_STREAK
+            (len(names) == 1 and streak_of.get((next(iter(names)), step), 0) <= RESYNC_STREAK)
+            or all(reported(name, step) for name in names)
             for names in minority.values()
         )
         (discarded if explained else forks).append(step)
@@ -759,7 +771,7 @@ def analyse(
     discards = ledger.pop("discards_by_peer")
     named = {v.name: discards.get(peer_id_of(v.log) or "", []) for v in soak.volunteers}
     everything, replaced = superseded(everything, named)
-    discarded, forks = disagreements(everything)
+    discarded, forks = disagreements(everything, named)
     discarded = sorted({*discarded, *replaced})
     best = majority(everything)
     start_step = max((line.step for line in everything if line.time <= t0), default=0)

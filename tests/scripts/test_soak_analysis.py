@@ -96,3 +96,21 @@ def test_a_step_lost_with_its_holders_and_taken_again_is_a_discard_not_a_fork() 
     # a volunteer that did not report the step discarded keeps its line
     kept, _ = soak.superseded(everything, {"v2": [(19, 19)]})
     assert [(x.volunteer, x.fingerprint) for x in kept if x.fingerprint == "old19"] == [("v3", "old19")]
+
+
+def test_a_minority_step_every_holder_reported_discarded_is_a_resync_not_a_fork() -> None:
+    """The 600-s soak's split round: 106 completed for v1 and v5 (who went on to 107), v3 and v4 retried
+    and took their own 106, then re-synced to 107 and reported 106 discarded."""
+    v1 = lines("v1", range(105, 108), ["a105", "a106", "a107"], start=0)
+    v5 = lines("v5", range(105, 108), ["a105", "a106", "a107"], start=0)
+    v4 = [*lines("v4", range(105, 107), ["a105", "b106"], start=0), *lines("v4", [108], ["a108"], start=10)]
+    v3 = lines("v3", range(105, 107), ["a105", "b106"], start=0)
+    everything = [*v1, *v5, *v4, *v3]
+    # a tie in holders: the majority is the greater sample count, equal here; either way one side is minority
+    assert soak.disagreements(everything) == ([], [106])  # two holders, no ledger word: a fork
+    minority = "b106" if soak.majority(everything)[106] == "a106" else "a106"
+    holders = {x.volunteer for x in everything if x.fingerprint == minority}
+    assert soak.disagreements(everything, {name: [(106, 106)] for name in holders}) == ([106], [])
+    # one holder that did not report it keeps it a fork
+    one = sorted(holders)[0]
+    assert soak.disagreements(everything, {one: [(106, 106)]}) == ([], [106])

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 from hypothesis import given
@@ -142,3 +143,67 @@ async def test_a_partial_read_does_not_lower_the_high_water_mark(
     assert collab.evidence.mark is not None and collab.evidence.mark.step == 50  # a lagging group only
     await collab.evidence.observe(dataclasses.replace(view, collaborations=2))
     assert collab.evidence.mark.step == 20  # a merge sent the run back: the survivor is what was shown
+
+
+async def test_a_peer_one_step_behind_reports_its_own_step_discarded_when_it_was_a_fork(
+    nursery: trio.Nursery,
+) -> None:
+    """The soak's split round: a round completed for some members and failed for others, who retried and
+    took their own step 1; the first went on to step 2. One step behind, the retried peer downloads step 2
+    and, from the state's lineage, reports its step 1 discarded (it was credited before: it had stepped
+    with a group, so it looked like an honest laggard); an honest laggard reports nothing."""
+    b = 8
+    training = spec(2 * b)
+    nodes = await start_nodes(nursery, 4)
+    first = await start_collab(nursery, nodes[0], training)
+    second = await start_collab(nursery, nodes[1], training)
+    task = LinearTask()
+    data = examples(5, 8 * b)
+    await see_each_other([first, second])
+
+    async def step(peer: CollaborativeOptimizer, offset: int) -> None:
+        await peer.accumulate(task.collate(data[offset : offset + b]))
+        await peer.refresh_view()
+        assert await peer.average_and_step()
+
+    def joined(node_index: int) -> tuple[CollaborativeOptimizer, list[tuple[int, int]]]:
+        discarded: list[tuple[int, int]] = []
+        trainer = LocalTrainer(LinearTask(), training, "collab-test")  # type: ignore[arg-type]
+        peer = CollaborativeOptimizer(
+            nodes[node_index],
+            trainer,
+            training,
+            config=CONFIG,
+            on_discard=lambda first, last: discarded.append((first, last)),
+        )
+        return peer, discarded
+
+    forked, forked_discards = joined(2)
+    laggard, laggard_discards = joined(3)
+    await nursery.start(forked.run)
+    await nursery.start(laggard.run)
+
+    async with trio.open_nursery() as group:
+        group.start_soon(step, first, 0)
+        group.start_soon(step, second, b)
+    # the laggard holds the collaboration's step 1 (downloaded), the forked peer its own step 1 (as if it
+    # had stepped with the retried group: the same step number, other gradients)
+    with trio.fail_after(30):
+        assert await laggard.sync_state() == 1
+    forked.trainer.apply(np.full(forked.trainer.numel, 0.5, dtype=np.float32))
+    forked.peer.fingerprint = forked.trainer.fingerprint()
+    forked.peer.anchored = True
+    forked.peer.agreed_step = 1
+    assert forked.trainer.lineage[1] != first.trainer.lineage[1] == laggard.trainer.lineage[1]
+
+    async with trio.open_nursery() as group:
+        group.start_soon(step, first, 2 * b)
+        group.start_soon(step, second, 3 * b)
+    with trio.fail_after(30):
+        while (await forked.refresh_view()).step != 2 or (await laggard.refresh_view()).step != 2:
+            await trio.sleep(0.05)  # both see the collaboration at step 2, one step ahead of them
+        assert await forked.sync_state() == 2
+        assert await laggard.sync_state() == 2
+    assert forked_discards == [(1, 1)]
+    assert laggard_discards == []
+    assert forked.progress().params == first.progress().params

@@ -21,6 +21,7 @@ from protocols.training import (
 from shared.data.corpus import generate_examples
 from shared.node import Node
 from shared.state.blob import decode_state, encode_state
+from shared.state.lineage import extend_lineage
 from shared.state.transfer import StateServer, announce_state
 from tests.volunteer.test_collab import (
     LinearTask,
@@ -123,3 +124,7 @@ def test_state_bound_holds_the_run_models_state_at_every_step_and_is_tight() -> 
     trainer.apply(trainer.take_gradients().mean())
     full = len(trainer.state_blob())
     assert empty < full <= bound <= full + full // 10
+    # the longest lineage there can be: 32 steps of 20 digits each
+    for step in range(10**19, 10**19 + 40):
+        trainer.lineage = extend_lineage(trainer.lineage, step, bytes(8))
+    assert full < len(trainer.state_blob()) <= bound

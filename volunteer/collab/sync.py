@@ -33,6 +33,8 @@ from shared.net.addresses import PeerAddress
 from shared.node import Node
 from shared.state.blob import read_metadata, state_digest, state_step
 from shared.state.limits import SourceBook, state_size_bound
+from shared.state.lineage import MAX_TEXT as LINEAGE_MAX_TEXT
+from shared.state.lineage import comparable, replaced_steps
 from shared.state.transfer import (
     StateServer,
     announce_state,
@@ -122,6 +124,7 @@ class StateSync:
             StateUnavailable: no trustworthy state could be downloaded within ``patience``.
         """
         ours = self.trainer.step if self.peer.anchored else None  # the state a load replaces
+        our_lineage = self.trainer.lineage  # replaced (never mutated) by each step and load
         minority_seen = False  # the survivor was another collaboration (sticky across retries)
         came_from = self.peer.enter(Phase.SYNCING)
         self.waiting("re-syncing: downloading the collaboration's state")
@@ -179,6 +182,9 @@ class StateSync:
                     else:
                         loaded = True
                         discarded = _replaced(ours, self.peer.agreed_before_load, step, minority_seen)
+                        if ours is not None and comparable(our_lineage, self.trainer.lineage):
+                            # the histories say exactly which of our steps the collaboration did not take
+                            discarded = replaced_steps(our_lineage, ours, self.trainer.lineage, step)
                         if ours is None and self.previous_life is not None and self.previous_life > step:
                             discarded = (step + 1, self.previous_life)  # died with our earlier process
                         self.previous_life = None
@@ -317,7 +323,8 @@ def _state_bound(trainer: LocalTrainer) -> int:
     for i, param in enumerate(trainer.params):
         slot = (f"optim/{i}/momentum_buffer", param.numel() * param.element_size(), param.dim())
         tensors += [slot] * _OPTIMIZER_SLOTS + [(f"optim/{i}/momentum_buffer", 8, 0)]
-    return state_size_bound(tensors, (trainer.run_id, trainer.task.name))
+    # the metadata: run id, task, and the longest lineage (shared.state.lineage: ASCII, no escapes)
+    return state_size_bound(tensors, (trainer.run_id, trainer.task.name, "0" * LINEAGE_MAX_TEXT))
 
 
 _OPTIMIZER_SLOTS = 2

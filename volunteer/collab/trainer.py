@@ -18,7 +18,9 @@ at the current global step, takes one optimizer step and increments ``step``.
 ``optim/<param index>/<key>`` (the optimizer's per-parameter tensors) with the step, run id and task in
 the metadata (see :mod:`shared.state.blob`); ``load_state_blob`` restores all of it and drops accumulated
 gradients. ``fingerprint()`` is a short hash of a fixed sample of the parameters, cheap enough for every
-step, that peers compare to detect divergence.
+step, that peers compare to detect divergence; ``lineage`` holds the fingerprints of the last states and
+travels in the state's metadata (:mod:`shared.state.lineage`), so a peer that loads a state can tell which
+of its own steps the collaboration did not take.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from protocols.training import OptimizerSpec, TrainingSpec
 from shared.errors import StateError
 from shared.state.blob import STATE_FORMAT, decode_state, encode_state
+from shared.state.lineage import decode_lineage, encode_lineage, extend_lineage
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -91,6 +94,8 @@ class LocalTrainer:
         self._compute_seconds = 0.0
         self._lock = threading.Lock()
         self._stride = max(1, self.numel // FINGERPRINT_SAMPLE)
+        #: fingerprints of the last states, step -> fingerprint (:mod:`shared.state.lineage`)
+        self.lineage: dict[int, bytes] = {}
 
     # ------------------------------------------------------------------ accumulation
 
@@ -167,16 +172,20 @@ class LocalTrainer:
             for p, grad in zip(self.params, pending, strict=True):
                 p.grad = grad
             self.step += 1
+            self.lineage = extend_lineage(self.lineage, self.step, self._fingerprint())
             return self.step
 
     def fingerprint(self) -> bytes:
-        """8 bytes identifying the parameters (a fixed strided sample of them)."""
+        """8 bytes identifying the parameters and the step (a fixed strided sample of the parameters)."""
         with self._lock:
-            digest = hashlib.blake2b(digest_size=8)
-            digest.update(self.step.to_bytes(8, "little"))
-            for p in self.params:
-                digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
-            return digest.digest()
+            return self._fingerprint()
+
+    def _fingerprint(self) -> bytes:
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(self.step.to_bytes(8, "little"))
+        for p in self.params:
+            digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
+        return digest.digest()
 
     def parameter_vector(self) -> Float32Array:
         with self._lock:
@@ -201,6 +210,7 @@ class LocalTrainer:
                 "step": str(self.step),
                 "run_id": self.run_id,
                 "task": self.task.name,
+                "lineage": encode_lineage(self.lineage),
             }
             return encode_state(tensors, metadata)
 
@@ -241,6 +251,8 @@ class LocalTrainer:
                     k: v.to(param.device) if v.dim() > 0 else v for k, v in entry.items()
                 }
             self.step = step
+            lineage = decode_lineage(metadata.get("lineage", ""))  # absent or malformed: {}
+            self.lineage = extend_lineage(lineage, step, self._fingerprint())
             self._clear()
             return step
 

@@ -1,0 +1,103 @@
+"""A state's lineage and which of a peer's steps a loaded state replaced (shared.state.lineage)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.state.lineage import (
+    LINEAGE_STEPS,
+    MAX_TEXT,
+    comparable,
+    decode_lineage,
+    encode_lineage,
+    extend_lineage,
+    replaced_steps,
+)
+
+
+def fp(history: str, step: int) -> bytes:
+    """The fingerprint of ``history``'s state at ``step`` (distinct histories, distinct fingerprints)."""
+    return hashlib.blake2b(f"{history}/{step}".encode(), digest_size=8).digest()
+
+
+def chain(history: str, first: int, last: int, common_until: int = -1) -> dict[int, bytes]:
+    """A lineage of steps first..last that equals the shared history ``"run"`` up to ``common_until``."""
+    lineage: dict[int, bytes] = {}
+    for step in range(first, last + 1):
+        lineage = extend_lineage(lineage, step, fp("run" if step <= common_until else history, step))
+    return lineage
+
+
+@given(st.integers(0, 10**6), st.integers(1, 80))
+def test_a_lineage_keeps_the_last_steps_and_round_trips(start: int, steps: int) -> None:
+    lineage = chain("run", start, start + steps - 1)
+    assert len(lineage) == min(steps, LINEAGE_STEPS)
+    assert max(lineage) == start + steps - 1
+    text = encode_lineage(lineage)
+    assert len(text) <= MAX_TEXT
+    assert decode_lineage(text) == lineage
+
+
+@given(st.text(max_size=2 * MAX_TEXT))
+def test_a_malformed_lineage_is_ignored_never_fatal(text: str) -> None:
+    lineage = decode_lineage(text)
+    assert len(lineage) <= LINEAGE_STEPS
+    assert all(len(f) == 8 for f in lineage.values())
+
+
+def test_oversized_or_malformed_lineages_are_absent() -> None:
+    assert decode_lineage("1:" + "ab" * 8 + "," * MAX_TEXT) == {}
+    assert decode_lineage("1:zz" + "0" * 14) == {}
+    assert decode_lineage("-1:" + "0" * 16) == {}
+    assert decode_lineage("1:" + "0" * 15) == {}
+
+
+def test_extending_drops_entries_of_another_history_above_the_step() -> None:
+    lineage = chain("run", 1, 10)
+    assert max(extend_lineage(lineage, 5, fp("load", 5))) == 5
+
+
+@given(
+    ours_start=st.integers(1, 100),
+    ours_len=st.integers(1, 40),
+    loaded_offset=st.integers(-35, 35),
+    split_offset=st.integers(-40, 40),
+)
+def test_exactly_the_steps_not_in_the_loaded_history_are_replaced(
+    ours_start: int, ours_len: int, loaded_offset: int, split_offset: int
+) -> None:
+    """Our history and the loaded one agree up to ``split`` and differ after it: the steps of ours above
+    ``split`` are replaced (a fork), and so are ours above the loaded step; steps at or below both are
+    not (whatever the gap between the two)."""
+    ours_step = ours_start + ours_len - 1
+    loaded = max(1, ours_step + loaded_offset)
+    split = ours_step + split_offset
+    ours = chain("ours", ours_start, ours_step, common_until=split)
+    theirs = chain("theirs", max(1, loaded - LINEAGE_STEPS + 1), loaded, common_until=split)
+    if not comparable(ours, theirs):
+        assert not set(ours) & set(theirs)
+        return
+    replaced = replaced_steps(ours, ours_step, theirs, loaded)
+    lost = {s for s in ours if s > split and (s in theirs or s > loaded)}
+    lost |= {s for s in range(min(ours, default=0), ours_step + 1) if s > loaded}
+    if not lost:
+        assert replaced is None
+    else:
+        assert replaced is not None
+        first, last = replaced
+        assert last == ours_step
+        # every step from the first divergence (or beyond the loaded state) is lost, none before it
+        assert first == min(lost)
+
+
+def test_the_issue_case_behind_by_one_after_a_split_round() -> None:
+    """A round completed for some members (they went on to step 107) and failed for others, who retried
+    and took their own step 106: one step behind, the loaded state's lineage shows theirs was a fork."""
+    survivors = chain("survivors", 80, 107, common_until=105)
+    retried = chain("retried", 80, 106, common_until=105)
+    assert replaced_steps(retried, 106, survivors, 107) == (106, 106)
+    honest_laggard = chain("x", 80, 105, common_until=105)
+    assert replaced_steps(honest_laggard, 105, survivors, 107) is None
