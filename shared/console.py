@@ -32,6 +32,7 @@ __all__ = [
     "locked_data_dir",
     "run_service",
     "setup_logging",
+    "shown_path",
     "stderr",
     "validate_run_id",
 ]
@@ -59,8 +60,20 @@ def validate_run_id(run_id: str) -> str:
 
 
 def default_data_dir(role: str) -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "dedloc" / role
+    """This user's data dir for ``role`` (``volunteer``, ``backbone``): ``$XDG_DATA_HOME/dedloc/ROLE``,
+    by default ``~/.local/share/dedloc/ROLE`` (the XDG base directory spec ignores a relative
+    ``$XDG_DATA_HOME``)."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "share"
+    return root / "dedloc" / role
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as help text shows it: under the home directory as ``~/…``."""
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except (ValueError, RuntimeError):  # elsewhere, or no home directory
+        return str(path)
 
 
 @contextlib.contextmanager
