@@ -21,6 +21,7 @@ from shared.console import (
     default_data_dir,
     fail,
     locked_data_dir,
+    project_version,
     run_service,
     setup_logging,
     shown_path,
@@ -38,18 +39,19 @@ from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
-HELP = """Run a training run's backbone nodes and decide who may join, what counts and what comes out.
+_DATA_DIR = default_data_dir("backbone")
+HELP = f"""Run a training run's backbone nodes and administer the run: who joins, the ledger, the model.
 
 Backbone nodes keep the run's DHT alive, admit its volunteers, credit their work in the ledger and keep
-checkpoints of the model. Start a run, invite a volunteer, watch the contributions:
+checkpoints of the model. Start a run, invite a volunteer, see who contributed, export the model:
 
 \b
     backbone start --run-id my-run --manifest run.toml
     backbone allow add alice      # prints alice's invite code
-    backbone ledger               # who contributed what
+    backbone ledger
     backbone export -o model.safetensors
 
-Every command takes --data-dir; without it they share one per-user data dir."""
+Every command takes --data-dir DIR, by default {shown_path(_DATA_DIR)}."""
 # Click's plain layout: help text gets the width of the terminal, paragraphs are reflowed and nothing is
 # truncated (Rich's boxed tables squeeze the help column at 80 columns).
 app = typer.Typer(
@@ -67,7 +69,6 @@ allow_app = typer.Typer(
 app.add_typer(allow_app, name="allow")
 out = Console()
 
-_DATA_DIR = default_data_dir("backbone")
 DataDir = Annotated[
     Path,
     typer.Option(
@@ -95,10 +96,21 @@ Username = Annotated[
 ]
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        print(f"backbone (dedloc) {project_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
     # A callback keeps every command a subcommand, even while there would be only one.
-    pass
+    del version  # its callback answers it
 
 
 @app.command()

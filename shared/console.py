@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import logging
 import os
 import re
@@ -30,6 +31,7 @@ __all__ = [
     "default_data_dir",
     "fail",
     "locked_data_dir",
+    "project_version",
     "run_service",
     "setup_logging",
     "shown_path",
@@ -66,6 +68,14 @@ def default_data_dir(role: str) -> Path:
     base = os.environ.get("XDG_DATA_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "share"
     return root / "dedloc" / role
+
+
+def project_version() -> str:
+    """The installed project's version (``unknown`` in a source tree that was never installed)."""
+    try:
+        return importlib.metadata.version("dedloc")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def shown_path(path: Path) -> str:

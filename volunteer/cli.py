@@ -16,6 +16,7 @@ from rich.console import Console
 from shared.console import (
     default_data_dir,
     locked_data_dir,
+    project_version,
     run_service,
     setup_logging,
     shown_path,
@@ -49,10 +50,21 @@ app = typer.Typer(
 _DATA_DIR = default_data_dir("volunteer")
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        print(f"volunteer (dedloc) {project_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
     # A callback keeps `join` a subcommand: `volunteer join RUN_ID`, not `volunteer RUN_ID`.
-    pass
+    del version  # its callback answers it
 
 
 @app.command()

@@ -164,3 +164,11 @@ def test_default_data_dir_follows_xdg_and_ignores_a_relative_one(
 
     monkeypatch.delenv("XDG_DATA_HOME")
     assert default_data_dir("volunteer") == tmp_path / "home" / ".local" / "share" / "dedloc" / "volunteer"
+
+
+@pytest.mark.parametrize(("app", "name"), [(volunteer_app, "volunteer"), (backbone_app, "backbone")])
+def test_version(app: typer.Typer, name: str) -> None:
+    result = CliRunner().invoke(app, ["--version"])
+
+    assert result.exit_code == 0
+    assert result.output.startswith(f"{name} (dedloc) ")
