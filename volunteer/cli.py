@@ -1,8 +1,8 @@
 """``volunteer``: donate this machine to a collaborative training run.
 
 Importing this module stays cheap (typer, rich, trio): ``volunteer --help`` and a mistyped flag answer at
-once. The daemon (torch, datasets, the network stack) is imported by ``join`` only once its flags parsed;
-``tests/volunteer/test_cli_help.py`` holds this module to that.
+once. The daemon (torch, datasets, the network stack) is imported by ``join`` only once its flags are checked;
+``tests/system/test_cli_help.py`` holds this module to that.
 """
 
 from __future__ import annotations
