@@ -207,6 +207,9 @@ def start(
     --initial-peer), then, for a pinned run, its run id (name@fingerprint: publish it) and API URLs.
     The first start of a data dir creates the run's authority key there.
 
+    Exit codes: 0 on a clean stop; 1 when the network failed; 2 on unusable input (flags, manifest, data
+    dir).
+
     \b
     Examples:
       backbone start --run-id my-run --manifest run.toml \\

@@ -85,7 +85,7 @@ def join(
             metavar="DIR",
             default_factory=lambda: default_data_dir("volunteer"),
             show_default=False,
-            help="This machine's identity, credential, training state and logs "
+            help="This machine's identity, its credential for the run and its training state "
             f"(one running volunteer per data dir).  [default: {shown_path(_DATA_DIR)}]",
         ),
     ],
@@ -165,8 +165,8 @@ def join(
     trains it together with the run's other peers, showing a live panel. Ctrl+C or SIGTERM leaves cleanly;
     at the run's step limit it hands its final state to a backbone and exits.
 
-    Exit codes: 0 on a clean stop; 1 when the run or the network refused or failed us; 2 on unusable input
-    (flags, data dir).
+    Exit codes: 0 on a clean stop; 1 when the run refused this machine or the network failed; 2 on unusable
+    input (flags, data dir).
     """
     setup_logging(verbose)
     console = Console()
