@@ -17,7 +17,16 @@ from rich.table import Table
 
 from protocols.api import Invite, encode_invite
 from protocols.training import TrainingSpec
-from shared.console import fail, locked_data_dir, run_service, setup_logging, validate_run_id
+from shared.console import (
+    default_data_dir,
+    fail,
+    locked_data_dir,
+    project_version,
+    run_service,
+    setup_logging,
+    shown_path,
+    validate_run_id,
+)
 from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
@@ -30,71 +39,184 @@ from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
-HELP = "Backbone nodes keep a training run's DHT alive, admit its volunteers and credit their work."
-app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+_DATA_DIR = default_data_dir("backbone")
+HELP = f"""Run a training run's backbone nodes and administer the run: who joins, the ledger, the model.
+
+Backbone nodes keep the run's DHT alive, admit its volunteers, credit their work in the ledger and keep
+checkpoints of the model. Start a run, invite a volunteer, see who contributed, export the model:
+
+\b
+    backbone start --run-id my-run --manifest run.toml
+    backbone allow add alice      # prints alice's invite code
+    backbone ledger
+    backbone export -o model.safetensors
+
+Every command takes --data-dir DIR, by default {shown_path(_DATA_DIR)}."""
+# Click's plain layout: help text gets the width of the terminal, paragraphs are reflowed and nothing is
+# truncated (Rich's boxed tables squeeze the help column at 80 columns).
+app = typer.Typer(
+    help=HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
 allow_app = typer.Typer(
-    help="Manage who may join the run (works whether or not the backbone runs).", no_args_is_help=True
+    help="Decide who may join the run: invite users, list them, remove them.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(allow_app, name="allow")
 out = Console()
 
 DataDir = Annotated[
-    Path, typer.Option("--data-dir", help="The backbone's data dir (identity, keys, ledger).")
+    Path,
+    typer.Option(
+        "--data-dir",
+        metavar="DIR",
+        default_factory=lambda: default_data_dir("backbone"),
+        show_default=False,
+        help="The backbone's data dir (identity, the run's authority key, ledger, checkpoints).  "
+        f"[default: {shown_path(_DATA_DIR)}]",
+    ),
 ]
 DatabaseUrl = Annotated[
     str | None,
-    typer.Option("--database-url", help="postgresql+psycopg://… (default: SQLite in the data dir)."),
+    typer.Option(
+        "--database-url",
+        metavar="URL",
+        show_default=False,
+        help="The ledger's database, e.g. postgresql+psycopg://user@host/dedloc to share one "
+        "among the run's backbones.  [default: SQLite in the data dir]",
+    ),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of a table.")]
+Username = Annotated[
+    str, typer.Argument(metavar="USER", help="A name for the person, e.g. alice.", show_default=False)
+]
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        print(f"backbone (dedloc) {project_version()}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
-    """Backbone nodes keep a training run's DHT alive, admit its volunteers and credit their work."""
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    # A callback keeps every command a subcommand, even while there would be only one.
+    del version  # its callback answers it
 
 
 @app.command()
 def start(
-    run_id: Annotated[str, typer.Option("--run-id", help="The run's name (or name@fingerprint).")],
+    run_id: Annotated[
+        str,
+        typer.Option(
+            "--run-id",
+            metavar="RUN_ID",
+            help="The run's name, e.g. my-run. The first start prints the full run id, "
+            "name@fingerprint, to publish; later starts and other backbones may give either.",
+        ),
+    ],
     data_dir: DataDir,
     listen: Annotated[
         list[str] | None,
         typer.Option(
-            "--listen", metavar="MADDR", help="Listen here (repeatable). Default /ip4/0.0.0.0/tcp/0."
+            "--listen",
+            metavar="MADDR",
+            help="Accept peers' connections on this address (repeatable).  "
+            "[default: /ip4/0.0.0.0/tcp/0, any interface and a free port]",
         ),
     ] = None,
     initial_peer: Annotated[
         list[str] | None,
         typer.Option(
-            "--initial-peer", metavar="MADDR", help="Join the run's DHT through this node (repeatable)."
+            "--initial-peer",
+            metavar="MADDR",
+            help="Join the run through this node, e.g. another backbone's `listening on` address "
+            "(repeatable). Without it this backbone starts the run's network (or rejoins the peers "
+            "it knew).",
         ),
     ] = None,
-    mdns: Annotated[bool, typer.Option("--mdns/--no-mdns", help="Advertise the run on the LAN.")] = True,
+    mdns: Annotated[
+        bool,
+        typer.Option(
+            "--mdns/--no-mdns",
+            help="Advertise the run on the local network, so volunteers there find it without "
+            "--initial-peer.",
+        ),
+    ] = True,
     open_run: Annotated[
-        bool, typer.Option("--open", help="An open run: no authority, no admission (local experiments).")
+        bool,
+        typer.Option(
+            "--open",
+            help="An open run for local experiments: no authority key, no invites, anyone who finds "
+            "it may join.",
+        ),
     ] = False,
     authority_key: Annotated[
         Path | None,
-        typer.Option("--authority-key", help="The run's authority key (shared by its backbones)."),
+        typer.Option(
+            "--authority-key",
+            metavar="FILE",
+            show_default=False,
+            help="The run's authority key, which every backbone of the run shares: give the first "
+            "backbone's file to the others.  [default: authority.key in the data dir, created by the "
+            "first start]",
+        ),
     ] = None,
     database_url: DatabaseUrl = None,
     api_listen: Annotated[
-        str, typer.Option("--api-listen", help="HOST:PORT of the HTTPS API.")
+        str,
+        typer.Option(
+            "--api-listen",
+            metavar="HOST:PORT",
+            help="Serve the run's HTTPS API (admission, manifest, reports) here; port 0 picks a free one.",
+        ),
     ] = "0.0.0.0:0",
     public_url: Annotated[
-        list[str] | None, typer.Option("--public-url", help="API URL volunteers should use (repeatable).")
+        list[str] | None,
+        typer.Option(
+            "--public-url",
+            metavar="URL",
+            help="The API's URL as volunteers reach it, e.g. https://bb.example.org:8443 behind NAT "
+            "or a proxy (repeatable); listed before the addresses it listens on.",
+        ),
     ] = None,
     manifest: Annotated[
         Path | None,
         typer.Option(
             "--manifest",
-            help="TOML/JSON file: the task, target batch, optimizer, dataset… (default: the built-in task).",
+            metavar="FILE",
+            show_default=False,
+            help="The run's training spec, a TOML or JSON file: task, target batch size, optimizer, "
+            "dataset…  [default: the built-in task, tiny-mlm]",
         ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
-    """Start a backbone node. Prints `listening on <multiaddr>` per address, then (pinned runs) the run id
-    and the API URLs, and runs until stopped."""
+    """Start a backbone node of a run and serve it until Ctrl+C.
+
+    Prints `listening on MADDR` for each address (volunteers and other backbones join through one with
+    --initial-peer), then, for a pinned run, its run id (name@fingerprint: publish it) and API URLs.
+    The first start of a data dir creates the run's authority key there.
+
+    Exit codes: 0 on a clean stop; 1 when the network failed; 2 on unusable input (flags, manifest, data
+    dir).
+
+    \b
+    Examples:
+      backbone start --run-id my-run --manifest run.toml \\
+          --listen /ip4/0.0.0.0/tcp/4001 --api-listen 0.0.0.0:8443
+      backbone start --run-id my-run@4fT9… --data-dir ~/bb2 \\
+          --authority-key ~/bb/authority.key --initial-peer /ip4/…/tcp/4001/p2p/…
+    """
     setup_logging(verbose)
 
     async def body(shutdown: Shutdown) -> None:
@@ -146,14 +268,33 @@ def _when(ts: float | None) -> str:
 
 @allow_app.command("add")
 def allow_add(
-    username: str,
+    username: Username,
     data_dir: DataDir,
-    note: Annotated[str | None, typer.Option("--note", help="Who this is, for your records.")] = None,
-    expires_in_days: Annotated[float | None, typer.Option("--expires-in-days", help="Invite expiry.")] = None,
+    note: Annotated[
+        str | None,
+        typer.Option("--note", metavar="TEXT", help="Who this is, for your records (e.g. an email)."),
+    ] = None,
+    expires_in_days: Annotated[
+        float | None,
+        typer.Option(
+            "--expires-in-days",
+            metavar="DAYS",
+            show_default=False,
+            help="The invite code stops working after this many days.  [default: never]",
+        ),
+    ] = None,
     database_url: DatabaseUrl = None,
     as_json: Json = False,
 ) -> None:
-    """Allow USER and print an invite code; every machine that redeems it becomes a peer of USER."""
+    """Allow USER to join the run and print an invite code for them.
+
+    Every machine that joins with the code becomes one of USER's peers, and its work is credited to
+    USER. The code is shown once: send it to USER privately.
+
+    \b
+    Example:
+      backbone allow add alice --note alice@example.org --expires-in-days 7
+    """
     info = _run_info(data_dir)
     with _ledger(data_dir, database_url) as store:
         now = time.time()
@@ -171,9 +312,12 @@ def allow_add(
 
 @allow_app.command("remove")
 def allow_remove(
-    username: str, data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False
+    username: Username, data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False
 ) -> None:
-    """Remove USER: its peers are cut off within seconds (a running backbone publishes the revocation)."""
+    """Remove USER: their machines are cut off within seconds.
+
+    A running backbone publishes the revocation to every peer; USER's work so far stays credited.
+    """
     with _ledger(data_dir, database_url) as store:
         removed = store.remove_user(username, now=time.time())
     if as_json:
@@ -186,7 +330,10 @@ def allow_remove(
 
 @allow_app.command("list")
 def allow_list(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Json = False) -> None:
-    """List allowed and removed users, their peers and when each was last seen."""
+    """List users, their machines and when each was last seen.
+
+    Removed users are listed too, with when they were removed.
+    """
     with _ledger(data_dir, database_url) as store:
         users = store.list_users()
     if as_json:
@@ -223,9 +370,12 @@ def ledger(
     ] = None,
     as_json: Json = False,
 ) -> None:
-    """The contribution leaderboard per user: samples, compute hours, bytes aggregated and relayed, peers,
-    as backed by receipts of other users' peers, and how many reports were flagged and why (rule codes).
-    With `--steps N`: the run's last N global steps (finished at, loss, samples, peers) and its loss curve."""
+    """Show who contributed what (or the run's recent steps).
+
+    The leaderboard: per user, the samples and compute their machines contributed as receipts of other
+    users' peers back them, and how many reports were flagged and why (rule codes). With --steps N: the
+    run's last N global steps (finished at, loss, samples, peers) and its loss curve.
+    """
     if steps is not None:
         _ledger_steps(data_dir, database_url, steps, as_json)
         return
@@ -363,16 +513,35 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
 @app.command()
 def export(
     data_dir: DataDir,
-    output: Annotated[Path, typer.Option("--output", "-o", help="The file to write.")],
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", metavar="FILE", help="The file to write, e.g. model.safetensors."),
+    ],
     fmt: Annotated[
-        str, typer.Option("--format", help="Output format (only `safetensors` for now).")
+        str,
+        typer.Option(
+            "--format", metavar="FORMAT", help="The file format: safetensors (the only one so far)."
+        ),
     ] = "safetensors",
     step: Annotated[
-        int | None, typer.Option("--step", help="Export this step's checkpoint (default: the newest).")
+        int | None,
+        typer.Option(
+            "--step",
+            metavar="STEP",
+            show_default=False,
+            help="Export the checkpoint of this global step.  [default: the newest]",
+        ),
     ] = None,
 ) -> None:
-    """Write a stored checkpoint's model parameters to a file: tensors named as in the model (without the
-    `model/` prefix), metadata with the step, run id and task."""
+    """Write the trained model, from a checkpoint, to a file.
+
+    The file holds the model's parameters as tensors named as in the model (without the `model/`
+    prefix) and metadata with the step, run id and task.
+
+    \b
+    Example:
+      backbone export -o model.safetensors
+    """
     if fmt != "safetensors":
         fail(f"--format {fmt!r} is not supported: only 'safetensors' is, for now", 2)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import logging
 import os
 import re
@@ -30,8 +31,10 @@ __all__ = [
     "default_data_dir",
     "fail",
     "locked_data_dir",
+    "project_version",
     "run_service",
     "setup_logging",
+    "shown_path",
     "stderr",
     "validate_run_id",
 ]
@@ -59,8 +62,28 @@ def validate_run_id(run_id: str) -> str:
 
 
 def default_data_dir(role: str) -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "dedloc" / role
+    """This user's data dir for ``role`` (``volunteer``, ``backbone``): ``$XDG_DATA_HOME/dedloc/ROLE``,
+    by default ``~/.local/share/dedloc/ROLE`` (the XDG base directory spec ignores a relative
+    ``$XDG_DATA_HOME``)."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "share"
+    return root / "dedloc" / role
+
+
+def project_version() -> str:
+    """The installed project's version (``unknown`` in a source tree that was never installed)."""
+    try:
+        return importlib.metadata.version("dedloc")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as help text shows it: under the home directory as ``~/…``."""
+    try:
+        return f"~/{path.relative_to(Path.home())}"
+    except (ValueError, RuntimeError):  # elsewhere, or no home directory
+        return str(path)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,9 @@
-"""``volunteer``: donate this machine to a collaborative training run."""
+"""``volunteer``: donate this machine to a collaborative training run.
+
+Importing this module stays cheap (typer, rich, trio): ``volunteer --help`` and a mistyped flag answer at
+once. The daemon (torch, datasets, the network stack) is imported by ``join`` only once its flags are checked;
+``tests/system/test_cli_help.py`` holds this module to that.
+"""
 
 from __future__ import annotations
 
@@ -8,75 +13,167 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from shared.console import default_data_dir, locked_data_dir, run_service, setup_logging, validate_run_id
+from shared.console import (
+    default_data_dir,
+    locked_data_dir,
+    project_version,
+    run_service,
+    setup_logging,
+    shown_path,
+    validate_run_id,
+)
 from shared.errors import ConfigError
 from shared.lifecycle import Shutdown
-from shared.net.addresses import parse_multiaddr
-
-from .daemon import VolunteerOptions, serve_volunteer
 
 __all__ = ["app", "main"]
 
+HELP = """Donate this machine's GPU or CPU and bandwidth to a collaborative training run.
+
+Ask the run's organizers for its run id and an invite code, then join it:
+
+\b
+    volunteer join my-run@4fT9… --invite dli1_…
+    volunteer join my-run@4fT9…    # later joins need no invite
+
+Ctrl+C leaves the run cleanly; what this machine contributed stays credited."""
+
 app = typer.Typer(
-    help="Donate this machine's GPU/CPU and bandwidth to a collaborative training run.",
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain layout: help text gets the width of the terminal, paragraphs are reflowed and
+    # nothing is truncated (Rich's boxed tables squeeze the help column at 80 columns).
+    rich_markup_mode=None,
 )
+
+_DATA_DIR = default_data_dir("volunteer")
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        print(f"volunteer (dedloc) {project_version()}")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
-    """Donate this machine's GPU/CPU and bandwidth to a collaborative training run."""
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    # A callback keeps `join` a subcommand: `volunteer join RUN_ID`, not `volunteer RUN_ID`.
+    del version  # its callback answers it
 
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Argument(help="The run to join, as its organizers published it.")],
+    run_id: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN_ID",
+            help="The run's id as its organizers published it, e.g. my-run@4fT9… (the part after @ "
+            "pins the run's key, so nobody else can pose as the run).",
+            show_default=False,
+        ),
+    ],
+    data_dir: Annotated[
+        Path,
+        typer.Option(
+            "--data-dir",
+            metavar="DIR",
+            default_factory=lambda: default_data_dir("volunteer"),
+            show_default=False,
+            help="This machine's identity, its credential for the run and its training state "
+            f"(one running volunteer per data dir).  [default: {shown_path(_DATA_DIR)}]",
+        ),
+    ],
+    invite: Annotated[
+        str | None,
+        typer.Option(
+            "--invite",
+            metavar="CODE",
+            envvar="VOLUNTEER_INVITE",
+            help="Invite code from the run's organizers. Needed the first time this data dir joins a "
+            "pinned run; later joins reuse the credential it earned.",
+        ),
+    ] = None,
     initial_peer: Annotated[
         list[str] | None,
         typer.Option(
-            "--initial-peer", metavar="MADDR", help="A node of the run (repeatable); default: mDNS."
+            "--initial-peer",
+            metavar="MADDR",
+            help="Join through this node of the run, e.g. /ip4/203.0.113.7/tcp/4001/p2p/12D3KooW… as "
+            "`backbone start` printed it (repeatable). Default: the nodes the run's backbones list, "
+            "else a backbone found on the local network (mDNS).",
         ),
-    ] = None,
-    data_dir: Annotated[
-        Path | None,
-        typer.Option("--data-dir", help="Identity and state (default: ~/.local/share/dedloc/volunteer)."),
     ] = None,
     listen: Annotated[
         list[str] | None,
         typer.Option(
-            "--listen", metavar="MADDR", help="Accept peers here (repeatable). Default /ip4/0.0.0.0/tcp/0."
+            "--listen",
+            metavar="MADDR",
+            help="Accept other peers' connections on this address (repeatable).  "
+            "[default: /ip4/0.0.0.0/tcp/0, any interface and a free port]",
         ),
     ] = None,
     discovery_wait: Annotated[
-        float, typer.Option("--discovery-wait", help="Seconds to look for the run on the LAN.")
+        float,
+        typer.Option(
+            "--discovery-wait",
+            metavar="SECONDS",
+            help="How long to look for the run's backbones on the local network (when no node is known).",
+        ),
     ] = 3.0,
-    panel: Annotated[
-        bool | None, typer.Option("--panel/--no-panel", help="Live panel (default: when on a terminal).")
-    ] = None,
-    invite: Annotated[
-        str | None,
-        typer.Option("--invite", envvar="VOLUNTEER_INVITE", help="Invite code from the run's organizers."),
-    ] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="Where to train: auto (a CUDA GPU if torch finds one, else the CPU), cpu, cuda, cuda:1…",
+        ),
+    ] = "auto",
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads", metavar="N", help="CPU threads torch may use (0: torch's default, all cores)."
+        ),
+    ] = 0,
     manifest: Annotated[
         Path | None,
         typer.Option(
-            "--manifest", help="Training spec file (TOML/JSON) for open runs; pinned runs get theirs."
+            "--manifest",
+            metavar="FILE",
+            help="Training spec (TOML or JSON: task, batch size, optimizer, dataset) for an open run. "
+            "A pinned run's backbones serve theirs.",
         ),
     ] = None,
-    device: Annotated[str, typer.Option("--device", help="torch device: auto, cpu, cuda, cuda:1…")] = "auto",
-    threads: Annotated[
-        int, typer.Option("--threads", help="CPU threads for torch (0: torch's default).")
-    ] = 0,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    panel: Annotated[
+        bool | None,
+        typer.Option(
+            "--panel/--no-panel",
+            show_default=False,
+            help="Show a live panel of the run, or log plain lines.  [default: a panel on a terminal]",
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
-    """Join a run: find it, get admitted, train with the others and show a live panel until Ctrl+C /
-    SIGTERM (or the run's step limit)."""
+    """Join a training run and train with its other peers until Ctrl+C.
+
+    Finds the run, gets admitted (with --invite the first time), downloads the model's current state and
+    trains it together with the run's other peers, showing a live panel. Ctrl+C or SIGTERM leaves cleanly;
+    at the run's step limit it hands its final state to a backbone and exits.
+
+    Exit codes: 0 on a clean stop; 1 when the run refused this machine or the network failed; 2 on unusable
+    input (flags, data dir).
+    """
     setup_logging(verbose)
     console = Console()
 
     async def body(shutdown: Shutdown) -> None:
+        from shared.net.addresses import parse_multiaddr
+
         validate_run_id(run_id)
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
@@ -85,11 +182,12 @@ def join(
             raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
         if threads < 0:
             raise ConfigError(f"--threads must be >= 0, got {threads}")
-        directory = data_dir or default_data_dir("volunteer")
-        with locked_data_dir(directory):
+        from .daemon import VolunteerOptions, serve_volunteer  # torch: only once the flags are usable
+
+        with locked_data_dir(data_dir):
             options = VolunteerOptions(
                 run_id,
-                directory,
+                data_dir,
                 listen_addrs,
                 initial_peer or [],
                 discovery_wait,
