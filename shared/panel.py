@@ -15,7 +15,9 @@ it). A redraw moves the cursor up over the lines it drew last and draws again, s
    then the border, and last shows one cropped line. One row is left free for the newest log line.
 3. The keyboard does not echo while the panel is live: the terminal would echo a Ctrl+C as ``^C`` at the
    cursor, past the panel's last column, which wraps to a new line, and an Enter moves the cursor down;
-   either way the next redraw starts a line too low and leaves the panel's top line behind. Echo comes
+   either way the next redraw starts a line too low and leaves the panel's top line behind. And a Ctrl+C
+   does not flush the terminal's output queue (``NOFLSH``): that would drop the rest of a frame being
+   written, and the next redraw, moving up by a whole frame, would erase log lines above it. Both come
    back at exit; keys typed meanwhile are discarded, not handed to the shell unseen.
 4. At exit the last frame stays (fitted too), the cursor is shown again, and the next output starts on a
    fresh line.
@@ -32,6 +34,7 @@ import termios
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import IO, cast
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -131,17 +134,20 @@ class LivePanel:
             redirect_stderr=False,
             vertical_overflow="crop",  # never needed: fit() keeps the panel a row shorter than the screen
         )
-        self._routes = contextlib.ExitStack()
+        self._routes = contextlib.ExitStack()  # what __exit__ undoes
 
     def _fitted(self) -> RenderableType:
         return fit(self._view(), self._console, max(1, self._console.height - 1))
 
     def __enter__(self) -> LivePanel:
-        with TERMINAL_LOCK:
+        with TERMINAL_LOCK, contextlib.ExitStack() as stack:
+            stack.enter_context(_whole_writes(self._console))
+            stack.enter_context(output_above(self._console))
+            stack.enter_context(_no_echo(self._console))
             self._live.update(self._fitted())
             self._live.start(refresh=True)
-            self._routes.enter_context(output_above(self._console))
-            self._routes.enter_context(_no_echo(self._console))
+            stack.callback(self._live.stop)  # draws the last frame, shows the cursor, ends the line
+            self._routes = stack.pop_all()
         return self
 
     def refresh(self) -> None:
@@ -152,19 +158,60 @@ class LivePanel:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        with TERMINAL_LOCK:
-            try:
-                self._live.update(self._fitted())  # the last frame, at the size the terminal has now
-            finally:
-                try:
-                    self._live.stop()  # draws it, shows the cursor again and ends the line
-                finally:
-                    self._routes.close()
+        with TERMINAL_LOCK, self._routes:
+            self._live.update(self._fitted())  # the last frame, at the size the terminal has now
+
+
+class _WholeWrites:
+    """A text stream's file descriptor, written to the last byte.
+
+    Under ``PYTHONUNBUFFERED=1`` (common in containers) ``sys.stdout`` writes straight to the descriptor
+    and silently drops the rest of a write that a signal cut short: a Ctrl+C while a redraw waits for a
+    slow terminal left half a frame, and the next redraw, moving up by a whole one, erased log lines.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._fd = stream.fileno()
+        self.encoding: str = getattr(stream, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        self._stream.flush()  # what it holds goes first
+        data = memoryview(text.encode(self.encoding))
+        while data:
+            data = data[os.write(self._fd, data) :]
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+
+@contextlib.contextmanager
+def _whole_writes(console: Console) -> Iterator[None]:
+    """``console`` writes whole frames while in the block (see :class:`_WholeWrites`)."""
+    stream = console.file
+    try:
+        whole = _WholeWrites(stream)
+    except (AttributeError, OSError, ValueError):  # no file descriptor: nothing can cut its writes
+        yield
+        return
+    console.file = cast("IO[str]", whole)
+    try:
+        yield
+    finally:
+        console.file = stream
 
 
 @contextlib.contextmanager
 def _no_echo(console: Console) -> Iterator[None]:
-    """Typed keys are not echoed on ``console``'s terminal while in the block (module doc, 3)."""
+    """Typed keys are not echoed on ``console``'s terminal, and Ctrl+C does not flush its output, while in
+    the block (module doc, 3)."""
     try:
         fd = sys.stdin.fileno()
         ours = same_terminal(sys.stdin, console.file) and os.tcgetpgrp(fd) == os.getpgrp()
@@ -176,7 +223,7 @@ def _no_echo(console: Console) -> Iterator[None]:
     try:
         saved = termios.tcgetattr(fd)
         quiet = termios.tcgetattr(fd)
-        quiet[3] &= ~termios.ECHO
+        quiet[3] = (quiet[3] & ~termios.ECHO) | termios.NOFLSH
         termios.tcsetattr(fd, termios.TCSANOW, quiet)
     except termios.error as exc:
         logger.warning("cannot turn off the terminal's echo (%s): typed keys may shift the panel", exc)

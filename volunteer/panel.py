@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
 from rich.progress_bar import ProgressBar
@@ -11,7 +13,8 @@ from rich.text import Text
 from shared.node import NodeStatus
 from shared.panel import PanelView, Row, draw, format_bytes
 
-from .collab.optimizer import CollaborativeOptimizer, eta_text
+if TYPE_CHECKING:  # the optimizer imports torch: the panel's code and its tests need not
+    from .collab.optimizer import CollaborativeOptimizer
 
 __all__ = ["TrainingStatus", "render_training", "training_line", "training_status", "training_view"]
 
@@ -78,7 +81,7 @@ def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> Pa
         Row(
             "next step",
             f"{min(status.samples, status.target_batch):.0f} / {status.target_batch} samples · "
-            f"ETA {eta_text(status.eta_s)}",
+            f"ETA {_eta_text(status.eta_s)}",
             1,
         ),
         Row("loss", "—" if status.loss is None else f"{status.loss:.4f}"),
@@ -107,9 +110,15 @@ def training_line(status: TrainingStatus) -> str:
     return (
         f"step {status.step}{_behind(status)}, {status.role}, {status.local_sps:.0f} samples/s here, "
         f"{status.collab_sps:.0f} collaboration, {status.samples:.0f}/{status.target_batch} toward the next "
-        f"step (ETA {eta_text(status.eta_s)}), loss {loss}, {status.peers} peers{waiting}"
+        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {status.peers} peers{waiting}"
     )
 
 
 def _behind(status: TrainingStatus) -> str:
     return f" (collaboration at {status.collab_step})" if status.collab_step > status.step else ""
+
+
+def _eta_text(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"
