@@ -65,13 +65,16 @@ class _LogHandler(RichHandler):
 
 
 def setup_logging(verbose: bool) -> None:
-    """Log to stderr (above a live panel while :func:`output_above` routes it there)."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(name)s: %(message)s",
-        handlers=[_LogHandler(console=stderr, show_path=False, rich_tracebacks=False)],
-        force=True,
-    )
+    """Log to stderr: on a terminal in rich's columns (above a live panel while :func:`output_above`
+    routes them there), else one plain line per record, for log files and ``grep``."""
+    handler: logging.Handler
+    if stderr.is_terminal:
+        handler = _LogHandler(console=stderr, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
     if not verbose:
         for noisy in ("zeroconf", "shared.net.rpc", "hpack", "httpx"):
             logging.getLogger(noisy).setLevel(logging.WARNING)

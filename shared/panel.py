@@ -26,6 +26,7 @@ it). A redraw moves the cursor up over the lines it drew last and draws again, s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ from .console import TERMINAL_LOCK, output_above, same_terminal
 from .node import NodeStatus
 
 __all__ = [
+    "HINT",
     "LivePanel",
     "PanelView",
     "Row",
@@ -58,6 +60,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+HINT = "Ctrl+C to leave"
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,14 @@ class PanelView:
         rows: in display order.
         summary: the same facts as one plain line: all that is left on a terminal too small for rows.
         footer: lines under the rows (a progress bar, why we wait), kept while the rows are.
+        hint: on the bottom border while the panel is live (how to stop it); not on the last frame.
     """
 
     title: str
     rows: Sequence[Row]
     summary: str
     footer: Sequence[RenderableType] = field(default=())
+    hint: str = ""
 
 
 def _table(rows: Sequence[Row]) -> Table:
@@ -100,7 +105,7 @@ def draw(view: PanelView, max_rank: int | None = None, border: bool = True) -> R
     rows = [row for row in view.rows if max_rank is None or row.rank <= max_rank]
     body = Group(_table(rows), *view.footer)
     if border:
-        return Panel(body, title=view.title, border_style="green")
+        return Panel(body, title=view.title, subtitle=view.hint or None, border_style="green")
     return Group(Text.from_markup(view.title, style="bold green"), body)
 
 
@@ -136,8 +141,11 @@ class LivePanel:
         )
         self._routes = contextlib.ExitStack()  # what __exit__ undoes
 
-    def _fitted(self) -> RenderableType:
-        return fit(self._view(), self._console, max(1, self._console.height - 1))
+    def _fitted(self, last: bool = False) -> RenderableType:
+        view = self._view()
+        if last:
+            view = dataclasses.replace(view, hint="")
+        return fit(view, self._console, max(1, self._console.height - 1))
 
     def __enter__(self) -> LivePanel:
         with TERMINAL_LOCK, contextlib.ExitStack() as stack:
@@ -159,7 +167,7 @@ class LivePanel:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         with TERMINAL_LOCK, self._routes:
-            self._live.update(self._fitted())  # the last frame, at the size the terminal has now
+            self._live.update(self._fitted(last=True))  # at the size the terminal has now
 
 
 class _WholeWrites:
@@ -270,7 +278,7 @@ def status_view(status: NodeStatus, headline: str) -> PanelView:
         Row("traffic", f"↑ {format_bytes(status.bytes_sent)}  ↓ {format_bytes(status.bytes_received)}", 2),
         Row("uptime", f"{status.uptime_s:.0f} s", 3),
     ]
-    return PanelView(f"[bold]{status.role}[/] · {headline}", rows, status_line(status))
+    return PanelView(f"[bold]{status.role}[/] · {headline}", rows, status_line(status), hint=HINT)
 
 
 def render_status(status: NodeStatus, headline: str) -> RenderableType:

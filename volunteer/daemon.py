@@ -119,7 +119,7 @@ async def _training_spec(options: VolunteerOptions, admission: Admission) -> Tra
 
 
 async def _show_forever(node: Node, options: VolunteerOptions, console: Console) -> None:
-    headline = "training run member (press Ctrl+C to leave)"
+    headline = "training run member"
     if options.panel:
         with LivePanel(console, lambda: status_view(node.status(), headline)) as panel:
             while True:

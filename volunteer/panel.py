@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.text import Text
 
 from shared.node import NodeStatus
-from shared.panel import PanelView, Row, draw, format_bytes
+from shared.panel import HINT, PanelView, Row, draw, format_bytes
 
 if TYPE_CHECKING:  # the optimizer imports torch: the panel's code and its tests need not
     from .collab.optimizer import CollaborativeOptimizer
@@ -97,7 +97,7 @@ def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> Pa
         footer.append(ProgressBar(total=max(total, 1), completed=done))
     if status.waiting:
         footer.append(Text(status.waiting, style="yellow"))
-    return PanelView(f"[bold]volunteer[/] · {headline}", rows, training_line(status), footer)
+    return PanelView(f"[bold]volunteer[/] · {headline}", rows, training_line(status), footer, HINT)
 
 
 def render_training(node: NodeStatus, status: TrainingStatus, headline: str) -> RenderableType:
@@ -107,10 +107,11 @@ def render_training(node: NodeStatus, status: TrainingStatus, headline: str) -> 
 def training_line(status: TrainingStatus) -> str:
     waiting = f" — {status.waiting}" if status.waiting else ""
     loss = "—" if status.loss is None else f"{status.loss:.4f}"
+    peers = f"{status.peers} peer" + ("" if status.peers == 1 else "s")
     return (
         f"step {status.step}{_behind(status)}, {status.role}, {status.local_sps:.0f} samples/s here, "
         f"{status.collab_sps:.0f} collaboration, {status.samples:.0f}/{status.target_batch} toward the next "
-        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {status.peers} peers{waiting}"
+        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {peers}{waiting}"
     )
 
 

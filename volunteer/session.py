@@ -147,7 +147,7 @@ class TrainingSession:
                     return
                 await nursery.start(collab.run)
                 nursery.start_soon(self._remeasure_on_drift, collab)
-                self.headline = "training (press Ctrl+C to leave)"
+                self.headline = "training"
                 reason = await train_until_stopped(
                     collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
                 )
