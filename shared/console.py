@@ -14,11 +14,14 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import trio
 from rich.console import Console
+from rich.file_proxy import FileProxy
 from rich.logging import RichHandler
 
 from .errors import ConfigError, ProjectError
@@ -28,11 +31,14 @@ if sys.version_info < (3, 11):
 from .lifecycle import Shutdown, run_until_signal
 
 __all__ = [
+    "TERMINAL_LOCK",
     "default_data_dir",
     "fail",
     "locked_data_dir",
+    "output_above",
     "project_version",
     "run_service",
+    "same_terminal",
     "setup_logging",
     "shown_path",
     "stderr",
@@ -43,16 +49,88 @@ stderr = Console(stderr=True)
 _RUN_ID = re.compile(r"^[A-Za-z0-9._@:-]{1,128}$")
 
 
+TERMINAL_LOCK = threading.RLock()
+"""Held by whatever draws on the terminal: a log record (from any thread) and a live panel's redraw never
+interleave. A redraw moves the cursor up over the panel it drew last; a line written in between (by another
+thread, or through another Console) shifts the screen under it, and each redraw then leaves a copy of the
+panel's top behind (issue 11)."""
+
+_log_console = stderr  # where log records go: stderr, or the live panel's console while one is shown
+
+
+class _LogHandler(RichHandler):
+    """Rich log lines on ``_log_console``, one record at a time under :data:`TERMINAL_LOCK`."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with TERMINAL_LOCK:
+            self.console = _log_console
+            super().emit(record)
+
+
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=stderr, show_path=False, rich_tracebacks=False)],
-        force=True,
-    )
+    """Log to stderr: on a terminal in rich's columns (above a live panel while :func:`output_above`
+    routes them there), else one plain line per record, for log files and ``grep``."""
+    handler: logging.Handler
+    if stderr.is_terminal:
+        handler = _LogHandler(console=stderr, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
     if not verbose:
         for noisy in ("zeroconf", "shared.net.rpc", "hpack", "httpx"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _LockedProxy(FileProxy):
+    """``sys.stdout``/``sys.stderr`` while a panel is live: whole lines, printed above it by its console."""
+
+    def write(self, text: str) -> int:
+        with TERMINAL_LOCK:
+            return super().write(text)
+
+    def flush(self) -> None:
+        with TERMINAL_LOCK:
+            super().flush()
+
+
+def same_terminal(a: IO[str], b: IO[str]) -> bool:
+    """Whether ``a`` and ``b`` are the same terminal (both ttys of one device)."""
+    try:
+        one, other = a.fileno(), b.fileno()
+        return os.isatty(one) and os.isatty(other) and os.fstat(one).st_rdev == os.fstat(other).st_rdev
+    except (OSError, ValueError):  # no file descriptor (a test's StringIO), or closed
+        return False
+
+
+@contextlib.contextmanager
+def output_above(console: Console) -> Iterator[None]:
+    """While in the block, everything bound for ``console``'s terminal goes through ``console``: log
+    records and writes to ``sys.stdout``/``sys.stderr`` print above a live display on it instead of over
+    it. Output bound elsewhere (``2> file``) stays there.
+
+    A Console unwraps rich's own stream proxies (it writes to the real file), so logging through one
+    Console while another shows a ``rich.live.Live`` draws into the middle of the live display: that was
+    the panel's smear.
+    """
+    global _log_console
+    saved = (_log_console, sys.stdout, sys.stderr)
+    with TERMINAL_LOCK:
+        if same_terminal(stderr.file, console.file):
+            _log_console = console
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if not isinstance(stream, FileProxy) and same_terminal(stream, console.file):
+                setattr(sys, name, _LockedProxy(console, stream))
+    try:
+        yield
+    finally:
+        with TERMINAL_LOCK:
+            for stream in (sys.stdout, sys.stderr):
+                if isinstance(stream, _LockedProxy):
+                    stream.flush()
+            _log_console, sys.stdout, sys.stderr = saved
 
 
 def validate_run_id(run_id: str) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import trio
 from rich.console import Console
-from rich.live import Live
 
 from protocols.training import TrainingSpec
 from shared.auth.keys import Identity
@@ -23,7 +22,7 @@ from shared.errors import AdmissionError, DiscoveryError, PeerUnavailable
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.node import Node, open_node
-from shared.panel import render_status, status_line
+from shared.panel import LivePanel, status_line, status_view
 
 from .admission import Admission, admit, keep_admitted, remember_manifest
 from .api_client import ApiClient
@@ -120,12 +119,12 @@ async def _training_spec(options: VolunteerOptions, admission: Admission) -> Tra
 
 
 async def _show_forever(node: Node, options: VolunteerOptions, console: Console) -> None:
-    headline = "training run member (press Ctrl+C to leave)"
+    headline = "training run member"
     if options.panel:
-        with Live(render_status(node.status(), headline), console=console, refresh_per_second=4) as live:
+        with LivePanel(console, lambda: status_view(node.status(), headline)) as panel:
             while True:
                 await trio.to_thread.run_sync(node.write_status, options.data_dir)
-                live.update(render_status(node.status(), headline))
+                panel.refresh()
                 await trio.sleep(REFRESH)
     last = -options.log_period
     while True:

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rich.console import Group, RenderableType
-from rich.panel import Panel
+from rich.console import RenderableType
 from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.text import Text
 
 from shared.node import NodeStatus
-from shared.panel import format_bytes
+from shared.panel import HINT, PanelView, Row, draw, format_bytes
 
-from .collab.optimizer import CollaborativeOptimizer, eta_text
+if TYPE_CHECKING:  # the optimizer imports torch: the panel's code and its tests need not
+    from .collab.optimizer import CollaborativeOptimizer
 
-__all__ = ["TrainingStatus", "render_training", "training_line", "training_status"]
+__all__ = ["TrainingStatus", "render_training", "training_line", "training_status", "training_view"]
 
 
 @dataclass(frozen=True)
@@ -67,45 +69,57 @@ def training_status(
     )
 
 
-def render_training(node: NodeStatus, status: TrainingStatus, headline: str) -> Panel:
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold cyan", justify="right")
-    table.add_column()
-    table.add_row("run", node.run_id)
-    table.add_row("peer id", node.peer_id)
-    table.add_row("role", status.role)
+def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> PanelView:
+    """The training panel's facts; on a short terminal the higher-ranked rows give way first."""
     limit = f" of {status.max_steps}" if status.max_steps else ""
-    table.add_row("global step", f"{status.step}{limit}" + _behind(status))
-    table.add_row("samples/s", f"{status.local_sps:.0f} here · {status.collab_sps:.0f} collaboration")
-    table.add_row(
-        "next step",
-        f"{min(status.samples, status.target_batch):.0f} / {status.target_batch} samples · "
-        f"ETA {eta_text(status.eta_s)}",
-    )
-    table.add_row("loss", "—" if status.loss is None else f"{status.loss:.4f}")
-    table.add_row("peers", f"{status.peers} training · {node.connected_peers} connected")
-    table.add_row("traffic", f"↑ {format_bytes(node.bytes_sent)}  ↓ {format_bytes(node.bytes_received)}")
+    rows = [
+        Row("run", node.run_id, 2),
+        Row("peer id", node.peer_id, 3),
+        Row("role", status.role),
+        Row("global step", f"{status.step}{limit}" + _behind(status)),
+        Row("samples/s", f"{status.local_sps:.0f} here · {status.collab_sps:.0f} collaboration", 1),
+        Row(
+            "next step",
+            f"{min(status.samples, status.target_batch):.0f} / {status.target_batch} samples · "
+            f"ETA {_eta_text(status.eta_s)}",
+            1,
+        ),
+        Row("loss", "—" if status.loss is None else f"{status.loss:.4f}"),
+        Row("peers", f"{status.peers} training · {node.connected_peers} connected", 1),
+        Row("traffic", f"↑ {format_bytes(node.bytes_sent)}  ↓ {format_bytes(node.bytes_received)}", 3),
+    ]
     if status.last_round_s is not None:
-        table.add_row("last averaging", f"{status.last_round_s:.2f} s")
-    table.add_row("reports", f"{status.reports_sent} sent · {status.reports_pending} pending")
-    parts: list[RenderableType] = [table]
+        rows.append(Row("last averaging", f"{status.last_round_s:.2f} s", 2))
+    rows.append(Row("reports", f"{status.reports_sent} sent · {status.reports_pending} pending", 2))
+    footer: list[RenderableType] = []
     if status.download is not None:
         done, total = status.download
-        parts.append(ProgressBar(total=max(total, 1), completed=done))
+        footer.append(ProgressBar(total=max(total, 1), completed=done))
     if status.waiting:
-        parts.append(f"[yellow]{status.waiting}[/]")
-    return Panel(Group(*parts), title=f"[bold]volunteer[/] · {headline}", border_style="green")
+        footer.append(Text(status.waiting, style="yellow"))
+    return PanelView(f"[bold]volunteer[/] · {headline}", rows, training_line(status), footer, HINT)
+
+
+def render_training(node: NodeStatus, status: TrainingStatus, headline: str) -> RenderableType:
+    return draw(training_view(node, status, headline))
 
 
 def training_line(status: TrainingStatus) -> str:
     waiting = f" — {status.waiting}" if status.waiting else ""
     loss = "—" if status.loss is None else f"{status.loss:.4f}"
+    peers = f"{status.peers} peer" + ("" if status.peers == 1 else "s")
     return (
         f"step {status.step}{_behind(status)}, {status.role}, {status.local_sps:.0f} samples/s here, "
         f"{status.collab_sps:.0f} collaboration, {status.samples:.0f}/{status.target_batch} toward the next "
-        f"step (ETA {eta_text(status.eta_s)}), loss {loss}, {status.peers} peers{waiting}"
+        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {peers}{waiting}"
     )
 
 
 def _behind(status: TrainingStatus) -> str:
     return f" (collaboration at {status.collab_step})" if status.collab_step > status.step else ""
+
+
+def _eta_text(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"

@@ -29,7 +29,6 @@ from typing import Any
 import msgspec
 import trio
 from rich.console import Console
-from rich.live import Live
 
 from protocols.auth import SignedToken
 from protocols.training import TrainingSpec
@@ -40,6 +39,7 @@ from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
+from shared.panel import LivePanel, PanelView
 
 from .admission import Admission
 from .api_client import ApiClient
@@ -55,7 +55,7 @@ from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
-from .panel import render_training, training_line, training_status
+from .panel import training_line, training_status, training_view
 from .receipts import ReceiptBook
 from .tasks import make_task
 from .training import Reporter, batches, train_until_stopped
@@ -147,7 +147,7 @@ class TrainingSession:
                     return
                 await nursery.start(collab.run)
                 nursery.start_soon(self._remeasure_on_drift, collab)
-                self.headline = "training (press Ctrl+C to leave)"
+                self.headline = "training"
                 reason = await train_until_stopped(
                     collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
                 )
@@ -245,15 +245,15 @@ class TrainingSession:
             out.write(json.dumps(line) + "\n")
 
     async def _show_forever(self, console: Console) -> None:
-        def render() -> Any:
+        def view() -> PanelView:
             status = training_status(self.collab, self.reporter.sent, self.reporter.pending)
-            return render_training(self.node.status(), status, self.headline)
+            return training_view(self.node.status(), status, self.headline)
 
         if self.options.panel:
-            with Live(render(), console=console, refresh_per_second=4) as live:
+            with LivePanel(console, view) as panel:
                 while True:
                     await trio.to_thread.run_sync(self.node.write_status, self.data_dir)
-                    live.update(render())
+                    panel.refresh()
                     await trio.sleep(REFRESH)
         last = -self.options.log_period
         while True:

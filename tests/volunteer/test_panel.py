@@ -3,10 +3,16 @@ and in the collaboration, peers, traffic, ETA to the next step, download progres
 
 from __future__ import annotations
 
+import io
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.cells import cell_len
 from rich.console import Console
 
 from shared.node import NodeStatus
-from volunteer.panel import TrainingStatus, render_training, training_line
+from shared.panel import LivePanel, fit
+from volunteer.panel import TrainingStatus, render_training, training_line, training_view
 
 NODE = NodeStatus(
     run_id="run@abc",
@@ -78,3 +84,46 @@ def test_log_line_carries_the_same_facts() -> None:
     line = training_line(status(waiting="waiting for the first examples"))
     assert "step 41" in line and "812 samples/s here" in line and "96/128" in line
     assert line.endswith("waiting for the first examples")
+
+
+def fitted_text(width: int, height: int, s: TrainingStatus) -> list[str]:
+    """The lines a live display draws of the fitted panel (``Console.print`` would re-wrap a bare line)."""
+    console = Console(width=width, height=height, color_system=None)
+    lines = console.render_lines(fit(training_view(NODE, s, "training"), console, height), pad=False)
+    return ["".join(segment.text for segment in line).rstrip() for line in lines]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.integers(min_value=20, max_value=200),
+    height=st.integers(min_value=1, max_value=40),
+    busy=st.booleans(),
+)
+def test_fit_never_exceeds_the_terminal_and_keeps_the_essentials(width: int, height: int, busy: bool) -> None:
+    s = status(download=(5, 10), waiting="re-syncing: downloading") if busy else status()
+    lines = fitted_text(width, height, s)
+    assert len(lines) <= height
+    assert all(cell_len(line) <= width for line in lines)
+    assert "volunteer" in lines[0]  # the title, on the border or on its own line
+    essentials = 3 + 2 + (2 if busy else 0)  # role, global step, loss; the border; the footer
+    if height >= essentials and width >= 60:
+        text = "\n".join(lines)
+        assert "41 of 100" in text and "4.5678" in text and "compute + aggregate" in text, text
+
+
+def test_fit_shows_every_row_when_the_terminal_is_tall_enough() -> None:
+    text = "\n".join(fitted_text(120, 48, status()))
+    for label in ("run", "peer id", "traffic", "last averaging", "reports", "Ctrl+C to leave"):
+        assert label in text, (label, text)
+
+
+def test_live_panel_off_a_terminal_prints_only_its_last_frame_without_the_hint() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=100, height=30, color_system=None)
+    steps = iter(range(1, 100))
+    with LivePanel(console, lambda: training_view(NODE, status(step=next(steps)), "training")) as panel:
+        panel.refresh()
+        panel.refresh()
+    text = out.getvalue()
+    assert text.count("volunteer · training") == 1, text
+    assert "4 of 100" in text and "Ctrl+C" not in text, text

@@ -19,7 +19,6 @@ step of staleness, seed 000 §3.1).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from .sync import StateSync
 from .torch_thread import run_torch
 from .trainer import Accumulated, LocalTrainer
 
-__all__ = ["CollabConfig", "CollaborativeOptimizer", "StepRecord", "eta_text"]
+__all__ = ["CollabConfig", "CollaborativeOptimizer", "StepRecord"]
 
 logger = logging.getLogger(__name__)
 
@@ -335,9 +334,3 @@ class CollaborativeOptimizer:
 
     def _waiting(self, why: str | None) -> None:
         self.stats.waiting = why
-
-
-def eta_text(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds):
-        return "—"
-    return f"{seconds:.0f} s" if seconds >= 1 else "< 1 s"
