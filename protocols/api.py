@@ -228,13 +228,16 @@ def encode_invite(invite: Invite) -> str:
 
 
 def decode_invite(code: str) -> Invite:
-    """Raises ValueError for anything that is not a well-formed invite code."""
+    """Raises ValueError for anything that is not a well-formed invite code; its message says what is
+    wrong in words for the person who pasted it (no decoder's internals)."""
     code = code.strip()
-    if not code.startswith(_INVITE_PREFIX) or len(code) > 2048:
-        raise ValueError("not an invite code (they start with 'dli1_')")
+    if not code.startswith(_INVITE_PREFIX):
+        raise ValueError(f"invite codes start with {_INVITE_PREFIX!r}")
+    if len(code) > 2048:
+        raise ValueError(f"it is {len(code)} characters long; invite codes are shorter")
     body = code[len(_INVITE_PREFIX) :]
     try:
         raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         return msgspec.msgpack.decode(raw, type=Invite)
-    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"invite code is damaged: {exc}") from exc
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise ValueError("it is damaged or cut short: copy the whole code again") from exc

@@ -13,6 +13,7 @@ from shared.errors import ConfigError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 
+from .admission import run_to_join
 from .daemon import VolunteerOptions, serve_volunteer
 
 __all__ = ["app", "main"]
@@ -32,7 +33,10 @@ def _root() -> None:
 
 @app.command()
 def join(
-    run_id: Annotated[str, typer.Argument(help="The run to join, as its organizers published it.")],
+    run_id: Annotated[
+        str | None,
+        typer.Argument(help="The run to join, as its organizers published it (default: the invite's)."),
+    ] = None,
     initial_peer: Annotated[
         list[str] | None,
         typer.Option(
@@ -77,7 +81,8 @@ def join(
     console = Console()
 
     async def body(shutdown: Shutdown) -> None:
-        validate_run_id(run_id)
+        directory = data_dir or default_data_dir("volunteer")
+        run = validate_run_id(run_to_join(run_id, invite, directory))
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
@@ -85,10 +90,9 @@ def join(
             raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
         if threads < 0:
             raise ConfigError(f"--threads must be >= 0, got {threads}")
-        directory = data_dir or default_data_dir("volunteer")
         with locked_data_dir(directory):
             options = VolunteerOptions(
-                run_id,
+                run,
                 directory,
                 listen_addrs,
                 initial_peer or [],

@@ -36,18 +36,18 @@ class UnknownPeer(LedgerError):
 
 
 _MESSAGES: dict[InviteRejectedReason, str] = {
-    "unknown": "this invite is not one of this run's",
-    "expired": "this invite has expired",
-    "revoked user": "this invite's user has been removed from the run",
-    "revoked invite": "this invite has been revoked",
-    "used up": "this invite has been used by as many machines as it allows",
+    "unknown": "the invite is not one of this run's",
+    "expired": "the invite has expired",
+    "revoked user": "the invite's user has been removed from the run",
+    "revoked invite": "the invite has been revoked",
+    "used up": "the invite has been used by as many machines as it allows",
 }
 
 
 class InviteRejected(ProjectError):
     """An invite code was refused. ``reason`` is one of :data:`InviteRejectedReason`; answer the joining
     volunteer with it (there is nothing secret in it). The message says what happened to the invite
-    (``"this invite has expired"``), without a prefix: callers add their own context once."""
+    (``"the invite has expired"``), without a prefix: callers add their own context once."""
 
     def __init__(self, reason: InviteRejectedReason) -> None:
         super().__init__(_MESSAGES[reason])

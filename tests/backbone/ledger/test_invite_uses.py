@@ -40,7 +40,7 @@ def test_a_use_is_a_new_machine_of_the_user_and_the_last_one_is_refused(store: L
     with pytest.raises(InviteRejected) as rejected:
         redeem(store, secret, 2)
     assert rejected.value.reason == "used up"
-    assert str(rejected.value) == "this invite has been used by as many machines as it allows"
+    assert str(rejected.value) == "the invite has been used by as many machines as it allows"
     assert redeem(store, secret, 1) == "alice"  # machines it admitted still re-join with it
     assert store.user_of_peer(SERVER.peer_id) is None
     assert redeem(store, store.create_invite("alice", now=T0), 2) == "alice"  # another invite has room
