@@ -165,9 +165,16 @@ async def admit(
         except Refused as exc:
             if exc.code != "invite_rejected":
                 raise
-            raise AdmissionError(f"{exc.reason}: ask the run's organizers for a new invite") from exc
-        credential = Credential(run_id, response.username, response.token, response.manifest)
-        logger.info("admitted to run %s as user %s", run_id, response.username)
+            if saved is None:
+                raise AdmissionError(f"{exc.reason}: ask the run's organizers for a new invite") from exc
+            # Admitted before (VOLUNTEER_INVITE stays set in a notebook): the saved credential decides.
+            logger.warning(
+                "%s; joining with the credential saved in %s", exc.reason, data_dir / CREDENTIAL_FILE
+            )
+            credential, invite = saved, None
+        else:
+            credential = Credential(run_id, response.username, response.token, response.manifest)
+            logger.info("admitted to run %s as user %s", run_id, response.username)
     elif saved is not None:
         credential = saved
     else:
