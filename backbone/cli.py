@@ -129,7 +129,7 @@ def start(
 @contextlib.contextmanager
 def _ledger(data_dir: Path, database_url: str | None) -> Iterator[LedgerStore]:
     if not data_dir.is_dir():
-        fail(f"{data_dir} is not a backbone data dir", 2)
+        fail(f"{data_dir} is not a backbone data dir: give the --data-dir of `backbone start`", 2)
     try:
         store = LedgerStore.open(database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}")
     except ProjectError as exc:
@@ -291,7 +291,7 @@ def allow_remove(
     elif removed:
         out.print(f"removed {username}; a running backbone revokes its peers within seconds", highlight=False)
     else:
-        fail(f"no active user {username!r}", 1)
+        fail(f"no active user {username!r}; the users are: backbone allow list --data-dir {data_dir}", 1)
 
 
 @allow_app.command("list")

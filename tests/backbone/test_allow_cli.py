@@ -85,3 +85,13 @@ def test_allow_add_public_url_replaces_the_urls_of_this_invite_only(tmp_path: Pa
     assert code == 0 and decode_invite(json.loads(output)["invite"]).api == [other]
     code, output = allow_add(tmp_path / "bb", "--json", user="erin")
     assert code == 0 and decode_invite(json.loads(output)["invite"]).api == [URL]
+
+
+def test_allow_remove_and_list_name_the_next_step(tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["allow", "list", "--data-dir", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "give the --data-dir of `backbone start`" in missing.output
+    assert allow_add(tmp_path / "bb", "--run-id", "inv", "--public-url", URL)[0] == 0
+    result = runner.invoke(app, ["allow", "remove", "zed", "--data-dir", str(tmp_path / "bb")])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 1
+    assert f"no active user 'zed'; the users are: backbone allow list --data-dir {tmp_path / 'bb'}" in output
