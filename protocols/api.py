@@ -51,7 +51,10 @@ closes the peer's older open session. An older backbone answers 404 here: the vo
 a per-address budget and a per-peer (or per-invite) budget, before any database work.
 
 **Invite codes** are ``dli1_`` + base64url(msgpack(:class:`Invite`)): the pinned run id, the API URLs,
-and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires.
+and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires,
+or (``backbone allow add --max-uses N``) until N machines joined with it. The run id pins the run:
+``volunteer join --invite CODE`` needs no other; a join answered 403 ``invite_rejected`` carries what
+happened to the invite as its message (``"the invite has expired"``).
 """
 
 from __future__ import annotations
