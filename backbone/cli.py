@@ -185,13 +185,15 @@ def allow_add(
     ] = None,
 ) -> None:
     """Allow USER and print an invite code; every machine that redeems it becomes a peer of USER."""
+    if expires_in_days is not None and not 0 < expires_in_days < 1e6:
+        fail(f"--expires-in-days must be positive, got {expires_in_days} (leave it out: it never expires)", 2)
     urls = _checked_urls(public_url or [])
     created = not (data_dir / RUN_INFO).exists()
     info = _new_run(data_dir, username, run_id, urls) if created else _existing_run(data_dir, run_id, urls)
     with _ledger(data_dir, database_url) as store:
         now = time.time()
         store.add_user(username, note=note, now=now)
-        expires = now + expires_in_days * 86400 if expires_in_days else None
+        expires = None if expires_in_days is None else now + expires_in_days * 86400
         secret = store.create_invite(username, now=now, expires_at=expires, max_uses=max_uses)
     code = encode_invite(Invite(info.run_id, info.api, secret))
     if as_json:

@@ -70,6 +70,8 @@ def test_allow_add_on_a_fresh_data_dir_makes_the_run_and_says_how_to_start_it(tm
         (["--public-url", "http://127.0.0.1:1"], "is not an https://HOST[:PORT] URL"),
         (["--public-url", "https://127.0.0.1:x"], "has an invalid port"),
         (["--max-uses", "0"], "--max-uses"),
+        (["--expires-in-days", "0"], "--expires-in-days must be positive, got 0.0 (leave it out"),
+        (["--expires-in-days", "-1"], "--expires-in-days must be positive"),
     ],
 )
 def test_allow_add_refuses_unusable_input_with_exit_2(tmp_path: Path, extra: list[str], message: str) -> None:
