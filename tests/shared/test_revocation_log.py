@@ -15,7 +15,11 @@ from protocols.training import PROGRESS_KEY
 from shared.auth.authority import Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
+from shared.dht.admission import AdmissionValidator
+from shared.dht.keys import key_id
 from shared.dht.node import DHTConfig
+from shared.dht.records import sign_record
+from shared.errors import RecordRejected
 from shared.node import Node, open_node
 
 AUTHORITY = Authority(Identity.generate())
@@ -91,3 +95,17 @@ async def test_a_volunteer_does_not_log_other_users_names_when_they_are_removed(
         assert named == []
         counts = [text for level, text in lines if level == logging.DEBUG and "other user(s) removed" in text]
         assert counts
+
+
+@pytest.mark.parametrize("revoked_too", [True, False])
+def test_a_rejected_record_of_a_removed_or_expired_user_does_not_name_the_user(revoked_too: bool) -> None:
+    """Nodes log the records they reject (``ignoring an invalid record in a lookup: …``)."""
+    writer = Identity.generate()
+    now = time.time()
+    token = AUTHORITY.issue_token(RUN, "alice", writer.peer_id, writer.public_key_bytes, now - 7200, 3600)
+    record = sign_record(writer, key_id(PROGRESS_KEY), b"p", now + 86400, writer.peer_id.encode(), token)
+    validator = AdmissionValidator(RUN, AUTHORITY.key, {"alice"} if revoked_too else set())
+    with pytest.raises(RecordRejected) as rejected:
+        validator.validate(record, now)
+    assert "alice" not in str(rejected.value)
+    assert ("has been removed" if revoked_too else "token expired") in str(rejected.value)
