@@ -267,7 +267,8 @@ def build_app(state: ApiState) -> Starlette:
                 write=True,
             )
         except InviteRejected as exc:
-            raise HttpError(403, "invite_rejected", f"invite rejected: {exc}") from exc
+            # The message is the ledger's ("this invite has expired"): the volunteer adds what to do.
+            raise HttpError(403, "invite_rejected", str(exc)) from exc
         token = state.authority.issue_token(
             state.run_id, username, body.peer_id, body.public_key, now, state.token_lifetime
         )

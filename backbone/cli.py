@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import msgspec
 import typer
@@ -16,7 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from protocols.api import Invite, encode_invite
+from protocols.auth import split_run_id
 from protocols.training import TrainingSpec
+from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.console import (
     default_data_dir,
     fail,
@@ -30,11 +33,11 @@ from shared.console import (
 from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
-from shared.net.addresses import parse_multiaddr
+from shared.net.addresses import expand_unspecified, parse_multiaddr
 
 from .export import export_checkpoint
 from .ledger import LedgerStore, StepRow
-from .runinfo import RunInfo, read_run_info
+from .runinfo import RUN_INFO, RunInfo, read_run_info, write_run_info
 from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
@@ -68,6 +71,7 @@ allow_app = typer.Typer(
 )
 app.add_typer(allow_app, name="allow")
 out = Console()
+MAX_INVITE_URLS = 8  # protocols.api.Invite's bound
 
 DataDir = Annotated[
     Path,
@@ -247,7 +251,7 @@ def start(
 @contextlib.contextmanager
 def _ledger(data_dir: Path, database_url: str | None) -> Iterator[LedgerStore]:
     if not data_dir.is_dir():
-        fail(f"{data_dir} is not a backbone data dir", 2)
+        fail(f"{data_dir} is not a backbone data dir: give the --data-dir of `backbone start`", 2)
     try:
         store = LedgerStore.open(database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}")
     except ProjectError as exc:
@@ -285,29 +289,142 @@ def allow_add(
     ] = None,
     database_url: DatabaseUrl = None,
     as_json: Json = False,
+    max_uses: Annotated[
+        int | None,
+        typer.Option(
+            "--max-uses",
+            metavar="N",
+            min=1,
+            help="At most N machines may join with this invite (default: any number; a machine "
+            "joining again is not a new use). --max-uses 1 makes a single-use invite.",
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            metavar="NAME",
+            help="The run's name, to invite before the backbone first starts (with --public-url): "
+            "creates the run's authority key and ledger in the data dir.",
+        ),
+    ] = None,
+    public_url: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--public-url",
+            metavar="URL",
+            help="API URL the invite sends volunteers to (repeatable; default: the running or last "
+            "started backbone's).",
+        ),
+    ] = None,
 ) -> None:
     """Allow USER to join the run and print an invite code for them.
 
     Every machine that joins with the code becomes one of USER's peers, and its work is credited to
     USER. The code is shown once: send it to USER privately.
 
+    Before the backbone's first start, give --run-id and --public-url: the run's authority key and
+    ledger are created in the data dir.
+
     \b
-    Example:
+    Examples:
       backbone allow add alice --note alice@example.org --expires-in-days 7
+      backbone allow add bob --max-uses 1
     """
-    info = _run_info(data_dir)
+    if expires_in_days is not None and not 0 < expires_in_days < 1e6:
+        fail(f"--expires-in-days must be positive, got {expires_in_days} (leave it out: it never expires)", 2)
+    urls = _checked_urls(public_url or [])
+    created = not (data_dir / RUN_INFO).exists()
+    info = _new_run(data_dir, username, run_id, urls) if created else _existing_run(data_dir, run_id, urls)
     with _ledger(data_dir, database_url) as store:
         now = time.time()
         store.add_user(username, note=note, now=now)
-        expires = now + expires_in_days * 86400 if expires_in_days else None
-        secret = store.create_invite(username, now=now, expires_at=expires)
+        expires = None if expires_in_days is None else now + expires_in_days * 86400
+        secret = store.create_invite(username, now=now, expires_at=expires, max_uses=max_uses)
     code = encode_invite(Invite(info.run_id, info.api, secret))
     if as_json:
-        print(msgspec.json.encode({"username": username, "invite": code, "expires_at": expires}).decode())
-    else:
-        out.print(f"invite for [bold]{username}[/] (shown once; keep it secret):", highlight=False)
-        print(code)
-        out.print(f"they join with:  volunteer join {info.run_id} --invite <code>", highlight=False)
+        fields = {"username": username, "invite": code, "expires_at": expires, "max_uses": max_uses}
+        print(msgspec.json.encode({**fields, "run_id": info.run_id, "api": info.api}).decode())
+        return
+    uses = "any number of machines" if max_uses is None else f"at most {max_uses} machine(s)"
+    out.print(f"invite for [bold]{username}[/] ({uses}; shown once; keep it secret):", highlight=False)
+    print(code)
+    out.print(f"they join with:  volunteer join --invite {code}", highlight=False, soft_wrap=True)
+    if created:
+        port = urlsplit(info.api[0]).port or 443
+        serve = " ".join(f"--public-url {url}" for url in info.api)
+        out.print(
+            f"start the run with:  backbone start --run-id {info.run_id} --data-dir {data_dir} "
+            f"--api-listen 0.0.0.0:{port} {serve}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _checked_urls(urls: list[str]) -> list[str]:
+    """``--public-url`` values as an invite carries them (``https://HOST[:PORT]``, at most 8)."""
+    if len(urls) > MAX_INVITE_URLS:
+        fail(f"an invite carries at most {MAX_INVITE_URLS} --public-url values, got {len(urls)}", 2)
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+        except ValueError:
+            fail(f"--public-url {url!r} has an invalid port", 2)
+        if parts.scheme != "https" or not parts.hostname or len(url) > 256 or parts.path not in ("", "/"):
+            fail(f"--public-url {url!r} is not an https://HOST[:PORT] URL", 2)
+    return [url.rstrip("/") for url in urls]
+
+
+def _existing_run(data_dir: Path, run_id: str | None, urls: list[str]) -> RunInfo:
+    """The run of a data dir whose backbone has started (``run.json``); ``--run-id`` must name it."""
+    info = _run_info(data_dir)
+    if run_id is not None and run_id not in (info.run_id, split_run_id(info.run_id)[0]):
+        fail(f"{data_dir} holds run {info.run_id}, not {run_id}: leave --run-id out or fix it", 2)
+    return msgspec.structs.replace(info, api=urls) if urls else info
+
+
+def _new_run(data_dir: Path, username: str, run_id: str | None, urls: list[str]) -> RunInfo:
+    """A data dir whose backbone never started: with ``--run-id`` and ``--public-url``, create the run's
+    authority key (pinning the run id) and ``run.json``, as ``backbone start`` would, so that the invite
+    knows the run and where to join; without them, say the exact command that does."""
+    if run_id is None or not urls:
+        guess = f"https://{expand_unspecified('0.0.0.0')[0]}:8443"
+        command = (
+            f"backbone allow add {username} --data-dir {data_dir} --run-id {run_id or 'my-run'} "
+            f"--public-url {urls[0] if urls else guess}"
+        )
+        fail(
+            f"{data_dir} holds no run yet, and an invite must say which run to join and where: name the "
+            f"run and the URL where volunteers will reach this backbone's API (`{command}`), or start "
+            "the backbone once first",
+            2,
+        )
+        raise AssertionError  # fail() exits
+    try:
+        validate_run_id(run_id)
+        key = data_dir / AUTHORITY_FILE
+        if split_run_id(run_id)[1] is not None and not key.exists():
+            raise ConfigError(
+                f"run id {run_id} pins an authority key that {data_dir} does not hold: copy the run's "
+                f"authority.key into {data_dir}, or give the run's name without '@…'"
+            )
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        data_dir.chmod(0o700)  # as `backbone start` makes it: it holds the authority key
+        authority = Authority.load_or_create(key)
+        info = RunInfo(
+            run_id=pin_run_id(run_id, authority),
+            api=urls,
+            authority_public_key=authority.identity.public_key_bytes.hex(),
+        )
+        write_run_info(data_dir, info)
+    except ConfigError as exc:
+        fail(str(exc), 2)
+        raise
+    except OSError as exc:
+        fail(f"cannot use data dir {data_dir}: {exc.strerror or exc}", 2)
+        raise
+    return info
 
 
 @allow_app.command("remove")
@@ -325,7 +442,7 @@ def allow_remove(
     elif removed:
         out.print(f"removed {username}; a running backbone revokes its peers within seconds", highlight=False)
     else:
-        fail(f"no active user {username!r}", 1)
+        fail(f"no active user {username!r}; the users are: backbone allow list --data-dir {data_dir}", 1)
 
 
 @allow_app.command("list")

@@ -51,7 +51,10 @@ closes the peer's older open session. An older backbone answers 404 here: the vo
 a per-address budget and a per-peer (or per-invite) budget, before any database work.
 
 **Invite codes** are ``dli1_`` + base64url(msgpack(:class:`Invite`)): the pinned run id, the API URLs,
-and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires.
+and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires,
+or (``backbone allow add --max-uses N``) until N machines joined with it. The run id pins the run:
+``volunteer join --invite CODE`` needs no other; a join answered 403 ``invite_rejected`` carries what
+happened to the invite as its message (``"the invite has expired"``).
 """
 
 from __future__ import annotations
@@ -228,13 +231,16 @@ def encode_invite(invite: Invite) -> str:
 
 
 def decode_invite(code: str) -> Invite:
-    """Raises ValueError for anything that is not a well-formed invite code."""
+    """Raises ValueError for anything that is not a well-formed invite code; its message says what is
+    wrong in words for the person who pasted it (no decoder's internals)."""
     code = code.strip()
-    if not code.startswith(_INVITE_PREFIX) or len(code) > 2048:
-        raise ValueError("not an invite code (they start with 'dli1_')")
+    if not code.startswith(_INVITE_PREFIX):
+        raise ValueError(f"invite codes start with {_INVITE_PREFIX!r}")
+    if len(code) > 2048:
+        raise ValueError(f"it is {len(code)} characters long; invite codes are shorter")
     body = code[len(_INVITE_PREFIX) :]
     try:
         raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
         return msgspec.msgpack.decode(raw, type=Invite)
-    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"invite code is damaged: {exc}") from exc
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise ValueError("it is damaged or cut short: copy the whole code again") from exc

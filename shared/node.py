@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import statistics
 import time
@@ -39,7 +40,7 @@ from .dht.records import (
     SignatureValidator,
     SubkeyOwnerValidator,
 )
-from .errors import ConfigError, RecordRejected
+from .errors import AuthError, ConfigError, RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
 from .tolerated import Tolerated
@@ -92,13 +93,23 @@ def run_dht_config(config: DHTConfig | None, authenticator: Authenticator | None
 
 
 async def watch_revocations(
-    dht: DHTNode, auth: RunAuthenticator, period: float = REVOCATION_POLL, tolerated: Tolerated | None = None
+    dht: DHTNode,
+    auth: RunAuthenticator,
+    period: float = REVOCATION_POLL,
+    tolerated: Tolerated | None = None,
+    *,
+    name_users: bool = True,
 ) -> None:
     """Poll the run's revocation records and cut revoked users off (they stay revoked); drop the stored
     DHT records of every revoked user, however the user got into ``auth.revoked`` (a backbone adds users
-    removed from its ledger directly). Failed polls are counted in ``tolerated`` (default: the DHT's)."""
+    removed from its ledger directly). Failed polls are counted in ``tolerated`` (default: the DHT's).
+
+    Who was removed is the organizers' business: with ``name_users`` False (volunteers) only our own
+    user's removal is logged by name (WARNING); other users' removals and their dropped records are
+    logged as counts at DEBUG, so one volunteer's log never tells who else takes part in the run."""
     tolerated = tolerated or dht.tolerated
     while True:
+        others = 0
         with tolerated.around("revocations poll"):
             found = await dht.get(REVOCATIONS_KEY, latest=True)
             for record in found.entries.values() if found is not None else ():
@@ -108,11 +119,32 @@ async def watch_revocations(
                     logger.warning("ignoring a revocation record: %s", exc)
                     continue
                 if username not in auth.revoked:
-                    logger.warning("user %s has been removed from the run", username)
                     auth.revoked.add(username)
+                    if name_users or username == _own_username(auth):
+                        logger.warning("user %s has been removed from the run", username)
+                    else:
+                        others += 1
+        if others:
+            logger.debug("%d other user(s) removed from the run", others)
+        dropped = 0
         for username in auth.revoked:
-            dht.drop_user(username)
+            count = dht.drop_user(username)
+            dropped += count
+            if count and name_users:
+                logger.warning("dropped %d stored records of removed user %s", count, username)
+        if dropped and not name_users:
+            logger.debug("dropped %d stored records of removed users", dropped)
         await trio.sleep(period)
+
+
+def _own_username(auth: RunAuthenticator) -> str | None:
+    token = auth.token
+    if token is None:
+        return None
+    try:
+        return auth.authority.verify_token(token).username
+    except AuthError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -263,7 +295,11 @@ async def open_node(
             async with trio.open_nursery() as dht_nursery:
                 await dht_nursery.start(dht.run, initial_peers)
                 if isinstance(authenticator, RunAuthenticator):
-                    dht_nursery.start_soon(watch_revocations, dht, authenticator)
+                    dht_nursery.start_soon(
+                        functools.partial(watch_revocations, name_users=role == "backbone"),
+                        dht,
+                        authenticator,
+                    )
                 try:
                     yield Node(role, host, dht)
                 finally:

@@ -13,6 +13,11 @@
 4. **Freshness**: :func:`keep_admitted` refreshes the token at two thirds of its lifetime without
    interrupting work, and ends the daemon with a clear error when the run has removed our user.
 Open runs (no ``@`` in the run id) skip all of this.
+
+**Which run.** An invite names its run (``name@fingerprint``): it pins the run, so ``volunteer join
+--invite CODE`` needs no run id, and a run id given with it must be that run (or its bare name) —
+anything else is refused with the invite's run named. Without an invite, a bare name (or no run id at
+all) means the pinned run of that name this data dir was admitted to, if any (:func:`run_to_join`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from protocols.api import Manifest, decode_invite
+from protocols.api import Invite, Manifest, decode_invite
 from protocols.auth import AccessToken, SignedToken, split_run_id
 from protocols.errors import DECODE_FAILURES
 from shared.auth.authority import AuthorityKey
@@ -35,9 +40,9 @@ from shared.auth.guard import Authenticator, OpenAuthenticator, RunAuthenticator
 from shared.auth.keys import Identity
 from shared.errors import AdmissionError, AuthError, ConfigError, PeerUnavailable
 
-from .api_client import ApiClient
+from .api_client import ApiClient, Refused
 
-__all__ = ["Admission", "Credential", "admit", "keep_admitted", "remember_manifest"]
+__all__ = ["Admission", "Credential", "admit", "keep_admitted", "remember_manifest", "run_to_join"]
 
 logger = logging.getLogger("volunteer")
 CREDENTIAL_FILE = "credential.json"
@@ -71,6 +76,51 @@ def _load(data_dir: Path, run_id: str) -> Credential | None:
         logger.warning("ignoring a damaged %s", data_dir / CREDENTIAL_FILE)
         return None
     return credential if credential.run_id == run_id else None
+
+
+def _decoded(invite: str) -> Invite:
+    try:
+        return decode_invite(invite)
+    except ValueError as exc:
+        raise ConfigError(f"this is not a valid invite code ({exc})") from exc
+
+
+def run_to_join(run_id: str | None, invite: str | None, data_dir: Path) -> str:
+    """The run ``volunteer join [RUN_ID] [--invite CODE]`` joins (see **Which run** above).
+
+    Raises:
+        ConfigError: the invite is not a valid code, names another run than ``run_id``, or neither a run
+            id nor an invite was given and the data dir holds no credential.
+    """
+    if invite:
+        code = _decoded(invite)
+        if run_id is not None and run_id not in (code.run_id, split_run_id(code.run_id)[0]):
+            raise ConfigError(
+                f"this invite is for run {code.run_id}, not {run_id}: leave the run id out to join "
+                f"{code.run_id}, or ask the organizers of {run_id} for their invite"
+            )
+        return code.run_id
+    if run_id is not None and split_run_id(run_id)[1] is not None:
+        return run_id
+    saved = _load_any(data_dir)
+    if saved is not None and (run_id is None or split_run_id(saved.run_id)[0] == run_id):
+        logger.info("joining run %s (admitted before, see %s)", saved.run_id, data_dir / CREDENTIAL_FILE)
+        return saved.run_id
+    if run_id is None:
+        raise ConfigError(
+            "which run? give its run id, or the invite code its organizers sent you (--invite, or the "
+            "VOLUNTEER_INVITE environment variable)"
+        )
+    return run_id  # an open run (no '@'): no admission
+
+
+def _load_any(data_dir: Path) -> Credential | None:
+    try:
+        return msgspec.json.decode((data_dir / CREDENTIAL_FILE).read_bytes(), type=Credential)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except DECODE_FAILURES:
+        return None  # _load warns when the run's join reads it
 
 
 def _save(data_dir: Path, credential: Credential) -> None:
@@ -107,21 +157,30 @@ async def admit(
         return Admission(run_id, OpenAuthenticator(), list(initial_peers))
     saved = _load(data_dir, run_id)
     if invite:
-        try:
-            code = decode_invite(invite)
-        except ValueError as exc:
-            raise ConfigError(f"--invite: {exc}") from exc
+        code = _decoded(invite)
         if code.run_id != run_id:
             raise ConfigError(f"this invite is for run {code.run_id}, not {run_id}")
-        response = await ApiClient(run_id, code.api).join(code.secret, identity)
-        credential = Credential(run_id, response.username, response.token, response.manifest)
-        logger.info("admitted to run %s as user %s", run_id, response.username)
+        try:
+            response = await ApiClient(run_id, code.api).join(code.secret, identity)
+        except Refused as exc:
+            if exc.code != "invite_rejected":
+                raise
+            if saved is None:
+                raise AdmissionError(f"{exc.reason}: ask the run's organizers for a new invite") from exc
+            # Admitted before (VOLUNTEER_INVITE stays set in a notebook): the saved credential decides.
+            logger.warning(
+                "%s; joining with the credential saved in %s", exc.reason, data_dir / CREDENTIAL_FILE
+            )
+            credential, invite = saved, None
+        else:
+            credential = Credential(run_id, response.username, response.token, response.manifest)
+            logger.info("admitted to run %s as user %s", run_id, response.username)
     elif saved is not None:
         credential = saved
     else:
         raise AdmissionError(
-            f"run {run_id} admits invited volunteers only: ask its organizers for an invite and run "
-            f"`volunteer join {run_id} --invite <code>` (or set VOLUNTEER_INVITE)"
+            f"run {run_id} admits invited volunteers only: ask its organizers for an invite code and "
+            "pass it with --invite (or set VOLUNTEER_INVITE)"
         )
     authority, access = _checked(run_id, credential, identity)
     if invite is None and _needs_refresh(access, time.time()):

@@ -56,11 +56,21 @@ from protocols.ledger import (
 from shared.auth.keys import Identity
 from shared.errors import AdmissionError, PeerUnavailable, ProtocolError
 
-__all__ = ["ApiClient"]
+__all__ = ["ApiClient", "Refused"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T", bound=msgspec.Struct)
 REQUEST_DEADLINE = 15.0
+
+
+class Refused(AdmissionError):
+    """A backbone of the run answered with a refusal (401/403/...): ``code`` is its error code
+    (``invite_rejected``, ``revoked``, ...), ``reason`` its message, at most 200 characters."""
+
+    def __init__(self, error: ApiError) -> None:
+        self.code = error.error[:64]
+        self.reason = error.message[:200]
+        super().__init__(f"the backbone refused: {self.reason} ({self.code})")
 
 
 class ApiClient:
@@ -149,7 +159,7 @@ class ApiClient:
             except DECODE_FAILURES:
                 error = ApiError("http_error", f"HTTP {response.status_code}")
             if response.status_code in refusals:
-                raise AdmissionError(f"the backbone refused: {error.message} ({error.error})")
+                raise Refused(error)
             errors.append(f"{url}: {error.message}")
         raise PeerUnavailable(f"no backbone API of run {self.run_id} answered: " + "; ".join(errors))
 
@@ -218,8 +228,9 @@ class ApiClient:
         """Redeem an invite for ``identity``'s peer.
 
         Raises:
-            AdmissionError: the invite was refused (unknown, expired, user removed) or the server is an
-                impostor.
+            Refused: the invite was refused (code ``invite_rejected``: unknown, expired, used up, user
+                removed).
+            AdmissionError: the server is an impostor.
             PeerUnavailable: no API URL answered.
         """
         now = time.time()

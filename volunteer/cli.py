@@ -69,15 +69,6 @@ def _root(
 
 @app.command()
 def join(
-    run_id: Annotated[
-        str,
-        typer.Argument(
-            metavar="RUN_ID",
-            help="The run's id as its organizers published it, e.g. my-run@4fT9… (the part after @ "
-            "pins the run's key, so nobody else can pose as the run).",
-            show_default=False,
-        ),
-    ],
     data_dir: Annotated[
         Path,
         typer.Option(
@@ -89,6 +80,16 @@ def join(
             f"(one running volunteer per data dir).  [default: {shown_path(_DATA_DIR)}]",
         ),
     ],
+    run_id: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="RUN_ID",
+            help="The run's id as its organizers published it, e.g. my-run@4fT9… (the part after @ "
+            "pins the run's key, so nobody else can pose as the run). Default: the invite's run, or "
+            "the run this data dir joined before.",
+            show_default=False,
+        ),
+    ] = None,
     invite: Annotated[
         str | None,
         typer.Option(
@@ -174,7 +175,9 @@ def join(
     async def body(shutdown: Shutdown) -> None:
         from shared.net.addresses import parse_multiaddr
 
-        validate_run_id(run_id)
+        from .admission import run_to_join
+
+        run = validate_run_id(run_to_join(run_id, invite, data_dir))
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
@@ -186,7 +189,7 @@ def join(
 
         with locked_data_dir(data_dir):
             options = VolunteerOptions(
-                run_id,
+                run,
                 data_dir,
                 listen_addrs,
                 initial_peer or [],

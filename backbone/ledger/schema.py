@@ -3,7 +3,9 @@
 Tables::
 
     users          one row per allowlisted person; revoked_at set by ``backbone allow remove``
-    invites        invite codes of a user, stored only as sha256(secret) in hex
+    invites        invite codes of a user, stored only as sha256(secret) in hex; ``uses`` counts the
+                   machines it admitted that were not a peer of its user already, ``max_uses`` (NULL: no
+                   limit) bounds it (schema 5)
     peers          one row per machine (peer id) that redeemed an invite; its measured capabilities
     sessions       one row per volunteer *process* (its random session token): opened by its first
                    heartbeat, closed by its leave notice, by a newer session of the same peer
@@ -89,7 +91,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -131,6 +133,10 @@ class Invite(Base):
     created_at: Mapped[float]
     expires_at: Mapped[float | None]
     revoked_at: Mapped[float | None]
+    #: machines admitted through this invite that were not a peer of its user already (schema 5)
+    uses: Mapped[int] = mapped_column(default=0)
+    #: at most this many uses (NULL: no limit); enforced by one conditional UPDATE (store.redeem_invite)
+    max_uses: Mapped[int | None]
 
 
 class Peer(Base):
@@ -346,6 +352,14 @@ def _migrate_3_to_4(conn: Connection) -> None:
     )
 
 
+def _migrate_4_to_5(conn: Connection) -> None:
+    """Version 5 bounds how many machines an invite admits (``backbone allow add --max-uses N``). Old
+    invites keep serving any number of machines (``max_uses`` NULL) and start counting from 0: which of
+    the user's invites admitted which old peer was never recorded."""
+    _add_column(conn, "invites", "uses", "BIGINT NOT NULL DEFAULT 0")
+    _add_column(conn, "invites", "max_uses", "BIGINT")
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -358,6 +372,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _migrate_1_to_2,
     2: _migrate_2_to_3,
     3: _migrate_3_to_4,
+    4: _migrate_4_to_5,
 }
 
 

@@ -55,6 +55,7 @@ from sqlalchemy import (
     func,
     insert,
     make_url,
+    or_,
     select,
     update,
 )
@@ -118,6 +119,7 @@ _MAX_ADDRESS = 256
 _MAX_TOKEN = 64
 _MAX_SECRET = 256
 _INVITE_BYTES = 32
+_MAX_USES = 1_000_000
 _WRITE_OPTION = "dedloc_ledger_write"
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
 
@@ -209,19 +211,23 @@ class LedgerStore:
 
         self._write_retrying(body)
 
-    def create_invite(self, username: str, *, now: float, expires_at: float | None = None) -> str:
+    def create_invite(
+        self, username: str, *, now: float, expires_at: float | None = None, max_uses: int | None = None
+    ) -> str:
         """Create an invite code for ``username`` and return its secret (43 URL-safe characters).
 
         Only sha256(secret) is stored: show the secret to the organizer once; it cannot be recovered.
         Every machine that redeems it becomes another peer of the user, until the invite or the user is
-        revoked or ``expires_at`` passes.
+        revoked, ``expires_at`` passes, or ``max_uses`` machines (None: no limit) have joined with it.
 
         Raises:
             UnknownUser: no such user, or it is revoked.
-            ConfigError: ``expires_at`` is not after ``now``.
+            ConfigError: ``expires_at`` is not after ``now``, or ``max_uses`` is below 1.
         """
         if expires_at is not None and not expires_at > now:
             raise ConfigError(f"an invite must expire in the future, got {expires_at} <= now {now}")
+        if max_uses is not None and not 1 <= max_uses <= _MAX_USES:
+            raise ConfigError(f"an invite's maximum number of uses is 1 to {_MAX_USES}, got {max_uses}")
         secret = secrets.token_urlsafe(_INVITE_BYTES)
         with self._tx(write=True) as conn:
             row = conn.execute(
@@ -233,7 +239,12 @@ class LedgerStore:
                 raise UnknownUser(f"user {username!r} is revoked; add it again first")
             conn.execute(
                 insert(Invite).values(
-                    user_id=row.id, code_hash=_hash_secret(secret), created_at=now, expires_at=expires_at
+                    user_id=row.id,
+                    code_hash=_hash_secret(secret),
+                    created_at=now,
+                    expires_at=expires_at,
+                    uses=0,
+                    max_uses=max_uses,
                 )
             )
         return secret
@@ -245,9 +256,19 @@ class LedgerStore:
         again from the same machine only refreshes it; a machine that redeems another user's invite
         moves to that user (reports already recorded stay credited to the user of their time).
 
+        **Uses.** A machine that is not a peer of the invite's user yet *uses* the invite; one that is
+        (it joins again: a restart with ``VOLUNTEER_INVITE`` set, a lost credential) does not. With
+        ``max_uses`` set, the use is taken by one statement, ``UPDATE invites SET uses = uses + 1 WHERE
+        id = ? AND uses < max_uses``, in the transaction that admits the machine. Two joins racing for
+        the last use therefore admit one: on SQLite the write transactions run one at a time (``BEGIN
+        IMMEDIATE``); on PostgreSQL (READ COMMITTED, several backbones on one database) the second
+        UPDATE waits for the first one's row lock and then re-evaluates its WHERE on the committed row,
+        so it matches nothing. A machine refused that way that has meanwhile become the user's peer (the
+        same machine joining twice at once) is a re-join, not a refusal.
+
         Raises:
-            InviteRejected: reason ``'unknown'``, ``'revoked user'``, ``'revoked invite'`` or ``'expired'``
-                (checked in that order).
+            InviteRejected: reason ``'unknown'``, ``'revoked user'``, ``'revoked invite'``, ``'expired'``
+                or ``'used up'`` (checked in that order).
             ValueError: ``public_key`` is not the Ed25519 key inside ``peer_id``.
         """
         if peer_id_from_public_key(public_key) != peer_id:
@@ -257,11 +278,16 @@ class LedgerStore:
             raise InviteRejected("unknown")
         code_hash = _hash_secret(secret)
 
+        def user_of(conn: Connection) -> int | None:
+            return conn.execute(select(Peer.user_id).where(Peer.peer_id == peer_id)).scalar_one_or_none()
+
         def body(conn: Connection) -> str:
             row = conn.execute(
                 select(
+                    Invite.id,
                     Invite.expires_at,
                     Invite.revoked_at,
+                    Invite.max_uses,
                     User.id.label("user_id"),
                     User.username,
                     User.revoked_at.label("user_revoked_at"),
@@ -277,8 +303,21 @@ class LedgerStore:
                 raise InviteRejected("revoked invite")
             if row.expires_at is not None and now >= row.expires_at:
                 raise InviteRejected("expired")
-            known = conn.execute(select(Peer.peer_id).where(Peer.peer_id == peer_id)).one_or_none()
-            if known is None:
+            owner = user_of(conn)
+            if owner != row.user_id:
+                used = conn.execute(
+                    update(Invite)
+                    .where(
+                        Invite.id == row.id,
+                        or_(Invite.max_uses.is_(None), Invite.uses < Invite.max_uses),
+                    )
+                    .values(uses=Invite.uses + 1)
+                )
+                if used.rowcount != 1:
+                    owner = user_of(conn)  # a fresh snapshot: a concurrent join of this machine won?
+                    if owner != row.user_id:
+                        raise InviteRejected("used up")
+            if owner is None:
                 conn.execute(
                     insert(Peer).values(
                         peer_id=peer_id,

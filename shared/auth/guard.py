@@ -299,8 +299,9 @@ class RunAuthenticator:
         if not self._replays.check_and_add(sender, request.nonce, now):
             raise AuthError(ErrorCode.REPLAYED, f"{kind} from {sender}: nonce already seen")
         if access.username in self.revoked:
+            # No name: refusals are logged, and who was removed is the organizers' business.
             raise AuthError(
-                ErrorCode.REVOKED, f"user {access.username} ({sender}) has been removed from the run"
+                ErrorCode.REVOKED, f"{kind} from {sender}: its user has been removed from the run"
             )
         return Verified(access.username, request.nonce)
 
@@ -326,4 +327,6 @@ class RunAuthenticator:
                 ErrorCode.BAD_SIGNATURE, f"{kind} from {responder}: response signature does not verify"
             )
         if access.username in self.revoked:
-            raise AuthError(ErrorCode.REVOKED, f"answer from removed user {access.username}")
+            raise AuthError(
+                ErrorCode.REVOKED, f"{kind} from {responder}: its user has been removed from the run"
+            )

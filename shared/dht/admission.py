@@ -156,10 +156,11 @@ class AdmissionValidator:
         if access.peer_id != record.writer:
             raise RecordRejected(f"{_describe(record)}: token of peer {access.peer_id}, not of its writer")
         if access.username in self.revoked:
-            raise RecordRejected(f"{_describe(record)}: user {access.username} has been removed from the run")
+            # No name: nodes log rejected records, and who was removed is the organizers' business.
+            raise RecordRejected(f"{_describe(record)}: its writer's user has been removed from the run")
         if now >= access.expires_at and record.expiration > access.expires_at + self.token_grace:
             raise RecordRejected(
-                f"{_describe(record)}: token of {access.username} expired at {access.expires_at:.0f}, "
+                f"{_describe(record)}: its writer's token expired at {access.expires_at:.0f}, "
                 f"too long before the record's expiry {record.expiration:.0f} "
                 f"(grace {self.token_grace:.0f} s)"
             )

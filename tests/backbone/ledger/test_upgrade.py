@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 
-from backbone.ledger import LedgerStore
+from backbone.ledger import InviteRejected, LedgerStore
 from backbone.ledger.schema import SCHEMA_VERSION
 from shared.auth.authority import Authority
 from tests.pg import PostgresCluster
@@ -22,7 +22,7 @@ from .reports import T0, identity, make_report, receipt, sign
 from .test_store import join, record
 
 FIXTURE = Path(__file__).parents[2] / "fixtures" / "b253b6f"
-ALICE, BOB, CAROL = identity(21), identity(22), identity(23)
+ALICE, BOB, CAROL, DAVE, ERIN = identity(21), identity(22), identity(23), identity(24), identity(25)
 #: the old code's leaderboard of the fixture: (username, samples, bytes aggregated, flagged reports)
 OLD_BOARD = [("alice", 200, 0, 0), ("bob", 150, 1000, 0), ("carol", 0, 0, 1)]
 TABLES = ("users", "invites", "peers", "sessions", "reports", "receipts", "pulls", "steps")
@@ -74,12 +74,20 @@ def check_upgraded(url: str) -> None:
         verdict = store.assess_and_record(sign(ALICE, report), report, now=T0 + 3600)
         assert verdict is not None and verdict.samples == 50
         assert store.session_heartbeat(ALICE.peer_id, "c" * 32, "127.0.0.1", now=T0 + 3600)
+        # schema 5: invites count their uses; a new one with a maximum admits that many machines
+        secret = store.create_invite("bob", now=T0 + 3600, max_uses=1)
+        assert store.redeem_invite(secret, DAVE.peer_id, DAVE.public_key_bytes, now=T0 + 3601) == "bob"
+        with pytest.raises(InviteRejected, match="as many machines as it allows"):
+            store.redeem_invite(secret, ERIN.peer_id, ERIN.public_key_bytes, now=T0 + 3602)
     engine = sqlalchemy.create_engine(url)
     try:
         with engine.connect() as conn:
             assert (
                 conn.execute(sqlalchemy.text("SELECT version FROM schema_version")).scalar() == SCHEMA_VERSION
             )
+            old_invites = len(before["invites"])
+            limits = conn.execute(sqlalchemy.text("SELECT uses, max_uses FROM invites ORDER BY id")).all()
+            assert [tuple(r) for r in limits] == [(0, None)] * old_invites + [(1, 1)]  # old ones: no limit
     finally:
         engine.dispose()
 
