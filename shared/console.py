@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from .errors import ConfigError, ProjectError
 
@@ -91,7 +92,13 @@ def locked_data_dir(path: Path) -> Iterator[Path]:
 
 
 def fail(message: str, code: int) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print ``message`` on stderr as one line and exit with ``code``.
+
+    One line whatever the message holds (a driver's multi-line text) and however wide the terminal: the
+    terminal wraps it for the eye, a script reads one line. Brackets in it are text, not console markup.
+    """
+    line = " ".join(message.split())
+    stderr.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 

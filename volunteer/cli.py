@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Annotated
 
+import trio
 import typer
 from rich.console import Console
 
@@ -13,6 +16,7 @@ from shared.errors import ConfigError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 
+from .capabilities import choose_device
 from .daemon import VolunteerOptions, serve_volunteer
 
 __all__ = ["app", "main"]
@@ -81,10 +85,15 @@ def join(
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
-        if discovery_wait <= 0:
-            raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
-        if threads < 0:
-            raise ConfigError(f"--threads must be >= 0, got {threads}")
+        if not (math.isfinite(discovery_wait) and discovery_wait > 0):
+            raise ConfigError(f"--discovery-wait must be a positive number of seconds, got {discovery_wait}")
+        cpus = os.cpu_count() or 1
+        if not 0 <= threads <= cpus:
+            raise ConfigError(
+                f"--threads {threads}: give 1 to {cpus} (this machine's CPUs), or 0 for torch's default"
+            )
+        # Before the data dir, the invite or the network: a device this machine lacks fails here, in one line.
+        chosen = await trio.to_thread.run_sync(choose_device, device)
         directory = data_dir or default_data_dir("volunteer")
         with locked_data_dir(directory):
             options = VolunteerOptions(
@@ -96,7 +105,7 @@ def join(
                 console.is_terminal if panel is None else panel,
                 invite=invite,
                 manifest=manifest,
-                device=device,
+                device=chosen,
                 threads=threads,
             )
             await serve_volunteer(options, shutdown, console)

@@ -74,7 +74,7 @@ def test_export_writes_the_checkpoint_of_a_given_step(tmp_path: Path) -> None:
     ("setup", "extra", "message"),
     [
         (False, (), "no checkpoint"),
-        (True, ("--step", "11"), "kept steps: 10"),
+        (True, ("--step", "11"), "it keeps steps 10; give one of them"),
         (True, ("--format", "onnx"), "only 'safetensors'"),
     ],
 )
