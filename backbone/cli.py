@@ -27,7 +27,13 @@ from .export import export_checkpoint
 from .ledger import LedgerStore, StepRow
 from .runinfo import RunInfo, check_held_run, read_run_info
 from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
-from .startup import MAX_PUBLIC_URLS, check_authority_key, check_public_url, parse_api_listen
+from .startup import (
+    MAX_PUBLIC_URLS,
+    check_authority_key,
+    check_listen,
+    check_public_url,
+    parse_api_listen,
+)
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
@@ -104,6 +110,8 @@ def start(
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
+        for text in listen_addrs:
+            check_listen(parse_multiaddr(text), text)
         parse_api_listen(api_listen)
         if len(public_url or []) > MAX_PUBLIC_URLS:
             raise ConfigError(f"give at most {MAX_PUBLIC_URLS} --public-url: an invite carries that many")

@@ -19,8 +19,16 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from shared.errors import ConfigError
+from shared.net.addresses import PeerAddress
 
-__all__ = ["MAX_PUBLIC_URLS", "bind_api", "check_authority_key", "check_public_url", "parse_api_listen"]
+__all__ = [
+    "MAX_PUBLIC_URLS",
+    "bind_api",
+    "check_authority_key",
+    "check_listen",
+    "check_public_url",
+    "parse_api_listen",
+]
 
 #: An invite carries at most 8 API URLs (``protocols.api.Invite``).
 MAX_PUBLIC_URLS = 8
@@ -46,6 +54,20 @@ def parse_api_listen(text: str) -> tuple[str, int]:
     if not (port.isascii() and port.isdigit() and int(port) <= 65535):
         raise ConfigError(f"--api-listen {text!r}: the port must be 0 to 65535 (0: any free port)")
     return str(address), int(port)
+
+
+def check_listen(address: PeerAddress, text: str) -> None:
+    """A ``--listen`` address must name an IP address of this machine's (or ``0.0.0.0``): a node binds it.
+
+    Raises:
+        ConfigError: the address names a host (``/dns4/…``).
+    """
+    try:
+        ipaddress.ip_address(address.host)
+    except ValueError:
+        raise ConfigError(
+            f"--listen {text}: give an IP address (/ip4/0.0.0.0/tcp/PORT for all interfaces), not a host name"
+        ) from None
 
 
 def bind_api(text: str) -> socket.socket:
