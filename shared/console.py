@@ -71,11 +71,13 @@ def locked_data_dir(path: Path) -> Iterator[Path]:
     Raises:
         ConfigError: the directory cannot be created, or another process holds it.
     """
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"data dir {path} is a file, not a directory; give another --data-dir")
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        raise ConfigError(f"cannot use data dir {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot use data dir {path}: {exc.strerror}; give another --data-dir") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
