@@ -14,6 +14,7 @@ from rich.console import Console
 from shared.console import default_data_dir, locked_data_dir, run_service, setup_logging, validate_run_id
 from shared.errors import ConfigError
 from shared.lifecycle import Shutdown
+from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
 
 from .capabilities import choose_device
@@ -92,6 +93,8 @@ def join(
             raise ConfigError(
                 f"--threads {threads}: give 1 to {cpus} (this machine's CPUs), or 0 for torch's default"
             )
+        if manifest is not None:
+            load_training_spec(manifest)  # a spec no volunteer can train fails now, not after admission
         # Before the data dir, the invite or the network: a device this machine lacks fails here, in one line.
         chosen = await trio.to_thread.run_sync(choose_device, device)
         directory = data_dir or default_data_dir("volunteer")

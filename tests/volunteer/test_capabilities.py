@@ -97,22 +97,32 @@ def test_resolve_device_refuses_what_the_machine_lacks_in_one_line(
     assert "\n" not in str(caught.value)
 
 
-def test_join_refuses_threads_beyond_the_machines_cpus_before_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--threads", "100000"), f"--threads 100000: give 1 to {os.cpu_count()} (this machine's CPUs)"),
+        (("--manifest", "{tmp}/run.toml"), "{tmp}/run.toml: unknown task 'gpt-5': volunteers can train"),
+    ],
+)
+def test_join_refuses_bad_input_before_the_data_dir_the_invite_or_the_network(
+    tmp_path: Path, extra: tuple[str, ...], message: str
+) -> None:
     from typer.testing import CliRunner
 
     from volunteer.cli import app
 
+    (tmp_path / "run.toml").write_text('task = "gpt-5"\n')
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     try:
         argv = ["join", "r", "--initial-peer", "/ip4/127.0.0.1/tcp/5", "--data-dir", str(tmp_path / "v")]
-        result = CliRunner().invoke(app, [*argv, "--no-panel", "--threads", "100000"])
+        result = CliRunner().invoke(app, [*argv, "--no-panel", *(e.format(tmp=tmp_path) for e in extra)])
     finally:  # the command set up logging for its process: give the test process's back
         root.handlers[:] = handlers
         root.setLevel(level)
     assert result.exit_code == 2
     (line,) = result.output.splitlines()
-    assert line.startswith(f"error: --threads 100000: give 1 to {os.cpu_count()} (this machine's CPUs)")
+    assert line.startswith(f"error: {message.format(tmp=tmp_path)}")
     assert not (tmp_path / "v").exists()
 
 
