@@ -18,7 +18,7 @@ import msgspec
 from protocols.auth import split_run_id
 from shared.errors import ConfigError
 
-__all__ = ["RunInfo", "check_held_run", "held_run_conflict", "read_run_info", "write_run_info"]
+__all__ = ["RUN_INFO", "RunInfo", "check_held_run", "held_run_conflict", "read_run_info", "write_run_info"]
 
 RUN_INFO = "run.json"
 

@@ -60,7 +60,7 @@ from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
-from .runinfo import RunInfo, check_held_run, write_run_info
+from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info
 from .sessions import close_silent_sessions_forever
 from .startup import bind_api
 from .steps import record_steps_forever
@@ -163,7 +163,14 @@ async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket
     store = await _open_ledger(options)  # before the keys: a bad --database-url leaves no new key behind
     try:
         identity = Identity.load_or_create(options.data_dir)
-        authority = Authority.load_or_create(options.authority_key or options.data_dir / AUTHORITY_FILE)
+        key_path = options.authority_key or options.data_dir / AUTHORITY_FILE
+        if not key_path.exists() and (options.data_dir / RUN_INFO).exists():  # never a new key for a held run
+            held = read_run_info(options.data_dir)
+            raise ConfigError(
+                f"{options.data_dir} holds run {held.run_id} but not its {AUTHORITY_FILE}: give that run's "
+                "key with --authority-key PATH, or copy it into the data dir"
+            )
+        authority = Authority.load_or_create(key_path)
         run_id = pin_run_id(options.run_id, authority)
         public_key = authority.identity.public_key_bytes.hex()
         check_held_run(options.data_dir, run_id, authority_public_key=public_key)

@@ -199,3 +199,17 @@ def test_start_without_shards_to_serve_exits_2_before_announcing(tmp_path: Path)
         in line
     )
     assert not (tmp_path / "d" / "run.json").exists()
+
+
+@pytest.mark.usefixtures("own_logging")
+def test_start_never_makes_a_new_authority_key_for_a_run_the_data_dir_holds(tmp_path: Path) -> None:
+    data_dir = tmp_path / "d"
+    data_dir.mkdir()
+    write_run_info(data_dir, RunInfo(run_id="r@4fT9abc", api=[], authority_public_key="ab" * 32))
+    code, lines = start(data_dir)
+    assert code == 2
+    assert lines == [
+        f"error: {data_dir} holds run r@4fT9abc but not its authority.key: give that run's key with "
+        "--authority-key PATH, or copy it into the data dir"
+    ]
+    assert not (data_dir / "authority.key").exists()
