@@ -37,8 +37,15 @@ from shared.net.addresses import expand_unspecified, parse_multiaddr
 
 from .export import export_checkpoint
 from .ledger import LedgerStore, StepRow
-from .runinfo import RUN_INFO, RunInfo, read_run_info, write_run_info
+from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info
 from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
+from .startup import (
+    MAX_PUBLIC_URLS,
+    check_authority_key,
+    check_listen,
+    check_public_url,
+    parse_api_listen,
+)
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
@@ -224,12 +231,22 @@ def start(
     setup_logging(verbose)
 
     async def body(shutdown: Shutdown) -> None:
+        # Every input is checked before the data dir is touched (see backbone.startup for the order).
         validate_run_id(run_id)
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
+        for text in listen_addrs:
+            check_listen(parse_multiaddr(text), text)
+        parse_api_listen(api_listen)
+        if len(public_url or []) > MAX_PUBLIC_URLS:
+            raise ConfigError(f"give at most {MAX_PUBLIC_URLS} --public-url: an invite carries that many")
+        for url in public_url or []:
+            check_public_url(url)
+        check_authority_key(authority_key)
         training = load_training_spec(manifest) if manifest is not None else TrainingSpec()
         with locked_data_dir(data_dir):
+            check_held_run(data_dir, run_id, open_run=open_run)
             options = BackboneOptions(
                 run_id,
                 data_dir,

@@ -3,8 +3,9 @@
 The output is a safetensors file of the checkpoint's ``model/*`` tensors, named without that prefix (as
 the model's own parameter names), with metadata ``format="pt"`` (what the Hugging Face loaders expect of
 a PyTorch state dict), ``step``, ``run_id``, ``task`` and ``state_format`` (the checkpoint's format).
-Optimizer tensors are left out. The checkpoint is checked against its digest before anything is written,
-and the output appears atomically (temporary file, then rename).
+Optimizer tensors are left out. The output's directory is checked first (it must exist and be writable;
+the output must not be a directory), the checkpoint is checked against its digest before anything is
+written, and the output appears atomically (temporary file, then rename): a failed export leaves nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from pathlib import Path
 
 import safetensors.numpy
+from safetensors import SafetensorError
 
 from shared.errors import ConfigError, StateError
 from shared.state.blob import decode_state, state_digest
@@ -32,13 +34,22 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None) ->
     Raises:
         ConfigError: there is no such checkpoint, it is damaged, or ``output`` cannot be written.
     """
+    output = Path(output)
+    _check_output(output)
+    if not directory.parent.is_dir():
+        raise ConfigError(f"{directory.parent} is not a backbone data dir: give the --data-dir of a backbone")
     store = CheckpointStore(directory, readonly=True)
     entry = store.newest() if step is None else store.at_step(step)
     if entry is None:
         have = ", ".join(str(e.step) for e in store.entries())
-        if step is None or not have:
-            raise ConfigError(f"no checkpoint in {directory}: the backbone has not stored one yet")
-        raise ConfigError(f"no checkpoint of step {step} in {directory} (kept steps: {have})")
+        if not have:
+            raise ConfigError(
+                f"no checkpoint in {directory} yet: a running backbone stores one every checkpoint_every "
+                "steps once volunteers train; export again later"
+            )
+        raise ConfigError(
+            f"no checkpoint of step {step} in {directory}: it keeps steps {have}; give one of them"
+        )
     path = store.path(entry.digest)
     try:
         blob = path.read_bytes()
@@ -60,12 +71,11 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None) ->
         "run_id": metadata["run_id"],
         "task": metadata["task"],
     }
-    output = Path(output)
     tmp = output.with_name(f".{output.name}.tmp")
     try:
         safetensors.numpy.save_file(model, tmp, metadata=out_meta)
         os.replace(tmp, output)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         raise ConfigError(f"cannot write {output}: {exc}") from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -75,3 +85,20 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None) ->
         f"wrote {output}: {len(model)} tensors of step {metadata['step']} "
         f"(run {metadata['run_id']}, task {metadata['task']}, {size / 1e6:.1f} MB, safetensors)"
     )
+
+
+def _check_output(output: Path) -> None:
+    """Refuse an output no file can be written to, before any work.
+
+    Raises:
+        ConfigError: ``output`` is a directory, or its directory is missing or not writable.
+    """
+    if output.is_dir():
+        raise ConfigError(
+            f"--output {output} is a directory; give a file name, e.g. {output / 'model.safetensors'}"
+        )
+    parent = output.parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {output}: the directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {output}: the directory {parent} is not writable by you")

@@ -10,15 +10,22 @@ Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve t
 Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves.
 Both save the DHT contacts they know in ``<data dir>/dht-contacts.json`` and dial them again when restarted
 on the same data dir (:mod:`shared.dht.contacts`), so a restarted backbone finds the run's peers by itself.
+
+Start-up order (pinned runs; :mod:`backbone.startup` says why): the API's port is bound first, then the ledger
+and the keys are opened (the authority key must be the one of the run the data dir holds), the node binds
+its ports and joins the DHT, the dataset shards are prepared (and must exist when the run serves them),
+and only then is ``listening on …`` printed, the API served, ``run.json`` written and the run id printed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import ipaddress
 import logging
 import os
 import secrets
+import socket
 import ssl
 import time
 from collections import defaultdict
@@ -38,6 +45,7 @@ from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.data.corpus import SHARD_PATTERN, shard_name, write_shards
+from shared.data.shards import is_shard_name
 from shared.discovery import advertise_run
 from shared.errors import ConfigError, DiscoveryError, RecordRejected
 from shared.lifecycle import Shutdown
@@ -52,8 +60,9 @@ from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
-from .runinfo import RunInfo, write_run_info
+from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info
 from .sessions import close_silent_sessions_forever
+from .startup import bind_api
 from .steps import record_steps_forever
 
 __all__ = ["BackboneOptions", "serve_backbone"]
@@ -118,28 +127,53 @@ def make_private(data_dir: Path) -> None:
 
 
 async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
+    """Serve one backbone of the run until ``shutdown`` (start-up order: the module docstring).
+
+    Raises:
+        ConfigError: a port is taken, a key, the ledger URL or the data dir is unusable, the data dir holds
+            another run, or the run's dataset has no shard to serve; nothing was announced then.
+        PeerUnavailable, HandshakeError: no initial peer answered, or one serves another run.
+    """
+    if not options.open_run:
+        api_socket = bind_api(options.api_listen)  # first: a taken port fails before anything is written
+        try:
+            await _serve_pinned_node(options, api_socket, shutdown)
+        finally:
+            api_socket.close()
+        return
     await trio.to_thread.run_sync(make_private, options.data_dir)
     identity = Identity.load_or_create(options.data_dir)
-    if options.open_run:
-        logger.warning(
-            "open run %s: anyone who can reach this node may join; no admission, no ledger", options.run_id
-        )
-        async with open_node(
-            identity,
-            options.run_id,
-            "backbone",
-            listen=options.listen,
-            initial_peers=options.initial_peers,
-            data_dir=options.data_dir,
-        ) as node:
-            _print_listening(node)
-            await _serve_node(node, options, options.run_id, shutdown)
-        return
-    authority = Authority.load_or_create(options.authority_key or options.data_dir / AUTHORITY_FILE)
-    run_id = pin_run_id(options.run_id, authority)
-    url = options.database_url or f"sqlite:///{options.data_dir / 'ledger.sqlite3'}"
-    store = await trio.to_thread.run_sync(LedgerStore.open, url)
+    logger.warning(
+        "open run %s: anyone who can reach this node may join; no admission, no ledger", options.run_id
+    )
+    async with open_node(
+        identity,
+        options.run_id,
+        "backbone",
+        listen=options.listen,
+        initial_peers=options.initial_peers,
+        data_dir=options.data_dir,
+    ) as node:
+        _print_listening(node)
+        await _serve_node(node, options, options.run_id, shutdown)
+
+
+async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket, shutdown: Shutdown) -> None:
+    await trio.to_thread.run_sync(make_private, options.data_dir)
+    store = await _open_ledger(options)  # before the keys: a bad --database-url leaves no new key behind
     try:
+        identity = Identity.load_or_create(options.data_dir)
+        key_path = options.authority_key or options.data_dir / AUTHORITY_FILE
+        if not key_path.exists() and (options.data_dir / RUN_INFO).exists():  # never a new key for a held run
+            held = read_run_info(options.data_dir)
+            raise ConfigError(
+                f"{options.data_dir} holds run {held.run_id} but not its {AUTHORITY_FILE}: give that run's "
+                "key with --authority-key PATH, or copy it into the data dir"
+            )
+        authority = Authority.load_or_create(key_path)
+        run_id = pin_run_id(options.run_id, authority)
+        public_key = authority.identity.public_key_bytes.hex()
+        check_held_run(options.data_dir, run_id, authority_public_key=public_key)
         auth = RunAuthenticator(run_id, authority.key, identity, _own_token(authority, run_id, identity))
         async with open_node(
             identity,
@@ -150,10 +184,21 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
             authenticator=auth,
             data_dir=options.data_dir,
         ) as node:
+            await _prepare_shards(options.training, options.data_dir / SHARDS_DIR)
             _print_listening(node)
-            await _serve_pinned(node, options, run_id, authority, auth, store, shutdown)
+            await _serve_pinned(node, options, run_id, authority, auth, store, shutdown, api_socket)
     finally:
         await trio.to_thread.run_sync(store.close)
+
+
+async def _open_ledger(options: BackboneOptions) -> LedgerStore:
+    url = options.database_url or f"sqlite:///{options.data_dir / 'ledger.sqlite3'}"
+    try:
+        return await trio.to_thread.run_sync(LedgerStore.open, url)
+    except ConfigError as exc:
+        if options.database_url is None:
+            raise
+        raise ConfigError(f"--database-url: {exc}") from exc
 
 
 def _print_listening(node: Node) -> None:
@@ -200,6 +245,7 @@ async def _serve_pinned(
     auth: RunAuthenticator,
     store: LedgerStore,
     shutdown: Shutdown,
+    api_socket: socket.socket,
 ) -> None:
     revocations: dict[str, SignedRevocation] = {}
     changed = trio.Event()
@@ -230,7 +276,6 @@ async def _serve_pinned(
         peer_id=node.peer_id,
         shards_dir=options.data_dir / SHARDS_DIR,
     )
-    await _prepare_shards(options.training, options.data_dir / SHARDS_DIR)
 
     async def sync_revocations() -> None:
         nonlocal changed
@@ -263,7 +308,7 @@ async def _serve_pinned(
             auth.set_token(_own_token(authority, run_id, node.host.endpoint.identity))
 
     async with trio.open_nursery() as nursery:
-        api_urls = await nursery.start(_serve_api, state, authority, options)
+        api_urls = await nursery.start(_serve_api, state, authority, options, api_socket)
         public_urls.extend(u for u in api_urls if u not in public_urls)
         write_run_info(
             options.data_dir,
@@ -283,19 +328,26 @@ async def _serve_pinned(
 
 
 async def _prepare_shards(training: TrainingSpec, directory: Path) -> None:
-    """Write the synthetic corpus's shards when the run asks for them (``dataset.generate``) and the
-    directory holds no shards of the organizer's own; complete shards from an earlier start are kept."""
+    """When the run's examples come from the backbones (``dataset.source = "backbone"``): write the
+    synthetic corpus's shards if the run asks for them (``dataset.generate``) and the directory holds no
+    shards of the organizer's own (complete shards from an earlier start are kept), then make sure there is
+    a shard to serve.
+
+    Raises:
+        ConfigError: no shard to serve (none there and none to generate, or none matching
+            ``dataset.files``), or the corpus cannot be written.
+    """
     dataset = training.dataset
-    if dataset.source != "backbone" or dataset.generate == 0:
+    if dataset.source != "backbone":
         return
 
     def prepare() -> None:
         present = {p.name for p in directory.glob("*.jsonl")} if directory.is_dir() else set()
-        if any(not SHARD_PATTERN.match(name) for name in present):
+        if dataset.generate == 0:
+            pass
+        elif any(not SHARD_PATTERN.match(name) for name in present):
             logger.info("serving the shards in %s (not generating: it holds other shards)", directory)
-            return
-        missing = len({shard_name(i) for i in range(dataset.generate)} - present)
-        if missing:
+        elif missing := len({shard_name(i) for i in range(dataset.generate)} - present):
             logger.info(
                 "writing %d shards of the synthetic corpus (%d examples each, seed %d) to %s",
                 missing,
@@ -303,8 +355,27 @@ async def _prepare_shards(training: TrainingSpec, directory: Path) -> None:
                 training.seed,
                 directory,
             )
-            write_shards(directory, dataset.generate, dataset.examples_per_shard, training.seed)
-        logger.info("the synthetic corpus is ready in %s", directory)
+            try:
+                write_shards(directory, dataset.generate, dataset.examples_per_shard, training.seed)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot write the synthetic corpus to {directory}: {exc.strerror or exc}; "
+                    "free some disk space or fix the data dir's permissions"
+                ) from exc
+            logger.info("the synthetic corpus is ready in %s", directory)
+        served = [
+            path.name
+            for path in (directory.iterdir() if directory.is_dir() else [])
+            if is_shard_name(path.name)
+            and (not dataset.files or any(fnmatch.fnmatchcase(path.name, p) for p in dataset.files))
+        ]
+        if not served:
+            matching = f" matching {', '.join(dataset.files)}" if dataset.files else ""
+            raise ConfigError(
+                f'the run\'s volunteers read shards from the backbones (dataset.source = "backbone"), but '
+                f"{directory} holds no .jsonl shard{matching}: put the run's shards there, or set "
+                "dataset.generate = 8 for the synthetic corpus"
+            )
 
     await trio.to_thread.run_sync(prepare)
 
@@ -320,16 +391,26 @@ def _admin_token(data_dir: Path) -> str:
 
 
 async def _serve_api(
-    state: ApiState, authority: Authority, options: BackboneOptions, task_status: trio.TaskStatus[list[str]]
+    state: ApiState,
+    authority: Authority,
+    options: BackboneOptions,
+    api_socket: socket.socket | None = None,
+    *,
+    task_status: trio.TaskStatus[list[str]],
 ) -> None:
-    """Serve the HTTPS API with a certificate of the authority key (pinned by the run id)."""
+    """Serve the HTTPS API on ``api_socket`` (bound by :func:`backbone.startup.bind_api`; None: bind
+    ``options.api_listen`` now) with a certificate of the authority key (pinned by the run id)."""
+    if api_socket is None:
+        with bind_api(options.api_listen) as bound:
+            await _serve_api(state, authority, options, bound, task_status=task_status)
+        return
     cert_path = options.data_dir / "api-cert.pem"
     key_path = options.authority_key or options.data_dir / AUTHORITY_FILE
     cert_path.write_bytes(
         self_signed_certificate(authority.identity).public_bytes(serialization.Encoding.PEM)
     )
     config = _Tls13Config()
-    config.bind = [options.api_listen]
+    config.bind = [f"fd://{os.dup(api_socket.fileno())}"]  # hypercorn owns (and closes) the duplicate
     config.certfile, config.keyfile = str(cert_path), str(key_path)
     config.accesslog = None
     config.errorlog = logging.getLogger("backbone.http")
@@ -337,12 +418,9 @@ async def _serve_api(
     async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
         await serve_http(build_app(state), config, task_status=task_status)  # type: ignore[arg-type]
 
-    try:
-        async with trio.open_nursery() as nursery:
-            binds: list[str] = await nursery.start(serve)
-            task_status.started([url for bind in binds for url in _concrete_urls(bind)])
-    except OSError as exc:
-        raise ConfigError(f"cannot serve the API on {options.api_listen}: {exc.strerror}") from exc
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(serve)
+        task_status.started([url for bind in binds for url in _concrete_urls(bind)])
 
 
 class _Tls13Config(HypercornConfig):

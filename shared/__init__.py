@@ -14,6 +14,7 @@ Packages and modules:
     progress_records  reading those records: through our DHT, and seeded at each backbone
     merge       which collaboration survives when the records show several (pure)
     alone       may a volunteer step without a group: evidence and the high-water mark
+    tasks       the task catalog (names, option schemas, optimizers) and check_trainable, without torch
 """
 
 from __future__ import annotations

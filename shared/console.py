@@ -23,6 +23,7 @@ import trio
 from rich.console import Console
 from rich.file_proxy import FileProxy
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from .errors import ConfigError, ProjectError
 
@@ -171,11 +172,13 @@ def locked_data_dir(path: Path) -> Iterator[Path]:
     Raises:
         ConfigError: the directory cannot be created, or another process holds it.
     """
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"data dir {path} is a file, not a directory; give another --data-dir")
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        raise ConfigError(f"cannot use data dir {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot use data dir {path}: {exc.strerror}; give another --data-dir") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -192,7 +195,13 @@ def locked_data_dir(path: Path) -> Iterator[Path]:
 
 
 def fail(message: str, code: int) -> None:
-    stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+    """Print ``message`` on stderr as one line and exit with ``code``.
+
+    One line whatever the message holds (a driver's multi-line text) and however wide the terminal: the
+    terminal wraps it for the eye, a script reads one line. Brackets in it are text, not console markup.
+    """
+    line = " ".join(message.split())
+    stderr.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 

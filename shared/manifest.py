@@ -11,6 +11,11 @@ A manifest file holds the fields of :class:`protocols.training.TrainingSpec` at 
     [dataset]
     source = "backbone"
     generate = 8
+
+Beyond each field's own bounds, a spec is refused unless every volunteer could train it
+(:func:`shared.tasks.check_trainable`: a known task with valid options, an optimizer volunteers have, a local
+batch within the target batch…), so ``backbone start`` fails at once instead of every volunteer after
+admission.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import msgspec
 from protocols.training import TrainingSpec
 
 from .errors import ConfigError
+from .tasks import check_trainable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +43,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 
 
 def parse_training_spec(data: bytes, name: str = "manifest") -> TrainingSpec:
-    """Raises ConfigError naming the file and the offending field."""
+    """Raises ConfigError naming the file and the offending field, or the rule of
+    :func:`~shared.tasks.check_trainable` the spec breaks."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ConfigError(f"{name} is larger than {MAX_MANIFEST_BYTES} bytes")
     try:
@@ -52,15 +59,21 @@ def parse_training_spec(data: bytes, name: str = "manifest") -> TrainingSpec:
     if isinstance(raw, dict) and isinstance(raw.get("training"), dict):
         raw = raw["training"]
     try:
-        return msgspec.convert(raw, TrainingSpec)
+        spec = msgspec.convert(raw, TrainingSpec)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise ConfigError(f"{name}: {exc}") from exc
+    try:
+        check_trainable(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
+    return spec
 
 
 def load_training_spec(path: Path) -> TrainingSpec:
     """Raises ConfigError if the file is missing, unreadable or not a valid training spec."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as file:
+            data = file.read(MAX_MANIFEST_BYTES + 1)  # no more: the path may be /dev/zero
     except OSError as exc:
         raise ConfigError(f"cannot read manifest {path}: {exc.strerror}") from exc
     return parse_training_spec(data, str(path))

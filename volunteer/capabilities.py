@@ -3,7 +3,9 @@
 The adaptive-averaging LP plans with each peer's samples/s on the run's model, upload and download
 bandwidth, and whether it accepts connections. A volunteer measures them when it joins:
 
-* the device: the CUDA device's name and memory, or the CPU model and core count (:func:`device_description`);
+* the device: the CUDA device's name and memory, or the CPU model and core count (:func:`device_description`),
+  of the device ``--device`` chose (:func:`choose_device`; :func:`resolve_device` is the pure rule: a device
+  torch does not see is refused with one line before anything starts);
 * throughput: real training steps of the run's model, timed after a warm-up
   (:func:`measure_samples_per_second`, plain blocking code for a worker thread);
 * bandwidth and reachability: probes against a backbone (:func:`measure_capabilities`, see
@@ -31,6 +33,7 @@ import trio
 from protocols.ledger import Capabilities
 from protocols.probe import CAPABILITIES_KEY, CAPABILITIES_TTL, MAX_REACH_ADDRS, CapabilityRecord
 from shared.dht.node import DHTNode
+from shared.errors import ConfigError
 from shared.net.addresses import PeerAddress
 from shared.net.host import Host
 from shared.net.probe import check_reachable, measure_bandwidth
@@ -41,10 +44,13 @@ __all__ = [
     "DEFAULT_PROBE_BYTES",
     "DriftTracker",
     "MeasuredCapabilities",
+    "choose_device",
     "device_description",
     "measure_capabilities",
     "measure_samples_per_second",
+    "parse_device",
     "publish_capabilities",
+    "resolve_device",
 ]
 
 #: Bytes moved each way by the bandwidth probe: ~0.7 s at 100 Mbit/s, far more than a round trip.
@@ -54,19 +60,93 @@ MAX_DEVICE_CHARS = 128
 _RATE_CEILING = 1e12
 
 
-def device_description() -> str:
-    """A short description of the device training runs on (at most 128 characters).
+def parse_device(choice: str) -> tuple[str, int | None]:
+    """``--device`` as (kind, CUDA index): ``("auto", None)``, ``("cpu", None)``, ``("mps", None)``,
+    ``("cuda", N)`` (``cuda`` alone is device 0). Pure syntax: whether the machine has it is
+    :func:`resolve_device`'s question.
 
-    ``"NVIDIA H100 80GB HBM3, 79.1 GiB"`` (``"2 x …"`` for several) when CUDA is available, else the CPU
-    model from ``/proc/cpuinfo`` (or :mod:`platform`) and the core count: ``"CPU: AMD EPYC 7B13, 16 cores"``.
+    Raises:
+        ConfigError: the choice is no device volunteers train on.
+    """
+    text = choice.strip().lower()
+    if text in ("auto", "cpu", "mps"):
+        return text, None
+    kind, sep, index = text.partition(":")
+    if kind != "cuda":
+        raise ConfigError(
+            f"--device {choice!r} is not a device to train on: use auto, cpu, cuda, cuda:N or mps"
+        )
+    if sep and not (index.isascii() and index.isdigit()):
+        raise ConfigError(f"--device {choice!r}: a CUDA device is cuda or cuda:N, N its number (cuda:1)")
+    return "cuda", int(index) if sep else 0
+
+
+def resolve_device(choice: str, cuda_devices: int, mps: bool = False) -> str:
+    """The torch device ``--device choice`` means on a machine where torch sees ``cuda_devices`` CUDA devices
+    (and Apple's MPS if ``mps``): ``auto`` is ``cuda:0`` when there is one, else ``cpu``; ``cuda`` is
+    ``cuda:0``; ``cuda:N``, ``cpu`` and ``mps`` are themselves, if the machine has them.
+
+    Raises:
+        ConfigError: the choice is no device volunteers train on, or this machine does not have it; the
+            message says what it has and what to pass instead.
+    """
+    kind, number = parse_device(choice)
+    if kind == "auto":
+        return "cuda:0" if cuda_devices > 0 else "cpu"
+    if kind == "cpu":
+        return "cpu"
+    if kind == "mps":
+        if not mps:
+            raise ConfigError("--device mps: torch sees no Apple GPU (MPS) on this machine; use --device cpu")
+        return "mps"
+    assert number is not None  # parse_device gives every cuda device its index
+    if cuda_devices <= 0:
+        raise ConfigError(
+            f"--device {choice}: torch sees no CUDA device on this machine (no GPU, a CPU-only torch, or "
+            "CUDA_VISIBLE_DEVICES hides them); use --device cpu or auto"
+        )
+    if number >= cuda_devices:
+        have = "1 CUDA device (cuda:0)"
+        if cuda_devices > 1:
+            have = f"{cuda_devices} CUDA devices (cuda:0 to cuda:{cuda_devices - 1})"
+        raise ConfigError(f"--device {choice}: this machine has {have}; pick one of them, or auto")
+    return f"cuda:{number}"
+
+
+def choose_device(choice: str) -> str:
+    """:func:`resolve_device` with what torch reports about this machine. Imports torch unless the choice
+    is ``cpu`` or malformed (call it in a thread: that takes seconds).
+
+    Raises:
+        ConfigError: see :func:`resolve_device`.
+    """
+    if parse_device(choice)[0] == "cpu":
+        return "cpu"
+    import torch  # here, not at import time: loading torch takes seconds
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    mps = bool(torch.backends.mps.is_available())
+    return resolve_device(choice, cuda, mps)
+
+
+def device_description(device: str = "auto") -> str:
+    """A short description of ``device`` (a :func:`resolve_device` result; ``auto``: every CUDA device, else
+    the CPU), at most 128 characters.
+
+    ``"NVIDIA H100 80GB HBM3, 79.1 GiB"`` (``"2 x …"`` for several with ``auto``) for a CUDA device, else
+    the CPU model from ``/proc/cpuinfo`` (or :mod:`platform`) and the core count:
+    ``"CPU: AMD EPYC 7B13, 16 cores"``.
     """
     import torch  # here, not at import time: loading torch takes seconds
 
-    if torch.cuda.is_available():
+    if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
+        index = int(device.partition(":")[2] or 0)
         count = torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(0)
+        props = torch.cuda.get_device_properties(index)
         text = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
-        text = f"{count} x {text}" if count > 1 else text
+        text = f"{count} x {text}" if count > 1 and device == "auto" else text
+    elif device == "mps":
+        text = f"Apple GPU (MPS), {platform.machine()}"
     else:
         text = f"CPU: {_cpu_model()}, {os.cpu_count() or 1} cores"
     return text[:MAX_DEVICE_CHARS]
@@ -158,6 +238,7 @@ async def measure_capabilities(
     throughput: float,
     *,
     probe_bytes: int = DEFAULT_PROBE_BYTES,
+    device: str = "auto",
 ) -> MeasuredCapabilities:
     """Measure bandwidth and reachability against a backbone and combine them with ``throughput``.
 
@@ -167,6 +248,7 @@ async def measure_capabilities(
         throughput: samples/s from :func:`measure_samples_per_second` (0 for a peer without accelerator
             that only aggregates).
         probe_bytes: bytes moved each way by the bandwidth probe.
+        device: the device training runs on (described in the capabilities, see :func:`device_description`).
 
     Raises:
         ValueError: ``throughput`` is negative or not finite; ``probe_bytes`` out of range.
@@ -174,14 +256,14 @@ async def measure_capabilities(
     """
     if not (math.isfinite(throughput) and throughput >= 0):
         raise ValueError(f"throughput must be a finite number >= 0, got {throughput!r}")
-    device = await trio.to_thread.run_sync(device_description)
+    description = await trio.to_thread.run_sync(device_description, device)
     upload, download = await measure_bandwidth(host, backbone_address, probe_bytes)
     reachable = await check_reachable(host, backbone_address)
     capabilities = Capabilities(
         samples_per_second=min(throughput, _RATE_CEILING),
         upload_bps=min(upload, _RATE_CEILING),
         download_bps=min(download, _RATE_CEILING),
-        device=device,
+        device=description,
     )
     return MeasuredCapabilities(capabilities, tuple(reachable), measured_at=time.time())
 

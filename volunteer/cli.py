@@ -7,9 +7,12 @@ once. The daemon (torch, datasets, the network stack) is imported by ``join`` on
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Annotated
 
+import trio
 import typer
 from rich.console import Console
 
@@ -181,12 +184,22 @@ def join(
         listen_addrs = listen or ["/ip4/0.0.0.0/tcp/0"]
         for text in [*listen_addrs, *(initial_peer or [])]:
             parse_multiaddr(text)
-        if discovery_wait <= 0:
-            raise ConfigError(f"--discovery-wait must be positive, got {discovery_wait}")
-        if threads < 0:
-            raise ConfigError(f"--threads must be >= 0, got {threads}")
-        from .daemon import VolunteerOptions, serve_volunteer  # torch: only once the flags are usable
+        if not (math.isfinite(discovery_wait) and discovery_wait > 0):
+            raise ConfigError(f"--discovery-wait must be a positive number of seconds, got {discovery_wait}")
+        cpus = os.cpu_count() or 1
+        if not 0 <= threads <= cpus:
+            raise ConfigError(
+                f"--threads {threads}: give 1 to {cpus} (this machine's CPUs), or 0 for torch's default"
+            )
+        if manifest is not None:
+            from shared.manifest import load_training_spec
 
+            load_training_spec(manifest)  # a spec no volunteer can train fails now, not after admission
+        # Before the data dir, the invite or the network: a device this machine lacks fails here, in one line.
+        from .capabilities import choose_device  # torch: only once the flags are usable
+        from .daemon import VolunteerOptions, serve_volunteer
+
+        chosen = await trio.to_thread.run_sync(choose_device, device)
         with locked_data_dir(data_dir):
             options = VolunteerOptions(
                 run,
@@ -197,7 +210,7 @@ def join(
                 console.is_terminal if panel is None else panel,
                 invite=invite,
                 manifest=manifest,
-                device=device,
+                device=chosen,
                 threads=threads,
             )
             await serve_volunteer(options, shutdown, console)

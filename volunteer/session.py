@@ -46,6 +46,7 @@ from .api_client import ApiClient
 from .capabilities import (
     DriftTracker,
     MeasuredCapabilities,
+    choose_device,
     device_description,
     measure_capabilities,
     measure_samples_per_second,
@@ -103,6 +104,7 @@ class TrainingSession:
         self.headline = "starting"
         self._drift = DriftTracker()
         self._caps: MeasuredCapabilities | None = None
+        self.device = "cpu"  # the torch device training runs on, set by run()
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
@@ -111,7 +113,8 @@ class TrainingSession:
 
             torch.set_num_threads(self.options.threads)
         task = make_task(self.spec)
-        device = _device(self.options.device)
+        device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
+        self.device = device
         trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device)
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
@@ -187,7 +190,7 @@ class TrainingSession:
         caps = None
         if backbone is not None and backbone.peer_id is not None:
             with contextlib.suppress(ProjectError, OSError, *CALL_FAILURES):
-                caps = await measure_capabilities(self.node.host, backbone, sps)
+                caps = await measure_capabilities(self.node.host, backbone, sps, device=self.device)
         if caps is not None:
             collab.client_mode = caps.client_mode
             collab.measured_bandwidth(
@@ -197,7 +200,7 @@ class TrainingSession:
         logger.info(
             "measured %.0f samples/s on %s%s",
             sps,
-            device_description(),
+            device_description(self.device),
             ""
             if caps is None
             else f", ↑ {caps.capabilities.upload_bps / 1e6:.0f} MB/s ↓ "
@@ -276,11 +279,3 @@ def _receipts_argument(book: ReceiptBook) -> dict[str, Any]:
     if not accepts:
         logger.debug("this CollaborativeOptimizer takes no receipts: reports carry none")
     return {"receipts": book} if accepts else {}
-
-
-def _device(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -929,9 +929,10 @@ def _parse_url(url: str) -> URL:
         raise ConfigError(
             "not a database URL; expected sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
         ) from exc
-    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    # Read from the name, not get_driver_name(): that loads the dialect and raises for an unknown one.
+    backend, _, driver = parsed.drivername.partition("+")
     if backend == "sqlite":
-        if driver != "pysqlite":
+        if driver not in ("", "pysqlite"):
             raise ConfigError(f"SQLite is supported through the standard sqlite3 module, not {driver!r}")
         if parsed.database in (None, "", ":memory:"):
             raise ConfigError("an in-memory SQLite ledger would lose everything; give a file path")

@@ -19,7 +19,7 @@ from backbone.service import _prepare_shards
 from protocols.api import ApiError, ShardInfo, ShardList
 from protocols.training import DatasetSpec, TrainingSpec
 from shared.data.corpus import write_shards
-from shared.errors import PeerUnavailable, ProtocolError
+from shared.errors import ConfigError, PeerUnavailable, ProtocolError
 from volunteer.api_client import ApiClient
 
 from .pinned_api import member_client, serve_pinned_api
@@ -147,5 +147,6 @@ async def test_backbone_does_not_generate_over_the_organizers_shards_or_other_so
     files = TrainingSpec(dataset=DatasetSpec(source="files", files=["x.jsonl"], generate=2))
     await _prepare_shards(files, tmp_path / "files")
     none = TrainingSpec(dataset=DatasetSpec(generate=0))
-    await _prepare_shards(none, tmp_path / "none")
+    with pytest.raises(ConfigError, match=r"holds no \.jsonl shard"):  # nothing to serve: refused at start
+        await _prepare_shards(none, tmp_path / "none")
     assert not (tmp_path / "files").exists() and not (tmp_path / "none").exists()

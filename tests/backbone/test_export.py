@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,8 +75,9 @@ def test_export_writes_the_checkpoint_of_a_given_step(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("setup", "extra", "message"),
     [
-        (False, (), "no checkpoint"),
-        (True, ("--step", "11"), "kept steps: 10"),
+        (False, (), "no checkpoint in"),
+        (False, (), "yet: a running backbone stores one every checkpoint_every steps"),
+        (True, ("--step", "11"), "it keeps steps 10; give one of them"),
         (True, ("--format", "onnx"), "only 'safetensors'"),
     ],
 )
@@ -90,6 +93,43 @@ def test_export_fails_with_exit_2_and_a_reason(
     assert code == 2
     assert message in printed
     assert not output.exists()
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ("missing/dir/m.safetensors", "the directory {tmp}/missing/dir does not exist; create it first"),
+        (".", "--output {tmp} is a directory; give a file name"),
+    ],
+)
+def test_export_refuses_an_output_it_cannot_write_before_reading_anything(
+    tmp_path: Path, output: str, message: str
+) -> None:
+    save_checkpoint(tmp_path, 10)
+
+    code, printed = export(tmp_path, tmp_path / output)
+
+    assert code == 2
+    assert message.format(tmp=tmp_path) in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]
+
+
+def test_export_into_a_missing_directory_is_one_line_from_the_real_cli(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 10)
+    argv = ["backbone", "export", "--data-dir", str(tmp_path), "-o", "/nonexistent/dir/m.safetensors"]
+    result = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: cannot write /nonexistent/dir/m.safetensors: the directory /nonexistent/dir does not exist; "
+        "create it first"
+    ]
+
+
+def test_export_of_a_data_dir_that_does_not_exist_says_so(tmp_path: Path) -> None:
+    code, printed = export(tmp_path / "nope", tmp_path / "m.safetensors")
+
+    assert code == 2
+    assert f"{tmp_path / 'nope'} is not a backbone data dir" in printed
 
 
 def test_export_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:

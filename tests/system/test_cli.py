@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .procs import cli, spawn, start_backbone, stop, wait_status
+from .procs import cli, spawn, start_backbone, start_pinned_backbone, stop, wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +104,10 @@ def test_volunteer_join_with_unreachable_initial_peer_fails_clearly(tmp_path: Pa
     assert "ECONNREFUSED" in result.stderr and "Traceback" not in result.stderr
 
 
+JOIN = ["volunteer", "join", "sys-run", "--initial-peer", "/ip4/127.0.0.1/tcp/5", "--no-panel"]
+START = ["backbone", "start", "--run-id", "r", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-mdns"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -111,13 +115,60 @@ def test_volunteer_join_with_unreachable_initial_peer_fails_clearly(tmp_path: Pa
         (["volunteer", "join", "sys-run", "--initial-peer", "/ip4/127.0.0.1/udp/5"], "not a TCP multiaddr"),
         (["volunteer", "join", "bad run id!", "--initial-peer", "/ip4/127.0.0.1/tcp/5"], "run id"),
         (["backbone", "start", "--run-id", "r", "--listen", "/dns4/example.com/tcp/0"], "give an IP address"),
+        ([*JOIN, "--device", "tpu"], "--device 'tpu' is not a device to train on: use auto, cpu, cuda"),
+        ([*JOIN, "--device", "cuda:999"], "CUDA device"),  # none here, or fewer than 1000
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, argv: list[str], message: str) -> None:
     result = run(*cli(argv[0], *argv[1:], "--data-dir", str(tmp_path / "d")))
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr.replace("\n", " ")
     assert "Traceback" not in result.stderr
+    (line,) = result.stderr.splitlines()  # one line, however long
+    assert message in line
+    assert not (tmp_path / "d").exists()  # checked before the data dir is touched
+
+
+def test_backbone_start_with_a_run_no_volunteer_can_train_exits_2_before_anything(tmp_path: Path) -> None:
+    manifest = tmp_path / "run.toml"
+    manifest.write_text('task = "gpt-5"\ntarget_batch = 256\n')
+    result = run(*cli(*START, "--data-dir", str(tmp_path / "d"), "--manifest", str(manifest)))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: {manifest}: unknown task 'gpt-5': volunteers can train tiny-mlm"
+    ]
+    assert result.stdout == ""  # no run id printed, no invite possible
+    assert not (tmp_path / "d").exists()
+
+
+def test_backbone_start_on_a_taken_api_port_announces_and_writes_nothing(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(*cli(*START, "--data-dir", str(tmp_path / "d"), "--api-listen", f"127.0.0.1:{port}"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: cannot serve the API on 127.0.0.1:{port}: the port is in use by another process; "
+        "choose another port (or 0 for any free one)"
+    ]
+    assert result.stdout == ""  # no "listening on", no run id
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["lock"]  # no corpus, keys, ledger or run.json
+
+
+def test_restarting_a_data_dir_under_another_run_id_is_refused(tmp_path: Path) -> None:
+    bb, _, pinned, _ = start_pinned_backbone(tmp_path / "bb")
+    assert stop(bb)[0] == 0
+    typo = run(*cli(*START[:2], "--run-id", "sys-rnu", "--data-dir", str(tmp_path / "bb"), *START[4:]))
+    assert typo.returncode == 2, typo.stderr
+    (line,) = typo.stderr.splitlines()
+    assert f"holds run {pinned}, not sys-rnu (invites carry that id): start it with --run-id sys-run" in line
+    assert typo.stdout == ""
+    # The run's full id is that run: a second backbone (or this one) may start with it.
+    again, _, pinned_again, _ = start_pinned_backbone(tmp_path / "bb", run_id=pinned)
+    assert stop(again)[0] == 0
+    assert pinned_again == pinned
 
 
 def test_backbone_start_on_a_port_in_use_exits_2(tmp_path: Path) -> None:
@@ -139,7 +190,10 @@ def test_backbone_start_on_a_port_in_use_exits_2(tmp_path: Path) -> None:
     finally:
         stop(bb)
     assert result.returncode == 2
-    assert "address already in use" in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert "address already in use" in line
+    assert result.stdout == ""  # nothing announced
+    assert not (tmp_path / "bb2" / "run.json").exists() and not (tmp_path / "bb2" / "shards").exists()
 
 
 def test_data_dir_used_by_a_running_node_is_refused(tmp_path: Path) -> None:

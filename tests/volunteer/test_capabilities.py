@@ -4,9 +4,11 @@ a real backbone-like node (volunteer.capabilities)."""
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,16 +20,18 @@ from hypothesis import strategies as st
 from protocols.ledger import Capabilities
 from protocols.probe import CAPABILITIES_KEY, decode_capability_record
 from shared.auth.keys import Identity
-from shared.errors import RecordRejected
+from shared.errors import ConfigError, RecordRejected
 from shared.net.probe import ProbeService
 from shared.node import Node, open_node
 from volunteer.capabilities import (
     DriftTracker,
     MeasuredCapabilities,
+    choose_device,
     device_description,
     measure_capabilities,
     measure_samples_per_second,
     publish_capabilities,
+    resolve_device,
 )
 
 RUN_ID = "caps-test"
@@ -45,6 +49,89 @@ def test_device_description_names_the_device_and_fits_the_wire_limit() -> None:
     else:
         assert text.startswith("CPU: ") and text.endswith(f", {os.cpu_count()} cores")
     Capabilities(samples_per_second=1.0, upload_bps=1.0, download_bps=1.0, device=text)  # valid on the wire
+
+
+def test_device_description_describes_the_chosen_device_not_the_machines_first_gpu() -> None:
+    assert device_description("cpu").startswith("CPU: ")
+    if torch.cuda.is_available():
+        last = torch.cuda.device_count() - 1
+        assert torch.cuda.get_device_name(last) in device_description(f"cuda:{last}")
+
+
+@pytest.mark.parametrize(
+    ("choice", "cuda", "mps", "device"),
+    [
+        ("auto", 0, False, "cpu"),
+        ("auto", 2, False, "cuda:0"),
+        ("auto", 0, True, "cpu"),  # MPS only when asked for
+        ("cpu", 4, False, "cpu"),
+        (" CUDA ", 1, False, "cuda:0"),
+        ("cuda:1", 2, False, "cuda:1"),
+        ("mps", 0, True, "mps"),
+    ],
+)
+def test_resolve_device_picks_what_the_machine_has(choice: str, cuda: int, mps: bool, device: str) -> None:
+    assert resolve_device(choice, cuda, mps) == device
+
+
+@pytest.mark.parametrize(
+    ("choice", "cuda", "message"),
+    [
+        ("cuda", 0, "--device cuda: torch sees no CUDA device on this machine"),
+        ("cuda:0", 0, "use --device cpu or auto"),
+        ("cuda:7", 1, "--device cuda:7: this machine has 1 CUDA device (cuda:0); pick one of them, or auto"),
+        ("cuda:2", 2, "this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
+        ("tpu", 8, "--device 'tpu' is not a device to train on: use auto, cpu, cuda, cuda:N or mps"),
+        ("cuda:-1", 8, "a CUDA device is cuda or cuda:N"),
+        ("cuda:x", 8, "a CUDA device is cuda or cuda:N"),
+        ("mps", 8, "torch sees no Apple GPU (MPS)"),
+        ("", 8, "is not a device to train on"),
+    ],
+)
+def test_resolve_device_refuses_what_the_machine_lacks_in_one_line(
+    choice: str, cuda: int, message: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_device(choice, cuda)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--threads", "100000"), f"--threads 100000: give 1 to {os.cpu_count()} (this machine's CPUs)"),
+        (("--manifest", "{tmp}/run.toml"), "{tmp}/run.toml: unknown task 'gpt-5': volunteers can train"),
+    ],
+)
+def test_join_refuses_bad_input_before_the_data_dir_the_invite_or_the_network(
+    tmp_path: Path, extra: tuple[str, ...], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from volunteer.cli import app
+
+    (tmp_path / "run.toml").write_text('task = "gpt-5"\n')
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        argv = ["join", "r", "--initial-peer", "/ip4/127.0.0.1/tcp/5", "--data-dir", str(tmp_path / "v")]
+        result = CliRunner().invoke(app, [*argv, "--no-panel", *(e.format(tmp=tmp_path) for e in extra)])
+    finally:  # the command set up logging for its process: give the test process's back
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert result.exit_code == 2
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"error: {message.format(tmp=tmp_path)}")
+    assert not (tmp_path / "v").exists()
+
+
+def test_choose_device_asks_the_real_torch() -> None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert choose_device("auto") == ("cuda:0" if count else "cpu")
+    assert choose_device("cpu") == "cpu"
+    with pytest.raises(ConfigError, match="CUDA device"):
+        choose_device(f"cuda:{count}")  # one past the last (on a CPU machine: cuda:0, which it lacks)
 
 
 # ---------------------------------------------------------------- throughput

@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 
-from protocols.training import TrainingSpec
+from protocols.training import OptimizerSpec, TrainingSpec
 from shared.data.corpus import VOCABULARY, generate_examples
-from shared.errors import ConfigError
+from shared.errors import ConfigError, ProjectError
+from shared.tasks import OPTIMIZERS, TASK_OPTIONS, check_trainable
+from volunteer.collab.trainer import make_optimizer
 from volunteer.tasks import TASKS, TinyMLM, make_task
 from volunteer.tasks.tiny_mlm import CLS, IGNORE, MASK, PAD
 
@@ -59,6 +62,27 @@ def test_make_task_rejects_unknown_tasks_and_bad_options() -> None:
         with pytest.raises(ConfigError, match=message):
             make_task(TrainingSpec(task_options=options))
     assert set(TASKS) == {"tiny-mlm"}
+
+
+def test_registry_and_the_torch_free_catalog_know_the_same_tasks_with_the_same_options() -> None:
+    # Backbones check a run's task against shared.tasks (no torch); volunteers build it from this registry.
+    assert set(TASKS) == set(TASK_OPTIONS)
+    for name in TASKS:
+        task = make_task(TrainingSpec(task=name, task_options={"layers": 1}))
+        assert task.options == TASK_OPTIONS[name]({"layers": 1})  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", typing.get_args(typing.get_type_hints(OptimizerSpec)["name"]))
+def test_volunteers_build_exactly_the_optimizers_the_catalog_lists(name: str) -> None:
+    spec = OptimizerSpec(name=name)  # type: ignore[arg-type]
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    if name in OPTIMIZERS:
+        assert isinstance(make_optimizer(spec, params), torch.optim.Optimizer)
+    else:
+        with pytest.raises(ProjectError):
+            make_optimizer(spec, params)
+        with pytest.raises(ConfigError):
+            check_trainable(TrainingSpec(optimizer=spec))
 
 
 def test_tiny_mlm_options_default_and_override() -> None:

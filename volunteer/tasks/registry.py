@@ -1,4 +1,8 @@
-"""Task names to task factories: what a run's ``training.task`` may name."""
+"""Task names to task factories: what a run's ``training.task`` may name.
+
+Every name here is in :data:`shared.tasks.TASK_OPTIONS` (the torch-free catalog backbones check a run's
+spec against) with the same options parser, and the other way round: a test checks both.
+"""
 
 from __future__ import annotations
 

@@ -10,26 +10,25 @@ Masking follows BERT: 15 % of the words of each example (at least one) are predi
 are replaced by ``[MASK]``, 10 % by a random word, 10 % kept. The choice is seeded by the CRC-32 of the
 example's text, so the same example is masked the same way in every process and every batch.
 
-Options (``task_options``): ``d_model`` 64, ``layers`` 2, ``heads`` 4, ``seq_len`` 48 (tokens, with
+Options (``task_options``, parsed by :class:`shared.tasks.TinyMLMOptions`, which backbones check without
+torch): ``d_model`` 64, ``layers`` 2, ``heads`` 4, ``seq_len`` 48 (tokens, with
 ``[CLS]``), ``ffn`` 128, ``dropout`` 0.0 (0 keeps runs deterministic), ``mask_prob`` 0.15.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
-from protocols.training import OptionValue, TrainingSpec
+from protocols.training import TrainingSpec
 from shared.data.corpus import VOCABULARY, split_words
-from shared.errors import ConfigError
+from shared.tasks import TinyMLMOptions
 
 from .base import Batch
 
@@ -39,57 +38,6 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[MASK]", "[CLS]")
 PAD, UNK, MASK, CLS = range(len(SPECIAL_TOKENS))
 IGNORE = -100  # label of positions that are not predicted (torch's cross-entropy convention)
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class TinyMLMOptions:
-    d_model: int = 64
-    layers: int = 2
-    heads: int = 4
-    seq_len: int = 48
-    ffn: int = 128
-    dropout: float = 0.0
-    mask_prob: float = 0.15
-
-    @classmethod
-    def parse(cls, options: Mapping[str, OptionValue]) -> TinyMLMOptions:
-        """Options from a run's ``task_options``, defaults for the missing ones.
-
-        Raises:
-            ConfigError: an unknown option, a value of the wrong type, or one out of range.
-        """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise ConfigError(f"tiny-mlm has no option {', '.join(unknown)}; it knows {', '.join(fields)}")
-        values: dict[str, int | float] = {}
-        for name, value in options.items():
-            wants_int = fields[name].type in (int, "int")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"tiny-mlm option {name} must be a number, got {value!r}")
-            if wants_int and not isinstance(value, int):
-                raise ConfigError(f"tiny-mlm option {name} must be an integer, got {value!r}")
-            values[name] = value if wants_int else float(value)
-        parsed = cls(**values)  # type: ignore[arg-type]
-        parsed._check()
-        return parsed
-
-    def _check(self) -> None:
-        limits = {"d_model": 4096, "layers": 64, "heads": 64, "seq_len": 4096, "ffn": 16384}
-        for name, most in limits.items():
-            value = getattr(self, name)
-            if not 1 <= value <= most:
-                raise ConfigError(f"tiny-mlm option {name} must be in [1, {most}], got {value}")
-        if self.d_model % self.heads:
-            raise ConfigError(
-                f"tiny-mlm: d_model ({self.d_model}) must be a multiple of heads ({self.heads})"
-            )
-        if self.seq_len < 2:
-            raise ConfigError(f"tiny-mlm option seq_len must be at least 2, got {self.seq_len}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"tiny-mlm option dropout must be in [0, 1), got {self.dropout}")
-        if not 0.0 < self.mask_prob < 1.0:
-            raise ConfigError(f"tiny-mlm option mask_prob must be in (0, 1), got {self.mask_prob}")
 
 
 class TinyMLMModel(nn.Module):

@@ -1,0 +1,93 @@
+"""The torch-free task catalog and the rules a run's spec must meet before a backbone serves it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from protocols.training import DatasetSpec, OptimizerSpec, ScheduleSpec, TrainingSpec
+from shared.errors import ConfigError
+from shared.manifest import load_training_spec, parse_training_spec
+from shared.tasks import TASK_OPTIONS, TinyMLMOptions, check_trainable
+
+
+def test_check_trainable_accepts_the_default_spec_and_the_readmes_manifest() -> None:
+    check_trainable(TrainingSpec())
+    readme = b"""task = "tiny-mlm"
+target_batch = 256
+local_batch = 16
+max_steps = 2000
+dpu = false
+checkpoint_every = 10
+[averaging]
+rule = "mean"
+norm_factor = 10
+[optimizer]
+name = "adamw"
+lr = 0.003
+[schedule]
+kind = "linear"
+warmup_steps = 20
+total_steps = 2000
+[dataset]
+source = "backbone"
+generate = 8
+shuffle_buffer = 10000
+"""
+    assert parse_training_spec(readme, "run.toml").optimizer.lr == 0.003
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (TrainingSpec(task="gpt-5"), "unknown task 'gpt-5': volunteers can train tiny-mlm"),
+        (TrainingSpec(task_options={"d_model": 30, "heads": 4}), "multiple of heads"),
+        (TrainingSpec(task_options={"width": 3}), "tiny-mlm has no option width"),
+        (TrainingSpec(optimizer=OptimizerSpec(name="lamb")), "'lamb' is not available to volunteers"),
+        (TrainingSpec(optimizer=OptimizerSpec(momentum=0.9)), "momentum applies to sgd only"),
+        (
+            TrainingSpec(target_batch=64, local_batch=128),
+            "local_batch (128) is larger than target_batch (64)",
+        ),
+        (TrainingSpec(schedule=ScheduleSpec(warmup_steps=50, total_steps=10)), "warmup_steps (50) exceeds"),
+        (TrainingSpec(dataset=DatasetSpec(generate=8, text_field="body")), "keeps its text in 'text'"),
+    ],
+)
+def test_check_trainable_refuses_what_no_volunteer_could_train(spec: TrainingSpec, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_trainable(spec)
+    assert message in str(caught.value)
+
+
+def test_check_trainable_allows_sgd_momentum_and_own_shards_with_another_text_field() -> None:
+    check_trainable(TrainingSpec(optimizer=OptimizerSpec(name="sgd", momentum=0.9)))
+    check_trainable(TrainingSpec(dataset=DatasetSpec(generate=0, text_field="body")))
+    check_trainable(TrainingSpec(target_batch=16, local_batch=16))
+
+
+def test_manifest_with_an_unknown_task_is_refused_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('task = "gpt-5"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_training_spec(path)
+    assert str(caught.value) == f"{path}: unknown task 'gpt-5': volunteers can train tiny-mlm"
+
+
+def test_manifest_reads_no_more_than_its_limit_from_an_endless_file() -> None:
+    with pytest.raises(ConfigError, match="larger than"):
+        load_training_spec(Path("/dev/zero"))
+
+
+def test_task_catalog_is_importable_without_torch() -> None:
+    import subprocess
+
+    code = "import sys, shared.tasks, shared.manifest; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_tiny_mlm_options_parse_defaults_and_overrides() -> None:
+    assert TASK_OPTIONS["tiny-mlm"]({}) == TinyMLMOptions()
+    assert TinyMLMOptions.parse({"layers": 3, "dropout": 0}) == TinyMLMOptions(layers=3, dropout=0.0)
