@@ -20,7 +20,8 @@ Tables::
     steps          one row per global step the collaboration really took: ``source`` says how the ledger
                    knows (``tracker``: a backbone saw it taken; ``receipts``: a counting receipt of it,
                    for a step below the tracker's frontier; ``legacy``: recorded by schema version <= 2,
-                   which also wrote rows for steps it jumped over)
+                   which also wrote rows for steps it jumped over); ``target_batch``: the run's target
+                   batch when the tracker recorded it (NULL: receipts, or schema version <= 4)
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -89,7 +90,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -259,6 +260,9 @@ class Step(Base):
     samples: Mapped[int]
     peers: Mapped[int] = mapped_column(Integer)
     source: Mapped[str] = mapped_column(String(16), default="tracker")
+    #: the run's target batch when a backbone recorded the step (``backbone ledger --steps`` shows the
+    #: batch against it); NULL for steps only receipts evidenced and rows of schema version <= 4
+    target_batch: Mapped[int | None] = mapped_column(Integer)
 
 
 class SchemaVersion(Base):
@@ -346,6 +350,12 @@ def _migrate_3_to_4(conn: Connection) -> None:
     )
 
 
+def _migrate_4_to_5(conn: Connection) -> None:
+    """Version 5 (issue 11, the ledger's step view): ``steps.target_batch``, NULL in old rows (their
+    target is not known)."""
+    _add_column(conn, "steps", "target_batch", "INTEGER")
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -358,6 +368,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _migrate_1_to_2,
     2: _migrate_2_to_3,
     3: _migrate_3_to_4,
+    4: _migrate_4_to_5,
 }
 
 
