@@ -227,8 +227,14 @@ def ledger(
         ),
     ] = False,
     last: Annotated[
-        int, typer.Option("--last", metavar="N", min=1, help="With --steps: how many steps to list.")
-    ] = DEFAULT_LAST_STEPS,
+        int | None,
+        typer.Option(
+            "--last",
+            metavar="N",
+            min=1,
+            help=f"List the last N steps (implies --steps; default {DEFAULT_LAST_STEPS}).",
+        ),
+    ] = None,
     flags: Annotated[
         bool,
         typer.Option("--flags", help="Instead of the leaderboard: every flagged report and why."),
@@ -239,10 +245,10 @@ def ledger(
     backed by receipts of other users' peers, and how many reports were flagged and why (rule codes).
     With `--steps`: the run's last global steps (finished at, loss, batch against the target, peers) and
     its loss curve. With `--flags`: each flagged report, the rules it broke and the details."""
-    if steps and flags:
-        fail("--steps and --flags are two views: give one of them", 2)
-    if steps:
-        _ledger_steps(data_dir, database_url, last, as_json)
+    if (steps or last is not None) and flags:
+        fail("--steps (or --last) and --flags are two views: give one of them", 2)
+    if steps or last is not None:
+        _ledger_steps(data_dir, database_url, last or DEFAULT_LAST_STEPS, as_json)
         return
     if flags:
         _ledger_flags(data_dir, database_url, as_json)

@@ -130,6 +130,20 @@ def test_ledger_steps_refuses_a_count_below_one(tmp_path: Path) -> None:
     assert code == 2
 
 
+def test_ledger_steps_works_as_the_readme_writes_it(tmp_path: Path) -> None:
+    """Issue 11: `backbone ledger --data-dir ~/bb --steps` failed ("requires an argument")."""
+    record_falling_loss(tmp_path, 30)
+
+    code, output = ledger(tmp_path, "--steps")
+    assert code == 0, output
+    assert "the last 20 of 30 recorded" in output
+    code, output = ledger(tmp_path, "--last", "4")  # --last alone means the steps view
+    assert code == 0, output
+    assert "the last 4 of 30 recorded" in output
+    code, output = ledger(tmp_path, "--steps", "--flags")
+    assert code == 2 and "two views" in output
+
+
 def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) -> None:
     from .ledger.reports import identity, make_report, sign
 

@@ -56,6 +56,10 @@ def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_fro
     )
     assert verdict.samples == 64 and verdict.notes == "receipt_held: 1"  # 50 is beyond the frontier
     assert sources(store) == {1: "tracker", 5: "receipts", 7: "receipts", 10: "tracker"}
+    # issue 11: such rows showed 0 samples; they hold their receipts' sum, as the reports arrive
+    assert {r.global_step: (r.samples, r.peers) for r in store.recent_steps(100)}[5] == (32, 2)
+    assert record(store, SERVER, 0, samples=40, receipts=[receipt(LAPTOP, SERVER, 5, 40)]).samples == 40
+    assert {r.global_step: (r.samples, r.peers) for r in store.recent_steps(100)}[5] == (72, 2)
     tracked(store, 60)  # the collaboration went past 50: the next report's transaction records it
     assert record(store, LAPTOP, 1, samples=0).samples == 32
     assert sources(store)[50] == "receipts"
@@ -63,7 +67,7 @@ def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_fro
     assert store.record_step(7, finished_at=T0, loss=2.0, samples=128, peers=3) is True
     assert sources(store)[7] == "tracker"
     assert store.record_step(7, finished_at=T0, loss=9.0, samples=1, peers=1) is False
-    assert board(store) == {"alice": (96, 0), "bob": (0, 0)}
+    assert board(store) == {"alice": (96, 0), "bob": (40, 0)}
 
 
 def test_steps_a_peer_reports_discarded_are_taken_back_and_shown_apart(store: LedgerStore) -> None:
