@@ -116,6 +116,7 @@ class StepLog:
     _losses: list[float] = field(default_factory=list)
     _peers: int = 0
     _first: int | None = None
+    _last: int = 0
     _since: float | None = None
     _finished: bool = False
 
@@ -125,18 +126,24 @@ class StepLog:
         if self._since is None:
             self._since = now
         self._first = step if self._first is None else self._first
+        self._last = step
         self._batches.append(samples)
         if loss is not None:
             self._losses.append(loss)
         self._peers = max(self._peers, peers)
         if len(self._batches) >= self.every_steps or now - self._since >= self.every_s:
-            self.flush(step, now)
+            self.flush(now)
+        self.reached(step, now)
+
+    def reached(self, step: int, now: float) -> None:
+        """The collaboration is at ``step`` (recorded or not: the last step may pass unseen): says "run
+        finished" once when it reaches ``max_steps``."""
         if 0 < self.max_steps <= step and not self._finished:
             self._finished = True
-            self.flush(step, now)
+            self.flush(now)
             logger.info("run finished: global step %d reached the run's max_steps (%d)", step, self.max_steps)
 
-    def flush(self, last: int, now: float) -> None:
+    def flush(self, now: float) -> None:
         """Log the progress line of the steps since the last one (nothing if there were none)."""
         if not self._batches or self._first is None:
             return
@@ -144,7 +151,7 @@ class StepLog:
         logger.info(
             "global steps %d-%d recorded: %s, median batch %d / target %d, up to %d peers",
             self._first,
-            last,
+            self._last,
             loss,
             round(statistics.median(self._batches)),
             self.target_batch,
@@ -195,4 +202,5 @@ async def record_steps_forever(
                     recorded = await trio.to_thread.run_sync(record, limiter=DB_WRITE)
                     if recorded:
                         log.step(step, loss, samples, count, time.time())
+                log.reached(view.step, time.time())
         await trio.sleep(period)

@@ -84,3 +84,15 @@ def test_steps_log_at_debug_with_a_progress_line_and_run_finished_once(
     with caplog.at_level(logging.DEBUG, logger="backbone.steps"):
         log.step(261, None, 48, 1, NOW + 200.0)  # a minute later: a progress line, whatever the count
     assert caplog.records[-1].getMessage().startswith("global steps 251-261 recorded: loss 5.0000")
+
+
+def test_run_finished_is_said_once_even_when_the_last_step_was_not_recorded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = StepLog(target_batch=48, max_steps=10)
+    with caplog.at_level(logging.INFO, logger="backbone.steps"):
+        log.step(8, 5.0, 48, 2, NOW)
+        log.reached(10, NOW + 1)  # steps 9 and 10 passed within one poll: no rows, still the end
+        log.reached(10, NOW + 2)
+    finished = [r.getMessage() for r in caplog.records if "run finished" in r.getMessage()]
+    assert finished == ["run finished: global step 10 reached the run's max_steps (10)"]
