@@ -209,7 +209,8 @@ class Receipt(Base):
     of ``step`` with ``weight``. Counted as evidence only once ``step`` is in ``steps``."""
 
     __tablename__ = "receipts"
-    __table_args__ = (Index(None, "held", "step"),)
+    # (step): whose evidence a newly recorded step makes count (version 5)
+    __table_args__ = (Index(None, "held", "step"), Index(None, "step"))
 
     sender: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
@@ -242,7 +243,7 @@ class Pull(Base):
     """``puller`` (a peer of another user than ``aggregator``'s) pulled ``nbytes`` from ``aggregator``."""
 
     __tablename__ = "pulls"
-    __table_args__ = (Index(None, "aggregator", "step"),)
+    __table_args__ = (Index(None, "aggregator", "step"), Index(None, "step"))
 
     puller: Mapped[str] = mapped_column(String(64), primary_key=True)
     aggregator: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -351,9 +352,13 @@ def _migrate_3_to_4(conn: Connection) -> None:
 
 
 def _migrate_4_to_5(conn: Connection) -> None:
-    """Version 5 (issue 11, the ledger's step view): ``steps.target_batch``, NULL in old rows (their
-    target is not known)."""
+    """Version 5 (issue 11): ``steps.target_batch`` (the step view shows each batch against it; NULL in
+    old rows, whose target is not known), and indexes on the step of receipts and pull records (a step
+    recorded late credits at once whoever they evidence)."""
     _add_column(conn, "steps", "target_batch", "INTEGER")
+    for table in ("receipts", "pulls"):
+        if f"ix_{table}_step" not in {i["name"] for i in inspect(conn).get_indexes(table)}:
+            conn.execute(text(f"CREATE INDEX ix_{table}_step ON {table} (step)"))
 
 
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
