@@ -50,9 +50,13 @@ was in the run. Older reports flagged ``too_old`` keep that code.
   (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
   receipts of that step in the first report that brought one; later receipts of that pair are
   duplicates, except one that no discard covers arriving for a stored receipt a discard covers (the
-  step taken again, see below): it replaces the discarded one. The weight is capped by the step's
-  recorded sample count (the whole collaboration's batch of that step), or, for a step recorded without
-  one (jumped over), by the largest batch the run recorded.
+  step taken again, see below): it replaces the discarded one. The weight is capped by
+  ``MAX_SAMPLES_FACTOR`` (4) times the step's target batch: no peer's progress toward one step is
+  believed beyond it (:mod:`shared.progress`), so no honest part weighs more. (Not by the step's
+  recorded samples: since issue 11 the tracker records what the progress records said, a lower bound of
+  the batch, where it used to record an extrapolation that was often the 4x ceiling itself.) A step
+  recorded without a target (schema version <= 4) caps by its recorded samples; one only receipts
+  evidence, by the largest cap of a recorded step.
 * a receipt's step must be one the run took: a row of ``steps``. :mod:`backbone.steps` writes the steps a
   backbone saw taken (``tracker``); a step it jumped over is recorded by the ledger itself once a
   counting receipt evidences it (two users averaged for it) and the step is at or below the highest step
@@ -146,6 +150,7 @@ from protocols.ledger import (
 from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload
 from shared.auth.keys import verify_by_peer_id
 from shared.errors import ProjectError
+from shared.progress import MAX_SAMPLES_FACTOR
 
 __all__ = [
     "CAPABILITY_HISTORY_S",
@@ -155,6 +160,7 @@ __all__ = [
     "MAX_BANDWIDTH_BPS",
     "INTERVAL_TOLERANCE_S",
     "MAX_INTERVAL_S",
+    "MAX_SAMPLES_FACTOR",
     "MAX_SAMPLES_PER_SECOND",
     "OBSERVED_RATE_ALLOWANCE",
     "OVERLAP_TOLERANCE_S",

@@ -69,6 +69,7 @@ from protocols.receipts import PartReceipt
 from shared.errors import ConfigError
 
 from .accounting import (
+    MAX_SAMPLES_FACTOR,
     Assessment,
     Credit,
     assess,
@@ -1250,14 +1251,15 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
         ).where(*mine)
     ).one()
-    # A receipt's weight is capped by its step's recorded samples (the collaboration's batch as a backbone
-    # saw it), or, for a step only receipts evidenced (whose samples are those receipts' own sum), by the
-    # largest batch a backbone recorded.
+    # A receipt's weight is capped by MAX_SAMPLES_FACTOR target batches of its step (accounting's
+    # docstring), by its recorded samples for a step of schema version <= 4, or, for a step only
+    # receipts evidenced (whose samples are those receipts' own sum) or recorded without samples, by the
+    # largest cap of a recorded one.
     largest = _largest_batch(conn)
     capped: Any = Receipt.weight
     if largest > 0:
-        seen = (Step.source != "receipts") & (Step.samples > 0)
-        bound = case((seen, sql_cast(Step.samples, Double)), else_=largest)
+        unknown = (Step.source == "receipts") | (Step.target_batch.is_(None) & (Step.samples <= 0))
+        bound = case((unknown, largest), else_=_step_cap())
         capped = case((Receipt.weight > bound, bound), else_=Receipt.weight)
     weights = conn.execute(
         select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
@@ -1289,9 +1291,17 @@ def _frontier(conn: Connection) -> int:
 _EVIDENCED_PER_REPORT = 1024
 
 
+def _step_cap() -> ColumnElement[float]:
+    """The most one receipt of a recorded step may weigh (accounting's docstring)."""
+    return case(
+        (Step.target_batch.is_not(None), sql_cast(Step.target_batch * MAX_SAMPLES_FACTOR, Double)),
+        else_=sql_cast(Step.samples, Double),
+    )
+
+
 def _largest_batch(conn: Connection) -> float:
-    """The largest batch a backbone recorded (0: none yet)."""
-    query = select(func.coalesce(func.max(Step.samples), 0)).where(Step.source != "receipts")
+    """The largest receipt cap of a step a backbone recorded (0: none yet)."""
+    query = select(func.coalesce(func.max(_step_cap()), 0)).where(Step.source != "receipts")
     return float(conn.execute(query).scalar_one())
 
 
