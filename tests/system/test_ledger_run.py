@@ -58,7 +58,8 @@ def test_a_clean_run_with_a_volunteer_leaving_credits_every_report(tmp_path: Pat
     volunteers = [Volunteer(tmp_path, name, invited) for name in NAMES]  # type: ignore[arg-type]
     alice, bob, carol = volunteers
     try:
-        wait_for(lambda: len(together(carol, 2)) >= 2, "carol in two rounds", 120, volunteers)
+        # generous: on a loaded machine three volunteers take minutes to import torch and measure themselves
+        wait_for(lambda: len(together(carol, 2)) >= 2, "carol in two rounds", 400, volunteers)
         code, _, _ = stop(carol.proc, signal.SIGTERM, within=40)  # leaves mid-run, cleanly
         assert code == 0, carol.log.read_text()[-3000:]
         left_at = carol.step()
@@ -66,7 +67,7 @@ def test_a_clean_run_with_a_volunteer_leaving_credits_every_report(tmp_path: Pat
         wait_for(
             lambda: all(any(s > left_at for s in together(v, 2)) for v in survivors),
             "a round of the survivors",
-            120,
+            300,
             survivors,
         )
     finally:
