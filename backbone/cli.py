@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -489,68 +491,158 @@ def allow_list(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Jso
     out.print(table)
 
 
+#: ``backbone ledger --steps`` lists this many steps unless ``--last`` says otherwise.
+DEFAULT_LAST_STEPS = 20
+#: How many flagged reports ``--flags`` lists (the newest).
+FLAGS_SHOWN = 1000
+
+
 @app.command()
 def ledger(
     data_dir: DataDir,
     database_url: DatabaseUrl = None,
     steps: Annotated[
+        bool,
+        typer.Option(
+            "--steps", help="Instead of the leaderboard: the run's last global steps and its loss curve."
+        ),
+    ] = False,
+    last: Annotated[
         int | None,
         typer.Option(
-            "--steps",
+            "--last",
             metavar="N",
             min=1,
-            help="Instead of the leaderboard: the last N global steps and the run's loss curve.",
+            help=f"List the last N steps (implies --steps; default {DEFAULT_LAST_STEPS}).",
         ),
     ] = None,
+    flags: Annotated[
+        bool,
+        typer.Option("--flags", help="Instead of the leaderboard: every flagged report and why."),
+    ] = False,
     as_json: Json = False,
 ) -> None:
-    """Show who contributed what (or the run's recent steps).
+    """Show who contributed what (or the run's recent steps, or its flagged reports).
 
-    The leaderboard: per user, the samples and compute their machines contributed as receipts of other
-    users' peers back them, and how many reports were flagged and why (rule codes). With --steps N: the
-    run's last N global steps (finished at, loss, samples, peers) and its loss curve.
+    The leaderboard: per user, the samples, compute time, time online and bytes aggregated that receipts
+    of other users' peers back, and how many reports were flagged and why (rule codes). With --steps: the
+    run's last global steps (finished at, loss, batch against the target, peers) and its loss curve. With
+    --flags: each flagged report, the rules it broke and the details.
+
+    \b
+    Examples:
+      backbone ledger
+      backbone ledger --steps --last 50
+      backbone ledger --flags --json
     """
-    if steps is not None:
-        _ledger_steps(data_dir, database_url, steps, as_json)
+    if (steps or last is not None) and flags:
+        fail("--steps (or --last) and --flags are two views: give one of them", 2)
+    if steps or last is not None:
+        _ledger_steps(data_dir, database_url, last or DEFAULT_LAST_STEPS, as_json)
+        return
+    if flags:
+        _ledger_flags(data_dir, database_url, as_json)
         return
     with _ledger(data_dir, database_url) as store:
         rows = store.leaderboard()
     if as_json:
         print(msgspec.json.encode(rows).decode())
         return
-    table = Table(title="contributions")
-    columns = (
-        "user",
-        "samples",
-        "compute h",
-        "aggregated",
-        "relayed",
-        "peers",
-        "last seen",
-        "flagged",
-        "why",
-    )
+    relaying = any(row.bytes_relayed for row in rows)  # no relay role yet: only legacy rows have any
+    table = Table(title="contributions", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    columns = ["user", "samples", "compute", "online", "aggregated"]
+    columns += ["relayed"] if relaying else []
+    columns += ["peers", "last seen", "flagged"]
     for column in columns:
-        table.add_column(column, justify="left" if column in ("user", "why") else "right")
+        table.add_column(column, justify="left" if column in ("user", "last seen") else "right", no_wrap=True)
     for row in rows:
-        table.add_row(
+        cells = [
             row.username,
             f"{row.samples:,}",
-            f"{row.compute_hours:.2f}",
-            f"{row.bytes_aggregated / 1e6:.1f} MB",
-            f"{row.bytes_relayed / 1e6:.1f} MB",
-            str(row.peers),
-            _when(row.last_seen),
-            str(row.flagged_reports),
-        )
+            _duration(row.compute_hours * 3600),
+            _duration(row.online_hours * 3600),
+            _size(row.bytes_aggregated),
+        ]
+        cells += [_size(row.bytes_relayed)] if relaying else []
+        cells += [str(row.peers), _short_when(row.last_seen), str(row.flagged_reports)]
+        table.add_row(*cells)
     out.print(table)
     for row in rows:
-        if row.flag_reasons:
+        if row.flagged_reports:
             why = ", ".join(f"{code} {count}" for code, count in row.flag_reasons.items())
-            out.print(f"flagged reports of {row.username}: {why}", highlight=False, soft_wrap=True)
+            out.print(
+                f"flagged reports of {row.username}: {row.flagged_reports} ({why})",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if row.discarded_samples:
+            out.print(
+                f"{row.username}: {row.discarded_samples:,} samples on steps a re-sync discarded "
+                "(shown, not credited)",
+                highlight=False,
+                soft_wrap=True,
+            )
     out.print(
-        "credit counts only work that receipts of other users' peers back; flag codes: "
-        "future, too_old, too_long, overlap, compute (see backbone.ledger.accounting)",
+        "credit counts only work that receipts of other users' peers back; compute: time spent computing "
+        "gradients; online: time in the run",
+        highlight=False,
+    )
+    if any(row.flagged_reports for row in rows):
+        out.print(
+            f"each flagged report and why: backbone ledger --data-dir {data_dir} --flags",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _short_when(ts: float | None) -> str:
+    return "—" if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%m-%d %H:%M")
+
+
+def _duration(seconds: float) -> str:
+    """A human time: ``—`` for none, seconds below a minute, minutes below an hour, then hours."""
+    if seconds <= 0:
+        return "—"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps a digit before the point (``—`` for none)."""
+    if nbytes <= 0:
+        return "—"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _ledger_flags(data_dir: Path, database_url: str | None, as_json: bool) -> None:
+    with _ledger(data_dir, database_url) as store:
+        flagged = store.flagged_reports(limit=FLAGS_SHOWN)
+    if as_json:
+        print(msgspec.json.encode(flagged).decode())
+        return
+    if not flagged:
+        out.print("no report was flagged", highlight=False)
+        return
+    out.print(f"flagged reports (the newest {len(flagged)} first):", highlight=False)
+    for report in flagged:
+        out.print(
+            f"{report.username}  peer …{report.peer_id[-8:]}  report {report.seq}  received "
+            f"{_when(report.received_at)}  {report.samples:,} samples in "
+            f"{report.interval_end - report.interval_start:,.0f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
+        for part in report.reason.split("; "):
+            out.print(f"    {part}", highlight=False, soft_wrap=True)
+    out.print(
+        "a flagged report is kept as evidence and credited nothing; the rules are in "
+        "backbone/ledger/accounting.py",
         highlight=False,
     )
 
@@ -560,6 +652,7 @@ CURVE_STEPS = 100_000
 CURVE_POINTS = 8
 SPARKLINE_WIDTH = 48
 _SPARKS = "▁▂▃▄▅▆▇█"
+_SEEN_BY = {"tracker": "backbone", "receipts": "receipts", "legacy": "backbone (old)"}
 
 
 @dataclass(frozen=True)
@@ -607,18 +700,38 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
         rows = store.recent_steps(limit=limit)  # newest first
     recent = sorted(rows[:last], key=lambda r: r.global_step)
     curve = loss_curve(rows, CURVE_POINTS)
+    batches = [r.samples for r in recent if r.samples > 0]
+    median = statistics.median(batches) if batches else None
+    targets = [r.target_batch for r in recent if r.target_batch is not None]
+    target = targets[-1] if targets else None
     if as_json:
-        print(msgspec.json.encode({"steps": recent, "curve": curve, "curve_steps": len(rows)}).decode())
+        summary = {"median_batch": median, "target_batch": target, "curve_steps": len(rows)}
+        print(msgspec.json.encode({"steps": recent, "curve": curve, **summary}).decode())
         return
     recorded = str(len(rows)) if len(rows) < limit else f"at least {len(rows):,}"
     table = Table(title=f"global steps (the last {len(recent)} of {recorded} recorded)")
-    for column in ("step", "finished at", "loss", "samples", "peers"):
-        table.add_column(column, justify="left" if column == "finished at" else "right")
+    for column in ("step", "finished at", "loss", "batch / target", "peers", "seen by"):
+        table.add_column(column, justify="left" if column in ("finished at", "seen by") else "right")
     for row in recent:
         finished = datetime.fromtimestamp(row.finished_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
         loss = "—" if row.loss is None else f"{row.loss:.4f}"
-        table.add_row(str(row.global_step), finished, loss, f"{row.samples:,}", str(row.peers))
+        batch = f"{row.samples:,}" if row.samples > 0 else "—"
+        if row.target_batch is not None:
+            batch += f" / {row.target_batch:,}"
+        table.add_row(str(row.global_step), finished, loss, batch, str(row.peers), _SEEN_BY[row.source])
     out.print(table)
+    if median is not None:
+        ratio = f" ({median / target:.2f}x)" if target else ""
+        versus = f" / target {target:,}{ratio}" if target else ""
+        out.print(f"median batch of these steps: {median:,.0f}{versus}", highlight=False)
+    unseen = sum(r.source == "receipts" for r in recent)
+    if unseen:
+        out.print(
+            f"{unseen} of these steps no backbone saw taken (it was down, or they passed within its 1 s "
+            "poll): receipts of two users evidence them, so their batch is those receipts' sum and their "
+            "loss is unknown",
+            highlight=False,
+        )
     if not curve:
         out.print("no step has a recorded loss yet", highlight=False)
         return

@@ -6,7 +6,17 @@ Every ``period`` seconds it reads the peers' progress records and summarizes the
 collaboration is at step ``s`` it remembers the largest sample count and number of peers seen there and
 the samples-weighted loss they report (the loss of the batch that takes ``s`` to ``s + 1``). When the
 collaboration's step moves past ``s``, step ``s + 1`` is recorded with those numbers, if the tracker saw
-anyone working toward it (samples or peers at ``s``).
+samples accumulated toward it.
+
+**Samples are what the records say, not extrapolated** (:func:`observed_samples`). A newcomer's view
+adds each record's throughput times its age (up to 3 s) to guess when the batch is full; for the ledger
+that guess is not the step's batch (issue 11: steps of one volunteer at a target of 48 were recorded
+with 192 samples, the 4x ceiling, and with no loss). A step seen only with 0 samples gets no row: the
+tracker did not see it worked on (receipts may still evidence it, below).
+
+**Logs.** Each recorded step is logged at DEBUG; at INFO a progress line every
+:data:`PROGRESS_EVERY_STEPS` steps or :data:`PROGRESS_EVERY_S` seconds (steps, loss, median batch
+against the target, peers), and once "run finished" when a step reaches the run's ``max_steps``.
 
 **Only steps really taken.** Steps jumped over (the backbone was down, or several steps passed within
 one period) get *no* row here: the tracker did not see them, and a placeholder row would make a claimed
@@ -22,23 +32,48 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import trio
 
 from protocols.training import Progress, TrainingSpec
 from shared.node import Node
-from shared.progress import summarize
+from shared.progress import MAX_SAMPLES_FACTOR, plausible, summarize
 from shared.progress_records import read_progress_with_users
 from shared.tolerated import Tolerated
 
 from .api import DB_WRITE
 from .ledger import LedgerStore
 
-__all__ = ["StepTracker", "record_steps_forever"]
+__all__ = [
+    "PROGRESS_EVERY_S",
+    "PROGRESS_EVERY_STEPS",
+    "StepLog",
+    "StepTracker",
+    "observed_samples",
+    "record_steps_forever",
+]
 
 logger = logging.getLogger(__name__)
+
+#: An INFO progress line after this many recorded steps or this many seconds, whichever comes first.
+PROGRESS_EVERY_STEPS = 100
+PROGRESS_EVERY_S = 60.0
+
+
+def observed_samples(records: Mapping[str, Progress], step: int, now: float, target_batch: int) -> float:
+    """The samples the plausible records at ``step`` say were accumulated toward ``step + 1``, without
+    the throughput extrapolation of :func:`shared.progress.summarize` (module docstring); capped, as
+    there, at ``MAX_SAMPLES_FACTOR`` target batches."""
+    total = sum(
+        p.samples
+        for p in records.values()
+        if p.step == step and not p.syncing and not p.left and plausible(p, now, target_batch)
+    )
+    return float(min(total, MAX_SAMPLES_FACTOR * target_batch))
 
 
 @dataclass
@@ -54,10 +89,11 @@ class StepTracker:
         self, step: int, samples: float, peers: int, loss: float | None
     ) -> list[tuple[int, float | None, int, int]]:
         """Returns ``(global_step, loss, samples, peers)`` of the step seen taken since the last view
-        (at most one: the one the tracker saw worked toward; steps jumped over are not its to record)."""
+        (at most one: the one the tracker saw worked toward, with samples; steps jumped over are not its
+        to record)."""
         finished: list[tuple[int, float | None, int, int]] = []
-        if self.step is not None and step > self.step and (self.samples > 0 or self.peers > 0):
-            finished.append((self.step + 1, self.loss, round(self.samples), self.peers))
+        if self.step is not None and step > self.step and round(self.samples) > 0:
+            finished.append((self.step + 1, self.loss, round(self.samples), max(1, self.peers)))
         if self.step is None or step != self.step:
             self.step, self.samples, self.peers, self.loss = step, 0.0, 0, None
         self.samples = max(self.samples, samples)
@@ -65,6 +101,63 @@ class StepTracker:
         if loss is not None:
             self.loss = loss
         return finished
+
+
+@dataclass
+class StepLog:
+    """The log lines of the module docstring: every step at DEBUG, a progress line at INFO every
+    ``every_steps`` steps or ``every_s`` seconds, and "run finished" once at ``max_steps``."""
+
+    target_batch: int
+    max_steps: int = 0
+    every_steps: int = PROGRESS_EVERY_STEPS
+    every_s: float = PROGRESS_EVERY_S
+    _batches: list[int] = field(default_factory=list)
+    _losses: list[float] = field(default_factory=list)
+    _peers: int = 0
+    _first: int | None = None
+    _last: int = 0
+    _since: float | None = None
+    _finished: bool = False
+
+    def step(self, step: int, loss: float | None, samples: int, peers: int, now: float) -> None:
+        loss_text = "—" if loss is None else f"{loss:.4f}"
+        logger.debug("global step %d: loss %s, %d samples, %d peers", step, loss_text, samples, peers)
+        if self._since is None:
+            self._since = now
+        self._first = step if self._first is None else self._first
+        self._last = step
+        self._batches.append(samples)
+        if loss is not None:
+            self._losses.append(loss)
+        self._peers = max(self._peers, peers)
+        if len(self._batches) >= self.every_steps or now - self._since >= self.every_s:
+            self.flush(now)
+        self.reached(step, now)
+
+    def reached(self, step: int, now: float) -> None:
+        """The collaboration is at ``step`` (recorded or not: the last step may pass unseen): says "run
+        finished" once when it reaches ``max_steps``."""
+        if 0 < self.max_steps <= step and not self._finished:
+            self._finished = True
+            self.flush(now)
+            logger.info("run finished: global step %d reached the run's max_steps (%d)", step, self.max_steps)
+
+    def flush(self, now: float) -> None:
+        """Log the progress line of the steps since the last one (nothing if there were none)."""
+        if not self._batches or self._first is None:
+            return
+        loss = f"loss {statistics.fmean(self._losses):.4f}" if self._losses else "loss —"
+        logger.info(
+            "global steps %d-%d recorded: %s, median batch %d / target %d, up to %d peers",
+            self._first,
+            self._last,
+            loss,
+            round(statistics.median(self._batches)),
+            self.target_batch,
+            self._peers,
+        )
+        self._batches, self._losses, self._peers, self._first, self._since = [], [], 0, None, now
 
 
 async def record_steps_forever(
@@ -77,23 +170,26 @@ async def record_steps_forever(
     """Feed the tracker every ``period`` seconds; a failed read is counted in ``tolerated`` (the
     backbone's status shows it) and retried at the next period."""
     tracker = StepTracker()
+    log = StepLog(spec.target_batch, spec.max_steps)
     tolerated = tolerated if tolerated is not None else Tolerated(logger)
     nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
     while True:
         with tolerated.around("steps.read"):
             records, users = await read_progress_with_users(node.dht)
             if records:
+                now = time.time()
                 view = summarize(
                     records,
                     node.peer_id,
                     nobody,
-                    now=time.time(),
+                    now=now,
                     target_batch=spec.target_batch,
                     anchored=False,
                     users=users,
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
-                for step, loss, samples, count in tracker.observe(view.step, view.samples, peers, view.loss):
+                samples_seen = observed_samples(records, view.step, now, spec.target_batch)
+                for step, loss, samples, count in tracker.observe(view.step, samples_seen, peers, view.loss):
                     record = functools.partial(
                         store.record_step,
                         step,
@@ -101,14 +197,10 @@ async def record_steps_forever(
                         loss=loss,
                         samples=samples,
                         peers=count,
+                        target_batch=spec.target_batch,
                     )
                     recorded = await trio.to_thread.run_sync(record, limiter=DB_WRITE)
                     if recorded:
-                        logger.info(
-                            "global step %d: loss %s, %d samples, %d peers",
-                            step,
-                            "—" if loss is None else f"{loss:.4f}",
-                            samples,
-                            count,
-                        )
+                        log.step(step, loss, samples, count, time.time())
+                log.reached(view.step, time.time())
         await trio.sleep(period)

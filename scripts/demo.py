@@ -353,7 +353,7 @@ def main() -> int:
     if backbone is not None and backbone.proc.poll() is None:
         # Not on a terminal (a log, CI): wide enough that the tables need not abbreviate.
         env = ENV if console.is_terminal else {**ENV, "COLUMNS": "120"}
-        for extra in ([], ["--steps", "10"]):
+        for extra in ([], ["--steps", "--last", "10"]):
             argv = cli("backbone", "ledger", "--data-dir", str(backbone.data), *extra)
             subprocess.run(argv, env=env, check=False)
     if backbone is not None:

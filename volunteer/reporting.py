@@ -77,9 +77,10 @@ class Reporter:
     """Signed contribution reports to the backbone's API, a journal that survives a SIGKILL, and this
     process's session (see the module docstring and :mod:`volunteer.journal`).
 
-    Steps are credited in intervals of at least :data:`REPORT_INTERVAL` seconds (one report may cover
-    several steps): fewer rows, and the ledger's throughput check compares samples against compute time
-    over a stretch long enough for the measurement noise of single short steps to average out.
+    Steps are credited in intervals of at least ``interval`` seconds (one report may cover several
+    steps): fewer rows. The ledger bounds each report by its interval's length (compute time, and
+    samples at a physical ceiling), never by the throughput this peer measured, which its real speed
+    leaves behind whenever a co-located job ends (see :mod:`backbone.ledger.accounting`).
 
     On construction the journal of an earlier process in ``data_dir`` is replayed: its queued reports are
     queued again (the same signed reports: the ledger credits each once), its steps that were never put in

@@ -44,7 +44,7 @@ async def train_until_stopped(
             if collab.finished():
                 collab.stats.waiting = "the run is finished: handing the final state to a backbone"
                 await collab.hand_over_final_state(stop)
-                return f"the run reached its step limit ({collab.spec.max_steps})"
+                return f"run finished: the run reached its step limit ({collab.spec.max_steps})"
             if collab.averaging:
                 if not collab.spec.dpu:
                     await trio.sleep(0.01)

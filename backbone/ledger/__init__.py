@@ -28,6 +28,7 @@ from .errors import UnknownUser as UnknownUser
 from .store import BACKBONE_USERNAME as BACKBONE_USERNAME
 from .store import RESERVED_USERNAMES as RESERVED_USERNAMES
 from .store import LedgerStore as LedgerStore
+from .views import FlaggedReport as FlaggedReport
 from .views import LeaderboardRow as LeaderboardRow
 from .views import PeerSeen as PeerSeen
 from .views import SessionRow as SessionRow
@@ -41,6 +42,7 @@ __all__ = [
     "RESERVED_USERNAMES",
     "Assessment",
     "CapabilitiesRejected",
+    "FlaggedReport",
     "InviteRejected",
     "LeaderboardRow",
     "LedgerError",

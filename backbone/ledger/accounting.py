@@ -10,18 +10,34 @@ valid :class:`~protocols.ledger.ContributionReport` of this run and ``signature`
 
 **Bounds (flags).** An authentic report is *flagged* (kept as evidence, credited nothing, its claims not
 counted) when it breaks one of these rules; each has a stable code, and ``reason`` is
-``"code: detail; code: detail"`` so ``backbone ledger`` can count flags per code. With the backbone's
-clock t, the end p of the peer's latest unflagged report, and L = end - start:
+``"code: detail; code: detail"`` so ``backbone ledger`` can count flags per code (``--flags`` lists
+them). With the backbone's clock t, the time j the peer was admitted (it redeemed its invite), the end p
+of the peer's latest unflagged report, L = end - start, and R = MAX_SAMPLES_PER_SECOND (1e6):
 
     future        r.end <= t + 300 s                         (clock skew allowance)
-    too_old       r.start >= t - 24 h                        (MAX_REPORT_AGE_S)
-    too_long      L <= 1 h                                   (MAX_INTERVAL_S)
+    before_join   r.start >= j - 300 s                       (nobody works for a run before joining it)
+    too_long      L <= 1 h + 1 s                             (MAX_INTERVAL_S)
     overlap       p is None  or  r.start >= p - 1 s          (no second claim on the same time)
     compute       r.compute_seconds <= L + 1 s
+    rate          r.samples <= R * (L + 1 s)                 (no device computes faster)
+
+Every rule bounds a claim by *time* and by the physical ceiling R, never by the throughput a peer
+measured: that measurement is a snapshot (taken while a co-located peer shared the machine, before a
+driver warmed up, ...), and an honest peer runs faster than it whenever that peer leaves (issue 11:
+5 of 66 reports of a clean run were flagged "samples exceed the measured throughput"). What a peer did
+is bounded by what *others* saw instead: credit follows receipts (below), and the collaboration ignores
+progress claims beyond 4 target batches per step and caps averaging weights at 8x the group's median
+(:mod:`shared.progress`, :mod:`shared.averaging`). So an honest report (its intervals consecutive,
+each at most an hour, its compute and samples done within it at any rate a device reaches) is never
+flagged, whatever its throughput did, however long it queued (a backlog sent after a day offline, or
+replayed from the journal after a restart: its intervals began after the peer joined), and a report
+that claims more time, or more samples, than its interval holds still is.
 
 ``too_long`` bounds what one report can claim, whatever else it carries (finding 9: an interval begun
-1e9 s ago); ``too_old`` is 24 h rather than 1 h because a volunteer queues its reports while no backbone
-answers and sends the backlog later (its receipt book holds hours of steps); such a backlog is honest.
+1e9 s ago; the 1 s slack covers a volunteer's float arithmetic when it clips a long wait to the last
+hour). ``before_join`` replaces version 4's ``too_old`` (start >= t - 24 h), which flagged an honest
+backlog older than a day; together with ``overlap`` it keeps a peer from back-dating claims before it
+was in the run. Older reports flagged ``too_old`` keep that code.
 
 **Credit follows receipts** (DESIGN D5, D10 (e); wire types in :mod:`protocols.receipts`). A report's
 *claims* (samples, compute seconds, bytes aggregated) are never credited on their own. Evidence is:
@@ -34,9 +50,13 @@ answers and sends the backlog later (its receipt book holds hours of steps); suc
   (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
   receipts of that step in the first report that brought one; later receipts of that pair are
   duplicates, except one that no discard covers arriving for a stored receipt a discard covers (the
-  step taken again, see below): it replaces the discarded one. The weight is capped by the step's
-  recorded sample count (the whole collaboration's batch of that step), or, for a step recorded without
-  one (jumped over), by the largest batch the run recorded.
+  step taken again, see below): it replaces the discarded one. The weight is capped by
+  ``MAX_SAMPLES_FACTOR`` (4) times the step's target batch: no peer's progress toward one step is
+  believed beyond it (:mod:`shared.progress`), so no honest part weighs more. (Not by the step's
+  recorded samples: since issue 11 the tracker records what the progress records said, a lower bound of
+  the batch, where it used to record an extrapolation that was often the 4x ceiling itself.) A step
+  recorded without a target (schema version <= 4) caps by its recorded samples; one only receipts
+  evidence, by the largest cap of a recorded step.
 * a receipt's step must be one the run took: a row of ``steps``. :mod:`backbone.steps` writes the steps a
   backbone saw taken (``tracker``); a step it jumped over is recorded by the ledger itself once a
   counting receipt evidences it (two users averaged for it) and the step is at or below the highest step
@@ -79,10 +99,17 @@ Per peer, with sums over its unflagged reports (this one included) and over its 
     credited compute  C = claimed compute seconds * S / claimed samples     (0 if nothing claimed)
 
 and a report is credited the increase of (S, C, B) over what the peer's earlier reports were credited
-(:func:`credit_due`; never negative, except for a report that discards steps). So evidence that
-arrives late (a held receipt, a pull reported by another peer after this one) is credited with the
-peer's next report, a duplicate or replayed receipt adds nothing, and no peer is ever credited more than
-both it claimed and others observed.
+(:func:`credit_due`; never negative, except for a report that discards steps). A duplicate or replayed
+receipt adds nothing, and no peer is ever credited more than both it claimed and others observed.
+
+**Late evidence** (a receipt held until its step is recorded, a pull of this peer's slice in another
+peer's report) is credited as soon as it counts, not with the peer's next report: when a step is
+recorded (by the tracker, or from receipts) and when a report brings pull records, the store credits
+each peer whose evidence grew the same increase of (S, C, B), added to its latest unflagged report
+(``LedgerStore._settle``, one transaction per peer under its row lock). A peer's *last* report, sent
+as it leaves, carries receipts of steps the tracker records a second later, and its aggregation is
+pulled by peers that report after it: version 4 waited for a next report that never came, so a
+volunteer that left showed "aggregated 0.0 MB" and lost its last steps (issue 11).
 ``bytes_relayed`` has no evidence yet (relays sign nothing) and is credited 0.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
@@ -114,7 +141,6 @@ import msgspec
 from protocols.errors import ProtocolError
 from protocols.ledger import (
     MAX_INTERVAL_S,
-    MAX_REPORT_AGE_S,
     MAX_REPORT_BYTES,
     Capabilities,
     ContributionReport,
@@ -124,6 +150,7 @@ from protocols.ledger import (
 from protocols.receipts import PartReceipt, SignedReceipt, decode_receipt, receipt_payload
 from shared.auth.keys import verify_by_peer_id
 from shared.errors import ProjectError
+from shared.progress import MAX_SAMPLES_FACTOR
 
 __all__ = [
     "CAPABILITY_HISTORY_S",
@@ -131,8 +158,9 @@ __all__ = [
     "COMPUTE_TOLERANCE_S",
     "CREDITED",
     "MAX_BANDWIDTH_BPS",
+    "INTERVAL_TOLERANCE_S",
     "MAX_INTERVAL_S",
-    "MAX_REPORT_AGE_S",
+    "MAX_SAMPLES_FACTOR",
     "MAX_SAMPLES_PER_SECOND",
     "OBSERVED_RATE_ALLOWANCE",
     "OVERLAP_TOLERANCE_S",
@@ -154,6 +182,7 @@ __all__ = [
 CLOCK_SKEW_S = 300.0
 OVERLAP_TOLERANCE_S = 1.0
 COMPUTE_TOLERANCE_S = 1.0
+INTERVAL_TOLERANCE_S = 1.0
 MAX_SAMPLES_PER_SECOND = 1e6
 MAX_BANDWIDTH_BPS = 1e11
 CAPABILITY_HISTORY_S = 60.0
@@ -224,26 +253,35 @@ def verify_report(signed: SignedReport, run_id: str) -> ContributionReport:
     return report
 
 
-def assess(report: ContributionReport, previous_end: float | None, now: float) -> Assessment:
+def assess(
+    report: ContributionReport, previous_end: float | None, now: float, joined_at: float | None = None
+) -> Assessment:
     """Apply the bounds of the module docstring.
 
     Args:
         report: an authentic report (see :func:`verify_report`).
         previous_end: ``interval_end`` of the peer's latest unflagged report, if any.
         now: the backbone's clock, unix seconds.
+        joined_at: when the peer was admitted (its ``first_seen``); None: not checked.
     """
     reasons: list[str] = []
     length = report.interval_end - report.interval_start
     if report.interval_end > now + CLOCK_SKEW_S:
         reasons.append(f"future: the interval ends {report.interval_end - now:.0f} s ahead of our clock")
-    if report.interval_start < now - MAX_REPORT_AGE_S:
-        reasons.append(f"too_old: the interval began {now - report.interval_start:.0f} s ago")
-    if length > MAX_INTERVAL_S:
+    if joined_at is not None and report.interval_start < joined_at - CLOCK_SKEW_S:
+        early = joined_at - report.interval_start
+        reasons.append(f"before_join: the interval began {early:.0f} s before the peer joined the run")
+    if length > MAX_INTERVAL_S + INTERVAL_TOLERANCE_S:
         reasons.append(f"too_long: an interval of {length:.0f} s (at most {MAX_INTERVAL_S:.0f} s)")
     if previous_end is not None and report.interval_start < previous_end - OVERLAP_TOLERANCE_S:
         reasons.append(f"overlap: the interval overlaps the previous report (ended {previous_end:.3f})")
     if report.compute_seconds > length + COMPUTE_TOLERANCE_S:
         reasons.append(f"compute: {report.compute_seconds:.1f} s of compute in a {length:.1f} s interval")
+    if report.samples > MAX_SAMPLES_PER_SECOND * (length + COMPUTE_TOLERANCE_S):
+        reasons.append(
+            f"rate: {report.samples} samples in a {length:.1f} s interval, beyond any device "
+            f"({MAX_SAMPLES_PER_SECOND:g} samples/s)"
+        )
     return Assessment(credited=False, reason="; ".join(reasons)) if reasons else CREDITED
 
 

@@ -22,7 +22,8 @@ Tables::
     steps          one row per global step the collaboration really took: ``source`` says how the ledger
                    knows (``tracker``: a backbone saw it taken; ``receipts``: a counting receipt of it,
                    for a step below the tracker's frontier; ``legacy``: recorded by schema version <= 2,
-                   which also wrote rows for steps it jumped over)
+                   which also wrote rows for steps it jumped over); ``target_batch``: the run's target
+                   batch when the tracker recorded it (NULL: receipts, or schema version <= 4)
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -91,7 +92,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -214,7 +215,8 @@ class Receipt(Base):
     of ``step`` with ``weight``. Counted as evidence only once ``step`` is in ``steps``."""
 
     __tablename__ = "receipts"
-    __table_args__ = (Index(None, "held", "step"),)
+    # (step): whose evidence a newly recorded step makes count (version 5)
+    __table_args__ = (Index(None, "held", "step"), Index(None, "step"))
 
     sender: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
@@ -247,7 +249,7 @@ class Pull(Base):
     """``puller`` (a peer of another user than ``aggregator``'s) pulled ``nbytes`` from ``aggregator``."""
 
     __tablename__ = "pulls"
-    __table_args__ = (Index(None, "aggregator", "step"),)
+    __table_args__ = (Index(None, "aggregator", "step"), Index(None, "step"))
 
     puller: Mapped[str] = mapped_column(String(64), primary_key=True)
     aggregator: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -265,6 +267,9 @@ class Step(Base):
     samples: Mapped[int]
     peers: Mapped[int] = mapped_column(Integer)
     source: Mapped[str] = mapped_column(String(16), default="tracker")
+    #: the run's target batch when a backbone recorded the step (``backbone ledger --steps`` shows the
+    #: batch against it); NULL for steps only receipts evidenced and rows of schema version <= 4
+    target_batch: Mapped[int | None] = mapped_column(Integer)
 
 
 class SchemaVersion(Base):
@@ -360,6 +365,16 @@ def _migrate_4_to_5(conn: Connection) -> None:
     _add_column(conn, "invites", "max_uses", "BIGINT")
 
 
+def _migrate_5_to_6(conn: Connection) -> None:
+    """Version 6 (issue 11): ``steps.target_batch`` (the step view shows each batch against it; NULL in
+    old rows, whose target is not known), and indexes on the step of receipts and pull records (a step
+    recorded late credits at once whoever they evidence)."""
+    _add_column(conn, "steps", "target_batch", "INTEGER")
+    for table in ("receipts", "pulls"):
+        if f"ix_{table}_step" not in {i["name"] for i in inspect(conn).get_indexes(table)}:
+            conn.execute(text(f"CREATE INDEX ix_{table}_step ON {table} (step)"))
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -373,6 +388,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     2: _migrate_2_to_3,
     3: _migrate_3_to_4,
     4: _migrate_4_to_5,
+    5: _migrate_5_to_6,
 }
 
 

@@ -70,6 +70,7 @@ from protocols.receipts import PartReceipt
 from shared.errors import ConfigError
 
 from .accounting import (
+    MAX_SAMPLES_FACTOR,
     Assessment,
     Credit,
     assess,
@@ -93,6 +94,7 @@ from .schema import (
     create_schema,
 )
 from .views import (
+    FlaggedReport,
     LeaderboardRow,
     PeerSeen,
     ReportStatus,
@@ -643,7 +645,8 @@ class LedgerStore:
         """
 
         def judge(conn: Connection) -> Assessment:
-            return assess(report, _previous_end(conn, report.peer_id), now)
+            joined = conn.execute(select(Peer.first_seen).where(Peer.peer_id == report.peer_id)).scalar_one()
+            return assess(report, _previous_end(conn, report.peer_id), now, joined_at=joined)
 
         return self._record(signed, report, judge, now)
 
@@ -676,7 +679,12 @@ class LedgerStore:
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
-                _record_evidenced_steps(conn, now)
+                evidenced = _record_evidenced_steps(conn, now)
+                _refresh_evidenced_samples(conn, set(receipts) | evidenced)
+                # Peers whose evidence this report made count: the aggregators of its pull records, and
+                # everyone with receipts or pulls of the steps it just recorded. Credited below, each in
+                # its own transaction (one row lock at a time: no deadlock between two backbones).
+                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled}
                 credit = (
                     _credit(conn, report.peer_id, debit=bool(report.discarded))
                     if assessment.credited
@@ -697,6 +705,7 @@ class LedgerStore:
             if self._exists(lambda conn: _report_exists(conn, report.peer_id, report.seq)):
                 return None
             raise
+        self._settle(settle - {report.peer_id})
         return Verdict(
             credited=assessment.credited,
             reason=assessment.reason,
@@ -705,6 +714,14 @@ class LedgerStore:
             bytes_aggregated=credit.bytes_aggregated,
             notes=_format_notes(notes),
         )
+
+    def _settle(self, peer_ids: set[str]) -> None:
+        """Credit late evidence (accounting's docstring, "late evidence") to each of ``peer_ids``, one
+        transaction per peer under its row lock."""
+        for peer_id in sorted(peer_ids):
+            with self._tx(write=True) as conn:
+                if _load_peer(conn, peer_id, for_update=True) is not None:
+                    _credit_late(conn, peer_id)
 
     def previous_end(self, peer_id: str) -> float | None:
         """``interval_end`` of the peer's latest credited report, or None."""
@@ -756,7 +773,14 @@ class LedgerStore:
     # -------------------------------------------------------------------- steps
 
     def record_step(
-        self, global_step: int, *, finished_at: float, loss: float | None, samples: int, peers: int
+        self,
+        global_step: int,
+        *,
+        finished_at: float,
+        loss: float | None,
+        samples: int,
+        peers: int,
+        target_batch: int | None = None,
     ) -> bool:
         """Record that a backbone saw the collaboration take ``global_step`` (``source = 'tracker'``); the
         first record of a step wins, except that a row only receipts evidenced takes these numbers.
@@ -765,12 +789,25 @@ class LedgerStore:
 
         Returns:
             True if recorded now, False if the step was recorded before (nothing changed).
+
+        The tracker (:mod:`backbone.steps`) records only steps it saw samples accumulated for, so its
+        rows have samples and peers; 0 stays accepted here (a step whose batch is unknown: its receipts'
+        weights are then capped by the largest batch recorded).
+
+        Raises:
+            ValueError: a negative number, or a target batch below 1.
         """
-        if min(global_step, samples, peers) < 0:
-            raise ValueError(f"negative step record: {global_step=}, {samples=}, {peers=}")
+        if min(global_step, samples, peers) < 0 or (target_batch is not None and target_batch < 1):
+            raise ValueError(f"negative step record: {global_step=}, {samples=}, {peers=}, {target_batch=}")
         if loss is not None and not math.isfinite(loss):
             loss = None
-        values = {"finished_at": finished_at, "loss": loss, "samples": samples, "peers": peers}
+        values = {
+            "finished_at": finished_at,
+            "loss": loss,
+            "samples": samples,
+            "peers": peers,
+            "target_batch": target_batch,
+        }
         try:
             with self._tx(write=True) as conn:
                 source = conn.execute(
@@ -780,25 +817,40 @@ class LedgerStore:
                     conn.execute(
                         update(Step).where(Step.global_step == global_step).values(source="tracker", **values)
                     )
-                    return True
-                if source is not None:
+                elif source is not None:
                     return False
-                conn.execute(insert(Step).values(global_step=global_step, source="tracker", **values))
+                else:
+                    conn.execute(insert(Step).values(global_step=global_step, source="tracker", **values))
+                # Receipts and pulls of this step stored before it was recorded count from now on (and
+                # a receipt-evidenced step's cap is now the batch the tracker saw).
+                settle = _evidenced_peers(conn, {global_step})
         except _Conflict:
             if self._exists(lambda conn: _step_exists(conn, global_step)):
                 return False
             raise
+        self._settle(settle)
         return True
 
     def recent_steps(self, limit: int = 100) -> list[StepRow]:
         """The ``limit`` most recent finished steps, newest first."""
         with self._tx(write=False) as conn:
             rows = conn.execute(
-                select(Step.global_step, Step.finished_at, Step.loss, Step.samples, Step.peers, Step.source)
+                select(
+                    Step.global_step,
+                    Step.finished_at,
+                    Step.loss,
+                    Step.samples,
+                    Step.peers,
+                    Step.source,
+                    Step.target_batch,
+                )
                 .order_by(Step.global_step.desc())
                 .limit(limit)
             ).all()
-        return [StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source) for r in rows]
+        return [
+            StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source, r.target_batch)
+            for r in rows
+        ]
 
     def discards(self, peer_id: str) -> list[tuple[int, int]]:
         """The step ranges ``peer_id`` reported discarded, by first step (each as often as reported)."""
@@ -862,6 +914,16 @@ class LedgerStore:
                 .join(Report, Report.user_id == User.id)
                 .where(Report.status == "flagged")
             ).all()
+            # Time in the run: each session from its start to its end (or last heartbeat, while open).
+            ended = func.coalesce(PeerSession.ended_at, PeerSession.last_seen_at, PeerSession.started_at)
+            online: dict[str, float | None] = dict(
+                conn.execute(
+                    select(User.username, func.sum(ended - PeerSession.started_at))
+                    .join(Peer, Peer.user_id == User.id)
+                    .join(PeerSession, PeerSession.peer_id == Peer.peer_id)
+                    .group_by(User.username)
+                ).all()
+            )
             discarded: dict[str, float | None] = dict(
                 conn.execute(
                     select(User.username, func.sum(sql_cast(Receipt.weight, Double)))
@@ -886,11 +948,48 @@ class LedgerStore:
                 flagged_reports=int(row.flagged or 0),
                 flag_reasons=dict(sorted(reasons.get(row.username, Counter()).items())),
                 discarded_samples=round(discarded.get(row.username) or 0),
+                online_hours=max(0.0, online.get(row.username) or 0.0) / 3600.0,
             )
             for row in rows
         ]
         board.sort(key=lambda r: (-r.samples, r.username))
         return board
+
+    def flagged_reports(self, limit: int = 1000) -> list[FlaggedReport]:
+        """The ``limit`` most recently received flagged reports, newest first, with why."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(
+                    User.username,
+                    Report.peer_id,
+                    Report.seq,
+                    Report.received_at,
+                    Report.interval_start,
+                    Report.interval_end,
+                    Report.samples,
+                    Report.compute_seconds,
+                    Report.flag_reason,
+                )
+                .join(User, User.id == Report.user_id)
+                .where(Report.status == "flagged")
+                .order_by(Report.received_at.desc(), Report.id.desc())
+                .limit(limit)
+            ).all()
+        return [
+            FlaggedReport(
+                username=r.username,
+                peer_id=r.peer_id,
+                seq=r.seq,
+                received_at=r.received_at,
+                interval_start=r.interval_start,
+                interval_end=r.interval_end,
+                samples=r.samples,
+                compute_seconds=r.compute_seconds,
+                codes=tuple(reason_codes(r.flag_reason)),
+                reason=r.flag_reason or "",
+            )
+            for r in rows
+        ]
 
     # ----------------------------------------------------------------- plumbing
 
@@ -1192,13 +1291,15 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
         ).where(*mine)
     ).one()
-    # A receipt's weight is capped by the step's recorded samples when the ledger knows them.
-    # A receipt's weight is capped by its step's recorded samples (the collaboration's batch), or, for a
-    # step recorded without samples (jumped over), by the largest batch the run recorded.
-    largest = float(conn.execute(select(func.coalesce(func.max(Step.samples), 0))).scalar_one())
+    # A receipt's weight is capped by MAX_SAMPLES_FACTOR target batches of its step (accounting's
+    # docstring), by its recorded samples for a step of schema version <= 4, or, for a step only
+    # receipts evidenced (whose samples are those receipts' own sum) or recorded without samples, by the
+    # largest cap of a recorded one.
+    largest = _largest_batch(conn)
     capped: Any = Receipt.weight
     if largest > 0:
-        bound = case((Step.samples > 0, sql_cast(Step.samples, Double)), else_=largest)
+        unknown = (Step.source == "receipts") | (Step.target_batch.is_(None) & (Step.samples <= 0))
+        bound = case((unknown, largest), else_=_step_cap())
         capped = case((Receipt.weight > bound, bound), else_=Receipt.weight)
     weights = conn.execute(
         select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
@@ -1230,14 +1331,87 @@ def _frontier(conn: Connection) -> int:
 _EVIDENCED_PER_REPORT = 1024
 
 
-def _record_evidenced_steps(conn: Connection, now: float) -> None:
+def _step_cap() -> ColumnElement[float]:
+    """The most one receipt of a recorded step may weigh (accounting's docstring)."""
+    return case(
+        (Step.target_batch.is_not(None), sql_cast(Step.target_batch * MAX_SAMPLES_FACTOR, Double)),
+        else_=sql_cast(Step.samples, Double),
+    )
+
+
+def _largest_batch(conn: Connection) -> float:
+    """The largest receipt cap of a step a backbone recorded (0: none yet)."""
+    query = select(func.coalesce(func.max(_step_cap()), 0)).where(Step.source != "receipts")
+    return float(conn.execute(query).scalar_one())
+
+
+def _credit_late(conn: Connection, peer_id: str) -> None:
+    """Add what ``peer_id`` is due now (its evidence grew after its last report) to its latest credited
+    report; nothing if it has none (nothing claimed, nothing to credit)."""
+    latest: int | None = conn.execute(
+        select(func.max(Report.id)).where(
+            Report.peer_id == peer_id, Report.status == "credited", Report.scheme == 2
+        )
+    ).scalar_one()
+    if latest is None:
+        return
+    due = _credit(conn, peer_id)
+    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0:
+        return
+    conn.execute(
+        update(Report)
+        .where(Report.id == latest)
+        .values(
+            credited_samples=Report.credited_samples + due.samples,
+            credited_compute_seconds=Report.credited_compute_seconds + due.compute_seconds,
+            credited_bytes_aggregated=Report.credited_bytes_aggregated + due.bytes_aggregated,
+        )
+    )
+
+
+def _evidenced_peers(conn: Connection, steps: set[int]) -> set[str]:
+    """The senders of receipts and the aggregators of pull records of ``steps``."""
+    if not steps:
+        return set()
+    chosen = sorted(steps)
+    senders = conn.execute(select(Receipt.sender).where(Receipt.step.in_(chosen)).distinct()).scalars()
+    aggregators = conn.execute(select(Pull.aggregator).where(Pull.step.in_(chosen)).distinct()).scalars()
+    return {*senders, *aggregators}
+
+
+def _refresh_evidenced_samples(conn: Connection, steps: set[int]) -> None:
+    """A step only receipts evidence holds the samples of its counted receipts (each weight capped by the
+    largest batch a backbone recorded) and their distinct senders: what the peers averaged for it, as far
+    as their reports arrived. Called for the steps of each report's receipts."""
+    if not steps:
+        return
+    largest = _largest_batch(conn)
+    weight: Any = Receipt.weight
+    if largest > 0:
+        weight = case((Receipt.weight > largest, largest), else_=Receipt.weight)
+    rows = conn.execute(
+        select(Receipt.step, func.sum(sql_cast(weight, Double)), func.count(func.distinct(Receipt.sender)))
+        .join(Step, Step.global_step == Receipt.step)
+        .where(Step.source == "receipts", Receipt.step.in_(sorted(steps)), Receipt.discarded == 0)
+        .group_by(Receipt.step)
+    ).all()
+    for step, samples, senders in rows:
+        peers = conn.execute(select(Step.peers).where(Step.global_step == step)).scalar_one()
+        conn.execute(
+            update(Step)
+            .where(Step.global_step == step, Step.source == "receipts")
+            .values(samples=round(samples or 0), peers=max(int(peers), int(senders)))
+        )
+
+
+def _record_evidenced_steps(conn: Connection, now: float) -> set[int]:
     """Record the steps at or below the frontier that counting receipts evidence and ``steps`` lacks
     (the tracker jumped over them): ``source = 'receipts'``, peers = distinct peers in those receipts.
     Only *held* receipts (stored while their step was not recorded) are looked at, so the work is
-    bounded by what is missing, not by the size of the run."""
+    bounded by what is missing, not by the size of the run. Returns the steps recorded now."""
     frontier = _frontier(conn)
     if frontier < 0:
-        return
+        return set()
     rows = conn.execute(
         select(
             Receipt.step,
@@ -1247,13 +1421,15 @@ def _record_evidenced_steps(conn: Connection, now: float) -> None:
         )
         .select_from(Receipt)
         .outerjoin(Step, Step.global_step == Receipt.step)
-        .where(Receipt.held == 1, Receipt.step <= frontier, Receipt.discarded == 0)
+        .where(Receipt.held == 1, Receipt.step <= frontier, Receipt.discarded == 0, Receipt.weight > 0)
         .group_by(Receipt.step)
         .order_by(Receipt.step)
         .limit(_EVIDENCED_PER_REPORT)
     ).all()
+    recorded_now: set[int] = set()
     for step, senders, aggregators, recorded in rows:
         if recorded == 0:
+            recorded_now.add(step)
             conn.execute(
                 _insert_ignore(conn, Step).values(
                     global_step=step,
@@ -1267,6 +1443,7 @@ def _record_evidenced_steps(conn: Connection, now: float) -> None:
     if rows:
         steps = [row[0] for row in rows]
         conn.execute(update(Receipt).where(Receipt.held == 1, Receipt.step.in_(steps)).values(held=0))
+    return recorded_now
 
 
 def _insert_ignore(conn: Connection, table: Any) -> Any:

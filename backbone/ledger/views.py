@@ -9,6 +9,7 @@ from typing import Literal, NamedTuple
 from protocols.ledger import SignedReport
 
 __all__ = [
+    "FlaggedReport",
     "LeaderboardRow",
     "PeerSeen",
     "ReportStatus",
@@ -73,6 +74,28 @@ class LeaderboardRow:
     #: receipt weights of steps its peers reported discarded (a fork that did not survive): work done,
     #: shown, not credited (not in ``samples`` nor ``compute_hours``)
     discarded_samples: int = 0
+    #: time its volunteer processes were in the run (their sessions, as the backbones saw them: from the
+    #: first heartbeat to the leave, a restart or the last heartbeat). ``compute_hours`` is only the
+    #: receipt-backed time spent computing gradients, far less on a small model (waiting for the batch,
+    #: averaging and state downloads are not compute)
+    online_hours: float = 0.0
+
+
+@dataclass(frozen=True)
+class FlaggedReport:
+    """One flagged report: whose, which, its claims, and why (``codes``: the rule codes of
+    :mod:`backbone.ledger.accounting`; ``reason``: the full text)."""
+
+    username: str
+    peer_id: str
+    seq: int
+    received_at: float
+    interval_start: float
+    interval_end: float
+    samples: int
+    compute_seconds: float
+    codes: tuple[str, ...]
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -105,8 +128,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One global step the collaboration took; ``loss`` is None if unknown or not finite, ``samples`` 0
-    if unknown (a step only receipts evidenced)."""
+    """One global step the collaboration took: its batch (``samples``: what the peers at the step had
+    accumulated, as a backbone saw it; for a step only receipts evidenced, the sum of their weights),
+    ``peers`` and ``loss`` (None if unknown or not finite: a step only receipts evidenced has none)."""
 
     global_step: int
     finished_at: float
@@ -115,3 +139,5 @@ class StepRow:
     peers: int
     #: how the ledger knows it was taken: ``tracker``, ``receipts`` or ``legacy`` (schema version <= 2)
     source: str = "tracker"
+    #: the run's target batch when it was recorded (None: unknown; see ``backbone.ledger.schema``)
+    target_batch: int | None = None

@@ -1,5 +1,6 @@
-"""`backbone ledger --steps N`: the run's recent global steps and its loss curve (the leaderboard stays the
-default view)."""
+"""`backbone ledger`: the leaderboard (compute and online time, aggregation, flags and why), `--flags`
+(each flagged report), and `--steps [--last N]` (the run's recent global steps, each batch against the
+target, and its loss curve)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,15 @@ T0 = 1_700_000_000.0
 
 
 def record_falling_loss(data_dir: Path, steps: int) -> None:
-    """Steps 1..steps, two seconds apart, loss 7 - step / 10 (step 5 jumped over: no loss, no samples)."""
+    """Steps 1..steps, two seconds apart, loss 7 - step / 10 (step 5's loss unknown), batch 128 of a
+    target 120 (step 7: 240)."""
     with LedgerStore.open(f"sqlite:///{data_dir / 'ledger.sqlite3'}") as store:
         for step in range(1, steps + 1):
-            if step == 5:
-                store.record_step(step, finished_at=T0 + 2 * step, loss=None, samples=0, peers=0)
-            else:
-                store.record_step(step, finished_at=T0 + 2 * step, loss=7 - step / 10, samples=128, peers=3)
+            loss = None if step == 5 else 7 - step / 10
+            samples = 240 if step == 7 else 128
+            store.record_step(
+                step, finished_at=T0 + 2 * step, loss=loss, samples=samples, peers=3, target_batch=120
+            )
 
 
 def ledger(data_dir: Path, *extra: str) -> tuple[int, str]:
@@ -61,7 +64,7 @@ def test_sparkline_scales_between_the_smallest_and_largest_value() -> None:
 def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_curve(tmp_path: Path) -> None:
     record_falling_loss(tmp_path, 40)
 
-    code, output = ledger(tmp_path, "--steps", "3", "--json")
+    code, output = ledger(tmp_path, "--steps", "--last", "3", "--json")
 
     assert code == 0, output
     shown = json.loads(output)
@@ -73,7 +76,9 @@ def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_cur
         "samples": 128,
         "peers": 3,
         "source": "tracker",
+        "target_batch": 120,
     }
+    assert (shown["median_batch"], shown["target_batch"]) == (128, 120)
     assert shown["curve_steps"] == 40
     curve = shown["curve"]
     assert len(curve) == 8
@@ -85,12 +90,14 @@ def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_cur
 def test_ledger_steps_table_shows_steps_the_sparkline_and_first_and_last_loss(tmp_path: Path) -> None:
     record_falling_loss(tmp_path, 12)
 
-    code, output = ledger(tmp_path, "--steps", "10")
+    code, output = ledger(tmp_path, "--steps", "--last", "10")
 
     assert code == 0, output
     assert "the last 10 of 12 recorded" in output
     assert "2023-11-14 22:13:44 UTC" in output  # step 12 at T0 + 24
     assert "—" in output  # step 5 has no loss
+    assert "128 / 120" in output and "240 / 120" in output
+    assert "median batch of these steps: 128 / target 120 (1.07x)" in output
     assert "▁" in output and "█" in output
     assert "loss at step 1: 6.9000; at step 12: 5.8000" in output
 
@@ -98,7 +105,7 @@ def test_ledger_steps_table_shows_steps_the_sparkline_and_first_and_last_loss(tm
 def test_ledger_steps_says_when_no_step_has_a_loss(tmp_path: Path) -> None:
     LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}").close()
 
-    code, output = ledger(tmp_path, "--steps", "5")
+    code, output = ledger(tmp_path, "--steps")
 
     assert code == 0, output
     assert "no step has a recorded loss yet" in output
@@ -118,9 +125,23 @@ def test_ledger_without_steps_still_prints_the_leaderboard(tmp_path: Path) -> No
 def test_ledger_steps_refuses_a_count_below_one(tmp_path: Path) -> None:
     record_falling_loss(tmp_path, 3)
 
-    code, _ = ledger(tmp_path, "--steps", "0")
+    code, _ = ledger(tmp_path, "--steps", "--last", "0")
 
     assert code == 2
+
+
+def test_ledger_steps_works_as_the_readme_writes_it(tmp_path: Path) -> None:
+    """Issue 11: `backbone ledger --data-dir ~/bb --steps` failed ("requires an argument")."""
+    record_falling_loss(tmp_path, 30)
+
+    code, output = ledger(tmp_path, "--steps")
+    assert code == 0, output
+    assert "the last 20 of 30 recorded" in output
+    code, output = ledger(tmp_path, "--last", "4")  # --last alone means the steps view
+    assert code == 0, output
+    assert "the last 4 of 30 recorded" in output
+    code, output = ledger(tmp_path, "--steps", "--flags")
+    assert code == 2 and "two views" in output
 
 
 def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) -> None:
@@ -133,7 +154,7 @@ def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) 
         store.redeem_invite(secret, laptop.peer_id, laptop.public_key_bytes, now=T0)
         for seq, report in enumerate(
             [
-                make_report(laptop, 0, start=T0 - 10**9, length=10**9),  # too_old, too_long
+                make_report(laptop, 0, start=T0 - 10**9, length=10**9),  # before_join, too_long
                 make_report(laptop, 1, start=T0, length=7200),  # too_long
                 make_report(laptop, 2, start=T0, length=60),  # within bounds
                 make_report(laptop, 3, start=T0 + 30, length=60),  # overlap
@@ -145,10 +166,24 @@ def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) 
     assert code == 0, output
     [alice] = json.loads(output)
     assert alice["flagged_reports"] == 3
-    assert alice["flag_reasons"] == {"overlap": 1, "too_long": 2, "too_old": 1}
+    assert alice["flag_reasons"] == {"before_join": 1, "overlap": 1, "too_long": 2}
     code, output = ledger(tmp_path)
     assert code == 0, output
-    assert "overlap 1, too_long 2, too_old 1" in output
+    assert "flagged reports of alice: 3 (before_join 1, overlap 1, too_long 2)" in output
+    assert f"each flagged report and why: backbone ledger --data-dir {tmp_path} --flags" in output
+
+    code, output = ledger(tmp_path, "--flags", "--json")
+    assert code == 0, output
+    listed = json.loads(output)
+    assert [(r["seq"], r["codes"]) for r in listed] == [
+        (3, ["overlap"]),
+        (1, ["too_long"]),
+        (0, ["before_join", "too_long"]),
+    ]
+    assert all(r["username"] == "alice" and r["reason"] for r in listed)
+    code, output = ledger(tmp_path, "--flags")
+    assert code == 0, output
+    assert "overlaps the previous report" in output and "before the peer joined" in output
 
 
 def test_allow_add_refuses_the_backbones_username(tmp_path: Path) -> None:
@@ -161,3 +196,41 @@ def test_allow_add_refuses_the_backbones_username(tmp_path: Path) -> None:
     assert "reserved" in result.output
     with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
         assert store.list_users() == []
+
+
+def test_ledger_shows_compute_and_online_time_and_aggregation_in_readable_units(tmp_path: Path) -> None:
+    """Issue 11: "compute h 0.00" for volunteers that trained minutes, "aggregated 0.0 MB" for kilobytes,
+    and "relayed 0.0 MB" columns for a role that does not exist yet."""
+    from protocols.receipts import PulledSlice
+
+    from .ledger.reports import identity, make_report, receipt, sign
+
+    laptop, server = identity(31), identity(32)
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for name, machine in (("alice", laptop), ("bob", server)):
+            store.add_user(name, now=T0)
+            secret = store.create_invite(name, now=T0)
+            store.redeem_invite(secret, machine.peer_id, machine.public_key_bytes, now=T0)
+        assert store.session_heartbeat(laptop.peer_id, "a" * 32, "127.0.0.1", now=T0)
+        assert store.leave_session(laptop.peer_id, "a" * 32, now=T0 + 180)  # three minutes in the run
+        store.record_step(1, finished_at=T0 + 60, loss=5.0, samples=96, peers=2, target_batch=96)
+        mine = make_report(
+            laptop, 0, start=T0, length=120, samples=48, compute_seconds=2.5, bytes_aggregated=49_572,
+            receipts=[receipt(server, laptop, 1, 48)],
+        )  # fmt: skip
+        theirs = make_report(server, 0, start=T0, length=120, pulled=[PulledSlice(laptop.peer_id, 1, 49_572)])
+        for who, report in ((laptop, mine), (server, theirs)):
+            assert store.assess_and_record(sign(who, report), report, now=T0 + 200) is not None
+
+    code, output = ledger(tmp_path)
+
+    assert code == 0, output
+    [alice] = [line for line in output.splitlines() if line.strip().startswith("alice")]
+    assert alice.split()[1:5] == ["48", "2.5", "s", "3.0"]  # samples, compute 2.5 s, online 3.0 min
+    assert "49.6 kB" in alice  # bob pulled alice's slice after her last report: credited all the same
+    assert "relayed" not in output
+    code, output = ledger(tmp_path, "--json")
+    [row] = [r for r in json.loads(output) if r["username"] == "alice"]
+    assert row["online_hours"] == pytest.approx(180 / 3600)
+    assert row["compute_hours"] == pytest.approx(2.5 / 3600)
+    assert row["bytes_aggregated"] == 49_572

@@ -40,7 +40,7 @@ def test_demo_trains_stops_cleanly_and_prints_the_ledger(tmp_path: Path) -> None
     board = ledger()
     assert isinstance(board, list)
     assert {row["username"] for row in board if row["samples"] > 0} == {"volunteer1", "volunteer2"}
-    steps = ledger("--steps", "5")
+    steps = ledger("--steps", "--last", "5")
     assert isinstance(steps, dict)
     assert steps["curve_steps"] >= 5
     curve = [point["loss"] for point in steps["curve"]]

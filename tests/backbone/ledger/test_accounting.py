@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from backbone.ledger.accounting import (
     CREDITED,
     MAX_INTERVAL_S,
-    MAX_REPORT_AGE_S,
+    MAX_SAMPLES_PER_SECOND,
     CapabilitiesRejected,
     Credit,
     ReceiptRejected,
@@ -180,15 +180,31 @@ def test_assess_flags_compute_time_longer_than_the_interval() -> None:
     assert reason_codes(assess(report, None, now=report.interval_end).reason) == ["compute"]
 
 
-def test_assess_flags_intervals_longer_than_an_hour_or_begun_over_a_day_ago() -> None:
+def test_assess_flags_intervals_longer_than_an_hour_or_begun_before_the_peer_joined() -> None:
     # finding 9: an interval that began 1e9 s ago was credited 1.4e11 samples
     ancient = make_report(ALICE, 0, start=T0 - 1e9, length=1e9)
-    assert set(reason_codes(assess(ancient, None, now=T0).reason)) == {"too_old", "too_long"}
-    hour = make_report(ALICE, 0, start=T0, length=MAX_INTERVAL_S)
-    assert assess(hour, None, now=hour.interval_end).credited
-    backlog = make_report(ALICE, 0, start=T0, length=60.0)  # queued while no backbone answered
-    assert assess(backlog, None, now=T0 + MAX_REPORT_AGE_S - 1).credited
-    assert reason_codes(assess(backlog, None, now=T0 + MAX_REPORT_AGE_S + 1).reason) == ["too_old"]
+    assert set(reason_codes(assess(ancient, None, now=T0, joined_at=T0 - 60).reason)) == {
+        "before_join",
+        "too_long",
+    }
+    hour = make_report(ALICE, 0, start=T0, length=MAX_INTERVAL_S + 0.5)  # float slack of a clipped wait
+    assert assess(hour, None, now=hour.interval_end, joined_at=T0).credited
+
+
+def test_assess_credits_a_backlog_sent_days_later() -> None:
+    """Version 4 flagged a backlog older than 24 h (``too_old``): queued while no backbone answered, or
+    replayed from the journal by a volunteer restarted days later, it is honest work."""
+    backlog = make_report(ALICE, 0, start=T0, length=60.0)
+    assert assess(backlog, None, now=T0 + 5 * 86400, joined_at=T0 - 10).credited
+
+
+def test_assess_flags_samples_beyond_any_device_in_the_interval() -> None:
+    length = 10.0
+    ceiling = MAX_SAMPLES_PER_SECOND * (length + 1)
+    fast = make_report(ALICE, 0, length=length, samples=int(ceiling))
+    assert assess(fast, None, now=fast.interval_end).credited
+    absurd = make_report(ALICE, 0, length=length, samples=int(ceiling) + 1)
+    assert reason_codes(assess(absurd, None, now=absurd.interval_end).reason) == ["rate"]
 
 
 def test_assess_names_every_broken_rule() -> None:
@@ -201,21 +217,40 @@ def test_assess_names_every_broken_rule() -> None:
 @given(
     length=st.floats(0, MAX_INTERVAL_S),
     compute_fraction=st.floats(0, 1),
-    samples=st.integers(0, 2**53),
+    rate_fraction=st.floats(0, 1),
     gap=st.one_of(st.none(), st.floats(0, 1e5)),
-    lag=st.floats(-299, MAX_REPORT_AGE_S - MAX_INTERVAL_S),
+    lag=st.floats(-299, 30 * 86400),
 )
 def test_assess_always_credits_a_report_within_bounds_whatever_it_claims(
-    length: float, compute_fraction: float, samples: int, gap: float | None, lag: float
+    length: float, compute_fraction: float, rate_fraction: float, gap: float | None, lag: float
 ) -> None:
-    # samples are no longer judged against capabilities (receipts bound them), so a peer that sped up
-    # is never flagged for it
-    report = make_report(
-        ALICE, 0, start=T0, length=length, compute_seconds=compute_fraction * length, samples=samples
-    )
+    # samples are judged against the physical ceiling, not the peer's measured throughput (receipts
+    # bound them), so a peer that sped up is never flagged for it
+    compute = compute_fraction * length
+    samples = math.floor(rate_fraction * MAX_SAMPLES_PER_SECOND * compute)
+    report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=compute, samples=samples)
     previous_end = None if gap is None else report.interval_start - gap
-    verdict = assess(report, previous_end, now=report.interval_end + lag)
+    verdict = assess(report, previous_end, now=report.interval_end + lag, joined_at=T0)
     assert verdict == CREDITED, verdict.reason
+
+
+@settings(max_examples=200)
+@given(
+    length=st.floats(0, MAX_INTERVAL_S),
+    extra_compute=st.floats(1.01, 1e6),
+    extra_samples=st.integers(1, 2**40),
+    which=st.sampled_from(["compute", "rate"]),
+)
+def test_assess_flags_a_report_claiming_more_than_its_interval_could_hold(
+    length: float, extra_compute: float, extra_samples: int, which: str
+) -> None:
+    if which == "compute":
+        report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length + extra_compute)
+    else:
+        samples = math.floor(MAX_SAMPLES_PER_SECOND * (length + 1)) + extra_samples
+        report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length, samples=samples)
+    verdict = assess(report, None, now=report.interval_end, joined_at=T0)
+    assert reason_codes(verdict.reason) == [which]
 
 
 # ------------------------------------------------------------------------------------- receipts

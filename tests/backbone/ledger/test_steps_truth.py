@@ -56,6 +56,10 @@ def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_fro
     )
     assert verdict.samples == 64 and verdict.notes == "receipt_held: 1"  # 50 is beyond the frontier
     assert sources(store) == {1: "tracker", 5: "receipts", 7: "receipts", 10: "tracker"}
+    # issue 11: such rows showed 0 samples; they hold their receipts' sum, as the reports arrive
+    assert {r.global_step: (r.samples, r.peers) for r in store.recent_steps(100)}[5] == (32, 2)
+    assert record(store, SERVER, 0, samples=40, receipts=[receipt(LAPTOP, SERVER, 5, 40)]).samples == 40
+    assert {r.global_step: (r.samples, r.peers) for r in store.recent_steps(100)}[5] == (72, 2)
     tracked(store, 60)  # the collaboration went past 50: the next report's transaction records it
     assert record(store, LAPTOP, 1, samples=0).samples == 32
     assert sources(store)[50] == "receipts"
@@ -63,7 +67,7 @@ def test_steps_jumped_over_are_recorded_from_receipts_of_two_users_below_the_fro
     assert store.record_step(7, finished_at=T0, loss=2.0, samples=128, peers=3) is True
     assert sources(store)[7] == "tracker"
     assert store.record_step(7, finished_at=T0, loss=9.0, samples=1, peers=1) is False
-    assert board(store) == {"alice": (96, 0), "bob": (0, 0)}
+    assert board(store) == {"alice": (96, 0), "bob": (40, 0)}
 
 
 def test_steps_a_peer_reports_discarded_are_taken_back_and_shown_apart(store: LedgerStore) -> None:
@@ -117,3 +121,17 @@ def test_steps_taken_again_after_a_discard_are_credited_and_the_discarded_receip
     # a second fork over some of those steps discards the receipts taken again as well
     assert record(store, LAPTOP, 5, samples=0, discarded=[(11, 13)]).samples == -3 * 16
     assert store.discards(LAPTOP.peer_id) == [(10, 13), (11, 13)]
+
+
+def test_a_receipt_is_capped_by_the_steps_target_not_by_the_batch_the_tracker_saw(
+    store: LedgerStore,
+) -> None:
+    """The tracker records what the progress records said (a lower bound of the batch: the last
+    contributions land between two polls); an honest part may weigh more than that, never more than
+    MAX_SAMPLES_FACTOR target batches, beyond which no peer's progress is believed."""
+    join(store, "alice", LAPTOP)
+    join(store, "bob", SERVER)
+    assert store.record_step(1, finished_at=T0, loss=5.0, samples=32, peers=2, target_batch=48)
+    assert store.record_step(2, finished_at=T0, loss=5.0, samples=48, peers=2, target_batch=48)
+    receipts = [receipt(SERVER, LAPTOP, 1, 48), receipt(SERVER, LAPTOP, 2, 1000)]
+    assert record(store, LAPTOP, 0, samples=2000, receipts=receipts).samples == 48 + 4 * 48

@@ -69,7 +69,8 @@ def check_upgraded(url: str) -> None:
             3: "legacy",
         }
         # the upgraded ledger keeps working: a new report, a new session, a new step
-        store.record_step(4, finished_at=T0 + 30, loss=None, samples=256, peers=2)
+        store.record_step(4, finished_at=T0 + 30, loss=None, samples=256, peers=2, target_batch=256)
+        assert [r.target_batch for r in store.recent_steps()] == [256, None, None, None]  # version 5
         report = make_report(ALICE, 1, receipts=[receipt(BOB, ALICE, 4, 50)])
         verdict = store.assess_and_record(sign(ALICE, report), report, now=T0 + 3600)
         assert verdict is not None and verdict.samples == 50
@@ -88,6 +89,10 @@ def check_upgraded(url: str) -> None:
             old_invites = len(before["invites"])
             limits = conn.execute(sqlalchemy.text("SELECT uses, max_uses FROM invites ORDER BY id")).all()
             assert [tuple(r) for r in limits] == [(0, None)] * old_invites + [(1, 1)]  # old ones: no limit
+            indexes = {
+                i["name"] for t in ("receipts", "pulls") for i in sqlalchemy.inspect(conn).get_indexes(t)
+            }
+            assert {"ix_receipts_step", "ix_pulls_step"} <= indexes  # version 6
     finally:
         engine.dispose()
 
