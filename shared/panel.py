@@ -2,7 +2,7 @@
 terminal.
 
 How a live panel stays in place (issue 11: copies of it piled up in the scrollback, log lines printed under
-it). A redraw moves the cursor up over the lines it drew last and draws again, so three things must hold:
+it). A redraw moves the cursor up over the lines it drew last and draws again, so these must hold:
 
 1. Nothing else writes between two redraws without going through the panel's Console, which prints it
    above the panel and redraws the panel below. Log records, ``print`` and warnings are routed so while a
@@ -19,8 +19,10 @@ it). A redraw moves the cursor up over the lines it drew last and draws again, s
    does not flush the terminal's output queue (``NOFLSH``): that would drop the rest of a frame being
    written, and the next redraw, moving up by a whole frame, would erase log lines above it. Both come
    back at exit; keys typed meanwhile are discarded, not handed to the shell unseen.
-4. At exit the last frame stays (fitted too), the cursor is shown again, and the next output starts on a
-   fresh line.
+4. A frame is written whole: unbuffered (``PYTHONUNBUFFERED=1``, common in containers), ``sys.stdout``
+   silently drops the rest of a write that a signal cut short (see :class:`_WholeWrites`).
+5. At exit the last frame stays (fitted too, without the hint), the cursor is shown again, and the next
+   output starts on a fresh line.
 """
 
 from __future__ import annotations
@@ -244,7 +246,8 @@ def _no_echo(console: Console) -> Iterator[None]:
         # SIGTTOU, unless that signal is blocked.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
         try:
-            termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
+            termios.tcsetattr(fd, termios.TCSANOW, saved)  # not TCSAFLUSH: it waits for a stuck terminal
+            termios.tcflush(fd, termios.TCIFLUSH)
         except termios.error as exc:
             logger.warning("cannot turn the terminal's echo back on (%s): run `stty echo`", exc)
         finally:
