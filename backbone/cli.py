@@ -522,7 +522,7 @@ def ledger(
     ] = False,
     as_json: Json = False,
 ) -> None:
-    """Show who contributed what (or the run's recent steps, or its flagged reports).
+    """Show who contributed what, the recent steps or the flagged reports.
 
     The leaderboard: per user, the samples, compute time, time online and bytes aggregated that receipts
     of other users' peers back, and how many reports were flagged and why (rule codes). With --steps: the
