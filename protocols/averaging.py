@@ -20,7 +20,7 @@ Auxiliary peers (no accelerator) have weight 0 and in practice send nothing, the
 
 **Signed averaged parts.** An averaged part may reach a member through another member that relays it
 (:mod:`shared.averaging.allreduce`, "Departures"), so it must prove its origin by itself. Every
-:class:`AveragedHeader` carries ``digest`` (BLAKE2b-256 of the encoded payload, :func:`part_digest`) and
+:class:`AveragedHeader` carries ``digest`` (SHA-256 of the encoded payload, :func:`part_digest`) and
 ``signature``: the aggregator's signature over :func:`averaged_payload` of an :class:`AveragedStatement`,
 which binds what a :class:`~protocols.receipts.PartReceipt` binds of a round (run id, the global step,
 group id, round; the signer is the aggregator named in the statement) plus the part (index, offset,
@@ -212,8 +212,9 @@ class AveragedStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
 
 def part_digest(payload: bytes | bytearray | memoryview) -> bytes:
-    """BLAKE2b-256 of an encoded part (hashlib releases the GIL on large buffers)."""
-    return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()
+    """SHA-256 of an encoded part (hashlib releases the GIL on large buffers). SHA-256, not BLAKE2b: with
+    the SHA extensions of current x86 and ARM CPUs it hashes about twice as fast (~1.8 GB/s per core)."""
+    return hashlib.sha256(payload).digest()
 
 
 def statement_of(

@@ -94,7 +94,7 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
 * *trust*: the relaying member may lie, so the aggregator signs each averaged part it produces: the
   header's ``signature`` covers the run id, global step, group, round (what a receipt binds), the part's
   index, offset, ``numel``, codec and ``nbytes``, ``total_weight`` and ``contributors``, and the
-  BLAKE2b-256 digest of the encoded payload (:class:`~protocols.averaging.AveragedStatement`; signed once
+  SHA-256 digest of the encoded payload (:class:`~protocols.averaging.AveragedStatement`; signed once
   per part when it is reduced, the digest hashed once). A member verifies, for every part, whoever sent
   it: the header's fields against the request, the signature against ``j``'s peer id over the statement
   it rebuilds with the run, step and aggregator *it expects*, then the payload's digest before decoding,
@@ -113,7 +113,8 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
 
 Fault points (:mod:`shared.faults`): ``allreduce.after_push`` (once per round, when all our parts went
 out), ``allreduce.before_serve`` (an averaged part of our slice is about to be served to a member: the
-reply is not sent yet) and ``allreduce.before_result`` (every exchange ended, before the averages are
+reply is not sent yet; it runs in the host's handler task, so arm it process-wide, e.g. ``kill@3`` in a
+child process) and ``allreduce.before_result`` (every exchange ended, before the averages are
 written back).
 
 Blocking numpy work (decoding, the reduction, checks, writing back) runs in worker threads (``COMPUTE``).
