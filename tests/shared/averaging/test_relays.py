@@ -52,9 +52,11 @@ class Recording(Averager):
 
 
 class Dying(Recording):
-    """Serves its averaged slice to ``serve`` only; the first pull of anyone else kills it, once every
-    member of ``serve`` verified the whole slice."""
+    """Serves its averaged slice to ``serve`` only; the first pull of anyone else kills it (or, with
+    ``hang``, is never answered while every connection stays open), once every member of ``serve``
+    verified the whole slice."""
 
+    hang = False
     serve: frozenset[PeerId] = frozenset()
     holders: tuple[Recording, ...] = ()
     me = -1
@@ -70,6 +72,8 @@ class Dying(Recording):
         wanted = {(self.me, k) for k in range(self.parts)}
         while not all(wanted <= h.verified for h in self.holders):
             await trio.sleep(0.01)
+        if self.hang:
+            await trio.sleep_forever()
         self.host.abort()
         self.died.set()
         raise PeerUnavailable("killed")
@@ -139,12 +143,14 @@ async def round_with_a_death(
                 inner.start_soon(cancel_on_death)
                 await one(victim)  # its own round cannot end: it waits for the pulls it never serves
 
-    with trio.fail_after(60):  # generous: the round takes well under a second
+    with trio.fail_after(60):  # generous: the round takes a second, or the stall timeouts of a hang
         async with trio.open_nursery() as nursery:
             nursery.start_soon(victim_round)
-            for i in range(len(peers)):
-                if i != victim:
-                    nursery.start_soon(one, i)
+            async with trio.open_nursery() as survivors:
+                for i in range(len(peers)):
+                    if i != victim:
+                        survivors.start_soon(one, i)
+            nursery.cancel_scope.cancel()  # a hung victim's round would wait for its deadline
     return results, [v if i != victim else originals[i] for i, v in enumerate(vectors)]
 
 
@@ -174,6 +180,37 @@ async def test_an_aggregator_that_died_after_serving_some_members_reaches_every_
         assert peers[i][1].statistics().relays_received == 2
     assert sum(peers[i][1].statistics().relays_served for i in (0, 4)) == 4  # 2 parts to 2 members
     assert all(peers[i][1].statistics().relays_refused == 0 for i in survivors)
+
+
+async def test_a_hung_aggregator_is_relayed_after_the_stall_timeout(nursery: trio.Nursery) -> None:
+    """It stops answering with every connection open: the members it did not serve notice from the pull
+    stall timeout (2 T), later than a kill, and the ones it served still hold the parts (grace 3 T)."""
+    peers = await start(nursery, [Recording, Recording, Dying])
+    victim = peers[2][1]
+    assert isinstance(victim, Dying)
+    victim.hang = True
+    plan = plan_for(peers, 30_000, part_numel=PART)  # type: ignore[arg-type]
+    rng = np.random.default_rng(3)
+    vectors = [rng.standard_normal(30_000).astype(np.float32) for _ in peers]
+    victim.serve, victim.holders = frozenset({peers[0][0].peer_id}), (peers[0][1],)
+    victim.me, victim.parts = 2, 2
+    results: list[RoundResult | None] = [None, None]
+
+    async def one(i: int) -> None:
+        results[i] = await peers[i][1].all_reduce(plan, vectors[i], i)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as outer:
+            outer.start_soon(victim.all_reduce, plan, vectors[2], 2)
+            async with trio.open_nursery() as survivors:
+                survivors.start_soon(one, 0)
+                survivors.start_soon(one, 1)
+            outer.cancel_scope.cancel()
+    dead = peers[2][0].peer_id
+    assert results[0] is not None and results[0].outcome.complete
+    assert results[1] is not None and results[1].outcome.complete, results[1]
+    assert "stalled" in results[1].departed[dead] and results[1].relayed == {dead: 2}
+    assert np.array_equal(vectors[0], vectors[1])
 
 
 async def test_nobody_got_the_slice_so_every_survivor_fails_it_together(nursery: trio.Nursery) -> None:
