@@ -105,7 +105,11 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
 * *outcome*: if any live member holds all parts of ``j``'s slice, every member that asks gets them, and
   every survivor ends with the same vector (bit-identical, as from ``j`` itself). If a part reached
   nobody alive, every survivor fails slice ``j`` and the round, as before, and they retry together.
-  Client-mode members cannot relay: a part only they hold is not recoverable by the others;
+  Client-mode members cannot relay: a part only they hold is not recoverable by the others. What is
+  left: a member asked while the part is still in its hands but not verified yet (the milliseconds of
+  its digest and norm check, when ``j`` died mid-reply to both) answers "not held", and the round still
+  splits as before this rule; and the grace assumes the members' stall timeouts ``T`` differ by less
+  than a third (all derive from the same plan, with the 3 s floor in common);
 * *credit*: a relayed part carries no receipt for the puller (``j`` signed receipts per sender and gave
   them only to their senders), and its bytes are not a pull record of ``j`` (``RoundResult.pulled``): the
   puller lacks that evidence, less credit, never false credit. ``RoundResult.relayed`` counts the parts
