@@ -116,9 +116,10 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
   each aggregator's slice took through relays; ``j`` is still named in ``RoundResult.departed``.
 
 Fault points (:mod:`shared.faults`): ``allreduce.after_push`` (once per round, when all our parts went
-out), ``allreduce.before_serve`` (an averaged part of our slice is about to be served to a member: the
-reply is not sent yet; it runs in the host's handler task, so arm it process-wide, e.g. ``kill@3`` in a
-child process) and ``allreduce.before_result`` (every exchange ended, before the averages are
+out), ``allreduce.after_serve`` (an averaged part of our slice was written to a member's connection, or
+writing it failed; it runs in the host's bulk lane, outside any member's scope tag: arm it process-wide
+with ``kill`` or ``exit``, e.g. ``DEDLOC_FAULTS=allreduce.after_serve=kill@2`` in a child process)
+and ``allreduce.before_result`` (every exchange ended, before the averages are
 written back).
 
 Blocking numpy work (decoding, the reduction, checks, writing back) runs in worker threads (``COMPUTE``).
@@ -1019,8 +1020,8 @@ class Averager:
                 receipt=duty.receipts.get(ctx.peer_id) if duty.receipts else None,
             )
         )
-        await faults.point("allreduce.before_serve")
-        reply = BulkReply(meta, memoryview(part.encoded))
+
+        reply = BulkReply(meta, memoryview(part.encoded), on_sent=_served)
         if (ctx.peer_id, request.part_index) not in duty.served:  # a repeated pull must not end the duty
             duty.served.add((ctx.peer_id, request.part_index))
             duty.pulls_left -= 1
@@ -1177,6 +1178,10 @@ class Averager:
             # progress only moves a sender's due time later: waking at the earliest one and looking
             # again is exact (a timeout that shrank meanwhile takes effect at that wake-up)
             await trio.sleep_until(min([*due.values(), cutoff]))
+
+
+def _served() -> None:
+    faults.hit("allreduce.after_serve")
 
 
 def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
