@@ -17,10 +17,24 @@ a single payload byte whether the transfer is consistent. Encoded layouts (littl
 
 ``weight`` is the sender's sample count for the round: the aggregator computes ``Σ w_i x_i / Σ w_i``.
 Auxiliary peers (no accelerator) have weight 0 and in practice send nothing, they only receive.
+
+**Signed averaged parts.** An averaged part may reach a member through another member that relays it
+(:mod:`shared.averaging.allreduce`, "Departures"), so it must prove its origin by itself. Every
+:class:`AveragedHeader` carries ``digest`` (SHA-256 of the encoded payload, :func:`part_digest`) and
+``signature``: the aggregator's signature over :func:`averaged_payload` of an :class:`AveragedStatement`,
+which binds what a :class:`~protocols.receipts.PartReceipt` binds of a round (run id, the global step,
+group id, round; the signer is the aggregator named in the statement) plus the part (index, offset,
+``numel``, codec, ``nbytes``), what was averaged into it (``total_weight``, ``contributors``) and the
+digest. The statement is not sent: a receiver rebuilds it from the header's fields and the run, step and
+aggregator *it expects*, so a header of another run, step, round, group, part or aggregator fails the
+signature. ``receipt`` is not signed by it (a receipt is signed on its own, for one sender)::
+
+    relay: member -> member  BulkHeader{topic, nbytes, meta=RelayRequest}    (reply: AveragedHeader + part)
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Annotated, Literal
 
@@ -28,6 +42,7 @@ import msgspec
 
 from .errors import ProtocolError
 from .receipts import SignedReceipt
+from .types import Bytes32, Bytes64, PeerIdStr, RunIdStr
 
 __all__ = [
     "INT8_BLOCK",
@@ -37,6 +52,12 @@ __all__ = [
     "MAX_PART_NUMEL",
     "MAX_WEIGHT",
     "AveragedHeader",
+    "AveragedStatement",
+    "RelayRequest",
+    "averaged_payload",
+    "decode_relay_request",
+    "part_digest",
+    "statement_of",
     "CodecName",
     "PartHeader",
     "AssemblyMember",
@@ -64,6 +85,8 @@ MAX_NORM = 1e30
 #: Largest round deadline a plan may set (seconds); followers bound it much tighter (``groups``).
 MAX_DEADLINE = 3600.0
 _MAX_ROUND = 2**63 - 1
+_AVERAGED_DOMAIN = b"dedloc-averaged-part-v1"
+DIGEST_BYTES = 32
 _MAX_PART_INDEX = 2**31 - 1
 _MAX_OFFSET = 2**48  # elements; far beyond any model
 
@@ -156,6 +179,8 @@ class AveragedHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     nbytes: _Nbytes
     total_weight: Annotated[float, msgspec.Meta(ge=0)]
     contributors: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    digest: Bytes32  # part_digest of the encoded payload
+    signature: Bytes64  # the aggregator's, over averaged_payload(statement_of(...)) (module docstring)
     receipt: SignedReceipt | None = None
 
     def __post_init__(self) -> None:
@@ -164,6 +189,62 @@ class AveragedHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError(f"total_weight {self.total_weight!r} is not a finite number >= 0")
         if not 0 <= self.contributors <= 1 << 20:
             raise ValueError(f"contributors {self.contributors} is outside [0, 2**20]")
+        if len(self.digest) != DIGEST_BYTES or len(self.signature) != 64:
+            raise ValueError("digest must be 32 bytes and signature 64 bytes")
+
+
+class AveragedStatement(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """What an aggregator signs about one averaged part (module docstring, "Signed averaged parts")."""
+
+    run_id: RunIdStr
+    aggregator: PeerIdStr  # the signer
+    step: int
+    group_id: bytes
+    round: int
+    part_index: int
+    offset: int
+    numel: int
+    codec: str
+    nbytes: int
+    total_weight: float
+    contributors: int
+    digest: bytes
+
+
+def part_digest(payload: bytes | bytearray | memoryview) -> bytes:
+    """SHA-256 of an encoded part (hashlib releases the GIL on large buffers). SHA-256, not BLAKE2b: with
+    the SHA extensions of current x86 and ARM CPUs it hashes about twice as fast (~1.8 GB/s per core)."""
+    return hashlib.sha256(payload).digest()
+
+
+def statement_of(
+    header: AveragedHeader | PartHeader, *, run_id: str, aggregator: str, step: int, **fields: object
+) -> AveragedStatement:
+    """The statement the aggregator signs for ``header`` (``fields`` override or supply ``total_weight``,
+    ``contributors`` and ``digest`` when ``header`` is not an :class:`AveragedHeader` yet)."""
+    values: dict[str, object] = {
+        "run_id": run_id,
+        "aggregator": aggregator,
+        "step": step,
+        "group_id": header.group_id,
+        "round": header.round,
+        "part_index": header.part_index,
+        "offset": header.offset,
+        "numel": header.numel,
+        "codec": header.codec,
+        "nbytes": header.nbytes,
+    }
+    if isinstance(header, AveragedHeader):
+        values.update(
+            total_weight=header.total_weight, contributors=header.contributors, digest=header.digest
+        )
+    values.update(fields)
+    return AveragedStatement(**values)  # type: ignore[arg-type]
+
+
+def averaged_payload(statement: AveragedStatement) -> bytes:
+    """The bytes an aggregator signs: a domain tag (not the receipts' one), then the statement's msgpack."""
+    return _AVERAGED_DOMAIN + msgspec.msgpack.encode(statement)
 
 
 _PART_DECODER = msgspec.msgpack.Decoder(PartHeader)
@@ -178,7 +259,25 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     part_index: _PartIndex
 
 
-def encode_header(header: PartHeader | AveragedHeader | PullRequest) -> bytes:
+class RelayRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Member -> member: "send me part ``part_index`` of aggregator ``aggregator``'s averaged slice, as you
+    received it" (answered at once: the part with the aggregator's signed header, or "not held")."""
+
+    group_id: _GroupId
+    round: _Round
+    aggregator: Annotated[int, msgspec.Meta(ge=0, le=255)]  # index in the plan's members
+    part_index: _PartIndex
+
+
+def decode_relay_request(meta: bytes | memoryview) -> RelayRequest:
+    """Decode and validate a :class:`RelayRequest` (raises ProtocolError)."""
+    try:
+        return msgspec.msgpack.decode(meta, type=RelayRequest)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"invalid relay request: {exc}") from exc
+
+
+def encode_header(header: PartHeader | AveragedHeader | PullRequest | RelayRequest) -> bytes:
     """The msgpack bytes that travel as a bulk transfer's ``meta``."""
     return msgspec.msgpack.encode(header)
 

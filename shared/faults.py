@@ -30,7 +30,8 @@ only on hits made under the tag.
 
 The list of points is not fixed: any name works, and :func:`hits` tells a test how often a point was
 passed. Points in use: ``matchmaking.joined`` (our ticket is stored, the plan not read yet),
-``allreduce.after_push`` (once per round, when all our parts went out), ``allreduce.before_result`` (every
+``allreduce.after_push`` (once per round, when all our parts went out), ``allreduce.after_serve`` (an
+averaged part of our slice was sent to a member), ``allreduce.before_result`` (every
 exchange of the round ended, before the averages are written back), ``state.mid_download`` (after each
 chunk of a state download but the last), ``state.before_load`` (downloaded and checked, not loaded yet),
 ``step.after_apply`` (stepped; nothing reported or published yet).

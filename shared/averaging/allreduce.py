@@ -67,8 +67,63 @@ departed member has no ticket):
 A member with no slice that dies before it pushed anything is only caught by the stall timeout (nobody
 dials it); one that dies after its parts arrived costs nothing: the others average with its parts.
 
+*Relayed slices: one outcome for every survivor.* An aggregator ``j`` that dies after it served its
+averaged slice to some members but not to others would split the round: the served ones complete it and
+step, the others fail slice ``j`` and retry among themselves, a one-step fork (seen in the 600-s churn
+soak). So a member whose exchange with ``j`` ends because ``j`` departed (``PeerUnavailable`` or the
+stall timeout; not a refused average) asks the *other members* for each part of ``j``'s slice it lacks,
+before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRequest`):
+
+* *who answers*: every member keeps, for each round, the encoded averaged parts it received and
+  verified (from the aggregator or through a relay) with their headers, and answers a relay request from a
+  member of that round's plan at once: the part and the aggregator's header (its ``receipt`` stripped), or
+  ``NOT_FOUND`` ("not held"), never waiting for anything. A separate kind, not a flag of ``avg.pull``:
+  a pull waits for an average and counts towards the aggregator's duty (``pulls_left``), a relay waits for
+  nothing, needs no duty and is served by members that aggregate nothing;
+* *how long*: from the round's start until its end plus a grace of ``3 T`` (``T`` the round's stall
+  timeout at its end, :mod:`.deadlines`): a member that failed a pull asks once its pull failed, at the
+  latest ``2 T`` after its previous pull completed (the pull stall timeout), and a relay answer takes a
+  part time, well within ``T``. No constant: ``T`` derives from the plan's and the measured part times;
+* *memory*: what is kept is the member's own buffer of ``j``'s slice (codec none: the array the payload
+  was read into; other codecs: the encoded bytes it was read into), no copy. It is dropped at the grace's
+  end, or when a member starts a round while it holds :data:`MAX_HELD_ROUNDS` (2: the one it runs and
+  the previous one): so a member holds at most one vector beyond its round's own buffers (measured with
+  ``scripts/bench_allreduce.py --numel 5000000``, rounds back to back: peak RSS +26 to +37 MB per peer
+  with 2 kept rounds, +45 to +60 MB with 4);
+* *whom to ask, when*: the parts in order, for each part the members in the plan's order (not ``j``, not
+  ourselves, not client-mode members, which accept no connections), one at a time, each bounded by the
+  pull stall timeout ``2 T``; the first valid answer wins. "Not held" costs a round trip; an unreachable
+  member or one that answered with a forgery is not asked again this round;
+* *trust*: the relaying member may lie, so the aggregator signs each averaged part it produces: the
+  header's ``signature`` covers the run id, global step, group, round (what a receipt binds), the part's
+  index, offset, ``numel``, codec and ``nbytes``, ``total_weight`` and ``contributors``, and the
+  SHA-256 digest of the encoded payload (:class:`~protocols.averaging.AveragedStatement`; signed once
+  per part when it is reduced, the digest hashed once). A member verifies, for every part, whoever sent
+  it: the header's fields against the request, the signature against ``j``'s peer id over the statement
+  it rebuilds with the run, step and aggregator *it expects*, then the payload's digest before decoding,
+  then the usual checks (finite, norm bound). A relayed part is thus exactly a part ``j`` produced for
+  this round, so a forgery is refused (``statistics().relays_refused``), and the relaying member is not
+  asked again this round; the next member is asked. A liar can only withhold (answer "not held"), which
+  costs what ``j``'s death cost before;
+* *outcome*: if any live member holds all parts of ``j``'s slice, every member that asks gets them, and
+  every survivor ends with the same vector (bit-identical, as from ``j`` itself). If a part reached
+  nobody alive, every survivor fails slice ``j`` and the round, as before, and they retry together.
+  Client-mode members cannot relay: a part only they hold is not recoverable by the others. What is
+  left: a member asked while the part is still in its hands but not verified yet (the milliseconds of
+  its digest and norm check, when ``j`` died mid-reply to both) answers "not held", and the round still
+  splits as before this rule; and the grace assumes the members' stall timeouts ``T`` differ by less
+  than a third (all derive from the same plan, with the 3 s floor in common);
+* *credit*: a relayed part carries no receipt for the puller (``j`` signed receipts per sender and gave
+  them only to their senders), and its bytes are not a pull record of ``j`` (``RoundResult.pulled``): the
+  puller lacks that evidence, less credit, never false credit. ``RoundResult.relayed`` counts the parts
+  each aggregator's slice took through relays; ``j`` is still named in ``RoundResult.departed``.
+
 Fault points (:mod:`shared.faults`): ``allreduce.after_push`` (once per round, when all our parts went
-out) and ``allreduce.before_result`` (every exchange ended, before the averages are written back).
+out), ``allreduce.after_serve`` (an averaged part of our slice was written to a member's connection, or
+writing it failed; it runs in the host's bulk lane, outside any member's scope tag: arm it process-wide
+with ``kill`` or ``exit``, e.g. ``DEDLOC_FAULTS=allreduce.after_serve=kill@2`` in a child process)
+and ``allreduce.before_result`` (every exchange ended, before the averages are
+written back).
 
 Blocking numpy work (decoding, the reduction, checks, writing back) runs in worker threads (``COMPUTE``).
 """
@@ -90,14 +145,20 @@ import trio
 
 from protocols.averaging import (
     AveragedHeader,
+    AveragedStatement,
     CodecName,
     PartHeader,
     PullRequest,
+    RelayRequest,
+    averaged_payload,
     decode_averaged_header,
     decode_part_header,
     decode_pull_request,
+    decode_relay_request,
     encode_header,
     encoded_nbytes,
+    part_digest,
+    statement_of,
 )
 from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
@@ -126,7 +187,13 @@ DEFAULT_AVERAGING = AveragingSpec()
 Float32Array = npt.NDArray[np.float32]
 #: Worker threads for decoding, reducing and writing back (numpy releases the GIL).
 COMPUTE = trio.CapacityLimiter(2)
-PUSH, PULL = "avg.push", "avg.pull"
+PUSH, PULL, RELAY = "avg.push", "avg.pull", "avg.relay"
+#: Rounds whose received averaged parts a member keeps for relaying at once (module docstring, "Relayed
+#: slices"): the one it runs and the one before, whose slower members may still ask during its grace.
+MAX_HELD_ROUNDS = 2
+#: The relay grace after a round's end, in stall timeouts T (a failed pull is noticed <= 2 T after the
+#: previous one completed, a relay answer takes about a part time < T).
+RELAY_GRACE_TIMEOUTS = 3.0
 #: How long a push or pull for a round this node has not started yet waits for it to start.
 EARLY_ARRIVAL_WAIT = 10.0
 MAX_PENDING_ROUNDS = 64
@@ -197,6 +264,8 @@ class RoundResult:
     #: members that left this round (unreachable, connection lost, or stalled: peer -> why); the caller
     #: retries without them (module docstring, "Departures")
     departed: dict[PeerId, str] = field(default_factory=dict)
+    #: aggregator -> parts of its slice we got from other members because it departed ("Relayed slices")
+    relayed: dict[PeerId, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -206,6 +275,9 @@ class AveragerStatistics:
     averages_refused: int = 0  # averaged parts refused by us as a receiver (NaN, too large, bad layout)
     receipts_issued: int = 0
     receipts_invalid: int = 0  # receipts we got that failed verification (dropped)
+    relays_served: int = 0  # averaged parts of other aggregators we served to members that lacked them
+    relays_received: int = 0  # averaged parts we got from a member, not from their departed aggregator
+    relays_refused: int = 0  # relayed parts refused (bad signature, digest, layout or values)
 
 
 class BadAverage(ProjectError):
@@ -277,6 +349,11 @@ class _Part:
     averaged: Float32Array | None = None
     encoded: bytes | memoryview | None = None  # a view of ``averaged`` for codec none
     error: str | None = None
+    # fixed once reduced: what the signed header states (module docstring, "Relayed slices")
+    total_weight: float = 0.0
+    contributors: int = 0
+    digest: bytes = b""
+    signature: bytes = b""
 
 
 @dataclass
@@ -341,6 +418,17 @@ class _Aggregation:
         )
 
 
+@dataclass
+class _Held:
+    """The averaged parts a member received in one round, kept to relay them (module docstring,
+    "Relayed slices"): ``(aggregator index, part index) -> (encoded header, encoded payload)``; the payload
+    is a view of the member's own buffer, never a copy."""
+
+    members: frozenset[PeerId]
+    parts: dict[tuple[int, int], tuple[bytes, memoryview]] = field(default_factory=dict)
+    expires_at: float = math.inf  # set when the local round ends
+
+
 class Averager:
     """Runs all-reduce rounds for this node and serves its aggregator duties (one per host)."""
 
@@ -351,8 +439,10 @@ class Averager:
         self._duties: dict[tuple[bytes, int], _Aggregation] = {}
         self._started: dict[tuple[bytes, int], trio.Event] = {}
         self._early: dict[str, int] = {}  # peer -> its requests waiting for a round to start
+        self._held: dict[tuple[bytes, int], _Held] = {}
         host.bulk_handlers[PUSH] = self._on_push
         host.bulk_handlers[PULL] = self._on_pull
+        host.bulk_handlers[RELAY] = self._on_relay
 
     def statistics(self) -> AveragerStatistics:
         return AveragerStatistics(**vars(self.stats))
@@ -390,6 +480,7 @@ class Averager:
         )
         if duty is not None:
             duty.watch = got.watch
+        held = got.held = self._hold_round(plan, started)
         try:
             if not got.pushes_left:
                 await faults.point("allreduce.after_push")
@@ -413,6 +504,7 @@ class Averager:
             outcome = RoundOutcome.of(slices, failed)
             await trio.to_thread.run_sync(apply_outcome, vector, averaged, outcome, limiter=COMPUTE)
         finally:
+            held.expires_at = trio.current_time() + RELAY_GRACE_TIMEOUTS * got.watch.times.timeout()
             if duty is not None and duty.pulls_left > 0:  # keep serving slower members until the deadline
                 duty.expires_at = started + plan.deadline
             else:
@@ -445,7 +537,19 @@ class Averager:
             ),
             refused=dict(got.refused),
             departed=departed,
+            relayed={plan.members[j].peer_id: n for j, n in sorted(got.relayed.items()) if j in averaged},
         )
+
+    def _hold_round(self, plan: GroupPlan, now: float) -> _Held:
+        """Start keeping this round's received parts for relaying (dropping expired and surplus rounds)."""
+        for key, held in list(self._held.items()):
+            if held.expires_at <= now:
+                del self._held[key]
+        while len(self._held) >= MAX_HELD_ROUNDS:
+            del self._held[next(iter(self._held))]  # the oldest
+        held = _Held(frozenset(m.peer_id for m in plan.members))
+        self._held[(plan.group_id, plan.round)] = held
+        return held
 
     def _completeness(self, plan: GroupPlan, duty: _Aggregation | None, me: int) -> dict[int, Completeness]:
         if duty is None or any(part.error for part in duty.parts):
@@ -503,6 +607,8 @@ class Averager:
     ) -> None:
         local = vector[slice_j.start : slice_j.stop]
         weight = plan.members[me].weight
+        result = np.empty(slice_j.numel if j != me else 0, dtype=np.float32)
+        have: set[int] = set()  # parts of j's slice received and verified
         try:
             if j == me:
                 duty = self._duties[(plan.group_id, plan.round)]
@@ -522,7 +628,6 @@ class Averager:
                 return
             address = plan.members[j].address
             assert address is not None  # checked by GroupPlan
-            result = np.empty(slice_j.numel, dtype=np.float32)
             errors: list[Exception] = []
             watch = got.watch
 
@@ -536,6 +641,7 @@ class Averager:
             async def pull_all() -> None:
                 for k in range(num_parts(slice_j.numel, plan.part_numel)):
                     await self._pull_part(address, plan, me, j, k, slice_j, result, got)
+                    have.add(k)
                     watch.pulled(j)
 
             async def push_all() -> None:
@@ -566,9 +672,20 @@ class Averager:
             got.refused[j] = failed[j] = f"refused its average: {exc}"
             got.receipts.pop(j, None)
         except (*CALL_FAILURES, NothingToAverage, PartRejected, _Stalled) as exc:
-            failed[j] = f"{type(exc).__name__}: {exc}"
+            reason = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, PeerUnavailable | _Stalled):
-                await self._departed(plan, j, failed[j], got)
+                await self._departed(plan, j, reason, got)
+                if j != me and await self._relay_slice(plan, me, j, slice_j, result, have, got):
+                    logger.info(
+                        "round %d: %s left (%s); its slice came through other members (%d parts)",
+                        plan.round,
+                        plan.members[j].peer_id,
+                        reason,
+                        got.relayed.get(j, 0),
+                    )
+                    averaged[j] = result
+                    return
+            failed[j] = reason
 
     async def _departed(self, plan: GroupPlan, j: int, reason: str, got: _Got) -> None:
         """Aggregator ``j`` left the round: remember it, and stop waiting for its parts of our slice."""
@@ -619,9 +736,39 @@ class Averager:
         result: Float32Array,
         got: _Got,
     ) -> None:
+        request = encode_header(PullRequest(group_id=plan.group_id, round=plan.round, part_index=k))
+        header = await self._fetch_part(address, PULL, request, plan, j, k, slice_j, result, got)
+        got.pulled[j] = got.pulled.get(j, 0) + header.nbytes
+        if header.receipt is not None and plan.members[me].weight > 0:
+            try:
+                got.receipts[j] = self._verify_receipt(plan, me, j, got.step, header.receipt)
+            except ProtocolError as exc:
+                self.stats.receipts_invalid += 1
+                logger.warning("round %d: dropping a bad receipt from %s: %s", plan.round, address, exc)
+
+    async def _fetch_part(
+        self,
+        address: PeerAddress,
+        kind: str,
+        request: bytes,
+        plan: GroupPlan,
+        j: int,
+        k: int,
+        slice_j: Slice,
+        result: Float32Array,
+        got: _Got,
+    ) -> AveragedHeader:
+        """Get part ``k`` of aggregator ``j``'s averaged slice from ``address`` (``j`` itself, or a member
+        relaying it) into ``result``, verified as the module docstring says ("Strangers", "Relayed
+        slices"), and keep it for relaying; returns its header.
+
+        Raises:
+            BadAverage: anything that ``j`` could not have produced for this round and part.
+        """
         lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
         raw = bytearray(codec_by_name(plan.codec).encoded_size(hi - lo)) if plan.codec != "none" else None
         target = memoryview(raw) if raw is not None else result[lo:hi].data.cast("B")
+        aggregator = plan.members[j].peer_id
         headers: list[AveragedHeader] = []
 
         def sink(meta: bytes, nbytes: int) -> memoryview:
@@ -635,30 +782,85 @@ class Averager:
                 raise BadAverage(f"averaged part {header.part_index} does not match the request for part {k}")
             if nbytes != target.nbytes:
                 raise BadAverage(f"averaged part of {nbytes} bytes, expected {target.nbytes}")
+            statement = statement_of(header, run_id=self.host.run_id, aggregator=aggregator, step=got.step)
+            if not verify_by_peer_id(aggregator, header.signature, averaged_payload(statement)):
+                raise BadAverage("the aggregator's signature does not cover this part of this round")
             headers.append(header)
             return target
 
-        request = encode_header(PullRequest(group_id=plan.group_id, round=plan.round, part_index=k))
         try:
-            await self.host.send_bulk(address, PULL, b"", request, sink=sink)
+            await self.host.send_bulk(address, kind, b"", request, sink=sink)
         except ProtocolError as exc:  # a reply that broke the wire rules: as bad as a bad average
             raise BadAverage(str(exc)) from exc
+        if not headers:  # cannot happen: a reply without a header is a ProtocolError
+            raise BadAverage("no averaged header")
+        header = headers[0]
         bound = plan.average_bound(hi - lo)
         out = result[lo:hi]
 
         def check() -> None:
+            if part_digest(target) != header.digest:  # before decoding a byte of it
+                raise BadAverage("the payload does not match the digest the aggregator signed")
             if raw is not None:
                 codec_by_name(plan.codec).decode(bytes(raw), hi - lo, out=out)
             _check_average(out, bound)
 
         await trio.to_thread.run_sync(check, limiter=COMPUTE)
-        got.pulled[j] = got.pulled.get(j, 0) + target.nbytes
-        if headers and headers[0].receipt is not None and plan.members[me].weight > 0:
-            try:
-                got.receipts[j] = self._verify_receipt(plan, me, j, got.step, headers[0].receipt)
-            except ProtocolError as exc:
-                self.stats.receipts_invalid += 1
-                logger.warning("round %d: dropping a bad receipt from %s: %s", plan.round, address, exc)
+        if got.held is not None:
+            kept = msgspec.structs.replace(header, receipt=None) if header.receipt is not None else header
+            got.held.parts[(j, k)] = (encode_header(kept), target)
+        return header
+
+    async def _relay_slice(
+        self,
+        plan: GroupPlan,
+        me: int,
+        j: int,
+        slice_j: Slice,
+        result: Float32Array,
+        have: set[int],
+        got: _Got,
+    ) -> bool:
+        """Aggregator ``j`` departed: get the parts of its slice we lack from the other members (module
+        docstring, "Relayed slices"). True when every part is here, verified."""
+        limit = 2 * got.watch.times.timeout()
+        for k in range(num_parts(slice_j.numel, plan.part_numel)):
+            if k in have:
+                continue
+            request = encode_header(
+                RelayRequest(group_id=plan.group_id, round=plan.round, aggregator=j, part_index=k)
+            )
+            for i, member in enumerate(plan.members):
+                if i in (j, me) or member.address is None or member.peer_id in got.not_asked:
+                    continue
+                try:
+                    with trio.fail_after(limit):
+                        await self._fetch_part(
+                            member.address, RELAY, request, plan, j, k, slice_j, result, got
+                        )
+                except BadAverage as exc:
+                    self.stats.relays_refused += 1
+                    got.not_asked.add(member.peer_id)
+                    logger.warning(
+                        "round %d: refused part %d of %s relayed by %s: %s",
+                        plan.round,
+                        k,
+                        plan.members[j].peer_id,
+                        member.peer_id,
+                        exc,
+                    )
+                    continue
+                except CALL_FAILURES as exc:
+                    if not (isinstance(exc, RemoteError) and exc.code == ErrorCode.NOT_FOUND):
+                        got.not_asked.add(member.peer_id)  # unreachable or broken: not again this round
+                    continue
+                self.stats.relays_received += 1
+                got.relayed[j] = got.relayed.get(j, 0) + 1
+                have.add(k)
+                break
+            else:
+                return False  # nobody alive holds part k: the slice fails for us, as for the others
+        return True
 
     def _verify_receipt(
         self, plan: GroupPlan, me: int, j: int, step: int, signed: SignedReceipt
@@ -805,7 +1007,6 @@ class Averager:
         if part.error is not None or part.encoded is None:
             raise RemoteError(ErrorCode.NOT_FOUND, f"part not averaged: {part.error}")
         lo, hi = part.lo, part.hi
-        completeness = part.reducer.completeness()
         meta = encode_header(
             AveragedHeader(
                 group_id=duty.plan.group_id,
@@ -815,12 +1016,15 @@ class Averager:
                 numel=hi - lo,
                 codec=duty.plan.codec,
                 nbytes=len(part.encoded),
-                total_weight=completeness.total_weight,
-                contributors=len(completeness.contributors),
+                total_weight=part.total_weight,
+                contributors=part.contributors,
+                digest=part.digest,
+                signature=part.signature,
                 receipt=duty.receipts.get(ctx.peer_id) if duty.receipts else None,
             )
         )
-        reply = BulkReply(meta, memoryview(part.encoded))
+
+        reply = BulkReply(meta, memoryview(part.encoded), on_sent=_served)
         if (ctx.peer_id, request.part_index) not in duty.served:  # a repeated pull must not end the duty
             duty.served.add((ctx.peer_id, request.part_index))
             duty.pulls_left -= 1
@@ -829,6 +1033,22 @@ class Averager:
             self._duties.pop(key, None)
             self._started.pop(key, None)
         return reply
+
+    async def _on_relay(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        """A member asks for a part of another aggregator's slice that we received (module docstring,
+        "Relayed slices"): answered at once, the part as we got it, or NOT_FOUND."""
+        request = decode_relay_request(header.meta)
+        held = self._held.get((request.group_id, request.round))
+        if held is None or held.expires_at <= trio.current_time():
+            raise RemoteError(ErrorCode.NOT_FOUND, f"no parts of round {request.round} held here")
+        if ctx.peer_id not in held.members:
+            raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
+        entry = held.parts.get((request.aggregator, request.part_index))
+        if entry is None:
+            raise RemoteError(ErrorCode.NOT_FOUND, "part not held")
+        self.stats.relays_served += 1
+        meta, payload = entry
+        return BulkReply(meta, payload)
 
     async def _await_part(self, duty: _Aggregation, part: _Part, puller: PeerId, reader: BulkReader) -> None:
         """Wait until ``part`` is averaged; if ``puller`` closes its connection meanwhile, it has left the
@@ -858,16 +1078,21 @@ class Averager:
         part.finalizing = True
         codec = codec_by_name(duty.plan.codec)
 
-        def reduce() -> tuple[Float32Array, bytes | memoryview]:
+        def reduce() -> tuple[Float32Array, bytes | memoryview, bytes]:
             average = part.reducer.finalize()
             if duty.plan.codec == "none":  # the average itself is the wire format: no copy
-                return average, average.data.cast("B")
+                view = average.data.cast("B")
+                return average, view, part_digest(view)
             encoded = codec.encode(average)
-            return codec.decode(encoded, average.size), encoded  # what every other member will decode
+            # what every other member will decode
+            return codec.decode(encoded, average.size), encoded, part_digest(encoded)
 
         try:
             with trio.CancelScope(shield=True):
-                part.averaged, part.encoded = await trio.to_thread.run_sync(reduce, limiter=COMPUTE)
+                part.averaged, part.encoded, part.digest = await trio.to_thread.run_sync(
+                    reduce, limiter=COMPUTE
+                )
+            self._sign_part(duty, k)
         except NothingToAverage as exc:
             part.error = f"nothing to average: {exc}"
         finally:
@@ -875,6 +1100,30 @@ class Averager:
             if others_done and duty.receipts is None and not any(p.error for p in duty.parts):
                 self._issue_receipts(duty)  # before the last part is served, so its pullers get theirs
             part.done.set()
+
+    def _sign_part(self, duty: _Aggregation, k: int) -> None:
+        """Sign what part ``k`` of our slice is, once, so that any member can relay it (module docstring,
+        "Relayed slices"). A reduced part's senders no longer change (``exclude`` spares it)."""
+        part, plan = duty.parts[k], duty.plan
+        assert part.encoded is not None
+        completeness = part.reducer.completeness()
+        part.total_weight, part.contributors = completeness.total_weight, len(completeness.contributors)
+        statement = AveragedStatement(
+            run_id=self.host.run_id,
+            aggregator=duty.me,
+            step=duty.step,
+            group_id=plan.group_id,
+            round=plan.round,
+            part_index=k,
+            offset=part.lo,
+            numel=part.hi - part.lo,
+            codec=plan.codec,
+            nbytes=len(part.encoded),
+            total_weight=part.total_weight,
+            contributors=part.contributors,
+            digest=part.digest,
+        )
+        part.signature = self.host.endpoint.identity.sign(averaged_payload(statement))
 
     def _issue_receipts(self, duty: _Aggregation) -> None:
         """Sign a receipt for every sender averaged into the whole slice; remember their weights."""
@@ -934,6 +1183,10 @@ class Averager:
             await trio.sleep_until(min([*due.values(), cutoff]))
 
 
+def _served() -> None:
+    faults.hit("allreduce.after_serve")
+
+
 def _part_header(plan: GroupPlan, k: int, lo: int, hi: int, weight: float) -> PartHeader:
     return PartHeader(
         group_id=plan.group_id,
@@ -958,6 +1211,9 @@ class _Got:
     refused: dict[int, str] = field(default_factory=dict)
     departed: dict[PeerId, str] = field(default_factory=dict)
     pushes_left: int = 0  # remote aggregators we have yet to send our whole slice to
+    held: _Held | None = None  # where verified parts are kept for relaying
+    relayed: dict[int, int] = field(default_factory=dict)  # aggregator index -> parts got through relays
+    not_asked: set[PeerId] = field(default_factory=set)  # relays unreachable or caught lying this round
 
 
 def _norm(values: Float32Array) -> float:

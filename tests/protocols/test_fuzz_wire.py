@@ -123,6 +123,7 @@ META_DECODERS: list[Callable[[bytes], object]] = [
     protocols.averaging.decode_part_header,
     protocols.averaging.decode_pull_request,
     protocols.averaging.decode_averaged_header,
+    protocols.averaging.decode_relay_request,
     protocols.receipts.decode_receipt,
     protocols.ledger.decode_capabilities,
 ]

@@ -357,11 +357,17 @@ def test_part_header_decode_rejects_bad_fields(change: dict[str, object]) -> Non
 def test_averaged_header_round_trips_and_validates() -> None:
     h = AveragedHeader(
         group_id=b"g", round=1, part_index=0, offset=0, numel=4097, codec="int8-blockwise", nbytes=4105,
-        total_weight=7.0, contributors=3,
+        total_weight=7.0, contributors=3, digest=b"d" * 32, signature=b"s" * 64,
     )  # fmt: skip
     assert decode_averaged_header(encode_header(h)) == h
     fields = msgspec.structs.asdict(h)
-    for change in ({"total_weight": math.inf}, {"contributors": -1}, {"nbytes": 4104}):
+    for change in (
+        {"total_weight": math.inf},
+        {"contributors": -1},
+        {"nbytes": 4104},
+        {"digest": b"d" * 31},
+        {"signature": b"s" * 63},
+    ):
         with pytest.raises(ProtocolError, match="invalid averaged header"):
             decode_averaged_header(msgspec.msgpack.encode(fields | change))
     with pytest.raises(ProtocolError):
