@@ -83,6 +83,8 @@ SAMPLES: list[Message] = [
     ReachReply(reachable=[ADDR], observed="203.0.113.7"),
 ]
 
+_ENVELOPE = bytes([0x95, PROTOCOL_VERSION])  # msgpack: a 5-field envelope of this version
+
 
 def _body(frame: bytes) -> bytes:
     (length,) = FRAME_HEADER.unpack(frame[: FRAME_HEADER.size])
@@ -246,14 +248,14 @@ _DEEP = b"\x91" * 5000 + b"\xc0"  # 5000 nested one-element arrays: msgspec rais
 
 
 def test_decode_envelope_rejects_deeply_nested_payload() -> None:
-    body = b"\x95\x01\xa8dht.ping\x01\x00" + _DEEP
+    body = _ENVELOPE + b"\xa8dht.ping\x01\x00" + _DEEP
 
     with pytest.raises(ProtocolError, match="malformed envelope: maximum recursion depth"):
         decode_envelope(body)
 
 
 def test_decode_envelope_rejects_invalid_utf8_kind() -> None:
-    body = b"\x95\x01\xa2\xff\xfe\x01\x00\x80"
+    body = _ENVELOPE + b"\xa2\xff\xfe\x01\x00\x80"
 
     with pytest.raises(ProtocolError, match="malformed envelope: 'utf-8' codec"):
         decode_envelope(body)
@@ -261,7 +263,7 @@ def test_decode_envelope_rejects_invalid_utf8_kind() -> None:
 
 def test_decode_message_rejects_invalid_utf8_string_field() -> None:
     payload = b"\x82\xa4code\x01\xa7message\xa2\xff\xfe"
-    envelope = decode_envelope(b"\x95\x01\xa5error\x01\x02" + payload)
+    envelope = decode_envelope(b"\x95" + bytes([PROTOCOL_VERSION]) + b"\xa5error\x01\x02" + payload)
 
     with pytest.raises(ProtocolError, match="malformed error payload: 'utf-8' codec"):
         decode_message(envelope)
@@ -406,6 +408,7 @@ def test_decoders_raise_only_protocol_error_on_plausible_envelopes(body: bytes) 
 def test_decoders_raise_only_protocol_error_on_mutated_valid_bodies(
     sample: Message, edits: list[tuple[int, int]]
 ) -> None:
+
     body = bytearray(_body(encode_frame(sample, 9, Flags.REQUEST)))
     for position, value in edits:
         body[position % len(body)] = value

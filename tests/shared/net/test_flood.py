@@ -58,9 +58,12 @@ BUDGETS = HostConfig(
     idle_timeout=1.0,  # idle bulk lanes (and idle RPC connections) are reaped after this
     dial_deadline=5.0,
 )
+
 FINDING_1 = bytes.fromhex("81a3fffefdc0")
 PER_WAVE = 10
 PATIENT_DHT = DHTConfig(rpc_deadline=30.0)  # the volunteer's RPCs must succeed, however loaded the machine
+
+_ENVELOPE = bytes([0x95, PROTOCOL_VERSION])  # msgpack: a 5-field envelope of this version
 
 
 async def _tcp_from(source_ip: str, target: PeerAddress) -> socket.socket:
@@ -152,7 +155,7 @@ def _garbage_frames() -> list[bytes]:
     wrong_version = msgspec.msgpack.encode(
         Envelope(PROTOCOL_VERSION + 1, "dht.ping", 5, 0, msgspec.Raw(ping))
     )
-    nested = b"\x95\x01\xa8dht.ping\x01\x00" + b"\x91" * 10_000 + b"\xc0"
+    nested = _ENVELOPE + b"\xa8dht.ping\x01\x00" + b"\x91" * 10_000 + b"\xc0"
     return [
         FRAME_HEADER.pack(3) + b"\xc1\xc1\xc1",
         frame_payload(PingRequest.kind, ping, 3, Flags.REQUEST, FINDING_1),

@@ -40,6 +40,8 @@ from .conftest import RUN_ID, StartHost, address_of
 
 HANG_GUARD_S = 10  # only a guard against hangs; no test depends on how long anything takes
 
+_ENVELOPE = bytes([0x95, PROTOCOL_VERSION])  # msgpack: a 5-field envelope of this version
+
 
 @register
 class EchoResponse(Message, frozen=True, kw_only=True):
@@ -306,8 +308,8 @@ def _envelope_body(version: int, kind: str, request_id: int, payload: object) ->
 MALFORMED = [
     pytest.param(b"\xc1\xc1\xc1", ErrorCode.BAD_REQUEST, 0, id="garbage-msgpack"),
     pytest.param(msgspec.msgpack.encode({"not": "an envelope"}), ErrorCode.BAD_REQUEST, 0, id="map"),
-    pytest.param(b"\x95\x01\xa2\xff\xfe\x01\x00\x80", ErrorCode.BAD_REQUEST, 0, id="invalid-utf8-kind"),
-    pytest.param(b"\x95\x01\xa8dht.ping" + b"\x91" * 5000, ErrorCode.BAD_REQUEST, 0, id="deeply-nested"),
+    pytest.param(_ENVELOPE + b"\xa2\xff\xfe\x01\x00\x80", ErrorCode.BAD_REQUEST, 0, id="invalid-utf8-kind"),
+    pytest.param(_ENVELOPE + b"\xa8dht.ping" + b"\x91" * 5000, ErrorCode.BAD_REQUEST, 0, id="deeply-nested"),
     pytest.param(
         _envelope_body(PROTOCOL_VERSION + 1, "dht.ping", 2**40 + 1, {}),
         ErrorCode.WRONG_VERSION,
@@ -519,6 +521,7 @@ async def test_host_reuses_connection_when_address_has_no_peer_id(start_host: St
 async def test_host_concurrent_calls_to_new_peer_share_one_dial(
     start_host: StartHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+
     client, server = await _pair(start_host)
     dials: list[str] = []
 
