@@ -365,7 +365,11 @@ def allow_add(
         fields = {"username": username, "invite": code, "expires_at": expires, "max_uses": max_uses}
         print(msgspec.json.encode({**fields, "run_id": info.run_id, "api": info.api}).decode())
         return
-    uses = "any number of machines" if max_uses is None else f"at most {max_uses} machine(s)"
+    uses = (
+        "any number of machines"
+        if max_uses is None
+        else f"at most {max_uses} machine{'s' if max_uses > 1 else ''}"
+    )
     out.print(f"invite for [bold]{username}[/] ({uses}; shown once; keep it secret):", highlight=False)
     print(code)
     out.print(f"they join with:  volunteer join --invite {code}", highlight=False, soft_wrap=True)

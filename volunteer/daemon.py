@@ -83,7 +83,10 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         authenticator=admission.authenticator,
         data_dir=options.data_dir,  # its saved DHT contacts: a restart re-dials them (shared.dht.contacts)
     ) as node:
-        console.print(f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False)
+        # one line whatever the width: scripts read the peer id from it (scripts/soak.py)
+        console.print(
+            f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False, soft_wrap=True
+        )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)

@@ -40,7 +40,7 @@ def test_allow_add_on_a_fresh_data_dir_makes_the_run_and_says_how_to_start_it(tm
     data_dir = tmp_path / "bb"
     code, output = allow_add(data_dir, "--run-id", "inv", "--public-url", URL, "--max-uses", "1")
     assert code == 0, output
-    assert "at most 1 machine(s)" in output
+    assert "at most 1 machine;" in output
     invite = next(word for word in output.split() if word.startswith("dli1_"))
     pinned = decode_invite(invite)
     assert pinned.run_id.startswith("inv@") and pinned.api == [URL]
