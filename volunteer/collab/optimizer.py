@@ -279,6 +279,10 @@ class CollaborativeOptimizer:
     def ready(self) -> bool:
         return self.mode.ready()
 
+    def budget(self) -> int:
+        """Samples our next micro-batch may hold; 0: our share of the step is done (the step mode's rule)."""
+        return self.mode.budget()
+
     def behind(self) -> bool:
         """Our state is not the collaboration's: a credible peer is ahead, we diverged or are outside
         the surviving collaboration, we see nobody and our state is older than the collaboration last
