@@ -6,7 +6,11 @@ Every ``period`` seconds it reads the peers' progress records and summarizes the
 collaboration is at step ``s`` it remembers the largest sample count and number of peers seen there and
 the samples-weighted loss they report (the loss of the batch that takes ``s`` to ``s + 1``). When the
 collaboration's step moves past ``s``, step ``s + 1`` is recorded with those numbers, if the tracker saw
-anyone working toward it (samples or peers at ``s``).
+anyone working toward it (samples or peers at ``s``) -- except its samples: the members of the round
+that took it publish its exact global batch with their progress, and the value most users claim is
+recorded (:func:`shared.progress.claimed_batch`); the largest estimate seen at ``s`` only when nobody
+claims one (the estimate extrapolates records read while the peers computed: a lone volunteer whose every
+step held exactly the target was recorded at 15 % to 377 % of it).
 
 **Only steps really taken.** Steps jumped over (the backbone was down, or several steps passed within
 one period) get *no* row here: the tracker did not see them, and a placeholder row would make a claimed
@@ -29,7 +33,7 @@ import trio
 
 from protocols.training import Progress, TrainingSpec
 from shared.node import Node
-from shared.progress import summarize
+from shared.progress import claimed_batch, summarize
 from shared.progress_records import read_progress_with_users
 from shared.tolerated import Tolerated
 
@@ -51,13 +55,19 @@ class StepTracker:
     loss: float | None = None
 
     def observe(
-        self, step: int, samples: float, peers: int, loss: float | None
+        self, step: int, samples: float, peers: int, loss: float | None, batch: int | None = None
     ) -> list[tuple[int, float | None, int, int]]:
         """Returns ``(global_step, loss, samples, peers)`` of the step seen taken since the last view
-        (at most one: the one the tracker saw worked toward; steps jumped over are not its to record)."""
+        (at most one: the one the tracker saw worked toward; steps jumped over are not its to record).
+        ``batch`` is the global batch the peers at ``step`` claim for it
+        (:func:`shared.progress.claimed_batch`): the samples recorded when it is the step finished, the
+        largest estimate seen while it was worked toward otherwise."""
         finished: list[tuple[int, float | None, int, int]] = []
         if self.step is not None and step > self.step and (self.samples > 0 or self.peers > 0):
-            finished.append((self.step + 1, self.loss, round(self.samples), self.peers))
+            exact = batch if batch is not None and step == self.step + 1 else None
+            finished.append(
+                (self.step + 1, self.loss, round(self.samples) if exact is None else exact, self.peers)
+            )
         if self.step is None or step != self.step:
             self.step, self.samples, self.peers, self.loss = step, 0.0, 0, None
         self.samples = max(self.samples, samples)
@@ -93,7 +103,9 @@ async def record_steps_forever(
                     users=users,
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
-                for step, loss, samples, count in tracker.observe(view.step, view.samples, peers, view.loss):
+                batch = claimed_batch(records, view.step, spec.target_batch, users)
+                observed = tracker.observe(view.step, view.samples, peers, view.loss, batch)
+                for step, loss, samples, count in observed:
                     record = functools.partial(
                         store.record_step,
                         step,

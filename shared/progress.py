@@ -78,6 +78,13 @@ when another enters follows it unless the rest of its share takes less than half
 round never splits for it); a peer that holds longer than its patience (a member died) goes back to the
 estimate. Samples are weighted in averaging, so a step's batch is exactly the sum of its members'
 weights whatever the split; each peer reports what it really computed.
+
+**What a step's batch was** (:func:`claimed_batch`). Every member of a round knows the step's global
+batch exactly (the plan's weights, which it averaged with) and publishes it with its progress
+(``Progress.batch``); a backbone records the value claimed by the most users at that step (ties: the
+smaller), never an extrapolation of records read while the peers were still computing (which is what
+the ledger showed before: 38 % to 377 % of the target for a lone volunteer whose every step held exactly
+the target).
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ __all__ = [
     "MAX_SAMPLES_FACTOR",
     "MAX_SAMPLES_PER_SECOND",
     "CollabView",
+    "claimed_batch",
     "held_for",
     "micro_batch_budget",
     "plausible",
@@ -311,3 +319,21 @@ def micro_batch_budget(samples: int, limit: int, local_batch: int) -> int:
     """How many samples our next micro-batch may hold: ``local_batch``, cut to what is left of ``limit``
     (our quota, or the target batch); 0 means stop and wait for the round."""
     return max(0, min(local_batch, limit - samples))
+
+
+def claimed_batch(
+    records: Mapping[str, Progress], step: int, target_batch: int, users: Mapping[str, str] | None = None
+) -> int | None:
+    """The global batch of ``step`` as its peers claim it (module docstring, "What a step's batch was"):
+    the value the most users claim among plausible-sized claims (ties: the smaller), None if nobody at
+    ``step`` claims one. One user's peers count once per value."""
+    user_of = users or {}
+    claims = {
+        (p.batch, user_of.get(peer, peer))
+        for peer, p in records.items()
+        if p.step == step and not p.syncing and 0 < p.batch <= MAX_SAMPLES_FACTOR * target_batch
+    }
+    votes = Counter(batch for batch, _ in claims)
+    if not votes:
+        return None
+    return min(votes, key=lambda batch: (-votes[batch], batch))

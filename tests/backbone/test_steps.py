@@ -34,3 +34,14 @@ def test_rows_are_increasing_one_per_view_and_never_placeholders(steps: list[int
         assert all(n > last for n in numbers)
         if numbers:
             last = numbers[-1]
+
+
+def test_a_finished_step_is_recorded_with_the_batch_its_members_claim_not_an_extrapolation() -> None:
+    """Issue 11: a lone volunteer's steps each held exactly the target (128), yet the ledger showed 15 % to
+    377 % of it: the tracker recorded the largest extrapolated estimate it had read at the step before."""
+    tracker = StepTracker()
+    tracker.observe(3, 10.0, 1, 5.0)
+    tracker.observe(3, 483.0, 1, 5.0)  # extrapolated from a record read while the peer computed
+    assert tracker.observe(4, 0.0, 1, None, batch=128) == [(4, 5.0, 128, 1)]
+    tracker.observe(4, 20.0, 1, None)
+    assert tracker.observe(6, 0.0, 1, None, batch=128) == [(5, None, 20, 1)]  # the claim is step 6's

@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.training import Progress
-from shared.progress import MAX_SAMPLES_FACTOR, held_for, micro_batch_budget, quotas, summarize
+from shared.progress import (
+    MAX_SAMPLES_FACTOR,
+    claimed_batch,
+    held_for,
+    micro_batch_budget,
+    quotas,
+    summarize,
+)
 
 NOW = 1_000_000.0
 TARGET = 100
@@ -209,3 +216,20 @@ def test_a_micro_batch_never_carries_us_past_our_share(samples: int, limit: int,
     assert samples + budget <= max(limit, samples)
     if samples < limit:
         assert budget == min(local_batch, limit - samples)  # a share is filled exactly, not undershot
+
+
+def test_the_batch_of_a_step_is_what_most_users_at_it_claim() -> None:
+    users = {"a1": "alice", "a2": "alice", "a3": "alice", "b": "bob", "c": "carol"}
+    records = {
+        "a1": progress(5, batch=999),  # one user's many peers vote once
+        "a2": progress(5, batch=999),
+        "a3": progress(5, batch=999),
+        "b": progress(5, batch=128),
+        "c": progress(5, batch=128),
+        "late": progress(4, batch=77),  # another step's claim
+        "greedy": progress(5, batch=MAX_SAMPLES_FACTOR * TARGET + 1),  # more than any honest group holds
+    }
+    assert claimed_batch(records, 5, TARGET, users) == 128
+    assert claimed_batch(records, 4, TARGET, users) == 77
+    assert claimed_batch({"x": progress(5, batch=0)}, 5, TARGET) is None  # a loaded state claims nothing
+    assert claimed_batch({"x": progress(5, batch=90), "y": progress(5, batch=80)}, 5, TARGET) == 80  # tie

@@ -214,6 +214,7 @@ class CollaborativeOptimizer:
             syncing=peer.syncing,
             client_mode=self.client_mode,
             left=peer.left,
+            batch=peer.batch[1] if peer.batch[0] == self.trainer.step else 0,
         )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -90,6 +90,7 @@ class StepRecord:
     seconds: float  # averaging time
     finished_at: float
     fingerprint: bytes  # of the parameters after the step (identical on every peer of the round)
+    batch: int = 0  # the step's global batch: the group's total weight (ours alone for a lone step)
 
 
 @dataclass
@@ -278,8 +279,9 @@ class BatchStep:
                 self.board.publish_soon()
                 outcome = await self._average(step, attempt, taken)
                 if outcome is not None:
-                    vector, peers, aggregated = outcome
-                    await self._apply(step, taken, vector, peers, aggregated, trio.current_time() - started)
+                    vector, peers, aggregated, batch = outcome
+                    seconds = trio.current_time() - started
+                    await self._apply(step, taken, vector, peers, aggregated, batch, seconds)
                     return True
                 await run_torch(self.trainer.restore_gradients, taken)
                 taken = None
@@ -296,8 +298,9 @@ class BatchStep:
 
     async def _average(
         self, step: int, attempt: int, taken: Accumulated
-    ) -> tuple[np.ndarray, int, int] | None:
-        """One averaging attempt: (mean gradient, members, bytes we aggregated), or None if it failed."""
+    ) -> tuple[np.ndarray, int, int, int] | None:
+        """One averaging attempt: (mean gradient, members, bytes we aggregated, the step's global batch),
+        or None if it failed."""
         view = await self.board.try_refresh()
         if (view is None or view.peers <= 1) and taken.samples > 0:
             # nobody else in the run: no group to find, no window to wait -- if we have evidence of it
@@ -365,9 +368,10 @@ class BatchStep:
         # the LP's predicted time against what the round took: the next rounds' deadlines adapt
         self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
-        return vector, len(plan.members), share * 4 * senders
+        batch = round(sum(m.weight for m in plan.members))  # the weights averaged: the step's batch
+        return vector, len(plan.members), share * 4 * senders, batch
 
-    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int] | None:
+    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int, int] | None:
         """Our own mean gradient as the step's, when the evidence says we are alone (no lone forks:
         :mod:`shared.alone`); otherwise None after a short wait (the round is retried)."""
         if self.lone is not None:
@@ -377,11 +381,19 @@ class BatchStep:
                 logger.info("step %d: not stepping alone: %s", step + 1, verdict.why)
                 await trio.sleep(LONE_RETRY)
                 return None
-        return taken.mean(), 1, 0
+        return taken.mean(), 1, 0, taken.samples
 
     async def _apply(
-        self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float
+        self,
+        step: int,
+        taken: Accumulated,
+        vector: np.ndarray,
+        peers: int,
+        aggregated: int,
+        batch: int,
+        seconds: float,
     ) -> None:
+        self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)
         new_step = await run_torch(self.trainer.apply, vector)
         await faults.point("step.after_apply")  # stepped, nothing reported or published yet
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
@@ -410,6 +422,7 @@ class BatchStep:
                     seconds,
                     time.time(),
                     self.peer.fingerprint,
+                    batch,
                 )
             )
         if self.after_step is not None:
