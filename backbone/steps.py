@@ -9,7 +9,9 @@ collaboration's step moves past ``s``, step ``s + 1`` is recorded with those num
 anyone working toward it (samples or peers at ``s``) -- except its samples: the members of the round
 that took it publish its exact global batch with their progress, and the value most users claim is
 recorded (:func:`shared.progress.claimed_batch`); the largest estimate seen at ``s`` only when nobody
-claims one (the estimate extrapolates records read while the peers computed: a lone volunteer whose every
+claims one or the view moved more than one step (the claims then are a later step's: a lone volunteer
+taking several steps per period gets estimates for the steps it is seen at; the estimate extrapolates
+records read while the peers computed: a lone volunteer whose every
 step held exactly the target was recorded at 15 % to 377 % of it).
 
 **Only steps really taken.** Steps jumped over (the backbone was down, or several steps passed within
