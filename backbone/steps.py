@@ -8,11 +8,16 @@ the samples-weighted loss they report (the loss of the batch that takes ``s`` to
 collaboration's step moves past ``s``, step ``s + 1`` is recorded with those numbers, if the tracker saw
 samples accumulated toward it.
 
-**Samples are what the records say, not extrapolated** (:func:`observed_samples`). A newcomer's view
-adds each record's throughput times its age (up to 3 s) to guess when the batch is full; for the ledger
-that guess is not the step's batch (issue 11: steps of one volunteer at a target of 48 were recorded
-with 192 samples, the 4x ceiling, and with no loss). A step seen only with 0 samples gets no row: the
-tracker did not see it worked on (receipts may still evidence it, below).
+**Samples: the batch its members claim, else what the records say.** The members of the round that
+took a step publish its exact global batch with their progress, and the value most users claim is
+recorded (:func:`shared.progress.claimed_batch`). When nobody claims one, or the view moved more than one
+step (the claims then are a later step's: a lone volunteer taking several steps per period), the
+tracker records the largest sample count the records themselves say (:func:`observed_samples`), never
+their extrapolation: a newcomer's view adds each record's throughput times its age (up to 3 s) to guess
+when the batch is full, and for the ledger that guess is not the step's batch (issue 11: steps of one
+volunteer at a target of 48 were recorded with 192 samples, the 4x ceiling, and with no loss). A step
+seen only with 0 samples and claimed by nobody gets no row: the tracker did not see it worked on
+(receipts may still evidence it, below).
 
 **Logs.** Each recorded step is logged at DEBUG; at INFO a progress line every
 :data:`PROGRESS_EVERY_STEPS` steps or :data:`PROGRESS_EVERY_S` seconds (steps, loss, median batch
@@ -41,7 +46,7 @@ import trio
 
 from protocols.training import Progress, TrainingSpec
 from shared.node import Node
-from shared.progress import MAX_SAMPLES_FACTOR, plausible, summarize
+from shared.progress import MAX_SAMPLES_FACTOR, claimed_batch, plausible, summarize
 from shared.progress_records import read_progress_with_users
 from shared.tolerated import Tolerated
 
@@ -86,14 +91,19 @@ class StepTracker:
     loss: float | None = None
 
     def observe(
-        self, step: int, samples: float, peers: int, loss: float | None
+        self, step: int, samples: float, peers: int, loss: float | None, batch: int | None = None
     ) -> list[tuple[int, float | None, int, int]]:
         """Returns ``(global_step, loss, samples, peers)`` of the step seen taken since the last view
-        (at most one: the one the tracker saw worked toward, with samples; steps jumped over are not its
-        to record)."""
+        (at most one: the one the tracker saw worked toward; steps jumped over are not its to record).
+        ``batch`` is the global batch the peers at ``step`` claim for it
+        (:func:`shared.progress.claimed_batch`): the samples recorded when it is the step finished, the
+        largest sample count the records said while it was worked toward otherwise."""
         finished: list[tuple[int, float | None, int, int]] = []
-        if self.step is not None and step > self.step and round(self.samples) > 0:
-            finished.append((self.step + 1, self.loss, round(self.samples), max(1, self.peers)))
+        if self.step is not None and step > self.step:
+            exact = batch if batch is not None and batch > 0 and step == self.step + 1 else None
+            if exact is not None or round(self.samples) > 0:
+                taken = round(self.samples) if exact is None else exact
+                finished.append((self.step + 1, self.loss, taken, max(1, self.peers)))
         if self.step is None or step != self.step:
             self.step, self.samples, self.peers, self.loss = step, 0.0, 0, None
         self.samples = max(self.samples, samples)
@@ -189,7 +199,9 @@ async def record_steps_forever(
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
                 samples_seen = observed_samples(records, view.step, now, spec.target_batch)
-                for step, loss, samples, count in tracker.observe(view.step, samples_seen, peers, view.loss):
+                batch = claimed_batch(records, view.step, spec.target_batch, users)
+                observed = tracker.observe(view.step, samples_seen, peers, view.loss, batch)
+                for step, loss, samples, count in observed:
                     record = functools.partial(
                         store.record_step,
                         step,

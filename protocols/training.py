@@ -192,6 +192,9 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
     syncing: bool = False  # it is downloading the state (peers at the collaboration's step announce theirs)
     client_mode: bool = False
     left: bool = False  # its last word: it left the run (peers stop counting it at once)
+    #: the global batch of the step that took it to ``step``: its group's total weight (its own samples for
+    #: a lone step); 0 if unknown (a loaded state, step 0). What the backbones record as the step's samples.
+    batch: Samples = 0
 
     def __post_init__(self) -> None:
         _finite("time", self.time)

@@ -52,6 +52,39 @@ that see a credible peer flagged ``syncing`` hold their round (before anyone ent
 has loaded the state, for at most ``grace`` seconds per *user* (its peer ids together) in any ``window``
 seconds: a user that flips its flag forever can slow the run by at most ``grace / window`` of its time,
 never stall it.
+
+**Batch accounting: who stops when** (:func:`quotas`, :func:`micro_batch_budget`; issue 11). The run's
+global batch is fixed: a step should average ``target_batch`` samples, not the target plus whatever the
+peers computed while they learned that it was reached. Measured on loopback (tiny-mlm, target 128, three
+volunteers on two cores) steps held a median of 1.44x the target (p90 2.1x): a peer reads the others'
+records every few hundred milliseconds through the DHT, the records are up to ``publish_period`` old, a
+whole step's compute lasts about as long, and each peer kept computing until it saw the target reached --
+so every peer added what it computed during that lag (peers speed up as the first one stops, too).
+
+The rule: **a peer stops adding samples to the current step once its share is done, and waits for the
+round** -- it never computes ahead for the next step without DPU, since the parameters change at the step
+(a gradient on the old parameters would be one step stale, which only DPU accepts). Its share is known
+without any message: every member of round ``s`` adopted the same plan from the same signed tickets, so
+each computes the same :func:`quotas` of ``target_batch`` for step ``s + 1``, proportional to the
+members' measured throughput (``JoinTicket.samples_per_second``), summing to exactly ``target_batch``
+(largest remainder). A member fills its quota exactly: its last micro-batch is cut to what is left
+(:func:`micro_batch_budget`; the examples cut off are the next micro-batch's), then it holds until the
+collaboration's estimate reaches the target or another peer entered the round, and enters. Waiting is
+what a share done early costs; the shares follow measured throughput, so the peers finish together.
+
+What keeps it safe: a peer without a quota (the first step, a newcomer, a lone volunteer) follows the
+collaboration's estimate as before, never exceeding ``target_batch`` alone; a peer whose share is not done
+when another enters follows it unless the rest of its share takes less than half a matchmaking window (a
+round never splits for it); a peer that holds longer than its patience (a member died) goes back to the
+estimate. Samples are weighted in averaging, so a step's batch is exactly the sum of its members'
+weights whatever the split; each peer reports what it really computed.
+
+**What a step's batch was** (:func:`claimed_batch`). Every member of a round knows the step's global
+batch exactly (the plan's weights, which it averaged with) and publishes it with its progress
+(``Progress.batch``); a backbone records the value claimed by the most users at that step (ties: the
+smaller), never an extrapolation of records read while the peers were still computing (which is what
+the ledger showed before: 38 % to 377 % of the target for a lone volunteer whose every step held exactly
+the target).
 """
 
 from __future__ import annotations
@@ -71,8 +104,11 @@ __all__ = [
     "MAX_SAMPLES_FACTOR",
     "MAX_SAMPLES_PER_SECOND",
     "CollabView",
+    "claimed_batch",
     "held_for",
+    "micro_batch_budget",
     "plausible",
+    "quotas",
     "summarize",
 ]
 
@@ -256,3 +292,48 @@ def _diverged(everyone: Mapping[str, Progress], mine: Progress, user: Callable[[
         return False
     best = max(votes.items(), key=lambda item: (item[1], [-b for b in item[0]]))[0]
     return best != mine.params
+
+
+def quotas(rates: Mapping[str, float], target: int) -> dict[str, int]:
+    """Each member's share of ``target`` samples, proportional to its rate (module docstring, "Batch
+    accounting"): non-negative integers summing to exactly ``target``; members of rate 0 get nothing
+    unless every rate is 0 (then equal shares). Deterministic: the same ``rates`` give the same shares on
+    every peer (largest remainder, ties to the smaller peer id)."""
+    if not rates or target <= 0:
+        return dict.fromkeys(rates, 0)
+    members = sorted(rates)
+    weights = [r if math.isfinite(r) and r > 0 else 0.0 for r in (rates[m] for m in members)]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(members)
+    total = sum(weights)
+    exact = [w / total * target for w in weights]
+    shares = [math.floor(x) for x in exact]
+    left = target - sum(shares)
+    by_remainder = sorted(range(len(members)), key=lambda i: (-(exact[i] - shares[i]), members[i]))
+    for i in by_remainder[: max(0, left)]:
+        shares[i] += 1
+    return dict(zip(members, shares, strict=True))
+
+
+def micro_batch_budget(samples: int, limit: int, local_batch: int) -> int:
+    """How many samples our next micro-batch may hold: ``local_batch``, cut to what is left of ``limit``
+    (our quota, or the target batch); 0 means stop and wait for the round."""
+    return max(0, min(local_batch, limit - samples))
+
+
+def claimed_batch(
+    records: Mapping[str, Progress], step: int, target_batch: int, users: Mapping[str, str] | None = None
+) -> int | None:
+    """The global batch of ``step`` as its peers claim it (module docstring, "What a step's batch was"):
+    the value the most users claim among plausible-sized claims (ties: the smaller), None if nobody at
+    ``step`` claims one. One user's peers count once per value."""
+    user_of = users or {}
+    claims = {
+        (p.batch, user_of.get(peer, peer))
+        for peer, p in records.items()
+        if p.step == step and not p.syncing and 0 < p.batch <= MAX_SAMPLES_FACTOR * target_batch
+    }
+    votes = Counter(batch for batch, _ in claims)
+    if not votes:
+        return None
+    return min(votes, key=lambda batch: (-votes[batch], batch))

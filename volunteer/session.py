@@ -239,7 +239,8 @@ class TrainingSession:
             "step": record.step,
             "fingerprint": record.fingerprint.hex(),
             "loss": record.loss,
-            "samples": record.samples,
+            "samples": record.samples,  # ours
+            "batch": record.batch,  # the step's global batch (every member's samples)
             "peers": record.peers,
             "averaging_s": round(record.seconds, 4),
             "time": record.finished_at,

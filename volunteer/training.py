@@ -5,8 +5,11 @@
 * behind or diverged → download the collaboration's state (:meth:`CollaborativeOptimizer.sync_state`);
 * the collaboration reached the target batch → average and step (in the background with delayed
   parameter updates, so the next micro-batches overlap the averaging);
+* our share of the step is done (:meth:`CollaborativeOptimizer.budget` is 0) → wait for the round, adding
+  nothing (shared.progress, "Batch accounting");
 * otherwise → one micro-batch from the prefetcher (the data pipeline runs in its own thread; the trio
-  loop never waits on it except through a worker thread).
+  loop never waits on it except through a worker thread), cut to the budget: the examples cut off open
+  the next micro-batch.
 
 A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its own deadline; then the loop
 returns and the daemon reports and leaves.
@@ -20,6 +23,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import trio
 
 from shared.errors import StateUnavailable
@@ -27,7 +31,7 @@ from shared.errors import StateUnavailable
 from .collab.optimizer import CollaborativeOptimizer
 from .reporting import Reporter as Reporter
 
-__all__ = ["Reporter", "train_until_stopped"]
+__all__ = ["Reporter", "split_batch", "train_until_stopped"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ async def train_until_stopped(
 ) -> str:
     """Run the loop of the module docstring; returns why it stopped."""
     await collab.resume_if_behind()
+    held_over: dict[str, Any] | None = None  # the examples a cut micro-batch left for the next one
     async with trio.open_nursery() as background:
         while not stop.is_set():
             if collab.finished():
@@ -66,14 +71,37 @@ async def train_until_stopped(
             elif collab.trainer.samples >= collab.spec.target_batch and collab.holding():
                 await trio.sleep(0.05)  # our share is done; more would exceed what peers find plausible
                 continue
-            batch = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
+            budget = collab.budget()
+            if budget <= 0:
+                await trio.sleep(0.02)  # our share is done: the next samples would only overshoot the batch
+                continue
+            batch, held_over = held_over, None
+            if batch is None:
+                batch = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
             if batch is None:
                 collab.stats.waiting = "waiting for the first examples"
                 await trio.sleep(0.05)
                 continue
             collab.stats.waiting = None
+            batch, held_over = split_batch(batch, budget)
             await collab.accumulate(batch)
     return "stopped"
+
+
+def split_batch(batch: dict[str, Any], size: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The first ``size`` samples of a collated micro-batch and the rest (None if nothing is left).
+    Tensors are batch-first; a value that is not (a scalar, a tensor of another length) goes to both."""
+    lengths = {len(v) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(lengths) != 1 or size >= (n := lengths.pop()):
+        return batch, None
+
+    def part(value: Any, piece: slice) -> Any:
+        sliced = isinstance(value, torch.Tensor) and value.dim() > 0 and len(value) == n
+        return value[piece] if sliced else value
+
+    return {k: part(v, slice(0, size)) for k, v in batch.items()}, {
+        k: part(v, slice(size, None)) for k, v in batch.items()
+    }
 
 
 def batches(

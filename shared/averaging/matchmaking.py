@@ -109,6 +109,9 @@ class Matchmaker:
     config: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     observed_ratios: list[float] = field(default_factory=list)  # measured / predicted round times
     plans_refused: int = 0
+    #: the members of the last plan we adopted and the throughput their signed tickets claim (identical on
+    #: every member: the next step's shares of the target batch, shared.progress.quotas); empty if unknown
+    last_rates: dict[str, float] = field(default_factory=dict)
 
     def record_round(self, predicted: float, measured: float) -> None:
         """Feed a finished round's timing back into the deadlines of the next ones."""
@@ -150,6 +153,12 @@ class Matchmaker:
         if me not in [m.peer_id for m in assembly.members]:
             logger.info("round %d: the leader's plan leaves us out; sitting this round out", round_)
             return None
+        known = {m.peer_id: tickets[PeerId(m.peer_id)] for m in assembly.members if m.peer_id in tickets}
+        self.last_rates = (
+            {peer: t.samples_per_second for peer, t in known.items()}
+            if len(known) == len(assembly.members)
+            else {}
+        )
         return _to_plan(assembly, self.config.averaging)
 
     async def _formed(self, key: str, me: PeerId) -> bool:

@@ -96,3 +96,14 @@ def test_run_finished_is_said_once_even_when_the_last_step_was_not_recorded(
         log.reached(10, NOW + 2)
     finished = [r.getMessage() for r in caplog.records if "run finished" in r.getMessage()]
     assert finished == ["run finished: global step 10 reached the run's max_steps (10)"]
+
+
+def test_a_finished_step_is_recorded_with_the_batch_its_members_claim_not_an_extrapolation() -> None:
+    """Issue 11: a lone volunteer's steps each held exactly the target (128), yet the ledger showed 15 % to
+    377 % of it: the tracker recorded the largest extrapolated estimate it had read at the step before."""
+    tracker = StepTracker()
+    tracker.observe(3, 10.0, 1, 5.0)
+    tracker.observe(3, 483.0, 1, 5.0)  # extrapolated from a record read while the peer computed
+    assert tracker.observe(4, 0.0, 1, None, batch=128) == [(4, 5.0, 128, 1)]
+    tracker.observe(4, 20.0, 1, None)
+    assert tracker.observe(6, 0.0, 1, None, batch=128) == [(5, None, 20, 1)]  # the claim is step 6's

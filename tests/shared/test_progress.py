@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.training import Progress
-from shared.progress import MAX_SAMPLES_FACTOR, held_for, summarize
+from shared.progress import (
+    MAX_SAMPLES_FACTOR,
+    claimed_batch,
+    held_for,
+    micro_batch_budget,
+    quotas,
+    summarize,
+)
 
 NOW = 1_000_000.0
 TARGET = 100
@@ -170,3 +177,59 @@ def test_a_peer_holds_rounds_at_most_its_grace_per_window(
         assert len(since) <= 3
     for windows in starts.values():  # windows of holding start at least ``window`` apart
         assert all(b - a >= window for a, b in itertools.pairwise(windows))
+
+
+# ---------------------------------------------------------------------------------- batch accounting
+
+rates = st.dictionaries(
+    st.text(alphabet="abcdefgh", min_size=1, max_size=4),
+    st.one_of(st.just(0.0), st.floats(min_value=1e-3, max_value=1e6)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(rates, st.integers(min_value=0, max_value=100_000))
+def test_quotas_split_the_target_batch_exactly_in_proportion_to_throughput(
+    given_rates: dict[str, float], target: int
+) -> None:
+    shares = quotas(given_rates, target)
+    assert set(shares) == set(given_rates)
+    assert all(q >= 0 for q in shares.values())
+    assert sum(shares.values()) == target  # the step's batch: exactly the target, never more
+    total = sum(given_rates.values())
+    for peer, rate in given_rates.items():
+        exact = rate / total * target if total > 0 else target / len(given_rates)
+        assert abs(shares[peer] - exact) < 1 + 1e-6  # largest remainder: within one sample
+    assert quotas(dict(reversed(list(given_rates.items()))), target) == shares  # same on every member
+
+
+def test_quotas_give_peers_that_do_not_compute_nothing() -> None:
+    assert quotas({"gpu": 300.0, "cpu": 0.0, "other": 100.0}, 128) == {"gpu": 96, "cpu": 0, "other": 32}
+    assert quotas({"a": 0.0, "b": 0.0}, 5) == {"a": 3, "b": 2}  # nobody measured yet: equal shares
+
+
+@given(st.integers(0, 1000), st.integers(0, 1000), st.integers(1, 64))
+def test_a_micro_batch_never_carries_us_past_our_share(samples: int, limit: int, local_batch: int) -> None:
+    budget = micro_batch_budget(samples, limit, local_batch)
+    assert 0 <= budget <= local_batch
+    assert samples + budget <= max(limit, samples)
+    if samples < limit:
+        assert budget == min(local_batch, limit - samples)  # a share is filled exactly, not undershot
+
+
+def test_the_batch_of_a_step_is_what_most_users_at_it_claim() -> None:
+    users = {"a1": "alice", "a2": "alice", "a3": "alice", "b": "bob", "c": "carol"}
+    records = {
+        "a1": progress(5, batch=999),  # one user's many peers vote once
+        "a2": progress(5, batch=999),
+        "a3": progress(5, batch=999),
+        "b": progress(5, batch=128),
+        "c": progress(5, batch=128),
+        "late": progress(4, batch=77),  # another step's claim
+        "greedy": progress(5, batch=MAX_SAMPLES_FACTOR * TARGET + 1),  # more than any honest group holds
+    }
+    assert claimed_batch(records, 5, TARGET, users) == 128
+    assert claimed_batch(records, 4, TARGET, users) == 77
+    assert claimed_batch({"x": progress(5, batch=0)}, 5, TARGET) is None  # a loaded state claims nothing
+    assert claimed_batch({"x": progress(5, batch=90), "y": progress(5, batch=80)}, 5, TARGET) == 80  # tie

@@ -329,3 +329,39 @@ async def test_tiny_mlm_with_delayed_parameter_updates_keeps_the_loss_within_one
     for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
         assert abs(got - want) <= 0.01 * want, (step, got, want)
     assert losses != expected  # the updates really were delayed (one step of staleness)
+
+
+async def test_steps_of_three_peers_hold_the_target_batch_not_what_they_computed_meanwhile(
+    nursery: trio.Nursery,
+) -> None:
+    """Issue 11: steps held 1.1-2x the target batch, each peer adding what it computed while it learned
+    that the target was reached. With shares of the step (shared.progress.quotas), a step's batch is
+    the target once every peer has one (from the first round on)."""
+    from volunteer.training import batches, train_until_stopped
+
+    training = msgspec.structs.replace(spec(48), local_batch=8)
+    nodes = await start_nodes(nursery, 3)
+    peers = [await start_collab(nursery, node, training) for node in nodes]
+    taken: dict[int, list[int]] = {}
+    for peer in peers:
+        peer.on_step = lambda record: taken.setdefault(record.step, []).append(record.samples)
+    await see_each_other(peers)
+    task, stop, steps = LinearTask(), trio.Event(), 5
+
+    async def train(peer: CollaborativeOptimizer, seed: int) -> None:
+        stream = batches(task.collate, iter(examples(seed, 100_000)), training.local_batch)
+        async with trio.open_nursery() as own:
+            own.start_soon(train_until_stopped, peer, lambda: next(stream), stop)
+            while peer.trainer.step < steps:
+                await trio.sleep(0.05)
+            own.cancel_scope.cancel()
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as group:
+            for i, peer in enumerate(peers):
+                group.start_soon(train, peer, 10 + i)
+    # steps 2..: the members had their shares from the round before (step 1 is the estimate's alone)
+    totals = [sum(samples) for step, samples in sorted(taken.items()) if step >= 2 and len(samples) >= 2]
+    assert len(totals) >= 3, taken
+    assert sorted(totals)[len(totals) // 2] <= 1.1 * training.target_batch, taken
+    assert min(totals) >= training.target_batch // 2, taken  # no step starved by the shares either

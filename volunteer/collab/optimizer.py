@@ -213,6 +213,7 @@ class CollaborativeOptimizer:
             syncing=peer.syncing,
             client_mode=self.client_mode,
             left=peer.left,
+            batch=peer.batch[1] if peer.batch[0] == self.trainer.step else 0,
         )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -277,6 +278,10 @@ class CollaborativeOptimizer:
 
     def ready(self) -> bool:
         return self.mode.ready()
+
+    def budget(self) -> int:
+        """Samples our next micro-batch may hold; 0: our share of the step is done (the step mode's rule)."""
+        return self.mode.budget()
 
     def behind(self) -> bool:
         """Our state is not the collaboration's: a credible peer is ahead, we diverged or are outside

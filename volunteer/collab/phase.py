@@ -61,6 +61,8 @@ class PeerState:
     loss: float | None = None  # smoothed loss of our recent micro-batches
     round_step: int = -1  # while AVERAGING: the step whose round we are in
     round_samples: int = 0  # ... and our weight in it
+    #: (step, its global batch) of the last step we took: published while our step is that one
+    batch: tuple[int, int] = (0, 0)
     #: the last step at which our state was known to be the collaboration's (downloaded it, or a view
     #: showed another user at our step with our fingerprint); steps after it are ours alone until then
     agreed_step: int = 0

@@ -26,6 +26,16 @@ protocol beside :class:`BatchStep`; they read the view from the progress board a
    and our state is not older than the collaboration last showed us. Without it we wait and retry: a
    volunteer that joined through half of a split DHT never forks the run.
 
+**Our share** (:meth:`BatchStep.budget`, :meth:`BatchStep.ready`; the rule and its reasons are in
+:mod:`shared.progress`, "Batch accounting"). A step's batch is the target batch, not more: after a round,
+each member knows its share of the next step (:func:`shared.progress.quotas` of the plan's members'
+ticket throughputs -- the same numbers on every member, summing to the target); it computes exactly that
+(the last micro-batch cut to fit), then adds nothing more and waits until the collaboration's estimate
+reaches the target or another peer entered the round. A peer whose share is not done when another
+enters follows at once unless the rest takes less than half a matchmaking window. Without a share (the
+first step, a newcomer, alone) the collaboration's estimate rules as before; one who holds longer than
+``hold_patience`` (a member died) goes back to it.
+
 **Holding a round** (:meth:`BatchStep.holding`): peers at the collaboration's step hold their round for
 a peer downloading the state of that step (:func:`shared.progress.held_for`, per user, bounded).
 """
@@ -52,7 +62,7 @@ from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.errors import ProjectError
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
-from shared.progress import MAX_EXTRAPOLATION, held_for
+from shared.progress import MAX_EXTRAPOLATION, CollabView, held_for, micro_batch_budget, quotas
 from shared.tolerated import Tolerated
 
 from ..receipts import ReceiptBook
@@ -80,6 +90,7 @@ class StepRecord:
     seconds: float  # averaging time
     finished_at: float
     fingerprint: bytes  # of the parameters after the step (identical on every peer of the round)
+    batch: int = 0  # the step's global batch: the group's total weight (ours alone for a lone step)
 
 
 @dataclass
@@ -101,6 +112,9 @@ class StepMode(Protocol):
     def holding(self) -> bool:
         """Our share is done but we hold back for peers catching up."""
 
+    def budget(self) -> int:
+        """How many samples our next micro-batch may hold (0: add nothing to this step, wait)."""
+
     async def average_and_step(self, taken: Accumulated | None = None) -> bool:
         """Take one step with the others; False if none was taken (the samples stay ours)."""
 
@@ -119,6 +133,7 @@ class BatchStep:
     local_sps: Callable[[], float]  # our measured samples/s (training rate; falls back to the warm-up's)
     matchmaking_window: float = 1.0
     max_attempts: int = 3  # averaging attempts of one step before giving the samples back
+    hold_patience: float = 3.0  # seconds we hold at our share before going back to the estimate
     poll_period: float = 0.3
     sync_grace: float = 10.0  # hold our round at most this long per user downloading the state ...
     sync_grace_window: float = 60.0  # ... in any window this long (shared.progress.held_for)
@@ -149,6 +164,8 @@ class BatchStep:
             ),
         )
         self._held_since: dict[str, float] = {}  # users we held a round for (shared.progress.held_for)
+        self._quota: tuple[int, int] | None = None  # (step, our share of the samples toward step + 1)
+        self._done_at: float | None = None  # when our share of this step was done (time.monotonic())
 
     # ------------------------------------------------------------------ when
 
@@ -171,7 +188,8 @@ class BatchStep:
         return bool(held)
 
     def ready(self) -> bool:
-        """The collaboration reached the target batch at our step (or its other peers started averaging)."""
+        """Enter the round now: our share of the step is done and the collaboration reached the target
+        batch at our step, or its other peers started averaging (module docstring, "Our share")."""
         if self.peer.phase is not Phase.TRAINING or self.holding():
             return False
         if self.trainer.samples >= self.spec.target_batch:
@@ -179,15 +197,60 @@ class BatchStep:
         view = self.board.view
         if view is None or view.step != self.trainer.step:
             return False
+        quota = self._quota_now(view)
+        if quota is not None:
+            return self._quota_ready(view, quota)
         if view.ready:
             return True
-        # Between two reads of the DHT the others keep computing: extrapolate from the last view.
+        return self._estimate() >= self.spec.target_batch
+
+    def budget(self) -> int:
+        """How many samples our next micro-batch may hold (0: our share is done, wait for the round)."""
+        quota = self._quota_now(self.board.view)
+        limit = self.spec.target_batch if quota is None or self.peer.averaging else quota
+        return micro_batch_budget(self.trainer.samples, limit, self.spec.local_batch)
+
+    def _estimate(self) -> float:
+        """The collaboration's samples at our step now: the last view, our samples since, and the others'
+        throughput since the view was read (they keep computing between two reads of the DHT)."""
+        view = self.board.view
+        assert view is not None
         elapsed = min(MAX_EXTRAPOLATION, max(0.0, time.time() - self.board.view_at))
         others_rate = max(0.0, view.samples_per_second - self.local_sps())
-        estimate = (
-            view.samples + (self.trainer.samples - self.board.view_own_samples) + 0.8 * others_rate * elapsed
-        )
-        return estimate >= self.spec.target_batch
+        ours = self.trainer.samples - self.board.view_own_samples
+        return view.samples + ours + 0.8 * others_rate * elapsed
+
+    def _quota_now(self, view: CollabView | None) -> int | None:
+        """Our share of this step, if the last round's plan gave us one, unless the view shows nobody else
+        (the others left: the estimate rules again). Right after a round the others' records may still
+        show the step before ours: they count, the share is what we go by."""
+        if self._quota is None or self._quota[0] != self.trainer.step:
+            return None
+        if view is not None and view.peers <= 1:
+            return None
+        return self._quota[1]
+
+    def _quota_ready(self, view: CollabView, quota: int) -> bool:
+        now = time.monotonic()
+        if self.trainer.samples < quota:
+            self._done_at = None
+            if not view.entered:
+                return False
+            # Another peer entered the round: finish our share if that takes less than half the window
+            # (our ticket still makes its group), else enter with what we have (the round never splits).
+            left = (quota - self.trainer.samples) / max(self.local_sps(), 1e-9)
+            return left > self.matchmaking_window / 2
+        if self._done_at is None:
+            self._done_at = now
+            self.board.publish_soon()  # the others see our share done (and stop extrapolating us) sooner
+            self.waiting("our share of the step is done: waiting for the others")
+        if view.ready or self._estimate() >= self.spec.target_batch:
+            return True
+        if now - self._done_at > self.hold_patience:  # a member died or stalls: back to the estimate
+            held = now - self._done_at
+            logger.info("step %d: held %.1f s at our share; going on", self.trainer.step + 1, held)
+            self._quota = self._done_at = None
+        return False
 
     # ------------------------------------------------------------------ the step
 
@@ -197,6 +260,8 @@ class BatchStep:
         nursery.start_soon(self.average_and_step, taken)
 
     def _enter_round(self) -> None:
+        self._done_at = None
+        self.waiting(None)
         self.peer.enter(Phase.AVERAGING)
         self.peer.round_step = self.trainer.step
 
@@ -214,8 +279,9 @@ class BatchStep:
                 self.board.publish_soon()
                 outcome = await self._average(step, attempt, taken)
                 if outcome is not None:
-                    vector, peers, aggregated = outcome
-                    await self._apply(step, taken, vector, peers, aggregated, trio.current_time() - started)
+                    vector, peers, aggregated, batch = outcome
+                    seconds = trio.current_time() - started
+                    await self._apply(step, taken, vector, peers, aggregated, batch, seconds)
                     return True
                 await run_torch(self.trainer.restore_gradients, taken)
                 taken = None
@@ -232,8 +298,9 @@ class BatchStep:
 
     async def _average(
         self, step: int, attempt: int, taken: Accumulated
-    ) -> tuple[np.ndarray, int, int] | None:
-        """One averaging attempt: (mean gradient, members, bytes we aggregated), or None if it failed."""
+    ) -> tuple[np.ndarray, int, int, int] | None:
+        """One averaging attempt: (mean gradient, members, bytes we aggregated, the step's global batch),
+        or None if it failed."""
         view = await self.board.try_refresh()
         if (view is None or view.peers <= 1) and taken.samples > 0:
             # nobody else in the run: no group to find, no window to wait -- if we have evidence of it
@@ -270,6 +337,9 @@ class BatchStep:
             await trio.sleep(self.poll_period)
             return None
         me = next(i for i, m in enumerate(plan.members) if m.peer_id == self.node.peer_id)
+        rates = self.matchmaker.last_rates
+        if self.node.peer_id in rates and len(rates) > 1:  # our share of the next step, if this one is taken
+            self._quota = (step + 1, quotas(rates, self.spec.target_batch)[self.node.peer_id])
         result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
         if self.receipts is not None:
             self.receipts.add(
@@ -298,9 +368,10 @@ class BatchStep:
         # the LP's predicted time against what the round took: the next rounds' deadlines adapt
         self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
-        return vector, len(plan.members), share * 4 * senders
+        batch = round(sum(m.weight for m in plan.members))  # the weights averaged: the step's batch
+        return vector, len(plan.members), share * 4 * senders, batch
 
-    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int] | None:
+    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int, int] | None:
         """Our own mean gradient as the step's, when the evidence says we are alone (no lone forks:
         :mod:`shared.alone`); otherwise None after a short wait (the round is retried)."""
         if self.lone is not None:
@@ -310,11 +381,19 @@ class BatchStep:
                 logger.info("step %d: not stepping alone: %s", step + 1, verdict.why)
                 await trio.sleep(LONE_RETRY)
                 return None
-        return taken.mean(), 1, 0
+        return taken.mean(), 1, 0, taken.samples
 
     async def _apply(
-        self, step: int, taken: Accumulated, vector: np.ndarray, peers: int, aggregated: int, seconds: float
+        self,
+        step: int,
+        taken: Accumulated,
+        vector: np.ndarray,
+        peers: int,
+        aggregated: int,
+        batch: int,
+        seconds: float,
     ) -> None:
+        self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)
         new_step = await run_torch(self.trainer.apply, vector)
         await faults.point("step.after_apply")  # stepped, nothing reported or published yet
         self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
@@ -343,6 +422,7 @@ class BatchStep:
                     seconds,
                     time.time(),
                     self.peer.fingerprint,
+                    batch,
                 )
             )
         if self.after_step is not None:
