@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlsplit
 
 import msgspec
@@ -37,10 +37,7 @@ from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.net.addresses import expand_unspecified, parse_multiaddr
 
-from .export import export_checkpoint
-from .ledger import LedgerStore, StepRow
 from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info
-from .service import CHECKPOINTS_DIR, BackboneOptions, serve_backbone
 from .startup import (
     MAX_PUBLIC_URLS,
     check_authority_key,
@@ -48,6 +45,9 @@ from .startup import (
     check_public_url,
     parse_api_listen,
 )
+
+if TYPE_CHECKING:  # the ledger (SQLAlchemy) and the service (Hypercorn) load in the commands that use them
+    from .ledger import LedgerStore, StepRow
 
 __all__ = ["LossPoint", "app", "loss_curve", "main", "sparkline"]
 
@@ -249,6 +249,8 @@ def start(
         training = load_training_spec(manifest) if manifest is not None else TrainingSpec()
         with locked_data_dir(data_dir):
             check_held_run(data_dir, run_id, open_run=open_run)
+            from .service import BackboneOptions, serve_backbone
+
             options = BackboneOptions(
                 run_id,
                 data_dir,
@@ -272,6 +274,8 @@ def _ledger(data_dir: Path, database_url: str | None) -> Iterator[LedgerStore]:
     if not data_dir.is_dir():
         fail(f"{data_dir} is not a backbone data dir: give the --data-dir of `backbone start`", 2)
     try:
+        from .ledger import LedgerStore
+
         store = LedgerStore.open(database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}")
     except ProjectError as exc:
         fail(str(exc), 2)
@@ -796,6 +800,9 @@ def export(
     if fmt != "safetensors":
         fail(f"--format {fmt!r} is not supported: only 'safetensors' is, for now", 2)
     try:
+        from .export import export_checkpoint
+        from .service import CHECKPOINTS_DIR
+
         written = export_checkpoint(data_dir / CHECKPOINTS_DIR, output, step)
     except ConfigError as exc:
         fail(str(exc), 2)

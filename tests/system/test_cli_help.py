@@ -21,6 +21,8 @@ from volunteer.cli import app as volunteer_app
 
 pytestmark = pytest.mark.slow
 
+#: What `backbone --help` must not wait for: the ledger's SQLAlchemy and the service's HTTP stack.
+BACKBONE_HEAVY = ("torch", "sqlalchemy", "hypercorn", "starlette", "backbone.service", "backbone.ledger")
 #: What `volunteer`'s input errors must not wait for: torch and what needs it, the datasets and
 #: transformers stacks, the daemon.
 VOLUNTEER_HEAVY = ("torch", "datasets", "transformers", "volunteer.daemon", "volunteer.session")
@@ -62,8 +64,8 @@ def run_child(module: str, args: list[str], heavy: tuple[str, ...]) -> tuple[int
     [
         ("volunteer.cli", ["--help"], VOLUNTEER_HELP_HEAVY),
         ("volunteer.cli", ["join", "--help"], VOLUNTEER_HELP_HEAVY),
-        ("backbone.cli", ["--help"], ("torch",)),
-        ("backbone.cli", ["start", "--help"], ("torch",)),
+        ("backbone.cli", ["--help"], BACKBONE_HEAVY),
+        ("backbone.cli", ["start", "--help"], BACKBONE_HEAVY),
     ],
 )
 def test_help_does_not_import_torch(module: str, args: list[str], heavy: tuple[str, ...]) -> None:
