@@ -50,13 +50,14 @@ was in the run. Older reports flagged ``too_old`` keep that code.
   (``receipts`` table, primary key ``(sender, step)``): its weight is the largest weight among the valid
   receipts of that step in the first report that brought one; later receipts of that pair are
   duplicates, except one that no discard covers arriving for a stored receipt a discard covers (the
-  step taken again, see below): it replaces the discarded one. The weight is capped by
-  ``MAX_SAMPLES_FACTOR`` (4) times the step's target batch: no peer's progress toward one step is
-  believed beyond it (:mod:`shared.progress`), so no honest part weighs more. (Not by the step's
-  recorded samples: since issue 11 the tracker records what the progress records said, a lower bound of
-  the batch, where it used to record an extrapolation that was often the 4x ceiling itself.) A step
-  recorded without a target (schema version <= 4) caps by its recorded samples; one only receipts
-  evidence, by the largest cap of a recorded step.
+  step taken again, see below): it replaces the discarded one. The weight is capped by the larger of
+  the step's recorded batch and its target batch: one member's part is at most the step's batch, which
+  its members claim exactly (``Progress.batch``) and which the backbone otherwise records as a lower
+  bound (what the progress records said), while a step's members fill the target and then wait
+  (:mod:`shared.progress`, "Batch accounting"). An honest part of a step whose batch exceeded its
+  target and was recorded only as a lower bound may be credited less, never a colluding aggregator's
+  receipt more. A step recorded without a target (schema version <= 4) caps by its recorded samples;
+  one only receipts evidence, by the largest cap of a recorded step.
 * a receipt's step must be one the run took: a row of ``steps``. :mod:`backbone.steps` writes the steps a
   backbone saw taken (``tracker``); a step it jumped over is recorded by the ledger itself once a
   counting receipt evidences it (two users averaged for it) and the step is at or below the highest step

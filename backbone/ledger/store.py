@@ -70,7 +70,6 @@ from protocols.receipts import PartReceipt
 from shared.errors import ConfigError
 
 from .accounting import (
-    MAX_SAMPLES_FACTOR,
     Assessment,
     Credit,
     assess,
@@ -1291,7 +1290,7 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
         ).where(*mine)
     ).one()
-    # A receipt's weight is capped by MAX_SAMPLES_FACTOR target batches of its step (accounting's
+    # A receipt's weight is capped by the larger of its step's batch and target (accounting's
     # docstring), by its recorded samples for a step of schema version <= 4, or, for a step only
     # receipts evidenced (whose samples are those receipts' own sum) or recorded without samples, by the
     # largest cap of a recorded one.
@@ -1333,9 +1332,9 @@ _EVIDENCED_PER_REPORT = 1024
 
 def _step_cap() -> ColumnElement[float]:
     """The most one receipt of a recorded step may weigh (accounting's docstring)."""
+    larger = case((Step.samples > Step.target_batch, Step.samples), else_=Step.target_batch)
     return case(
-        (Step.target_batch.is_not(None), sql_cast(Step.target_batch * MAX_SAMPLES_FACTOR, Double)),
-        else_=sql_cast(Step.samples, Double),
+        (Step.target_batch.is_not(None), sql_cast(larger, Double)), else_=sql_cast(Step.samples, Double)
     )
 
 

@@ -123,15 +123,15 @@ def test_steps_taken_again_after_a_discard_are_credited_and_the_discarded_receip
     assert store.discards(LAPTOP.peer_id) == [(10, 13), (11, 13)]
 
 
-def test_a_receipt_is_capped_by_the_steps_target_not_by_the_batch_the_tracker_saw(
+def test_a_receipt_is_capped_by_the_larger_of_the_steps_batch_and_target(
     store: LedgerStore,
 ) -> None:
-    """The tracker records what the progress records said (a lower bound of the batch: the last
-    contributions land between two polls); an honest part may weigh more than that, never more than
-    MAX_SAMPLES_FACTOR target batches, beyond which no peer's progress is believed."""
+    """The tracker may record a lower bound of the batch (what the progress records said: the last
+    contributions land between two polls); an honest part may weigh up to the target then. A colluding
+    aggregator's receipt of 1000 for a step of 48 is credited 48, not the 4x ceiling of progress."""
     join(store, "alice", LAPTOP)
     join(store, "bob", SERVER)
     assert store.record_step(1, finished_at=T0, loss=5.0, samples=32, peers=2, target_batch=48)
     assert store.record_step(2, finished_at=T0, loss=5.0, samples=48, peers=2, target_batch=48)
     receipts = [receipt(SERVER, LAPTOP, 1, 48), receipt(SERVER, LAPTOP, 2, 1000)]
-    assert record(store, LAPTOP, 0, samples=2000, receipts=receipts).samples == 48 + 4 * 48
+    assert record(store, LAPTOP, 0, samples=2000, receipts=receipts).samples == 48 + 48
