@@ -199,7 +199,7 @@ async def record_steps_forever(
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
                 samples_seen = observed_samples(records, view.step, now, spec.target_batch)
-                batch = claimed_batch(records, view.step, spec.target_batch, users)
+                batch = claimed_batch(records, view.step, spec.target_batch, users, now)
                 observed = tracker.observe(view.step, samples_seen, peers, view.loss, batch)
                 for step, loss, samples, count in observed:
                     record = functools.partial(

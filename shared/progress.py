@@ -322,18 +322,27 @@ def micro_batch_budget(samples: int, limit: int, local_batch: int) -> int:
 
 
 def claimed_batch(
-    records: Mapping[str, Progress], step: int, target_batch: int, users: Mapping[str, str] | None = None
+    records: Mapping[str, Progress],
+    step: int,
+    target_batch: int,
+    users: Mapping[str, str] | None = None,
+    now: float | None = None,
 ) -> int | None:
     """The global batch of ``step`` as its peers claim it (module docstring, "What a step's batch was"):
-    the value the most users claim among plausible-sized claims (ties: the smaller), None if nobody at
-    ``step`` claims one. One user's peers count once per value."""
+    the value the most users claim among plausible-sized claims of peers still in the run (with ``now``:
+    only :func:`plausible` records, as everywhere else), ties going to the claim closest to the target
+    (then the smaller), None if nobody at ``step`` claims one. One user's peers count once per value."""
     user_of = users or {}
     claims = {
         (p.batch, user_of.get(peer, peer))
         for peer, p in records.items()
-        if p.step == step and not p.syncing and 0 < p.batch <= MAX_SAMPLES_FACTOR * target_batch
+        if p.step == step
+        and not p.syncing
+        and not p.left
+        and 0 < p.batch <= MAX_SAMPLES_FACTOR * target_batch
+        and (now is None or plausible(p, now, target_batch))
     }
     votes = Counter(batch for batch, _ in claims)
     if not votes:
         return None
-    return min(votes, key=lambda batch: (-votes[batch], batch))
+    return min(votes, key=lambda batch: (-votes[batch], abs(batch - target_batch), batch))

@@ -232,4 +232,12 @@ def test_the_batch_of_a_step_is_what_most_users_at_it_claim() -> None:
     assert claimed_batch(records, 5, TARGET, users) == 128
     assert claimed_batch(records, 4, TARGET, users) == 77
     assert claimed_batch({"x": progress(5, batch=0)}, 5, TARGET) is None  # a loaded state claims nothing
-    assert claimed_batch({"x": progress(5, batch=90), "y": progress(5, batch=80)}, 5, TARGET) == 80  # tie
+    # a tie goes to the claim closest to the target: one stranger claiming a tiny batch does not
+    # outvote a lone honest volunteer (review of issue 11)
+    assert claimed_batch({"x": progress(5, batch=100), "y": progress(5, batch=3)}, 5, TARGET) == 100
+    assert claimed_batch({"x": progress(5, batch=90), "y": progress(5, batch=110)}, 5, TARGET) == 90
+    # records of peers that left, or too old to believe, vote for nothing
+    assert claimed_batch({"x": progress(5, batch=50, left=True)}, 5, TARGET) is None
+    stale = {"x": progress(5, batch=50, age=10_000.0)}
+    assert claimed_batch(stale, 5, TARGET) == 50
+    assert claimed_batch(stale, 5, TARGET, now=NOW) is None
