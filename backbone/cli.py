@@ -81,6 +81,8 @@ allow_app = typer.Typer(
 app.add_typer(allow_app, name="allow")
 out = Console()
 MAX_INVITE_URLS = 8  # protocols.api.Invite's bound
+#: The ledger's bound on an invite's uses (``backbone.ledger.store``; the CLI loads no ledger for ``--help``).
+MAX_INVITE_USES = 1_000_000
 
 DataDir = Annotated[
     Path,
@@ -271,7 +273,11 @@ def start(
 
 @contextlib.contextmanager
 def _ledger(data_dir: Path, database_url: str | None) -> Iterator[LedgerStore]:
-    if not data_dir.is_dir():
+    if not data_dir.is_dir() or (
+        database_url is None
+        and not (data_dir / "ledger.sqlite3").exists()
+        and not (data_dir / RUN_INFO).exists()
+    ):  # a mistyped --data-dir must not look like an empty run (nor get a ledger created in it)
         fail(f"{data_dir} is not a backbone data dir: give the --data-dir of `backbone start`", 2)
     try:
         from .ledger import LedgerStore
@@ -318,6 +324,7 @@ def allow_add(
             "--max-uses",
             metavar="N",
             min=1,
+            max=MAX_INVITE_USES,
             help="At most N machines may join with this invite (default: any number; a machine "
             "joining again is not a new use). --max-uses 1 makes a single-use invite.",
         ),
@@ -501,6 +508,8 @@ def allow_list(data_dir: DataDir, database_url: DatabaseUrl = None, as_json: Jso
 
 #: ``backbone ledger --steps`` lists this many steps unless ``--last`` says otherwise.
 DEFAULT_LAST_STEPS = 20
+#: The most ``--last`` accepts (a larger N is a typo, not a request).
+MAX_LAST_STEPS = 1_000_000
 #: How many flagged reports ``--flags`` lists (the newest).
 FLAGS_SHOWN = 1000
 
@@ -521,6 +530,7 @@ def ledger(
             "--last",
             metavar="N",
             min=1,
+            max=MAX_LAST_STEPS,
             help=f"List the last N steps (implies --steps; default {DEFAULT_LAST_STEPS}).",
         ),
     ] = None,

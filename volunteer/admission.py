@@ -119,6 +119,8 @@ def _load_any(data_dir: Path) -> Credential | None:
         return msgspec.json.decode((data_dir / CREDENTIAL_FILE).read_bytes(), type=Credential)
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:  # unreadable (permissions, an I/O error): the user's data dir, not ours to guess
+        raise ConfigError(f"cannot read {data_dir / CREDENTIAL_FILE}: {exc.strerror or exc}") from exc
     except DECODE_FAILURES:
         return None  # _load warns when the run's join reads it
 

@@ -104,7 +104,7 @@ from .views import (
     Verdict,
 )
 
-__all__ = ["BACKBONE_USERNAME", "RESERVED_USERNAMES", "LedgerStore"]
+__all__ = ["BACKBONE_USERNAME", "MAX_INVITE_USES", "RESERVED_USERNAMES", "LedgerStore"]
 
 T = TypeVar("T")
 
@@ -120,7 +120,7 @@ _MAX_ADDRESS = 256
 _MAX_TOKEN = 64
 _MAX_SECRET = 256
 _INVITE_BYTES = 32
-_MAX_USES = 1_000_000
+MAX_INVITE_USES = 1_000_000
 _WRITE_OPTION = "dedloc_ledger_write"
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
 
@@ -227,8 +227,8 @@ class LedgerStore:
         """
         if expires_at is not None and not expires_at > now:
             raise ConfigError(f"an invite must expire in the future, got {expires_at} <= now {now}")
-        if max_uses is not None and not 1 <= max_uses <= _MAX_USES:
-            raise ConfigError(f"an invite's maximum number of uses is 1 to {_MAX_USES}, got {max_uses}")
+        if max_uses is not None and not 1 <= max_uses <= MAX_INVITE_USES:
+            raise ConfigError(f"an invite's maximum number of uses is 1 to {MAX_INVITE_USES}, got {max_uses}")
         secret = secrets.token_urlsafe(_INVITE_BYTES)
         with self._tx(write=True) as conn:
             row = conn.execute(

@@ -70,6 +70,7 @@ def test_allow_add_on_a_fresh_data_dir_makes_the_run_and_says_how_to_start_it(tm
         (["--public-url", "http://127.0.0.1:1"], "is not an https://HOST[:PORT] URL"),
         (["--public-url", "https://127.0.0.1:x"], "has an invalid port"),
         (["--max-uses", "0"], "--max-uses"),
+        (["--max-uses", "2000000"], "--max-uses"),  # refused before the user is added (review)
         (["--expires-in-days", "0"], "--expires-in-days must be positive, got 0.0 (leave it out"),
         (["--expires-in-days", "-1"], "--expires-in-days must be positive"),
     ],
@@ -78,6 +79,24 @@ def test_allow_add_refuses_unusable_input_with_exit_2(tmp_path: Path, extra: lis
     assert allow_add(tmp_path / "bb", "--run-id", "inv", "--public-url", URL)[0] == 0
     code, output = allow_add(tmp_path / "bb", *extra, user="carol")
     assert code == 2 and message in output, output
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'bb' / 'ledger.sqlite3'}") as store:
+        assert [u.username for u in store.list_users()] == ["alice"]  # nothing written for carol
+
+
+def test_the_cli_and_the_ledger_bound_an_invites_uses_alike() -> None:
+    from backbone import cli
+    from backbone.ledger import store
+
+    assert cli.MAX_INVITE_USES == store.MAX_INVITE_USES
+
+
+def test_ledger_and_allow_on_a_dir_that_holds_no_run_refuse_and_create_nothing(tmp_path: Path) -> None:
+    """A mistyped --data-dir used to look like an empty run, and got a ledger created in it (review)."""
+    for args in (["ledger"], ["allow", "list"], ["allow", "remove", "alice"]):
+        result = runner.invoke(app, [*args, "--data-dir", str(tmp_path)])
+        assert result.exit_code == 2, result.output
+        assert "is not a backbone data dir" in result.output
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_allow_add_public_url_replaces_the_urls_of_this_invite_only(tmp_path: Path) -> None:

@@ -130,6 +130,16 @@ def test_ledger_steps_refuses_a_count_below_one(tmp_path: Path) -> None:
     assert code == 2
 
 
+def test_ledger_steps_refuses_an_absurd_count_without_a_traceback(tmp_path: Path) -> None:
+    """`--last 10**20` overflowed SQLite's integer inside the query: a 30-line traceback (review)."""
+    record_falling_loss(tmp_path, 3)
+
+    code, output = ledger(tmp_path, "--steps", "--last", str(10**20))
+
+    assert code == 2
+    assert "Traceback" not in output and "--last" in output
+
+
 def test_ledger_steps_works_as_the_readme_writes_it(tmp_path: Path) -> None:
     """Issue 11: `backbone ledger --data-dir ~/bb --steps` failed ("requires an argument")."""
     record_falling_loss(tmp_path, 30)

@@ -68,3 +68,11 @@ def test_without_an_invite_a_bare_name_or_nothing_means_the_run_this_data_dir_jo
     assert run_to_join(None, None, tmp_path) == RUN
     assert run_to_join("inv", None, tmp_path) == RUN
     assert run_to_join("other", None, tmp_path) == "other"
+
+
+def test_an_unreadable_credential_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """run_to_join reads the credential before the data dir is checked: an unreadable one (here a
+    directory in its place; root reads any file) escaped as a traceback (review)."""
+    (tmp_path / CREDENTIAL_FILE).mkdir()
+    with pytest.raises(ConfigError, match=f"cannot read {tmp_path / CREDENTIAL_FILE}"):
+        run_to_join("my-run", None, tmp_path)
