@@ -19,7 +19,10 @@ metadata holds it under ``"lineage"`` as ``"step:hex,step:hex,…"`` in ascendin
 loaded state's, at step ``L``, and ``s`` our step before the load. Our steps that did not survive are
 ``d..s``, where ``d`` is the first step both lineages know at which the fingerprints differ, or, if they
 agree wherever both know a step, ``L + 1`` (our steps beyond the loaded state: a fork ahead of it);
-nothing when ``d > s``. If the two lineages share no step (a state from before this format, or a gap of
+nothing when ``d > s``. If they differ already at the first step both know and ours reaches further back
+(the loaded state is ahead, its window starts later), our history forked at or before that step and
+none of our steps can be shown to be the collaboration's: ``d`` is our lineage's first step, and the
+caller also applies its older rule (:func:`fork_start_known` is False), taking the earlier of the two. If the two lineages share no step (a state from before this format, or a gap of
 more than :data:`LINEAGE_STEPS` steps), they are not :func:`comparable` and the caller falls back to what
 it knew before (who it stepped with).
 
@@ -46,6 +49,7 @@ __all__ = [
     "decode_lineage",
     "encode_lineage",
     "extend_lineage",
+    "fork_start_known",
     "replaced_steps",
 ]
 
@@ -98,5 +102,17 @@ def replaced_steps(
     common = [step for step in ours if step in theirs]
     diverged = [step for step in common if ours[step] != theirs[step]]
     first = min(diverged) if diverged else loaded_step + 1
+    if not fork_start_known(ours, theirs):
+        first = min(ours)  # ours forked at or before the first step both know: none of ours is shown theirs
     first = max(1, first)
     return (first, our_step) if our_step >= first else None
+
+
+def fork_start_known(ours: Mapping[int, bytes], theirs: Mapping[int, bytes]) -> bool:
+    """False when the lineages already differ at the first step both know while ours reaches further
+    back: our history forked at or before that step, somewhere the loaded lineage does not cover."""
+    common = [step for step in ours if step in theirs]
+    if not common:
+        return False
+    first = min(common)
+    return ours[first] == theirs[first] or min(ours) == first

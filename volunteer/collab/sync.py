@@ -34,7 +34,7 @@ from shared.node import Node
 from shared.state.blob import read_metadata, state_digest, state_step
 from shared.state.limits import SourceBook, state_size_bound
 from shared.state.lineage import MAX_TEXT as LINEAGE_MAX_TEXT
-from shared.state.lineage import comparable, replaced_steps
+from shared.state.lineage import comparable, fork_start_known, replaced_steps
 from shared.state.transfer import (
     StateServer,
     announce_state,
@@ -183,8 +183,13 @@ class StateSync:
                         loaded = True
                         discarded = _replaced(ours, self.peer.agreed_before_load, step, minority_seen)
                         if ours is not None and comparable(our_lineage, self.trainer.lineage):
-                            # the histories say exactly which of our steps the collaboration did not take
-                            discarded = replaced_steps(our_lineage, ours, self.trainer.lineage, step)
+                            # the histories say which of our steps the collaboration did not take; where
+                            # ours forked before the loaded lineage begins, the older rule may reach further
+                            exact = replaced_steps(our_lineage, ours, self.trainer.lineage, step)
+                            if fork_start_known(our_lineage, self.trainer.lineage) or discarded is None:
+                                discarded = exact
+                            elif exact is not None:
+                                discarded = (min(exact[0], discarded[0]), ours)
                         if ours is None and self.previous_life is not None and self.previous_life > step:
                             discarded = (step + 1, self.previous_life)  # died with our earlier process
                         self.previous_life = None

@@ -14,6 +14,7 @@ from shared.state.lineage import (
     decode_lineage,
     encode_lineage,
     extend_lineage,
+    fork_start_known,
     replaced_steps,
 )
 
@@ -66,12 +67,13 @@ def test_extending_drops_entries_of_another_history_above_the_step() -> None:
     loaded_offset=st.integers(-35, 35),
     split_offset=st.integers(-40, 40),
 )
-def test_exactly_the_steps_not_in_the_loaded_history_are_replaced(
+def test_no_step_of_a_fork_keeps_its_credit_and_a_known_split_is_exact(
     ours_start: int, ours_len: int, loaded_offset: int, split_offset: int
 ) -> None:
-    """Our history and the loaded one agree up to ``split`` and differ after it: the steps of ours above
-    ``split`` are replaced (a fork), and so are ours above the loaded step; steps at or below both are
-    not (whatever the gap between the two)."""
+    """Our history and the loaded one agree up to ``split`` and differ after it. Every step of ours
+    above ``split`` or above the loaded step is replaced (never kept as the collaboration's); when the
+    split is inside what both lineages know, exactly those are; when ours forked before the loaded
+    lineage begins, all of ours is (none can be shown the collaboration's)."""
     ours_step = ours_start + ours_len - 1
     loaded = max(1, ours_step + loaded_offset)
     split = ours_step + split_offset
@@ -81,16 +83,15 @@ def test_exactly_the_steps_not_in_the_loaded_history_are_replaced(
         assert not set(ours) & set(theirs)
         return
     replaced = replaced_steps(ours, ours_step, theirs, loaded)
-    lost = {s for s in ours if s > split and (s in theirs or s > loaded)}
-    lost |= {s for s in range(min(ours, default=0), ours_step + 1) if s > loaded}
-    if not lost:
-        assert replaced is None
-    else:
-        assert replaced is not None
-        first, last = replaced
-        assert last == ours_step
-        # every step from the first divergence (or beyond the loaded state) is lost, none before it
-        assert first == min(lost)
+    lost = {s for s in ours if s > split or s > loaded}
+    kept = set(ours) if replaced is None else {s for s in ours if s < replaced[0]}
+    assert replaced is None or replaced[1] == ours_step
+    assert not kept & lost  # no fork step keeps its credit
+    if min(set(ours) & set(theirs)) <= split:
+        assert fork_start_known(ours, theirs)
+        assert kept == set(ours) - lost  # and no honest step loses it
+    elif min(ours) < min(theirs):
+        assert not fork_start_known(ours, theirs) and kept == set()
 
 
 def test_the_issue_case_behind_by_one_after_a_split_round() -> None:
