@@ -22,9 +22,10 @@ agree wherever both know a step, ``L + 1`` (our steps beyond the loaded state: a
 nothing when ``d > s``. If they differ already at the first step both know and ours reaches further back
 (the loaded state is ahead, its window starts later), our history forked at or before that step and
 none of our steps can be shown to be the collaboration's: ``d`` is our lineage's first step, and the
-caller also applies its older rule (:func:`fork_start_known` is False), taking the earlier of the two. If the two lineages share no step (a state from before this format, or a gap of
-more than :data:`LINEAGE_STEPS` steps), they are not :func:`comparable` and the caller falls back to what
-it knew before (who it stepped with).
+caller also applies its older rule (:func:`fork_start_known` is False), taking the earlier of the two.
+If the two lineages share no step (a state from before this format, or a gap of more than
+:data:`LINEAGE_STEPS` steps), they are not :func:`comparable` and the caller falls back to what it knew
+before (who it stepped with).
 
 *Proof sketch.* The fingerprint covers the step and a fixed sample of every parameter, so two states with
 equal fingerprints at the same step are the same state up to an 8-byte hash collision. Parameters at step
