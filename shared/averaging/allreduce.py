@@ -85,9 +85,11 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
   latest ``2 T`` after its previous pull completed (the pull stall timeout), and a relay answer takes a
   part time, well within ``T``. No constant: ``T`` derives from the plan's and the measured part times;
 * *memory*: what is kept is the member's own buffer of ``j``'s slice (codec none: the array the payload
-  was read into; other codecs: the encoded bytes it was read into), no copy. It is dropped at the grace's
-  end, or when a member starts a round while it holds :data:`MAX_HELD_ROUNDS` (2: the one it runs and
-  the previous one): so a member holds at most one vector beyond its round's own buffers (measured with
+  was read into; other codecs: the encoded bytes it was read into), no copy. It is dropped once the
+  grace has passed at the next averaging event (a round started, a push, a pull or a relay request
+  reaching this host, or :meth:`Averager.release_expired`, which the volunteer calls when it stops
+  averaging), or when a member starts a round while it holds :data:`MAX_HELD_ROUNDS` (2: the one it
+  runs and the previous one): so a member holds at most one vector beyond its round's own buffers (measured with
   ``scripts/bench_allreduce.py --numel 5000000``, rounds back to back: peak RSS +26 to +37 MB per peer
   with 2 kept rounds, +45 to +60 MB with 4);
 * *whom to ask, when*: the parts in order, for each part the members in the plan's order (not ``j``, not
@@ -896,6 +898,14 @@ class Averager:
             if duty.expires_at <= now:
                 del self._duties[key]
                 self._started.pop(key, None)
+        for key, held in list(self._held.items()):
+            if held.expires_at <= now:
+                del self._held[key]  # the parts kept for relaying: their grace is over
+
+    def release_expired(self) -> None:
+        """Drop what expired rounds still hold (duties, parts kept for relaying): for a caller about to
+        stop averaging for a while (the run ended, a state download), so idle memory is not kept."""
+        self._forget_expired(trio.current_time())
 
     async def _duty_for(self, group_id: bytes, round_: int, peer: str) -> _Aggregation:
         self._forget_expired(trio.current_time())
@@ -1038,8 +1048,9 @@ class Averager:
         """A member asks for a part of another aggregator's slice that we received (module docstring,
         "Relayed slices"): answered at once, the part as we got it, or NOT_FOUND."""
         request = decode_relay_request(header.meta)
+        self._forget_expired(trio.current_time())
         held = self._held.get((request.group_id, request.round))
-        if held is None or held.expires_at <= trio.current_time():
+        if held is None:
             raise RemoteError(ErrorCode.NOT_FOUND, f"no parts of round {request.round} held here")
         if ctx.peer_id not in held.members:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")

@@ -190,6 +190,7 @@ class BatchStep:
     def ready(self) -> bool:
         """Enter the round now: our share of the step is done and the collaboration reached the target
         batch at our step, or its other peers started averaging (module docstring, "Our share")."""
+        self.averager.release_expired()  # polled while we wait: past rounds' relay parts are not kept idle
         if self.peer.phase is not Phase.TRAINING or self.holding():
             return False
         if self.trainer.samples >= self.spec.target_batch:

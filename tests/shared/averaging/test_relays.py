@@ -180,6 +180,15 @@ async def test_an_aggregator_that_died_after_serving_some_members_reaches_every_
         assert peers[i][1].statistics().relays_received == 2
     assert sum(peers[i][1].statistics().relays_served for i in (0, 4)) == 4  # 2 parts to 2 members
     assert all(peers[i][1].statistics().relays_refused == 0 for i in survivors)
+    # what a holder keeps for relaying ends with the grace, and is released, not kept while idle
+    holder = peers[0][1]
+    assert holder._held and all(held.expires_at < float("inf") for held in holder._held.values())
+    holder.release_expired()
+    assert holder._held  # the grace has not passed yet
+    for held in holder._held.values():
+        held.expires_at = trio.current_time()  # as if it had
+    holder.release_expired()
+    assert not holder._held
 
 
 async def test_a_hung_aggregator_is_relayed_after_the_stall_timeout(nursery: trio.Nursery) -> None:
