@@ -90,8 +90,8 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
   reaching this host, or :meth:`Averager.release_expired`, which the volunteer calls whenever it polls
   for its next round), or when a member starts a round while it holds :data:`MAX_HELD_ROUNDS` (2: the
   one it runs and the previous one): so a member holds at most one vector beyond its round's own
-  buffers (measured with ``scripts/bench_allreduce.py --numel 5000000``, rounds back to back: peak RSS +26 to +37 MB per peer
-  with 2 kept rounds, +45 to +60 MB with 4);
+  buffers (measured with ``scripts/bench_allreduce.py --numel 5000000``, rounds back to back: peak RSS
+  +26 to +37 MB per peer with 2 kept rounds, +45 to +60 MB with 4);
 * *whom to ask, when*: the parts in order, for each part the members in the plan's order (not ``j``, not
   ourselves, not client-mode members, which accept no connections), one at a time, each bounded by the
   pull stall timeout ``2 T``; the first valid answer wins. "Not held" costs a round trip; an unreachable
