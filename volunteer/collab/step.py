@@ -397,7 +397,7 @@ class BatchStep:
         self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)
         new_step = await run_torch(self.trainer.apply, vector)
         await faults.point("step.after_apply")  # stepped, nothing reported or published yet
-        self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
+        self.peer.fingerprint = self.trainer.lineage[new_step]  # apply fingerprinted it (no second pass)
         self.peer.anchored = True
         self.peer.loss = None
         if peers > 1:  # stepped with a group: our state is theirs (a lone step is ours alone)

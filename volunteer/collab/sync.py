@@ -244,7 +244,7 @@ class StateSync:
             step = await run_torch(self.trainer.load_state_blob, blob)
         except (ValueError, KeyError, IndexError, TypeError, RuntimeError, MemoryError) as exc:
             raise StateError(f"the state does not load: {exc!r}") from exc  # a decoder's failure
-        self.peer.fingerprint = await run_torch(self.trainer.fingerprint)
+        self.peer.fingerprint = self.trainer.lineage[step]  # the load fingerprinted it (no second pass)
         self.peer.anchored = True
         self.peer.agreed_before_load, self.peer.agreed_step = self.peer.agreed_step, step
         self.server.offer(step, blob)
