@@ -82,6 +82,10 @@ DEFAULT_RULE = AveragingSpec()
 _NOT_BANNING = ("UNKNOWN_SENDER", "DROPPED", "FINALIZED", "BANNED")
 
 
+#: below this, a float32 sum of squares has lost digits to underflow (float32's smallest normal is 1.2e-38)
+_SMALLEST_EXACT_SQUARE = 1e-30
+
+
 class RejectReason(enum.Enum):
     """Why a part was refused; every reason but the first four also bans the sender for the round."""
 
@@ -237,8 +241,11 @@ class SliceReducer:
             values.size == 0 or (np.isfinite(values.min()) and np.isfinite(values.max()))
         ):
             return RejectReason.NON_FINITE, "", math.nan
-        # float32 overflow of finite values: recomputed in float64, so the relative bound can compare it
-        norm = math.sqrt(square) if math.isfinite(square) else math.sqrt(sq_norm(values))
+        # float32 overflow of finite values, or underflow of tiny ones (squares below ~1e-38 lose their
+        # digits, and a part of 1e-34s would measure 0, so the relative bound would have no scale to apply
+        # to a liar): recomputed in float64, where both are exact enough to compare
+        wide = not (_SMALLEST_EXACT_SQUARE <= square < math.inf) and values.any()
+        norm = math.sqrt(sq_norm(values)) if wide else math.sqrt(square)
         if norm > self.max_norm:
             return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}", norm
         if self.max_abs is not None and values.size:
