@@ -5,7 +5,8 @@ the task (a built-in name such as ``tiny-mlm`` plus its options), the global tar
 and the learning-rate schedule as a function of the global step, the dataset source, the gradient codec,
 delayed parameter updates on/off, the averaging rule (:class:`AveragingSpec`, the ``[averaging]`` table: plain
 weighted mean, CenteredClip or coordinate-wise trimmed mean, and the factor of the norm bound; the math is
-in :mod:`shared.averaging.robust`), and the run's step limit. ``backbone start --manifest FILE`` serves it
+in :mod:`shared.averaging.robust`), the run's tokenizer (:class:`TokenizerSpec`, the ``[tokenizer]`` table:
+trained by the backbone or shipped, pinned by its SHA-256), and the run's step limit. ``backbone start --manifest FILE`` serves it
 inside :class:`protocols.api.Manifest`; every volunteer of a run trains exactly this.
 
 **Progress records** (DHT): key :data:`PROGRESS_KEY`, subkey = the writer's peer id, value = msgpack
@@ -43,6 +44,7 @@ __all__ = [
     "Progress",
     "ScheduleSpec",
     "StateAnnouncement",
+    "TokenizerSpec",
     "TrainingSpec",
 ]
 
@@ -131,6 +133,36 @@ class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("dataset source 'hub' needs 'hub_id'")
 
 
+TokenizerKind = Literal["none", "unigram", "wordpiece", "bpe", "file"]
+SHA256_HEX = r"^([0-9a-f]{64})?$"
+
+
+class TokenizerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The run's tokenizer (the ``[tokenizer]`` table): part of the run, like its parameters.
+
+    * ``none``: the task brings its own vocabulary (``tiny-mlm``);
+    * ``unigram`` / ``wordpiece`` / ``bpe``: the first backbone trains one with the ``tokenizers`` library
+      on the run's shards at its first start (``vocab_size`` tokens, at most ``train_examples`` examples,
+      NFKC-normalized, lower-cased if ``lowercase``) and keeps it in its data dir;
+    * ``file``: the organizer ships a ``tokenizer.json`` (``file``, relative to the manifest).
+
+    ``sha256`` pins it: the backbone that serves the run fills it in (and refuses to start if a pinned
+    value in the manifest differs from the tokenizer it has); volunteers fetch the tokenizer by this hash
+    from the backbone API and refuse bytes that do not hash to it.
+    """
+
+    kind: TokenizerKind = "none"
+    file: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    vocab_size: Annotated[int, msgspec.Meta(ge=64, le=1 << 20)] = 8000
+    lowercase: bool = True
+    train_examples: Annotated[int, msgspec.Meta(ge=100, le=100_000_000)] = 200_000
+    sha256: Annotated[str, msgspec.Meta(pattern=SHA256_HEX)] = ""
+
+    def __post_init__(self) -> None:
+        if self.kind == "file" and not self.file and not self.sha256:
+            raise ValueError("tokenizer kind 'file' needs 'file' (a tokenizer.json) or a pinned 'sha256'")
+
+
 AggregationRule = Literal["mean", "centered-clip", "trimmed-mean"]
 
 
@@ -153,8 +185,9 @@ class AveragingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trim_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)] = 0.25
 
 
-class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the run trains: see the module docstring."""
+class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What the run trains: see the module docstring. Fields left at their defaults are not encoded, so a
+    run that uses none of a newer release's fields is still read by volunteers of the older one."""
 
     task: Name = "tiny-mlm"
     task_options: Annotated[dict[Name, OptionValue], msgspec.Meta(max_length=64)] = {}
@@ -165,6 +198,7 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dataset: DatasetSpec = DatasetSpec(generate=8)
     codec: CodecName = "none"
     averaging: AveragingSpec = AveragingSpec()
+    tokenizer: TokenizerSpec = TokenizerSpec()
     dpu: bool = False  # delayed parameter updates: overlap the next compute with averaging
     max_steps: Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)] = 0  # 0: no limit
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # initial parameters

@@ -15,6 +15,8 @@ Rules :func:`check_trainable` adds to the manifest's field-by-field validation (
   ``momentum`` is set only for ``sgd`` (the others would ignore it silently);
 * ``local_batch <= target_batch``: one micro-batch must not overshoot the global batch by itself;
 * ``schedule.warmup_steps <= schedule.total_steps``;
+* a task that tokenizes (``hf-mlm``, ``hf-clm``) has a ``[tokenizer]``, and only such a task has one; a
+  tokenizer the backbone trains needs the backbone to hold the text (``dataset.source = "backbone"``);
 * a backbone-generated synthetic corpus (``dataset.source = "backbone"``, ``generate > 0``) holds its
   text under ``"text"``, so ``dataset.text_field`` must be ``"text"`` then.
 """
@@ -22,6 +24,7 @@ Rules :func:`check_trainable` adds to the manifest's field-by-field validation (
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -29,7 +32,15 @@ from protocols.training import OptionValue, TrainingSpec
 
 from .errors import ConfigError
 
-__all__ = ["OPTIMIZERS", "TASK_OPTIONS", "TinyMLMOptions", "check_trainable"]
+__all__ = [
+    "HFOptions",
+    "OPTIMIZERS",
+    "TASK_OPTIONS",
+    "TOKENIZED_TASKS",
+    "TinyMLMOptions",
+    "check_trainable",
+    "hf_model_config",
+]
 
 #: The optimizers a volunteer builds (``volunteer.collab.trainer.make_optimizer``).
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -90,8 +101,85 @@ class TinyMLMOptions:
             raise ConfigError(f"tiny-mlm option mask_prob must be in (0, 1), got {self.mask_prob}")
 
 
+#: options of a Hugging Face task that are the task's own; every other option is a field of the model's config
+HF_TASK_FIELDS = ("model_type", "seq_len", "mask_prob")
+#: model config fields the run's tokenizer decides (:func:`hf_model_config`): an organizer may not set them
+HF_TOKENIZER_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id")
+_MODEL_TYPE = re.compile(r"^[a-z][a-z0-9_-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class HFOptions:
+    """The options of the Hugging Face tasks ``hf-mlm`` and ``hf-clm`` (``volunteer.tasks.hf``).
+
+    ``model_type`` names a ``transformers`` model type (``albert``, ``bert``, ``gpt2``, ``llama``…), built
+    from its config class with the run's other options as config fields (``hidden_size = 256``…) and
+    randomly initialized from the run's seed: runs train from scratch, never from hub weights. ``seq_len``
+    is the length of the packed sequences (tokens); ``mask_prob`` the share of tokens an ``hf-mlm``
+    sequence predicts. Whether a config field exists is checked by the volunteer, which has
+    ``transformers``; a backbone checks only what it can without it (types, the reserved names).
+    """
+
+    task: str
+    model_type: str
+    seq_len: int = 128
+    mask_prob: float = 0.15
+    config: tuple[tuple[str, OptionValue], ...] = ()
+
+    @classmethod
+    def parse(cls, task: str, options: Mapping[str, OptionValue]) -> HFOptions:
+        """Raises ConfigError: no or a malformed ``model_type``, a reserved field, a value out of range."""
+        model_type = options.get("model_type")
+        if not isinstance(model_type, str) or not _MODEL_TYPE.match(model_type):
+            raise ConfigError(
+                f"{task} needs task_options.model_type, a transformers model type such as "
+                f"{'albert' if task == 'hf-mlm' else 'gpt2'!r}; got {model_type!r}"
+            )
+        reserved = sorted(set(options) & set(HF_TOKENIZER_FIELDS))
+        if reserved:
+            raise ConfigError(
+                f"{task}: {', '.join(reserved)} {'come' if len(reserved) > 1 else 'comes'} from the run's "
+                "tokenizer; remove it from task_options"
+            )
+        seq_len = options.get("seq_len", cls.seq_len)
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 8 <= seq_len <= 65536:
+            raise ConfigError(f"{task} option seq_len must be an integer in [8, 65536], got {seq_len!r}")
+        mask_prob = options.get("mask_prob", cls.mask_prob)
+        if task != "hf-mlm" and "mask_prob" in options:
+            raise ConfigError(f"{task} has no option mask_prob (only hf-mlm masks tokens)")
+        if isinstance(mask_prob, bool) or not isinstance(mask_prob, int | float) or not 0 < mask_prob < 1:
+            raise ConfigError(f"{task} option mask_prob must be in (0, 1), got {mask_prob!r}")
+        config = tuple(sorted((k, v) for k, v in options.items() if k not in HF_TASK_FIELDS))
+        return cls(task, model_type, seq_len, float(mask_prob), config)
+
+
+def _hf_parser(task: str) -> Callable[[Mapping[str, OptionValue]], object]:
+    return lambda options: HFOptions.parse(task, options)
+
+
+def hf_model_config(options: HFOptions, vocab_size: int, special: Mapping[str, int]) -> dict[str, object]:
+    """The model's config as ``config.json`` holds it: the run's config fields, then what the run's
+    tokenizer decides (its vocabulary size and special token ids: ``special`` maps ``[PAD]``,
+    ``[CLS]``, ``[SEP]``… to ids). The volunteer builds its model from exactly this and the backbone's
+    Hugging Face export writes exactly this, so the exported folder loads the trained tensors."""
+    config: dict[str, object] = {"model_type": options.model_type, **dict(options.config)}
+    config.update(
+        vocab_size=vocab_size,
+        pad_token_id=special["[PAD]"],
+        bos_token_id=special["[CLS]"],
+        eos_token_id=special["[SEP]"],
+    )
+    return config
+
+
 #: task name -> the parser of its ``task_options``; a run's ``task`` must be one of these.
-TASK_OPTIONS: dict[str, Callable[[Mapping[str, OptionValue]], object]] = {"tiny-mlm": TinyMLMOptions.parse}
+TASK_OPTIONS: dict[str, Callable[[Mapping[str, OptionValue]], object]] = {
+    "tiny-mlm": TinyMLMOptions.parse,
+    "hf-mlm": _hf_parser("hf-mlm"),
+    "hf-clm": _hf_parser("hf-clm"),
+}
+#: tasks that tokenize with the run's tokenizer (``[tokenizer]`` must not be ``none``)
+TOKENIZED_TASKS = ("hf-mlm", "hf-clm")
 
 
 def check_trainable(spec: TrainingSpec) -> None:
@@ -125,9 +213,26 @@ def check_trainable(spec: TrainingSpec) -> None:
             f"({schedule.total_steps}); the warm-up must end within the schedule"
         )
     dataset = spec.dataset
+    _check_tokenizer(spec)
     generated = dataset.source == "backbone" and dataset.generate > 0
     if generated and dataset.text_field != GENERATED_TEXT_FIELD:
         raise ConfigError(
             f"dataset.text_field is {dataset.text_field!r}, but the corpus the backbone generates keeps "
             f"its text in {GENERATED_TEXT_FIELD!r}; remove text_field or serve shards of your own"
+        )
+
+
+def _check_tokenizer(spec: TrainingSpec) -> None:
+    kind = spec.tokenizer.kind
+    if spec.task in TOKENIZED_TASKS and kind == "none":
+        raise ConfigError(
+            f"{spec.task} tokenizes text with the run's tokenizer: add a [tokenizer] table, e.g. "
+            'kind = "unigram" (the backbone trains one on the run\'s shards) or kind = "file"'
+        )
+    if spec.task not in TOKENIZED_TASKS and kind != "none":
+        raise ConfigError(f"{spec.task} has a vocabulary of its own: remove the [tokenizer] table")
+    if kind in ("unigram", "wordpiece", "bpe") and spec.dataset.source != "backbone":
+        raise ConfigError(
+            f"the backbone trains a {kind} tokenizer on the shards it serves, but dataset.source is "
+            f"{spec.dataset.source!r}: ship a tokenizer.json instead (kind = \"file\", file = \"…\")"
         )

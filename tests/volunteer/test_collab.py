@@ -242,11 +242,15 @@ MLM = TrainingSpec(
 
 
 async def run_pair(
-    nursery: trio.Nursery, training: TrainingSpec, texts: list[dict[str, str]], steps: int
+    nursery: trio.Nursery,
+    training: TrainingSpec,
+    texts: Sequence[Mapping[str, Any]],
+    steps: int,
+    task: Task | None = None,
 ) -> tuple[list[CollaborativeOptimizer], list[float]]:
     """Two peers, each fed its half of every global batch; with DPU the next half-batch is computed while
     the step is averaged. Returns the peers and the per-step loss (mean of the two halves' losses)."""
-    task = make_task(training)
+    task = task or make_task(training)
     nodes = await start_nodes(nursery, 2)
     peers = [await start_collab(nursery, node, training, task) for node in nodes]
     records: list[list[StepRecord]] = [[], []]
@@ -292,9 +296,9 @@ async def run_pair(
 
 
 def reference_run(
-    training: TrainingSpec, texts: list[dict[str, str]], steps: int
+    training: TrainingSpec, texts: Sequence[Mapping[str, Any]], steps: int, task: Task | None = None
 ) -> tuple[LocalTrainer, list[float]]:
-    task = make_task(training)
+    task = task or make_task(training)
     trainer = LocalTrainer(task, training, "ref")
     b = 2 * training.local_batch
     losses = []

@@ -4,6 +4,7 @@ Modules:
     base      the :class:`Task` interface and the determinism it promises
     registry  :func:`make_task`: a run's ``training.task`` and ``task_options`` to a task
     tiny_mlm  ``tiny-mlm``: a small transformer masked-LM over the project's synthetic corpus
+    hf        ``hf-mlm`` and ``hf-clm``: Hugging Face transformers models built from a config
 """
 
 from __future__ import annotations

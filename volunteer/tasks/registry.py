@@ -12,21 +12,28 @@ from protocols.training import TrainingSpec
 from shared.errors import ConfigError
 
 from .base import Task
+from .hf import HFCausalLM, HFMaskedLM
 from .tiny_mlm import TinyMLM
 
 __all__ = ["TASKS", "make_task"]
 
-#: task name -> factory; a run's ``training.task`` must be one of these
-TASKS: dict[str, Callable[[TrainingSpec], Task]] = {TinyMLM.name: TinyMLM}
+#: task name -> factory(spec, the run's tokenizer.json or None); a run's ``training.task`` is one of these
+TASKS: dict[str, Callable[[TrainingSpec, bytes | None], Task]] = {
+    TinyMLM.name: TinyMLM,
+    HFMaskedLM.name: HFMaskedLM,
+    HFCausalLM.name: HFCausalLM,
+}
 
 
-def make_task(spec: TrainingSpec) -> Task:
-    """The task ``spec.task`` with ``spec.task_options``.
+def make_task(spec: TrainingSpec, tokenizer: bytes | None = None) -> Task:
+    """The task ``spec.task`` with ``spec.task_options``; ``tokenizer`` is the run's ``tokenizer.json``
+    (checked against ``spec.tokenizer.sha256`` by whoever fetched it), for the tasks that tokenize.
 
     Raises:
-        ConfigError: the task is unknown (the message lists the known ones) or an option is bad.
+        ConfigError: the task is unknown (the message lists the known ones), an option is bad, or a task
+            that tokenizes got no tokenizer.
     """
     factory = TASKS.get(spec.task)
     if factory is None:
         raise ConfigError(f"unknown training task {spec.task!r}; known tasks: {', '.join(sorted(TASKS))}")
-    return factory(spec)
+    return factory(spec, tokenizer)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from torch.nn import functional
 
 from protocols.training import TrainingSpec
 from shared.data.corpus import VOCABULARY, split_words
+from shared.errors import ConfigError
 from shared.tasks import TinyMLMOptions
 
 from .base import Batch
@@ -78,7 +79,8 @@ class TinyMLM:
 
     name = "tiny-mlm"
 
-    def __init__(self, spec: TrainingSpec) -> None:
+    def __init__(self, spec: TrainingSpec, tokenizer: bytes | None = None) -> None:
+        del tokenizer  # its vocabulary is the corpus's own
         self.options = TinyMLMOptions.parse(spec.task_options)
         self.seed = spec.seed
         self.text_field = spec.dataset.text_field
@@ -128,6 +130,13 @@ class TinyMLM:
             elif roll < 0.9:
                 inputs[position] = len(SPECIAL_TOKENS) + int(rng.random() * len(VOCABULARY))
         return inputs, labels
+
+    def preprocess(self, examples: Iterator[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+        return examples  # an example is a sample; collate tokenizes
+
+    def gradient_checkpointing(self, model: torch.nn.Module, enabled: bool) -> None:
+        if enabled:
+            raise ConfigError("tiny-mlm has no activation checkpointing; remove gradient_checkpointing")
 
     def collate(self, examples: Sequence[Mapping[str, Any]]) -> Batch:
         if not examples:
