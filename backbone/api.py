@@ -128,6 +128,7 @@ class ApiState:
     #: a volunteer process silent this long has its session closed (backbone.sessions sweeps)
     session_timeout: float = SESSION_TIMEOUT
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
+    tokenizer: Path | None = None  # the run's tokenizer.json, served under ``tokenizer/<sha256>``
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -412,6 +413,15 @@ def build_app(state: ApiState) -> Starlette:
         info, path = found
         return FileResponse(path, media_type="application/jsonl", headers={"x-sha256": info.sha256})
 
+    @route("tokenizer/{digest}", ["GET"], access=True)
+    async def get_tokenizer(request: Request) -> Response:
+        # The spec served names the tokenizer by its SHA-256: asking for another one is a 404, never a guess.
+        spec = state.manifest().training
+        digest = spec.tokenizer.sha256 if spec is not None else ""
+        if state.tokenizer is None or not digest or request.path_params["digest"] != digest:
+            raise HttpError(404, "unknown_tokenizer", "this backbone serves no tokenizer of that SHA-256")
+        return FileResponse(state.tokenizer, media_type="application/json", headers={"x-sha256": digest})
+
     @route("admin/users", ["POST"], admin=True)
     async def add_user(request: Request) -> Response:
         body = await _body(request, NewUser)
@@ -468,6 +478,7 @@ def build_app(state: ApiState) -> Starlette:
             capabilities,
             session,
             list_shards,
+            get_tokenizer,
             get_shard,
             add_user,
             list_users,

@@ -20,6 +20,7 @@ and only then is ``listening on …`` printed, the API served, ``run.json`` writ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import ipaddress
 import logging
@@ -64,6 +65,7 @@ from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run
 from .sessions import close_silent_sessions_forever
 from .startup import bind_api
 from .steps import record_steps_forever
+from .tokenizer import TOKENIZER_FILE, prepare_tokenizer
 
 __all__ = ["BackboneOptions", "serve_backbone"]
 
@@ -143,6 +145,11 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
         return
     await trio.to_thread.run_sync(make_private, options.data_dir)
     identity = Identity.load_or_create(options.data_dir)
+    if options.training.tokenizer.kind != "none":
+        raise ConfigError(
+            f"{options.training.task} tokenizes with the run's tokenizer, which volunteers fetch from the "
+            "backbone's API: start a pinned run (without --open)"
+        )
     logger.warning(
         "open run %s: anyone who can reach this node may join; no admission, no ledger", options.run_id
     )
@@ -185,6 +192,10 @@ async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket
             data_dir=options.data_dir,
         ) as node:
             await _prepare_shards(options.training, options.data_dir / SHARDS_DIR)
+            training = await trio.to_thread.run_sync(
+                prepare_tokenizer, options.training, options.data_dir, options.data_dir / SHARDS_DIR
+            )
+            options = dataclasses.replace(options, training=training)
             _print_listening(node)
             await _serve_pinned(node, options, run_id, authority, auth, store, shutdown, api_socket)
     finally:
@@ -275,6 +286,7 @@ async def _serve_pinned(
         on_user_removed=user_removed,
         peer_id=node.peer_id,
         shards_dir=options.data_dir / SHARDS_DIR,
+        tokenizer=(options.data_dir / TOKENIZER_FILE if options.training.tokenizer.kind != "none" else None),
     )
 
     async def sync_revocations() -> None:

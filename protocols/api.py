@@ -11,6 +11,8 @@ POST     ``refresh``             :class:`RefreshRequest` -> :class:`RefreshRespo
 GET      ``revocations``         :class:`RevocationList`
 GET      ``shards``              :class:`ShardList`: the dataset shards this backbone serves (access)
 GET      ``shards/<name>``       one shard's bytes (JSON lines; check them against its ShardInfo) (access)
+GET      ``tokenizer/<sha256>``  the run's ``tokenizer.json``, named by the SHA-256 its training spec pins
+                                 (``training.tokenizer.sha256``); check the bytes against it (access)
 GET      ``ledger``              the leaderboard (see ``backbone ledger``) (access or admin)
 POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
 POST     ``capabilities``        a peer's signed measured capabilities (``protocols.ledger``) -> receipt

@@ -6,8 +6,9 @@ and the learning-rate schedule as a function of the global step, the dataset sou
 delayed parameter updates on/off, the averaging rule (:class:`AveragingSpec`, the ``[averaging]`` table: plain
 weighted mean, CenteredClip or coordinate-wise trimmed mean, and the factor of the norm bound; the math is
 in :mod:`shared.averaging.robust`), the run's tokenizer (:class:`TokenizerSpec`, the ``[tokenizer]`` table:
-trained by the backbone or shipped, pinned by its SHA-256), and the run's step limit. ``backbone start --manifest FILE`` serves it
-inside :class:`protocols.api.Manifest`; every volunteer of a run trains exactly this.
+trained by the backbone or shipped, pinned by its SHA-256), and the run's step limit.
+``backbone start --manifest FILE`` serves it inside :class:`protocols.api.Manifest`; every volunteer of a
+run trains exactly this.
 
 **Progress records** (DHT): key :data:`PROGRESS_KEY`, subkey = the writer's peer id, value = msgpack
 :class:`Progress`, written only by that peer (subkey-owner validation), expiring after

@@ -70,10 +70,17 @@ def parse_training_spec(data: bytes, name: str = "manifest") -> TrainingSpec:
 
 
 def load_training_spec(path: Path) -> TrainingSpec:
-    """Raises ConfigError if the file is missing, unreadable or not a valid training spec."""
+    """The spec in ``path``; a relative ``tokenizer.file`` is taken relative to the manifest's directory.
+
+    Raises ConfigError if the file is missing, unreadable or not a valid training spec."""
     try:
         with path.open("rb") as file:
             data = file.read(MAX_MANIFEST_BYTES + 1)  # no more: the path may be /dev/zero
     except OSError as exc:
         raise ConfigError(f"cannot read manifest {path}: {exc.strerror}") from exc
-    return parse_training_spec(data, str(path))
+    spec = parse_training_spec(data, str(path))
+    tokenizer = spec.tokenizer
+    if tokenizer.file and not Path(tokenizer.file).expanduser().is_absolute():  # relative to the manifest
+        located = str(path.parent / Path(tokenizer.file))
+        spec = msgspec.structs.replace(spec, tokenizer=msgspec.structs.replace(tokenizer, file=located))
+    return spec

@@ -234,5 +234,5 @@ def _check_tokenizer(spec: TrainingSpec) -> None:
     if kind in ("unigram", "wordpiece", "bpe") and spec.dataset.source != "backbone":
         raise ConfigError(
             f"the backbone trains a {kind} tokenizer on the shards it serves, but dataset.source is "
-            f"{spec.dataset.source!r}: ship a tokenizer.json instead (kind = \"file\", file = \"…\")"
+            f'{spec.dataset.source!r}: ship a tokenizer.json instead (kind = "file", file = "…")'
         )

@@ -116,7 +116,16 @@ def train_tokenizer(spec: TokenizerSpec, texts: Iterable[str], *, masked_lm: boo
     Raises:
         ConfigError: ``spec.kind`` is not a trained kind, or ``texts`` holds no text.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     special = list(SPECIAL_TOKENS)
     steps = [normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]

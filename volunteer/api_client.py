@@ -55,6 +55,7 @@ from protocols.ledger import (
 )
 from shared.auth.keys import Identity
 from shared.errors import AdmissionError, PeerUnavailable, ProtocolError
+from shared.tokenizer import MAX_TOKENIZER_BYTES
 
 __all__ = ["ApiClient", "Refused"]
 
@@ -203,6 +204,23 @@ class ApiClient:
         digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
         if digest != info.sha256:
             raise ProtocolError(f"shard {info.name} does not match its SHA-256 (the backbone sent {digest})")
+        return content
+
+    async def fetch_tokenizer(self, sha256: str) -> bytes:
+        """The run's ``tokenizer.json``, checked against the SHA-256 its training spec pins.
+
+        Raises:
+            PeerUnavailable: no backbone could serve it.
+            ProtocolError: the bytes served hash to something else (or are too long to be one).
+        """
+        content = await self._get(f"tokenizer/{sha256}")
+        if len(content) > MAX_TOKENIZER_BYTES:
+            raise ProtocolError(f"the backbone sent a tokenizer of {len(content)} bytes; too long to be one")
+        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
+        if digest != sha256:
+            raise ProtocolError(
+                f"the backbone sent a tokenizer whose SHA-256 is {digest[:12]}…, not the run's {sha256[:12]}…"
+            )
         return content
 
     async def manifest(self) -> Manifest:

@@ -58,6 +58,7 @@ from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
 from .panel import training_line, training_status, training_view
 from .receipts import ReceiptBook
+from .run_tokenizer import obtain_tokenizer
 from .tasks import make_task
 from .training import Reporter, batches, train_until_stopped
 
@@ -112,7 +113,8 @@ class TrainingSession:
             import torch
 
             torch.set_num_threads(self.options.threads)
-        task = make_task(self.spec)
+        tokenizer = await obtain_tokenizer(self.spec.tokenizer, self.client, self.data_dir)
+        task = await trio.to_thread.run_sync(make_task, self.spec, tokenizer)  # imports transformers: seconds
         device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
         self.device = device
         trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device)
@@ -121,7 +123,8 @@ class TrainingSession:
         examples = open_examples(
             self.spec.dataset, seed=seed, shards=shards, cache_dir=self.data_dir / "shards"
         )
-        prefetch = Prefetcher(batches(task.collate, examples, self.spec.local_batch), depth=16)
+        samples = task.preprocess(examples)  # tokenizing and packing: in the prefetch thread
+        prefetch = Prefetcher(batches(task.collate, samples, self.spec.local_batch), depth=16)
         try:
             collab = CollaborativeOptimizer(
                 self.node,

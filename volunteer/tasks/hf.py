@@ -249,4 +249,3 @@ class HFCausalLM(HFTask):
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits
         return _per_block_mean(logits[:, :-1], ids[:, 1:])
-
