@@ -780,12 +780,20 @@ def export(
     data_dir: DataDir,
     output: Annotated[
         Path,
-        typer.Option("--output", "-o", metavar="FILE", help="The file to write, e.g. model.safetensors."),
+        typer.Option(
+            "--output",
+            "-o",
+            metavar="PATH",
+            help="The file to write (model.safetensors), or with --format hf a new folder.",
+        ),
     ],
     fmt: Annotated[
         str,
         typer.Option(
-            "--format", metavar="FORMAT", help="The file format: safetensors (the only one so far)."
+            "--format",
+            metavar="FORMAT",
+            help="safetensors (the parameters), or hf: a Hugging Face folder (config, weights, tokenizer) "
+            "that transformers' from_pretrained loads; for hf-mlm and hf-clm runs.",
         ),
     ] = "safetensors",
     step: Annotated[
@@ -798,22 +806,29 @@ def export(
         ),
     ] = None,
 ) -> None:
-    """Write the trained model, from a checkpoint, to a file.
+    """Write the trained model, from a checkpoint, to a file or a Hugging Face folder.
 
-    The file holds the model's parameters as tensors named as in the model (without the `model/`
-    prefix) and metadata with the step, run id and task.
+    The safetensors file holds the model's parameters as tensors named as in the model (without the
+    `model/` prefix) and metadata with the step, run id and task. The hf folder holds config.json,
+    model.safetensors and the run's tokenizer: AutoModelForMaskedLM.from_pretrained(folder) and
+    AutoTokenizer.from_pretrained(folder) load it.
 
     \b
-    Example:
+    Examples:
       backbone export -o model.safetensors
+      backbone export --format hf -o sahajbert/
     """
-    if fmt != "safetensors":
-        fail(f"--format {fmt!r} is not supported: only 'safetensors' is, for now", 2)
+    if fmt not in ("safetensors", "hf"):
+        fail(f"--format {fmt!r} is not supported: use safetensors or hf", 2)
     try:
         from .export import export_checkpoint
+        from .export_hf import export_hf
         from .service import CHECKPOINTS_DIR
 
-        written = export_checkpoint(data_dir / CHECKPOINTS_DIR, output, step)
+        if fmt == "hf":
+            written = export_hf(data_dir, data_dir / CHECKPOINTS_DIR, output, step)
+        else:
+            written = export_checkpoint(data_dir / CHECKPOINTS_DIR, output, step)
     except ConfigError as exc:
         fail(str(exc), 2)
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 import safetensors.numpy
 from safetensors import SafetensorError
@@ -22,20 +23,18 @@ from shared.state.blob import decode_state, state_digest
 
 from .checkpoints import CheckpointStore
 
-__all__ = ["MODEL_PREFIX", "export_checkpoint"]
+__all__ = ["MODEL_PREFIX", "export_checkpoint", "load_model_tensors"]
 
 MODEL_PREFIX = "model/"
 
 
-def export_checkpoint(directory: Path, output: Path, step: int | None = None) -> str:
-    """Write the model tensors of the newest checkpoint in ``directory`` (or that of ``step``) to
-    ``output``; return a one-line description of what was written.
+def load_model_tensors(directory: Path, step: int | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``model/*`` tensors (named without the prefix) and the metadata of the newest checkpoint in
+    ``directory``, or of ``step``'s, checked against its digest.
 
     Raises:
-        ConfigError: there is no such checkpoint, it is damaged, or ``output`` cannot be written.
+        ConfigError: there is no such checkpoint, or it is damaged.
     """
-    output = Path(output)
-    _check_output(output)
     if not directory.parent.is_dir():
         raise ConfigError(f"{directory.parent} is not a backbone data dir: give the --data-dir of a backbone")
     store = CheckpointStore(directory, readonly=True)
@@ -64,6 +63,19 @@ def export_checkpoint(directory: Path, output: Path, step: int | None = None) ->
     model = {name[len(MODEL_PREFIX) :]: t for name, t in tensors.items() if name.startswith(MODEL_PREFIX)}
     if not model:
         raise ConfigError(f"the checkpoint of step {entry.step} holds no {MODEL_PREFIX}* tensors")
+    return model, dict(metadata)
+
+
+def export_checkpoint(directory: Path, output: Path, step: int | None = None) -> str:
+    """Write the model tensors of the newest checkpoint in ``directory`` (or that of ``step``) to
+    ``output``; return a one-line description of what was written.
+
+    Raises:
+        ConfigError: there is no such checkpoint, it is damaged, or ``output`` cannot be written.
+    """
+    output = Path(output)
+    _check_output(output)
+    model, metadata = load_model_tensors(directory, step)
     out_meta = {
         "format": "pt",
         "state_format": metadata["format"],

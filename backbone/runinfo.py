@@ -16,11 +16,23 @@ from pathlib import Path
 import msgspec
 
 from protocols.auth import split_run_id
+from protocols.training import TrainingSpec
 from shared.errors import ConfigError
 
-__all__ = ["RUN_INFO", "RunInfo", "check_held_run", "held_run_conflict", "read_run_info", "write_run_info"]
+__all__ = [
+    "RUN_INFO",
+    "SERVED_SPEC",
+    "RunInfo",
+    "check_held_run",
+    "held_run_conflict",
+    "read_run_info",
+    "read_served_spec",
+    "write_run_info",
+    "write_served_spec",
+]
 
 RUN_INFO = "run.json"
+SERVED_SPEC = "training.json"  # the training spec the backbone serves (tokenizer pinned), for `export`
 
 
 class RunInfo(msgspec.Struct, frozen=True):
@@ -96,3 +108,25 @@ def check_held_run(
     if conflict is not None:
         raise ConfigError(f"{data_dir}: {conflict}")
     return held
+
+
+def write_served_spec(data_dir: Path, spec: TrainingSpec) -> None:
+    """Keep the training spec this backbone serves (with its tokenizer's SHA-256) in ``training.json``:
+    ``backbone export --format hf`` builds the model's config from it."""
+    tmp = data_dir / (SERVED_SPEC + ".tmp")
+    tmp.write_bytes(msgspec.json.encode(spec))
+    tmp.replace(data_dir / SERVED_SPEC)
+
+
+def read_served_spec(data_dir: Path) -> TrainingSpec:
+    """Raises ConfigError if the backbone of ``data_dir`` never served a run (or the file is damaged)."""
+    path = data_dir / SERVED_SPEC
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=TrainingSpec)
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"{data_dir} holds no {SERVED_SPEC}: start the run's backbone once with this data dir (it "
+            "records the training spec it serves there)"
+        ) from exc
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(f"{path} is damaged ({exc}); start the backbone again to rewrite it") from exc

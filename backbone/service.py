@@ -61,7 +61,7 @@ from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
-from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info
+from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info, write_served_spec
 from .sessions import close_silent_sessions_forever
 from .startup import bind_api
 from .steps import record_steps_forever
@@ -196,6 +196,7 @@ async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket
                 prepare_tokenizer, options.training, options.data_dir, options.data_dir / SHARDS_DIR
             )
             options = dataclasses.replace(options, training=training)
+            await trio.to_thread.run_sync(write_served_spec, options.data_dir, training)
             _print_listening(node)
             await _serve_pinned(node, options, run_id, authority, auth, store, shutdown, api_socket)
     finally:

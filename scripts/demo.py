@@ -1,10 +1,12 @@
-"""The main job: a backbone and N invited volunteers on loopback train the built-in task together.
+"""The main job: a backbone and N invited volunteers on loopback train a model together.
 
 Every node is a real process started with the real CLIs, exactly as organizers and volunteers run them:
 
-1. a demo manifest (``tiny-mlm``, a small target batch so that a step takes a second or two on a laptop's
-   CPU) is written into the work dir, and ``backbone start --manifest`` serves it in a run pinned to the
-   backbone's authority key (SQLite ledger in its data dir);
+1. a recipe's manifest (``--recipe``, from ``deploy/recipes``: by default ``tiny-mlm``, the built-in task;
+   ``albert-tiny``, a Hugging Face ALBERT with a tokenizer the backbone trains; each has a target batch
+   small enough that a step takes a second or two on a laptop's CPU) is written into the work dir, and
+   ``backbone start --manifest`` serves it in a run pinned to the backbone's authority key (SQLite
+   ledger in its data dir);
 2. ``backbone allow add`` mints one invite per volunteer, and ``volunteer join <run-id> --invite`` redeems
    it over the backbone's HTTPS API, downloads the manifest and starts training with the others;
 3. a live table (refreshed every second) shows each volunteer's step, loss and samples/s (from the
@@ -46,29 +48,7 @@ VOLUNTEER_EXIT_S = 120.0  # SIGTERM -> finish the round, send the last reports, 
 BACKBONE_EXIT_S = 30.0
 SPS_WINDOW = 10  # steps over which a volunteer's samples/s is measured
 
-# A step every second or two with three volunteers sharing two CPU cores, and a loss that visibly falls
-# from 6.4 (chance over the corpus' vocabulary) within a minute: about 5.0 after 60 s, 4.3 after 180 s.
-# The task's default model (d_model 64, 2 layers); 32,000 synthetic examples (6 MB, written in about a
-# second), so that in a few minutes no volunteer sees an example twice.
-MANIFEST = """\
-task = "tiny-mlm"
-target_batch = 128
-local_batch = 16
-checkpoint_every = 25
-keep_checkpoints = 2
-
-[optimizer]
-name = "adamw"
-lr = 0.003
-
-[schedule]
-kind = "constant"
-
-[dataset]
-generate = 16
-examples_per_shard = 2000
-shuffle_buffer = 1000
-"""
+RECIPES = Path(__file__).resolve().parents[1] / "deploy" / "recipes"  # the manifests --recipe names
 
 console = Console()
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -302,9 +282,17 @@ def prepare_work_dir(given: Path | None) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description="A backbone and N volunteers train the built-in task on loopback, then print the ledger."
+        description="A backbone and N volunteers train a model on loopback, then print the ledger."
     )
     parser.add_argument("--seconds", type=float, default=180.0, help="how long to train (default 180)")
+    recipes = sorted(p.stem for p in RECIPES.glob("*.toml"))
+    parser.add_argument(
+        "--recipe",
+        default="tiny-mlm",
+        choices=recipes,
+        help="the run's manifest, from deploy/recipes (default tiny-mlm; albert-tiny: a Hugging Face "
+        "ALBERT with a tokenizer the backbone trains)",
+    )
     parser.add_argument("--volunteers", type=int, default=3, help="how many volunteers (default 3)")
     parser.add_argument(
         "--work-dir", type=Path, help="an empty dir for data and logs (default: a fresh temp dir)"
@@ -315,7 +303,7 @@ def main() -> int:
     began = time.monotonic()
     work = prepare_work_dir(args.work_dir)
     manifest = work / "manifest.toml"
-    manifest.write_text(MANIFEST)
+    manifest.write_text((RECIPES / f"{args.recipe}.toml").read_text())
     console.print(f"work dir (data dirs, manifest, one log per process): {work}")
     signal.signal(signal.SIGTERM, _raise_stop)
 

@@ -23,7 +23,6 @@ template: they add the special tokens where their packing rule says (:mod:`volun
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TokenizerInfo",
     "read_tokenizer",
+    "tokenizer_json_config",
     "tokenizer_sha256",
     "train_tokenizer",
 ]
@@ -204,7 +204,3 @@ def tokenizer_json_config(info: TokenizerInfo, model_max_length: int) -> dict[st
         "bos_token": "[CLS]",
         "eos_token": "[SEP]",
     }
-
-
-def dumps(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
