@@ -16,6 +16,7 @@ from backbone.api import ApiState
 from backbone.ledger import LedgerStore
 from backbone.service import BackboneOptions, _serve_api
 from protocols.api import Manifest
+from protocols.training import TrainingSpec
 from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.keys import Identity
 from volunteer.api_client import ApiClient
@@ -32,10 +33,17 @@ class PinnedApi:
 
 @contextlib.asynccontextmanager
 async def serve_pinned_api(
-    data_dir: Path, shards_dir: Path | None = None, run_id: str = "api-run", database_url: str | None = None
+    data_dir: Path,
+    shards_dir: Path | None = None,
+    run_id: str = "api-run",
+    database_url: str | None = None,
+    *,
+    training: TrainingSpec | None = None,
+    tokenizer: Path | None = None,
 ) -> AsyncIterator[PinnedApi]:
     """``database_url``: the ledger (default: SQLite in ``data_dir``); two APIs of one run share the
-    authority key in their ``data_dir`` and one ``database_url``, as two backbones do."""
+    authority key in their ``data_dir`` and one ``database_url``, as two backbones do. ``training`` is
+    the spec the manifest serves, ``tokenizer`` the file served as the run's tokenizer."""
     authority = await trio.to_thread.run_sync(Authority.load_or_create, data_dir / AUTHORITY_FILE)
     pinned = pin_run_id(run_id, authority)
     url = database_url or f"sqlite:///{data_dir / 'ledger.sqlite3'}"
@@ -51,11 +59,15 @@ async def serve_pinned_api(
         store=store,
         admin_token="test-admin-token",
         manifest=lambda: Manifest(
-            run_id=pinned, authority_public_key=authority.identity.public_key_bytes, api=urls
+            run_id=pinned,
+            authority_public_key=authority.identity.public_key_bytes,
+            api=urls,
+            training=training,
         ),
         revocations=list,
         on_user_removed=no_op,
         shards_dir=shards_dir,
+        tokenizer=tokenizer,
     )
     options = BackboneOptions(
         run_id=pinned, data_dir=data_dir, listen=(), initial_peers=(), api_listen="127.0.0.1:0"
