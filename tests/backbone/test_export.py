@@ -78,7 +78,7 @@ def test_export_writes_the_checkpoint_of_a_given_step(tmp_path: Path) -> None:
         (False, (), "no checkpoint in"),
         (False, (), "yet: a running backbone stores one every checkpoint_every steps"),
         (True, ("--step", "11"), "it keeps steps 10; give one of them"),
-        (True, ("--format", "onnx"), "only 'safetensors'"),
+        (True, ("--format", "onnx"), "use safetensors or hf"),
     ],
 )
 def test_export_fails_with_exit_2_and_a_reason(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from protocols.training import DatasetSpec, OptimizerSpec, ScheduleSpec, TrainingSpec
+from protocols.training import DatasetSpec, OptimizerSpec, ScheduleSpec, TokenizerSpec, TrainingSpec
 from shared.errors import ConfigError
 from shared.manifest import load_training_spec, parse_training_spec
 from shared.tasks import TASK_OPTIONS, TinyMLMOptions, check_trainable
@@ -39,10 +40,19 @@ shuffle_buffer = 10000
     assert parse_training_spec(readme, "run.toml").optimizer.lr == 0.003
 
 
+def hf(
+    task: str = "hf-mlm", tokenizer: str = "unigram", source: str = "backbone", **options: Any
+) -> TrainingSpec:
+    """A Hugging Face task's spec with ``options`` as its task_options."""
+    dataset = DatasetSpec(source="files", files=["x.jsonl"]) if source == "files" else DatasetSpec()
+    kind = TokenizerSpec(kind=tokenizer)  # type: ignore[arg-type]
+    return TrainingSpec(task=task, task_options=options, tokenizer=kind, dataset=dataset)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (TrainingSpec(task="gpt-5"), "unknown task 'gpt-5': volunteers can train tiny-mlm"),
+        (TrainingSpec(task="gpt-5"), "unknown task 'gpt-5': volunteers can train hf-clm, hf-mlm, tiny-mlm"),
         (TrainingSpec(task_options={"d_model": 30, "heads": 4}), "multiple of heads"),
         (TrainingSpec(task_options={"width": 3}), "tiny-mlm has no option width"),
         (TrainingSpec(optimizer=OptimizerSpec(name="lamb")), "'lamb' is not available to volunteers"),
@@ -53,6 +63,18 @@ shuffle_buffer = 10000
         ),
         (TrainingSpec(schedule=ScheduleSpec(warmup_steps=50, total_steps=10)), "warmup_steps (50) exceeds"),
         (TrainingSpec(dataset=DatasetSpec(generate=8, text_field="body")), "keeps its text in 'text'"),
+        (hf(), "needs task_options.model_type"),
+        (hf(model_type="Albert!"), "needs task_options.model_type"),
+        (hf(model_type="albert", vocab_size=9), "vocab_size comes from the run's tokenizer"),
+        (hf(model_type="albert", seq_len=4), "seq_len must be an integer in [8, 65536]"),
+        (hf(model_type="albert", mask_prob=1.5), "mask_prob must be in (0, 1)"),
+        (hf(task="hf-clm", model_type="gpt2", mask_prob=0.2), "hf-clm has no option mask_prob"),
+        (hf(tokenizer="none", model_type="albert"), "add a [tokenizer] table"),
+        (hf(task="tiny-mlm"), "tiny-mlm has a vocabulary of its own"),
+        (
+            hf(model_type="albert", source="files"),
+            "the backbone trains a unigram tokenizer on the shards it serves, but dataset.source is 'files'",
+        ),
     ],
 )
 def test_check_trainable_refuses_what_no_volunteer_could_train(spec: TrainingSpec, message: str) -> None:
@@ -72,7 +94,7 @@ def test_manifest_with_an_unknown_task_is_refused_naming_the_file(tmp_path: Path
     path.write_text('task = "gpt-5"\n')
     with pytest.raises(ConfigError) as caught:
         load_training_spec(path)
-    assert str(caught.value) == f"{path}: unknown task 'gpt-5': volunteers can train tiny-mlm"
+    assert str(caught.value) == f"{path}: unknown task 'gpt-5': volunteers can train hf-clm, hf-mlm, tiny-mlm"
 
 
 def test_manifest_reads_no_more_than_its_limit_from_an_endless_file() -> None:

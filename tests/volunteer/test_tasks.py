@@ -15,7 +15,7 @@ import torch
 from protocols.training import OptimizerSpec, TrainingSpec
 from shared.data.corpus import VOCABULARY, generate_examples
 from shared.errors import ConfigError, ProjectError
-from shared.tasks import OPTIMIZERS, TASK_OPTIONS, check_trainable
+from shared.tasks import OPTIMIZERS, TASK_OPTIONS, HFOptions, check_trainable
 from volunteer.collab.trainer import make_optimizer
 from volunteer.tasks import TASKS, TinyMLM, make_task
 from volunteer.tasks.tiny_mlm import CLS, IGNORE, MASK, PAD
@@ -46,7 +46,8 @@ def _examples(seed: int, count: int) -> list[dict[str, str]]:
 
 def test_make_task_rejects_unknown_tasks_and_bad_options() -> None:
     assert isinstance(make_task(TrainingSpec()), TinyMLM)
-    with pytest.raises(ConfigError, match="unknown training task 'gpt-17'; known tasks: tiny-mlm"):
+    known = "known tasks: hf-clm, hf-mlm, tiny-mlm"
+    with pytest.raises(ConfigError, match=f"unknown training task 'gpt-17'; {known}"):
         make_task(TrainingSpec(task="gpt-17"))
     bad = [
         ({"width": 3}, "no option width; it knows d_model"),
@@ -61,15 +62,17 @@ def test_make_task_rejects_unknown_tasks_and_bad_options() -> None:
     for options, message in bad:
         with pytest.raises(ConfigError, match=message):
             make_task(TrainingSpec(task_options=options))
-    assert set(TASKS) == {"tiny-mlm"}
+    assert set(TASKS) == {"tiny-mlm", "hf-mlm", "hf-clm"}
 
 
 def test_registry_and_the_torch_free_catalog_know_the_same_tasks_with_the_same_options() -> None:
     # Backbones check a run's task against shared.tasks (no torch); volunteers build it from this registry.
     assert set(TASKS) == set(TASK_OPTIONS)
-    for name in TASKS:
-        task = make_task(TrainingSpec(task=name, task_options={"layers": 1}))
-        assert task.options == TASK_OPTIONS[name]({"layers": 1})  # type: ignore[attr-defined]
+    task = make_task(TrainingSpec(task_options={"layers": 1}))
+    assert task.options == TASK_OPTIONS["tiny-mlm"]({"layers": 1})  # type: ignore[attr-defined]
+    # the Hugging Face tasks: the same parser (test_hf_tasks builds them with a tokenizer)
+    options = {"model_type": "albert", "seq_len": 32, "hidden_size": 16}
+    assert TASK_OPTIONS["hf-mlm"](options) == HFOptions.parse("hf-mlm", options)
 
 
 @pytest.mark.parametrize("name", typing.get_args(typing.get_type_hints(OptimizerSpec)["name"]))
