@@ -1,11 +1,12 @@
 """What a run trains and how peers tell each other where they are (DESIGN §1, D6, D8; seed 000 §3.1).
 
 **The training spec** (:class:`TrainingSpec`) is the part of the run manifest that says *what* is trained:
-the task (a built-in name such as ``tiny-mlm`` plus its options), the global target batch, the optimizer
-and the learning-rate schedule as a function of the global step, the dataset source, the gradient codec,
-delayed parameter updates on/off, the averaging rule (:class:`AveragingSpec`, the ``[averaging]`` table: plain
-weighted mean, CenteredClip or coordinate-wise trimmed mean, and the factor of the norm bound; the math is
-in :mod:`shared.averaging.robust`), the run's tokenizer (:class:`TokenizerSpec`, the ``[tokenizer]`` table:
+the task (a built-in name such as ``tiny-mlm``, or a plugin's with the ``plugin`` it needs, plus its
+options), the global target batch, the optimizer and the learning-rate schedule as a function of the
+global step, the dataset source, the gradient codec, delayed parameter updates on/off, the averaging rule
+(:class:`AveragingSpec`, the ``[averaging]`` table: plain weighted mean, CenteredClip or coordinate-wise
+trimmed mean, and the factor of the norm bound; the math is in :mod:`shared.averaging.robust`), the
+run's tokenizer (:class:`TokenizerSpec`, the ``[tokenizer]`` table:
 trained by the backbone or shipped, pinned by its SHA-256), and the run's step limit.
 ``backbone start --manifest FILE`` serves it inside :class:`protocols.api.Manifest`; every volunteer of a
 run trains exactly this.
@@ -60,6 +61,8 @@ Step = Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)]
 Samples = Annotated[int, msgspec.Meta(ge=0, le=_MAX_SAMPLES)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+#: ``distribution==version`` (PEP 508 names, PEP 440 versions), or empty
+PLUGIN_REQUIREMENT = r"^([A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9][A-Za-z0-9.+!_-]*)?$"
 OptionValue = int | float | str | bool
 
 
@@ -191,6 +194,9 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
     run that uses none of a newer release's fields is still read by volunteers of the older one."""
 
     task: Name = "tiny-mlm"
+    #: a task of an installed plugin: the distribution and exact version it comes from, ``name==version``
+    #: (``""`` for the built-in tasks); see :mod:`volunteer.tasks.plugins`
+    plugin: Annotated[str, msgspec.Meta(max_length=200, pattern=PLUGIN_REQUIREMENT)] = ""
     task_options: Annotated[dict[Name, OptionValue], msgspec.Meta(max_length=64)] = {}
     target_batch: Annotated[int, msgspec.Meta(ge=1, le=2**30)] = 256
     local_batch: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 16  # samples per forward/backward

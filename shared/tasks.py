@@ -10,7 +10,9 @@ classes, and a test checks that both know the same task names, so the two cannot
 
 Rules :func:`check_trainable` adds to the manifest's field-by-field validation (``protocols.training``):
 
-* the task is in :data:`TASK_OPTIONS` and its ``task_options`` parse;
+* the task is in :data:`TASK_OPTIONS` and its ``task_options`` parse, or the spec names the ``plugin``
+  (``distribution==version``) that brings it: a plugin's options are checked by the volunteers that
+  have it installed, not here;
 * the optimizer is one of :data:`OPTIMIZERS` (``lamb`` is named by the wire format but not built);
   ``momentum`` is set only for ``sgd`` (the others would ignore it silently);
 * ``local_batch <= target_batch``: one micro-batch must not overshoot the global batch by itself;
@@ -189,11 +191,15 @@ def check_trainable(spec: TrainingSpec) -> None:
         ConfigError: the first rule ``spec`` breaks, saying what to change.
     """
     parse = TASK_OPTIONS.get(spec.task)
-    if parse is None:
+    if parse is not None and spec.plugin:
+        raise ConfigError(f"{spec.task} is a built-in task: remove plugin = {spec.plugin!r}")
+    if parse is None and not spec.plugin:
         raise ConfigError(
-            f"unknown task {spec.task!r}: volunteers can train {', '.join(sorted(TASK_OPTIONS))}"
+            f"unknown task {spec.task!r}: volunteers can train {', '.join(sorted(TASK_OPTIONS))}, or the "
+            'task of a plugin the manifest names (plugin = "distribution==version")'
         )
-    parse(spec.task_options)
+    if parse is not None:  # a plugin's options are the plugin's to check, on the volunteers
+        parse(spec.task_options)
     optimizer = spec.optimizer
     if optimizer.name not in OPTIMIZERS:
         raise ConfigError(

@@ -1,7 +1,9 @@
 """Task names to task factories: what a run's ``training.task`` may name.
 
 Every name here is in :data:`shared.tasks.TASK_OPTIONS` (the torch-free catalog backbones check a run's
-spec against) with the same options parser, and the other way round: a test checks both.
+spec against) with the same options parser, and the other way round: a test checks both. A spec that
+names a ``plugin`` gets its task from that installed plugin instead (:mod:`volunteer.tasks.plugins`),
+through the same interface: a factory called with the spec and the run's tokenizer.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from shared.errors import ConfigError
 
 from .base import Task
 from .hf import HFCausalLM, HFMaskedLM
+from .plugins import plugin_factory
 from .tiny_mlm import TinyMLM
 
 __all__ = ["TASKS", "make_task"]
@@ -33,6 +36,11 @@ def make_task(spec: TrainingSpec, tokenizer: bytes | None = None) -> Task:
         ConfigError: the task is unknown (the message lists the known ones), an option is bad, or a task
             that tokenizes got no tokenizer.
     """
+    if spec.plugin:
+        if spec.task in TASKS:
+            raise ConfigError(f"{spec.task} is a built-in task: remove plugin = {spec.plugin!r}")
+        task: Task = plugin_factory(spec.task, spec.plugin)(spec, tokenizer)
+        return task
     factory = TASKS.get(spec.task)
     if factory is None:
         raise ConfigError(f"unknown training task {spec.task!r}; known tasks: {', '.join(sorted(TASKS))}")
