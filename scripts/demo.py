@@ -14,7 +14,9 @@ Every node is a real process started with the real CLIs, exactly as organizers a
    collaboration's step and loss as the backbone recorded them in its ledger;
 4. after ``--seconds``, every volunteer gets SIGTERM: it finishes the round it is in, sends its last
    contribution reports and must exit 0; then ``backbone ledger`` prints who contributed what and
-   ``backbone ledger --steps`` the last steps and the loss curve; then the backbone is stopped.
+   ``backbone ledger --steps`` the last steps and the loss curve; then the backbone is stopped;
+5. for a Hugging Face recipe, ``backbone export --format hf`` writes the last checkpoint as a folder, and
+   a fresh interpreter loads it with ``transformers``' ``from_pretrained`` and fills in a masked word.
 
 Each process writes its stdout and stderr to ``<name>.log`` in the work dir (a fresh temporary directory
 unless ``--work-dir`` is given); the demo prints where they are.
@@ -267,6 +269,43 @@ def show_codes(codes: dict[str, int | None]) -> None:
         console.print(f"  {name}: exit code {'—' if code is None else code} {verdict}")
 
 
+# Run in a fresh interpreter, as a user of the exported folder would: transformers alone, no project code.
+FILL_MASK = """
+import sys, torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+model = AutoModelForMaskedLM.from_pretrained(sys.argv[1]).eval()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+text = "the farmer feeds the hungry [MASK] in the barn."
+ids = tokenizer(text, return_tensors="pt")
+with torch.no_grad():
+    logits = model(**ids).logits[0]
+where = (ids["input_ids"][0] == tokenizer.mask_token_id).nonzero()[0, 0]
+best = tokenizer.convert_ids_to_tokens(logits[where].topk(5).indices.tolist())
+print(f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters; {text!r}: {best}")
+"""
+
+
+def export_and_load(backbone: Node, out: Path) -> bool:
+    """A Hugging Face run: export the last checkpoint as a folder and load it with from_pretrained."""
+    if not any((backbone.data / "checkpoints").glob("*.safetensors")):
+        console.print("no checkpoint stored yet (a short run): nothing to export", highlight=False)
+        return True
+    argv = cli("backbone", "export", "--data-dir", str(backbone.data), "--format", "hf", "-o", str(out))
+    exported = subprocess.run(argv, env=ENV, capture_output=True, text=True, check=False)
+    if exported.returncode != 0:
+        console.print(f"[red]backbone export --format hf failed:[/] {exported.stderr.strip()}")
+        return False
+    console.print(exported.stdout.strip(), highlight=False)
+    loaded = subprocess.run(
+        [sys.executable, "-c", FILL_MASK, str(out)], env=ENV, capture_output=True, text=True, check=False
+    )
+    if loaded.returncode != 0:
+        console.print(f"[red]from_pretrained failed:[/] {loaded.stderr.strip()[-800:]}")
+        return False
+    console.print(f"loaded with from_pretrained: {loaded.stdout.strip()}", highlight=False)
+    return True
+
+
 def _raise_stop(signum: int, _frame: FrameType | None) -> None:
     raise Stop(signal.Signals(signum).name)
 
@@ -350,6 +389,8 @@ def main() -> int:
         show_codes(backbone_code)
         codes |= backbone_code
     ok = ok and bool(codes) and all(code == 0 for code in codes.values())
+    if ok and backbone is not None and '"hf-' in manifest.read_text():
+        ok = export_and_load(backbone, work / "hf-export")
     console.print(f"logs: {work}/<node>.log; total time {time.monotonic() - began:.0f} s")
     console.print("[green]every node left cleanly[/]" if ok else "[red]some node failed; see its log[/]")
     return 0 if ok else 1
