@@ -60,7 +60,7 @@ from protocols.training import AveragingSpec
 from shared.errors import ProjectError
 
 from .partition import DEFAULT_PART_NUMEL, Slice, num_parts, part_bounds, slice_views
-from .robust import ClipReport, aggregate, norm_outliers, sq_norm
+from .robust import SMALLEST_EXACT_SQUARE, ClipReport, aggregate, norm_outliers, sq_norm
 
 __all__ = [
     "DEFAULT_RULE",
@@ -80,10 +80,6 @@ Float32Array = npt.NDArray[np.float32]
 #: bound off; a manifest cannot (its decoder caps k at 1e6): for tests of the arithmetic and baselines.
 DEFAULT_RULE = AveragingSpec()
 _NOT_BANNING = ("UNKNOWN_SENDER", "DROPPED", "FINALIZED", "BANNED")
-
-
-#: below this, a float32 sum of squares has lost digits to underflow (float32's smallest normal is 1.2e-38)
-_SMALLEST_EXACT_SQUARE = 1e-30
 
 
 class RejectReason(enum.Enum):
@@ -244,7 +240,7 @@ class SliceReducer:
         # float32 overflow of finite values, or underflow of tiny ones (squares below ~1e-38 lose their
         # digits, and a part of 1e-34s would measure 0, so the relative bound would have no scale to apply
         # to a liar): recomputed in float64, where both are exact enough to compare
-        wide = not (_SMALLEST_EXACT_SQUARE <= square < math.inf) and values.any()
+        wide = not (SMALLEST_EXACT_SQUARE <= square < math.inf) and values.any()
         norm = math.sqrt(sq_norm(values)) if wide else math.sqrt(square)
         if norm > self.max_norm:
             return RejectReason.ABSURD_NORM, f"{norm:.3g} > {self.max_norm:.3g}", norm

@@ -115,6 +115,9 @@ Float32Array = npt.NDArray[np.float32]
 Float64Array = npt.NDArray[np.float64]
 #: Coordinates processed at a time by the per-coordinate rules (bounded temporaries, cache friendly).
 CHUNK = 1 << 16
+#: below this, a float32 sum of squares has lost digits to underflow (float32's smallest normal is 1.2e-38):
+#: norms and distances that small are measured again in float64
+SMALLEST_EXACT_SQUARE = 1e-30
 #: CenteredClip stops once a step moves the estimate by at most this fraction of τ.
 CLIP_TOLERANCE = 1e-4
 
@@ -243,11 +246,12 @@ class ClipReport:
 
 def _difference(x: Float32Array, v: Float64Array, v32: Float32Array, buf: Float32Array) -> tuple[Any, float]:
     """``x - v`` and its norm: in float32 (into ``buf``), or in float64 (a new array) when float32
-    overflows (inputs near the float32 limit: only possible for parts that are outliers anyway)."""
-    with np.errstate(over="ignore", invalid="ignore"):
+    overflows (inputs near the float32 limit: only possible for parts that are outliers anyway) or
+    underflows (differences near float32's smallest normal, whose squares would measure 0)."""
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         np.subtract(x, v32, out=buf)
         square = float(np.dot(buf, buf))
-    if math.isfinite(square):
+    if SMALLEST_EXACT_SQUARE <= square < math.inf or (square == 0.0 and np.array_equal(x, v)):
         return buf, math.sqrt(square)
     wide = np.subtract(x, v, dtype=np.float64)
     return wide, math.sqrt(_dot(wide))

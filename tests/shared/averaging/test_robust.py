@@ -145,6 +145,21 @@ def test_a_sender_over_the_bound_in_one_part_is_out_of_every_part() -> None:
     assert np.all(result == 1.0)
 
 
+def test_parts_near_float32s_smallest_normal_are_measured_not_rounded_to_zero() -> None:
+    """Found by hypothesis: squares of values near 1e-34 underflow in float32, so honest parts measured 0
+    and the relative bound had no scale to hold a liar of norm 1 to; and distances near 1.2e-38 measured 0,
+    so with a radius of 0 every input looked within it and CenteredClip returned the mean."""
+    tiny = np.array([1.1440573e-34], dtype=F32)
+    liar = np.array([1.0], dtype=F32)
+    result, reducer = reduce([liar, tiny, tiny], [1.0, 1.0, 1.0], AveragingSpec(), part_numel=1)
+    assert reducer.completeness().banned == ((PEERS[0], RejectReason.OUTLIER_NORM),)
+    assert result.tobytes() == tiny.tobytes()
+    xs = [np.zeros(1, dtype=F32), np.zeros(1, dtype=F32), np.array([1.1754944e-38], dtype=F32)]
+    clipped, reducer = reduce(xs, [1.0, 1.0, 1.0], AveragingSpec("centered-clip", math.inf, clip_factor=1e6))
+    assert reducer.clip_report is not None and reducer.clip_report.tau == 0.0  # most inputs are the median
+    assert np.array_equal(clipped, np.zeros(1, dtype=F32))  # ... so it is the result, not the mean
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_mean_under_the_bound_stays_within_k_honest_norms(data: st.DataObject) -> None:
