@@ -13,7 +13,7 @@ Rules :func:`check_trainable` adds to the manifest's field-by-field validation (
 * the task is in :data:`TASK_OPTIONS` and its ``task_options`` parse, or the spec names the ``plugin``
   (``distribution==version``) that brings it: a plugin's options are checked by the volunteers that
   have it installed, not here;
-* the optimizer is one of :data:`OPTIMIZERS` (``lamb`` is named by the wire format but not built);
+* the optimizer is one of :data:`OPTIMIZERS` (all the wire format names);
   ``momentum`` is set only for ``sgd`` (the others would ignore it silently);
 * ``local_batch <= target_batch``: one micro-batch must not overshoot the global batch by itself;
 * ``schedule.warmup_steps <= schedule.total_steps``;
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The optimizers a volunteer builds (``volunteer.collab.trainer.make_optimizer``).
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "lamb")
 #: The field of each example of the synthetic corpus a backbone generates (``shared.data.corpus``).
 GENERATED_TEXT_FIELD = "text"
 

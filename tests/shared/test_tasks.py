@@ -55,8 +55,8 @@ def hf(
         (TrainingSpec(task="gpt-5"), "unknown task 'gpt-5': volunteers can train hf-clm, hf-mlm, tiny-mlm"),
         (TrainingSpec(task_options={"d_model": 30, "heads": 4}), "multiple of heads"),
         (TrainingSpec(task_options={"width": 3}), "tiny-mlm has no option width"),
-        (TrainingSpec(optimizer=OptimizerSpec(name="lamb")), "'lamb' is not available to volunteers"),
         (TrainingSpec(optimizer=OptimizerSpec(momentum=0.9)), "momentum applies to sgd only"),
+        (TrainingSpec(optimizer=OptimizerSpec(name="lamb", momentum=0.9)), "momentum applies to sgd only"),
         (
             TrainingSpec(target_batch=64, local_batch=128),
             "local_batch (128) is larger than target_batch (64)",
@@ -83,8 +83,9 @@ def test_check_trainable_refuses_what_no_volunteer_could_train(spec: TrainingSpe
     assert message in str(caught.value)
 
 
-def test_check_trainable_allows_sgd_momentum_and_own_shards_with_another_text_field() -> None:
+def test_check_trainable_allows_sgd_momentum_lamb_and_own_shards_with_another_text_field() -> None:
     check_trainable(TrainingSpec(optimizer=OptimizerSpec(name="sgd", momentum=0.9)))
+    check_trainable(TrainingSpec(optimizer=OptimizerSpec(name="lamb", weight_decay=0.01)))
     check_trainable(TrainingSpec(dataset=DatasetSpec(generate=0, text_field="body")))
     check_trainable(TrainingSpec(target_batch=16, local_batch=16))
 

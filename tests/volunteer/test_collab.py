@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
+import pytest
 import torch
 import trio
 
@@ -58,12 +59,12 @@ def examples(seed: int, count: int) -> list[dict[str, Any]]:
     return [{"x": x.tolist(), "y": float(x @ w + 0.1 * rng.normal())} for x in xs]
 
 
-def spec(target: int, *, dpu: bool = False) -> TrainingSpec:
+def spec(target: int, *, dpu: bool = False, optimizer: Literal["adamw", "lamb"] = "adamw") -> TrainingSpec:
     return TrainingSpec(
         task="linear-test",
         target_batch=target,
         local_batch=target,
-        optimizer=OptimizerSpec(name="adamw", lr=0.05),
+        optimizer=OptimizerSpec(name=optimizer, lr=0.05),
         schedule=ScheduleSpec(kind="constant"),
         dpu=dpu,
         checkpoint_every=1000,
@@ -120,9 +121,12 @@ async def start_collab(
     return collab
 
 
-async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(
+    nursery: trio.Nursery, optimizer: Literal["adamw", "lamb"]
+) -> None:
     b, steps = 16, 4
-    training = spec(2 * b)
+    training = spec(2 * b, optimizer=optimizer)
     nodes = await start_nodes(nursery, 2)
     books = [ReceiptBook(node.peer_id) for node in nodes]
     peers = [
@@ -165,9 +169,12 @@ async def test_two_peers_with_batch_b_equal_one_process_with_batch_2b(nursery: t
         assert all(p.aggregator != node.peer_id and p.nbytes > 0 for p in pulled)
 
 
-async def test_a_newcomer_downloads_the_state_and_steps_with_the_others(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+async def test_a_newcomer_downloads_the_state_and_steps_with_the_others(
+    nursery: trio.Nursery, optimizer: Literal["adamw", "lamb"]
+) -> None:
     b = 8
-    training = spec(2 * b)
+    training = spec(2 * b, optimizer=optimizer)
     nodes = await start_nodes(nursery, 3)
     first, second = [await start_collab(nursery, node, training) for node in nodes[:2]]
     task = LinearTask()

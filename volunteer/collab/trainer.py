@@ -41,6 +41,8 @@ from shared.errors import StateError
 from shared.state.blob import STATE_FORMAT, decode_state, encode_state
 from shared.state.lineage import decode_lineage, encode_lineage, extend_lineage
 
+from .lamb import Lamb
+
 if TYPE_CHECKING:
     from ..tasks import Task
 
@@ -72,7 +74,7 @@ def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> tor
             params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
         )
     if spec.name == "lamb":
-        raise StateError("the lamb optimizer is not available in this build; use adamw")
+        return Lamb(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay)
     return torch.optim.AdamW(
         params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
     )
