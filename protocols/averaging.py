@@ -325,7 +325,7 @@ class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
     ``overflow``: the peer's fp16 gradient overflowed at the collaboration's loss scale; it sends nothing
     (weight and norm 0) and every member of the round skips the step together if the claim is believed
-    (the rule and its bound on liars: :mod:`volunteer.collab.precision`).
+    (the rule and its bound on liars: :mod:`volunteer.precision`).
     """
 
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None

@@ -10,8 +10,8 @@ import numpy as np
 import trio
 
 from volunteer.collab.optimizer import CollaborativeOptimizer
-from volunteer.collab.precision import FLOOR_EXPONENT, LossScale, Precision
 from volunteer.collab.trainer import LocalTrainer
+from volunteer.precision import FLOOR_EXPONENT, LossScale, Precision
 
 from .test_collab import CONFIG, LinearTask, examples, see_each_other, spec, start_nodes
 from .test_precision import TEST_SCALE

@@ -14,7 +14,8 @@ from protocols.training import OptimizerSpec, ScheduleSpec, TrainingSpec
 from shared.averaging.groups import leader_of
 from shared.averaging.matchmaking import Matchmaker, PlanRefused
 from shared.errors import ConfigError
-from volunteer.collab.precision import (
+from volunteer.collab.trainer import LocalTrainer
+from volunteer.precision import (
     CEILING_EXPONENT,
     FLOOR_EXPONENT,
     INITIAL_EXPONENT,
@@ -22,7 +23,6 @@ from volunteer.collab.precision import (
     after_round,
     resolve_precision,
 )
-from volunteer.collab.trainer import LocalTrainer
 
 from ..shared.averaging.test_strangers import tickets_for
 from .test_collab import LinearTask, examples

@@ -36,8 +36,8 @@ enters follows at once unless the rest takes less than half a matchmaking window
 first step, a newcomer, alone) the collaboration's estimate rules as before; one who holds longer than
 ``hold_patience`` (a member died) goes back to it.
 
-**Loss scaling** (:mod:`.precision`): a member whose fp16 gradient overflowed joins to receive only and
-says so in its ticket; when the plan shows a believed claim, every member skips the step without
+**Loss scaling** (:mod:`volunteer.precision`): a member whose fp16 gradient overflowed joins to receive
+only and says so in its ticket; when the plan shows a believed claim, every member skips the step without
 averaging (the trainer advances the step, parameters unchanged, and halves the scale). A non-finite
 gradient that no claim can make use of is dropped rather than put back for the next attempt.
 
@@ -70,9 +70,9 @@ from shared.node import Node
 from shared.progress import MAX_EXTRAPOLATION, CollabView, held_for, micro_batch_budget, quotas
 from shared.tolerated import Tolerated
 
+from ..precision import believed
 from ..receipts import ReceiptBook
 from .phase import PeerState, Phase
-from .precision import believed
 from .progress_board import ProgressBoard
 from .torch_thread import run_torch
 from .trainer import Accumulated, LocalTrainer

@@ -22,14 +22,14 @@ step, that peers compare to detect divergence; ``lineage`` holds the fingerprint
 travels in the state's metadata (:mod:`shared.state.lineage`), so a peer that loads a state can tell which
 of its own steps the collaboration did not take.
 
-**Precision** (:mod:`.precision`). The task's forward pass and loss run under autocast to the trainer's
-``precision``; with fp16 the loss is multiplied by the collaboration's loss scale S before ``backward()``
-and ``take_gradients()`` divides the sum by the S it was accumulated with (a power of two: exact). The S of
-an accumulation is fixed at its first micro-batch, so micro-batches computed while a step changes S (delayed
-parameter updates) are unscaled by the S they used. ``apply(mean_gradient, overflow=...)`` follows the
-collective rule (:func:`.precision.after_round`): a skipped step advances ``step`` with the parameters and
-optimizer state unchanged. The scale is part of the state (``loss_scale`` metadata) and of the fingerprint,
-so a peer whose scale differs is seen to diverge.
+**Precision** (:mod:`volunteer.precision`). The task's forward pass and loss run under autocast to the
+trainer's ``precision``; with fp16 the loss is multiplied by the collaboration's loss scale S before
+``backward()`` and ``take_gradients()`` divides the sum by the S it was accumulated with (a power of two:
+exact). The S of an accumulation is fixed at its first micro-batch, so micro-batches computed while a step
+changes S (delayed parameter updates) are unscaled by the S they used. ``apply(mean_gradient, overflow=...)``
+follows the collective rule (:func:`volunteer.precision.after_round`): a skipped step advances ``step`` with
+the parameters and optimizer state unchanged. The scale is part of the state (``loss_scale`` metadata) and of
+the fingerprint, so a peer whose scale differs is seen to diverge.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from shared.errors import StateError
 from shared.state.blob import STATE_FORMAT, decode_state, encode_state
 from shared.state.lineage import decode_lineage, encode_lineage, extend_lineage
 
-from .precision import LossScale, Precision, after_round, autocast
+from ..precision import LossScale, Precision, after_round, autocast
 
 if TYPE_CHECKING:
     from ..tasks import Task
@@ -202,8 +202,9 @@ class LocalTrainer:
         """One optimizer step with ``mean_gradient`` (the collaboration's average); returns the new step.
 
         ``overflow``: a member of the round claimed an fp16 overflow; ``mean_gradient`` None: there is no
-        finite vector to apply. The loss scale's rule (:func:`.precision.after_round`) decides whether the
-        step is skipped: then ``step`` advances with the parameters and optimizer state unchanged."""
+        finite vector to apply. The loss scale's rule (:func:`volunteer.precision.after_round`) decides
+        whether the step is skipped: then ``step`` advances with the parameters and optimizer state
+        unchanged."""
         if mean_gradient is not None and mean_gradient.shape != (self.numel,):
             raise ValueError(f"gradient has shape {mean_gradient.shape}, expected ({self.numel},)")
         with self._lock:
