@@ -216,7 +216,7 @@ class BatchStep:
         """How many samples our next micro-batch may hold (0: our share is done, wait for the round)."""
         quota = self._quota_now(self.board.view)
         limit = self.spec.target_batch if quota is None or self.peer.averaging else quota
-        return micro_batch_budget(self.trainer.samples, limit, self.spec.local_batch)
+        return micro_batch_budget(self.trainer.samples, limit, self.trainer.micro_batch)
 
     def _estimate(self) -> float:
         """The collaboration's samples at our step now: the last view, our samples since, and the others'
