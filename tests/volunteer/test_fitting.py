@@ -3,8 +3,11 @@ that raises torch's out-of-memory error above a size) on the CPU."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
+import msgspec
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -80,3 +83,24 @@ def test_a_repeated_batch_has_the_shapes_of_the_original_per_sample() -> None:
     grown = repeat_batch(batch, 7)
     assert grown["x"].shape == (7, 2) and grown["y"].tolist() == [0, 1, 2, 0, 1, 2, 0]
     assert grown["scale"] is batch["scale"]
+
+
+class CheckpointingTask(LinearTask):
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def gradient_checkpointing(self, enabled: bool) -> None:
+        self.calls.append(enabled)
+
+
+def test_the_manifest_turns_on_a_tasks_activation_checkpointing_and_a_task_without_it_still_trains(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    task = CheckpointingTask()
+    LocalTrainer(task, spec(), "r")  # type: ignore[arg-type]
+    assert task.calls == []
+    LocalTrainer(task, msgspec.structs.replace(spec(), gradient_checkpointing=True), "r")  # type: ignore[arg-type]
+    assert task.calls == [True]
+    with caplog.at_level(logging.WARNING):
+        LocalTrainer(LinearTask(), msgspec.structs.replace(spec(), gradient_checkpointing=True), "r")  # type: ignore[arg-type]
+    assert "gradient checkpointing" in caplog.text

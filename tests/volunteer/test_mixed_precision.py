@@ -13,7 +13,7 @@ from volunteer.collab.optimizer import CollaborativeOptimizer
 from volunteer.collab.trainer import LocalTrainer
 from volunteer.precision import FLOOR_EXPONENT, LossScale, Precision
 
-from .test_collab import CONFIG, LinearTask, examples, see_each_other, spec, start_nodes
+from .test_collab import CONFIG, LinearTask, examples, see_each_other, spec, start_collab, start_nodes
 from .test_precision import TEST_SCALE
 
 
@@ -103,3 +103,40 @@ async def test_an_overflow_claim_at_the_floor_of_the_scale_is_not_believed(nurse
     assert [p.trainer.step for p in peers] == [1, 1]
     assert not np.array_equal(identical(peers), start)  # stepped with peer 1's gradient alone
     assert peers[0].trainer.loss_scale == LossScale(FLOOR_EXPONENT, 1)
+
+
+async def test_a_lone_peer_never_applies_a_non_finite_gradient(nursery: trio.Nursery) -> None:
+    """Regression: a volunteer alone in the run stepped with its own gradient even when it held NaN,
+    and its parameters became NaN for good."""
+    (node,) = await start_nodes(nursery, 1)
+    peer = await start_collab(nursery, node, spec(8))
+    start = peer.trainer.parameter_vector().copy()
+    await peer.accumulate(LinearTask().collate(examples(6, 8)))
+    peer.trainer.params[0].grad[0, 0] = float("nan")  # type: ignore[index]
+    await peer.refresh_view()
+    assert await peer.average_and_step()
+    assert peer.trainer.step == 1
+    assert np.array_equal(peer.trainer.parameter_vector(), start)
+
+
+async def test_a_non_finite_gradient_no_claim_can_use_is_dropped_not_retried_forever(
+    nursery: trio.Nursery,
+) -> None:
+    """Regression: a failed round put a NaN gradient back into the accumulators, so every later round
+    saw it again (the member could only ever receive); now it is dropped with its samples."""
+    b = 8
+    peers = await pair(nursery, "fp32", b)
+    data = examples(7, 2 * b)
+    task = LinearTask()
+
+    async def one(i: int) -> None:
+        await peers[i].accumulate(task.collate(data[i * b : (i + 1) * b]))
+        peers[i].trainer.params[0].grad[0, 0] = float("nan")  # type: ignore[index]
+        await peers[i].refresh_view()
+        assert not await peers[i].average_and_step()  # nobody has a usable gradient: no step
+
+    async with trio.open_nursery() as group:
+        for i in range(2):
+            group.start_soon(one, i)
+    assert [p.trainer.samples for p in peers] == [0, 0]
+    assert all(p.grad is None or bool(p.grad.isfinite().all()) for c in peers for p in c.trainer.params)
