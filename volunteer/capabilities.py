@@ -136,8 +136,10 @@ def choose_device(choice: str) -> str:
 
 
 def choose_precision(choice: str, device: str) -> Precision:
-    """:func:`~volunteer.precision.resolve_precision` for ``device`` (a :func:`choose_device` result)
-    with what torch reports about it: whether a CUDA device computes in bf16. Imports torch for CUDA.
+    """:func:`~volunteer.precision.resolve_precision` for ``device`` (a :func:`choose_device` result) with
+    what torch reports about it: whether a CUDA device computes in bf16 natively (compute capability 8.0,
+    Ampere, and later; ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only emulated, on a
+    T4, which would be slower than fp16). Imports torch for CUDA.
 
     Raises:
         ConfigError: an unknown choice, or a precision ``device`` cannot autocast to.
@@ -146,8 +148,7 @@ def choose_precision(choice: str, device: str) -> Precision:
     if device.startswith("cuda"):
         import torch  # here, not at import time: loading torch takes seconds
 
-        with torch.cuda.device(device):
-            bf16 = bool(torch.cuda.is_bf16_supported())
+        bf16 = torch.cuda.get_device_capability(device)[0] >= 8
     return resolve_precision(choice, device, bf16)
 
 
