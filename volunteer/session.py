@@ -182,6 +182,10 @@ class TrainingSession:
         wanted = self.options.micro_batch
         if wanted:
             trainer.micro_batch = min(wanted, self.spec.target_batch)
+            if wanted > self.spec.target_batch:
+                logger.warning(
+                    "--micro-batch %d is above the run's target batch: using %d", wanted, trainer.micro_batch
+                )
             return examples
         if not self.device.startswith("cuda"):
             return examples
@@ -287,6 +291,7 @@ class TrainingSession:
             "samples": record.samples,  # ours
             "batch": record.batch,  # the step's global batch (every member's samples)
             "peers": record.peers,
+            "skipped": record.skipped,  # a collective loss-scale overflow: parameters unchanged
             "averaging_s": round(record.seconds, 4),
             "time": record.finished_at,
         }
