@@ -25,9 +25,9 @@ so it must change identically on every member, from what every member saw identi
    overflow claim is **believed** only while the scale is above its floor. Believed: every member skips
    the step (no optimizer step, gradients of the round dropped), S halves and the count of clean steps
    restarts. Not believed, or no claim: the step is taken as usual (the claimant received only) and counts
-   as clean; after ``G`` clean steps in a row S doubles (up to a ceiling). ``usable`` is False only when
-   the vector to apply is itself not finite (a lone member's own overflow): that step is skipped too,
-   without a scale change beyond the claim's.
+   as clean; after ``G`` clean steps in a row S doubles, up to its initial value (the ceiling).
+   ``usable`` is False only when the vector to apply is itself not finite (a lone member's own overflow):
+   that step is skipped too, without a scale change beyond the claim's.
 4. Members that do not scale the loss (bf16, fp32) run the same bookkeeping on the same inputs, so the
    state -- scale included -- stays identical on every member whatever precision each one uses.
 
@@ -46,7 +46,9 @@ single process.
 never halved below the floor, so believed claims number at most ``log2(S_0 / floor)`` plus one per
 doubling, and a doubling takes ``G`` clean steps: over ``T`` steps a liar (or many) makes the
 collaboration skip at most ``INITIAL_EXPONENT - FLOOR_EXPONENT + T / (G + 1)`` of them (16 + T/201 with
-the defaults), however often it claims. At the floor a claim changes nothing at all: the step is taken
+the defaults), however often it claims, and never more than ``CEILING_EXPONENT - FLOOR_EXPONENT`` (16) in a
+row: S never grows past its initial 2**16, so a long clean stretch (a bf16 or fp32 run, where S is never
+used) banks no credit for a burst of skips. At the floor a claim changes nothing at all: the step is taken
 without the claimant's samples, which is what any member with a bad gradient already costs. A claim
 cannot be forged for another member (tickets are signed, the plan is checked against them), and a ticket
 that claims overflow with a positive weight or norm is malformed.
@@ -83,8 +85,8 @@ PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 INITIAL_EXPONENT = 16
 #: No claim is believed at S = 2**0: at most 16 skips before the floor binds (module docstring, "Liars").
 FLOOR_EXPONENT = 0
-#: S never grows past 2**24: float32 gradients of any trainable model stay far from overflow there.
-CEILING_EXPONENT = 24
+#: S never grows past its initial 2**16: a liar's longest burst of skips is 16 (module docstring, "Liars").
+CEILING_EXPONENT = INITIAL_EXPONENT
 #: Clean steps before S doubles; a liar can cost at most one step in ``GROWTH_INTERVAL + 1``.
 GROWTH_INTERVAL = 200
 

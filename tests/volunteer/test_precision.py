@@ -33,13 +33,16 @@ from .test_collab import LinearTask, examples
 def test_no_sequence_of_claims_skips_more_than_the_floor_and_one_step_per_growth_interval(
     claims: list[bool], growth: int
 ) -> None:
-    state, skipped = LossScale(), 0
+    state, skipped, run, longest = LossScale(), 0, 0, 0
     for claimed in claims:
         state, skip = after_round(state, claimed, growth_interval=growth)
         skipped += skip
+        run = run + 1 if skip else 0
+        longest = max(longest, run)
         assert FLOOR_EXPONENT <= state.exponent <= CEILING_EXPONENT
         assert 0 <= state.clean < growth
     assert skipped <= INITIAL_EXPONENT - FLOOR_EXPONENT + len(claims) / (growth + 1)
+    assert longest <= CEILING_EXPONENT - FLOOR_EXPONENT == 16
 
 
 @settings(max_examples=100, deadline=None)
@@ -59,6 +62,7 @@ def test_a_claim_is_believed_above_the_floor_only_and_an_unusable_vector_is_neve
 
 
 def test_clean_steps_double_the_scale_after_the_growth_interval_up_to_the_ceiling() -> None:
+    assert CEILING_EXPONENT == INITIAL_EXPONENT
     state = LossScale(3, 0)
     for _ in range(2):
         state, _ = after_round(state, False, growth_interval=3)
