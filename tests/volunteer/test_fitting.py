@@ -3,7 +3,6 @@ that raises torch's out-of-memory error above a size) on the CPU."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import msgspec
@@ -12,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.errors import ConfigError
 from volunteer.collab.trainer import LocalTrainer
 from volunteer.fitting import fit_micro_batch, largest_fitting, repeat_batch
 
@@ -89,18 +89,16 @@ class CheckpointingTask(LinearTask):
     def __init__(self) -> None:
         self.calls: list[bool] = []
 
-    def gradient_checkpointing(self, enabled: bool) -> None:
+    def gradient_checkpointing(self, model: torch.nn.Module, enabled: bool) -> None:
+        assert isinstance(model, torch.nn.Linear)
         self.calls.append(enabled)
 
 
-def test_the_manifest_turns_on_a_tasks_activation_checkpointing_and_a_task_without_it_still_trains(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_the_manifest_turns_on_a_tasks_activation_checkpointing_and_a_task_without_it_is_refused() -> None:
     task = CheckpointingTask()
     LocalTrainer(task, spec(), "r")  # type: ignore[arg-type]
     assert task.calls == []
     LocalTrainer(task, msgspec.structs.replace(spec(), gradient_checkpointing=True), "r")  # type: ignore[arg-type]
     assert task.calls == [True]
-    with caplog.at_level(logging.WARNING):
+    with pytest.raises(ConfigError, match="linear-test has no activation checkpointing"):
         LocalTrainer(LinearTask(), msgspec.structs.replace(spec(), gradient_checkpointing=True), "r")  # type: ignore[arg-type]
-    assert "gradient checkpointing" in caplog.text

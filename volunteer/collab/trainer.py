@@ -35,7 +35,6 @@ the fingerprint, so a peer whose scale differs is seen to diverge.
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -47,7 +46,7 @@ import numpy.typing as npt
 import torch
 
 from protocols.training import OptimizerSpec, TrainingSpec
-from shared.errors import StateError
+from shared.errors import ConfigError, StateError
 from shared.state.blob import STATE_FORMAT, decode_state, encode_state
 from shared.state.lineage import decode_lineage, encode_lineage, extend_lineage
 
@@ -60,7 +59,6 @@ __all__ = ["Accumulated", "LocalTrainer", "make_optimizer"]
 
 FINGERPRINT_SAMPLE = 65_536
 Float32Array = npt.NDArray[np.float32]
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,12 +105,13 @@ class LocalTrainer:
         self.device = torch.device(device)
         self.precision: Precision = precision
         self.model = task.build_model().to(self.device)
-        if spec.gradient_checkpointing:
+        if spec.gradient_checkpointing:  # the task raises ConfigError if its model cannot
             enable = getattr(task, "gradient_checkpointing", None)
-            if callable(enable):
-                enable(True)
-            else:
-                logger.warning("the manifest asks for gradient checkpointing; task %s has none", task.name)
+            if not callable(enable):
+                raise ConfigError(
+                    f"{task.name} has no activation checkpointing; remove gradient_checkpointing"
+                )
+            enable(self.model, True)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.optimizer = make_optimizer(spec.optimizer, self.params)
