@@ -322,6 +322,10 @@ class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     No part it sends may be larger (aggregators refuse and ban one that is), so the claims bound what an
     honest aggregator can return, and receivers check averaged slices against them
     (:func:`shared.averaging.groups.average_norm_bound`).
+
+    ``overflow``: the peer's fp16 gradient overflowed at the collaboration's loss scale; it sends nothing
+    (weight and norm 0) and every member of the round skips the step together if the claim is believed
+    (the rule and its bound on liars: :mod:`volunteer.precision`).
     """
 
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None
@@ -331,16 +335,22 @@ class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     upload_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
     download_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
     client_mode: bool = False
+    overflow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overflow and (self.weight or self.norm):
+            raise ValueError("a ticket claiming overflow sends nothing: weight and norm must be 0")
 
 
 class AssemblyMember(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """A member as the plan names it: ``addr`` and ``norm`` copied from its ticket, ``weight`` its ticket's
-    claim after the group's bound (:func:`shared.averaging.groups.bound_weights`)."""
+    """A member as the plan names it: ``addr``, ``norm`` and ``overflow`` copied from its ticket, ``weight``
+    its ticket's claim after the group's bound (:func:`shared.averaging.groups.bound_weights`)."""
 
     peer_id: Annotated[str, msgspec.Meta(max_length=64)]
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None
     weight: _Weight
     norm: _Norm
+    overflow: bool = False
 
 
 class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -21,7 +21,9 @@ see :mod:`protocols.probe`); the ledger's plausibility checks compare reports ag
 them as :class:`SignedCapabilities` (``POST capabilities``): the msgpack bytes of its
 :class:`Capabilities`, its peer id, the run id and a unix timestamp, signed by its identity key over
 :func:`capabilities_payload`. The backbone accepts them only within ``protocols.auth.MAX_CLOCK_SKEW`` of
-its clock, so an old message cannot be replayed later to overwrite newer numbers.
+its clock, so an old message cannot be replayed later to overwrite newer numbers. ``precision`` and
+``memory_bytes`` (the accelerator's) are newer fields, omitted at their defaults (fp32, 0: a CPU), so a CPU
+peer's capabilities decode on backbones older than them; an accelerator's are refused there.
 
 Example (volunteer side)::
 
@@ -32,7 +34,7 @@ Example (volunteer side)::
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -152,18 +154,22 @@ def report_payload(report_bytes: bytes) -> bytes:
     return _REPORT_DOMAIN + report_bytes
 
 
-class Capabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a peer measured about itself: training throughput on the run's model and link bandwidth."""
+class Capabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What a peer measured about itself: training throughput on the run's model (in ``precision``, on
+    ``device``, whose accelerator has ``memory_bytes``; 0 for a CPU) and link bandwidth."""
 
     samples_per_second: Rate
     upload_bps: Rate
     download_bps: Rate
     device: Annotated[str, msgspec.Meta(max_length=128)]
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)] = 0
 
     def __post_init__(self) -> None:
         _check("samples_per_second", self.samples_per_second, 0, _MAX_RATE)
         _check("upload_bps", self.upload_bps, 0, _MAX_RATE)
         _check("download_bps", self.download_bps, 0, _MAX_RATE)
+        _check("memory_bytes", self.memory_bytes, 0, MAX_COUNT)
         if len(self.device) > 128:
             raise ValueError(f"device name has {len(self.device)} characters, at most 128 are allowed")
 

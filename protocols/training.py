@@ -211,6 +211,9 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0  # initial parameters
     checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=_MAX_STEP)] = 10  # steps, backbones
     keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    #: activation checkpointing: recompute activations in backward to fit bigger micro-batches (tasks that
+    #: expose ``gradient_checkpointing(enabled)``; same gradients, less memory, more compute)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for key, value in self.task_options.items():

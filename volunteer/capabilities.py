@@ -3,9 +3,11 @@
 The adaptive-averaging LP plans with each peer's samples/s on the run's model, upload and download
 bandwidth, and whether it accepts connections. A volunteer measures them when it joins:
 
-* the device: the CUDA device's name and memory, or the CPU model and core count (:func:`device_description`),
-  of the device ``--device`` chose (:func:`choose_device`; :func:`resolve_device` is the pure rule: a device
-  torch does not see is refused with one line before anything starts);
+* the device: the CUDA device's name and memory, or the CPU model and core count (:func:`device_description`,
+  :func:`device_memory`), of the device ``--device`` chose (:func:`choose_device`; :func:`resolve_device` is
+  the pure rule -- ``auto`` is CUDA, else Apple's MPS, else the CPU -- and a device torch does not see is
+  refused with one line before anything starts), and the precision training runs in there
+  (:func:`choose_precision`, the rule in :mod:`volunteer.precision`);
 * throughput: real training steps of the run's model, timed after a warm-up
   (:func:`measure_samples_per_second`, plain blocking code for a worker thread);
 * bandwidth and reachability: probes against a backbone (:func:`measure_capabilities`, see
@@ -39,13 +41,16 @@ from shared.net.host import Host
 from shared.net.probe import check_reachable, measure_bandwidth
 
 from .api_client import ApiClient
+from .precision import Precision, resolve_precision
 
 __all__ = [
     "DEFAULT_PROBE_BYTES",
     "DriftTracker",
     "MeasuredCapabilities",
     "choose_device",
+    "choose_precision",
     "device_description",
+    "device_memory",
     "measure_capabilities",
     "measure_samples_per_second",
     "parse_device",
@@ -83,8 +88,9 @@ def parse_device(choice: str) -> tuple[str, int | None]:
 
 def resolve_device(choice: str, cuda_devices: int, mps: bool = False) -> str:
     """The torch device ``--device choice`` means on a machine where torch sees ``cuda_devices`` CUDA devices
-    (and Apple's MPS if ``mps``): ``auto`` is ``cuda:0`` when there is one, else ``cpu``; ``cuda`` is
-    ``cuda:0``; ``cuda:N``, ``cpu`` and ``mps`` are themselves, if the machine has them.
+    (and Apple's MPS if ``mps``): ``auto`` is ``cuda:0`` when there is one, else ``mps`` when there is
+    one, else ``cpu``; ``cuda`` is ``cuda:0``; ``cuda:N``, ``cpu`` and ``mps`` are themselves, if the
+    machine has them.
 
     Raises:
         ConfigError: the choice is no device volunteers train on, or this machine does not have it; the
@@ -92,7 +98,7 @@ def resolve_device(choice: str, cuda_devices: int, mps: bool = False) -> str:
     """
     kind, number = parse_device(choice)
     if kind == "auto":
-        return "cuda:0" if cuda_devices > 0 else "cpu"
+        return "cuda:0" if cuda_devices > 0 else "mps" if mps else "cpu"
     if kind == "cpu":
         return "cpu"
     if kind == "mps":
@@ -127,6 +133,37 @@ def choose_device(choice: str) -> str:
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     mps = bool(torch.backends.mps.is_available())
     return resolve_device(choice, cuda, mps)
+
+
+def choose_precision(choice: str, device: str) -> Precision:
+    """:func:`~volunteer.precision.resolve_precision` for ``device`` (a :func:`choose_device` result) with
+    what torch reports about it: whether a CUDA device computes in bf16 natively (compute capability 8.0,
+    Ampere, and later; ``torch.cuda.is_bf16_supported()`` also says yes where bf16 is only emulated, on a
+    T4, which would be slower than fp16). Imports torch for CUDA.
+
+    Raises:
+        ConfigError: an unknown choice, or a precision ``device`` cannot autocast to.
+    """
+    bf16 = False
+    if device.startswith("cuda"):
+        import torch  # here, not at import time: loading torch takes seconds
+
+        bf16 = torch.cuda.get_device_capability(device)[0] >= 8
+    return resolve_precision(choice, device, bf16)
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory of ``device``'s accelerator: a CUDA device's total, the memory MPS recommends at
+    most; 0 for the CPU."""
+    if device.startswith("cuda"):
+        import torch  # here, not at import time: loading torch takes seconds
+
+        return int(torch.cuda.get_device_properties(int(device.partition(":")[2] or 0)).total_memory)
+    if device == "mps":
+        import torch
+
+        return int(torch.mps.recommended_max_memory())
+    return 0
 
 
 def device_description(device: str = "auto") -> str:
@@ -239,6 +276,7 @@ async def measure_capabilities(
     *,
     probe_bytes: int = DEFAULT_PROBE_BYTES,
     device: str = "auto",
+    precision: Precision = "fp32",
 ) -> MeasuredCapabilities:
     """Measure bandwidth and reachability against a backbone and combine them with ``throughput``.
 
@@ -248,7 +286,9 @@ async def measure_capabilities(
         throughput: samples/s from :func:`measure_samples_per_second` (0 for a peer without accelerator
             that only aggregates).
         probe_bytes: bytes moved each way by the bandwidth probe.
-        device: the device training runs on (described in the capabilities, see :func:`device_description`).
+        device: the device training runs on (described in the capabilities, see :func:`device_description`;
+            its accelerator's memory, :func:`device_memory`).
+        precision: what ``throughput`` was measured in (:mod:`volunteer.precision`).
 
     Raises:
         ValueError: ``throughput`` is negative or not finite; ``probe_bytes`` out of range.
@@ -257,6 +297,7 @@ async def measure_capabilities(
     if not (math.isfinite(throughput) and throughput >= 0):
         raise ValueError(f"throughput must be a finite number >= 0, got {throughput!r}")
     description = await trio.to_thread.run_sync(device_description, device)
+    memory = 0 if device == "auto" else await trio.to_thread.run_sync(device_memory, device)
     upload, download = await measure_bandwidth(host, backbone_address, probe_bytes)
     reachable = await check_reachable(host, backbone_address)
     capabilities = Capabilities(
@@ -264,6 +305,8 @@ async def measure_capabilities(
         upload_bps=min(upload, _RATE_CEILING),
         download_bps=min(download, _RATE_CEILING),
         device=description,
+        precision=precision,
+        memory_bytes=memory,
     )
     return MeasuredCapabilities(capabilities, tuple(reachable), measured_at=time.time())
 
@@ -339,5 +382,6 @@ def _split(value: Tracked) -> tuple[tuple[float, ...], tuple[object, ...]]:
         return rates, (*exact, frozenset(value.reachable))
     if isinstance(value, Capabilities):
         caps = value
-        return (caps.samples_per_second, caps.upload_bps, caps.download_bps), ("capabilities", caps.device)
+        exact = ("capabilities", caps.device, caps.precision, caps.memory_bytes)
+        return (caps.samples_per_second, caps.upload_bps, caps.download_bps), exact
     return (float(value),), ("rate",)

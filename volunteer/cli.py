@@ -28,6 +28,8 @@ from shared.console import (
 from shared.errors import ConfigError
 from shared.lifecycle import Shutdown
 
+from .precision import PRECISIONS
+
 __all__ = ["app", "main"]
 
 HELP = """Donate this machine's GPU or CPU and bandwidth to a collaborative training run.
@@ -135,9 +137,28 @@ def join(
         typer.Option(
             "--device",
             metavar="DEVICE",
-            help="Where to train: auto (a CUDA GPU if torch finds one, else the CPU), cpu, cuda, cuda:1…",
+            help="Where to train: auto (a CUDA GPU if torch finds one, else Apple's MPS, else the CPU), "
+            "cpu, cuda, cuda:1, mps.",
         ),
     ] = "auto",
+    precision: Annotated[
+        str,
+        typer.Option(
+            "--precision",
+            metavar="PRECISION",
+            help="What the model computes in: auto (bf16 on GPUs that have it, fp16 with loss scaling on "
+            "older ones, fp32 on the CPU and MPS), fp32, bf16 or fp16. Parameters and averaging stay fp32.",
+        ),
+    ] = "auto",
+    micro_batch: Annotated[
+        int,
+        typer.Option(
+            "--micro-batch",
+            metavar="N",
+            help="Samples per forward/backward pass (at most the run's target batch). 0: the largest that "
+            "fits the GPU's memory, found at warm-up (the run's own size on a CPU).",
+        ),
+    ] = 0,
     threads: Annotated[
         int,
         typer.Option(
@@ -186,6 +207,10 @@ def join(
             parse_multiaddr(text)
         if not (math.isfinite(discovery_wait) and discovery_wait > 0):
             raise ConfigError(f"--discovery-wait must be a positive number of seconds, got {discovery_wait}")
+        if precision.strip().lower() not in PRECISIONS:
+            raise ConfigError(f"--precision {precision!r}: use auto, fp32, bf16 or fp16")
+        if not 0 <= micro_batch <= 2**20:
+            raise ConfigError(f"--micro-batch {micro_batch}: give a number of samples, 1 to 2**20, or 0")
         cpus = os.cpu_count() or 1
         if not 0 <= threads <= cpus:
             raise ConfigError(
@@ -196,10 +221,11 @@ def join(
 
             load_training_spec(manifest)  # a spec no volunteer can train fails now, not after admission
         # Before the data dir, the invite or the network: a device this machine lacks fails here, in one line.
-        from .capabilities import choose_device  # torch: only once the flags are usable
+        from .capabilities import choose_device, choose_precision  # torch: only once the flags are usable
         from .daemon import VolunteerOptions, serve_volunteer
 
         chosen = await trio.to_thread.run_sync(choose_device, device)
+        computes_in = await trio.to_thread.run_sync(choose_precision, precision, chosen)
         with locked_data_dir(data_dir):
             options = VolunteerOptions(
                 run,
@@ -212,6 +238,8 @@ def join(
                 manifest=manifest,
                 device=chosen,
                 threads=threads,
+                precision=computes_in,
+                micro_batch=micro_batch,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -47,6 +47,8 @@ class VolunteerOptions:
     manifest: Path | None = None
     device: str = "auto"
     threads: int = 0  # torch intra-op threads; 0: torch's default
+    precision: str = "auto"  # auto, fp32, bf16 or fp16 (volunteer.precision)
+    micro_batch: int = 0  # samples per forward/backward; 0: fitted to the GPU, else the spec's
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:

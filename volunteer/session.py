@@ -4,7 +4,8 @@ Order of events (each shown on the panel, or logged without one):
 
 1. the task's model is built (deterministic from the manifest's seed, so every peer starts equal);
 2. the data stream opens (shards in this peer's own random order through the shuffle buffer; the first
-   micro-batches arrive while the rest stream in);
+   micro-batches arrive while the rest stream in); on a CUDA device the micro-batch is first fitted to its
+   memory (:mod:`volunteer.fitting`) unless ``--micro-batch`` sets it;
 3. **warm-up**: a few micro-batches measure samples/s on the run's real model (their gradients are dropped);
    then bandwidth and reachability are measured against a backbone and the capabilities are published to
    the DHT (the LP's inputs) and to the ledger (the plausibility checks' reference); they are measured
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ from protocols.auth import SignedToken
 from protocols.training import TrainingSpec
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
-from shared.errors import ProjectError
+from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 from shared.net.host import CALL_FAILURES
@@ -47,6 +50,7 @@ from .capabilities import (
     DriftTracker,
     MeasuredCapabilities,
     choose_device,
+    choose_precision,
     device_description,
     measure_capabilities,
     measure_samples_per_second,
@@ -56,7 +60,9 @@ from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
+from .fitting import fit_micro_batch
 from .panel import training_line, training_status, training_view
+from .precision import Precision
 from .receipts import ReceiptBook
 from .run_tokenizer import obtain_tokenizer
 from .tasks import make_task
@@ -106,6 +112,7 @@ class TrainingSession:
         self._drift = DriftTracker()
         self._caps: MeasuredCapabilities | None = None
         self.device = "cpu"  # the torch device training runs on, set by run()
+        self.precision: Precision = "fp32"  # what it computes in (volunteer.precision), set by run()
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
@@ -117,14 +124,16 @@ class TrainingSession:
         task = await trio.to_thread.run_sync(make_task, self.spec, tokenizer)  # imports transformers: seconds
         device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
         self.device = device
-        trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device)
+        self.precision = choose_precision(self.options.precision, device)
+        trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device, self.precision)
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
         examples = open_examples(
             self.spec.dataset, seed=seed, shards=shards, cache_dir=self.data_dir / "shards"
         )
         samples = task.preprocess(examples)  # tokenizing and packing: in the prefetch thread
-        prefetch = Prefetcher(batches(task.collate, samples, self.spec.local_batch), depth=16)
+        samples = await self._fit_micro_batch(trainer, samples)
+        prefetch = Prefetcher(batches(task.collate, samples, trainer.micro_batch), depth=16)
         try:
             collab = CollaborativeOptimizer(
                 self.node,
@@ -165,6 +174,42 @@ class TrainingSession:
         finally:
             prefetch.close()
 
+    async def _fit_micro_batch(self, trainer: LocalTrainer, examples: Iterator[Any]) -> Iterator[Any]:
+        """Set ``trainer.micro_batch``: ``--micro-batch`` (at most the target batch), else on CUDA the
+        largest that fits (:mod:`volunteer.fitting`), else the spec's. Returns the examples, the ones the
+        fitting looked at first.
+
+        Raises:
+            ConfigError: not even one sample of the run's model fits the device.
+        """
+        wanted = self.options.micro_batch
+        if wanted:
+            trainer.micro_batch = min(wanted, self.spec.target_batch)
+            if wanted > self.spec.target_batch:
+                logger.warning(
+                    "--micro-batch %d is above the run's target batch: using %d", wanted, trainer.micro_batch
+                )
+            return examples
+        if not self.device.startswith("cuda"):
+            return examples
+        self.headline = "fitting the micro-batch to the GPU's memory"
+
+        def first() -> list[Any]:
+            return list(itertools.islice(examples, self.spec.local_batch))
+
+        taken = await trio.to_thread.run_sync(first, abandon_on_cancel=True)
+        if not taken:
+            raise ProjectError("the example stream ended before training began")
+        sample = trainer.task.collate(taken)
+        size = await run_torch(fit_micro_batch, trainer, sample, self.spec.target_batch, self.spec.dpu)
+        if size == 0:
+            raise ConfigError(
+                f"the run's model does not fit {self.device}'s free memory even one sample at a time; "
+                "use --device cpu or a larger GPU"
+            )
+        trainer.micro_batch = size
+        return itertools.chain(taken, examples)
+
     async def _report_and_leave(self) -> None:
         """Report every open step and close our ledger session (best effort, bounded)."""
         self.reporter.close_all()
@@ -193,7 +238,9 @@ class TrainingSession:
         caps = None
         if backbone is not None and backbone.peer_id is not None:
             with contextlib.suppress(ProjectError, OSError, *CALL_FAILURES):
-                caps = await measure_capabilities(self.node.host, backbone, sps, device=self.device)
+                caps = await measure_capabilities(
+                    self.node.host, backbone, sps, device=self.device, precision=self.precision
+                )
         if caps is not None:
             collab.client_mode = caps.client_mode
             collab.measured_bandwidth(
@@ -201,9 +248,11 @@ class TrainingSession:
             )
             await self._publish(caps)
         logger.info(
-            "measured %.0f samples/s on %s%s",
+            "measured %.0f samples/s on %s in %s, micro-batch %d%s",
             sps,
             device_description(self.device),
+            self.precision,
+            trainer.micro_batch,
             ""
             if caps is None
             else f", ↑ {caps.capabilities.upload_bps / 1e6:.0f} MB/s ↓ "
@@ -245,6 +294,7 @@ class TrainingSession:
             "samples": record.samples,  # ours
             "batch": record.batch,  # the step's global batch (every member's samples)
             "peers": record.peers,
+            "skipped": record.skipped,  # a collective loss-scale overflow: parameters unchanged
             "averaging_s": round(record.seconds, 4),
             "time": record.finished_at,
         }

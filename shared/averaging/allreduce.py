@@ -210,6 +210,7 @@ class Member:
     address: PeerAddress | None  # None: accepts no connections (then it must own no slice)
     weight: float  # samples behind its gradient this round; 0 for auxiliary peers
     norm: float = math.inf  # L2 norm of its whole vector, as its ticket claims (inf: not claimed)
+    overflow: bool = False  # its fp16 gradient overflowed (it sends nothing; volunteer.precision)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
 * its members are unique, sorted, and a **superset of every ticket the follower read** (a leader cannot
   leave out peers to shrink the group; the follower itself is in it); a member whose ticket the follower has
   not read is looked up again, and a member without a signed ticket refuses the plan;
-* each member's ``addr`` and ``norm`` are its ticket's, and the weights are exactly
+* each member's ``addr``, ``norm`` and ``overflow`` claim are its ticket's, and the weights are exactly
   :func:`.groups.bound_weights` of the tickets' claims (the 8x-median and ``max_weight`` caps);
 * the slices match the follower's own LP solution for the same members and tickets within
   :data:`SLICE_TOLERANCE` of the vector per member (the LP is deterministic; the tolerance covers other
@@ -223,7 +223,7 @@ class Matchmaker:
             group_id=_group_id(key),
             round=round_,
             members=[
-                AssemblyMember(m, tickets[m].addr, w, tickets[m].norm)
+                AssemblyMember(m, tickets[m].addr, w, tickets[m].norm, tickets[m].overflow)
                 for m, w in zip(members, weights, strict=True)
             ],
             slice_sizes=list(plan.slices),
@@ -370,8 +370,8 @@ class Matchmaker:
             raise PlanRefused(f"names {len(unknown)} peer(s) without a ticket")
         for member in assembly.members:
             ticket = tickets[PeerId(member.peer_id)]
-            if (member.addr, member.norm) != (ticket.addr, ticket.norm):
-                raise PlanRefused(f"address or norm of {member.peer_id} is not its ticket's")
+            if (member.addr, member.norm, member.overflow) != (ticket.addr, ticket.norm, ticket.overflow):
+                raise PlanRefused(f"address, norm or overflow claim of {member.peer_id} is not its ticket's")
         try:
             own = self._solve(round_, key, names, tickets, numel)
         except ValueError as exc:
@@ -405,6 +405,7 @@ def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
             parse_multiaddr(m.addr).with_peer(PeerId(m.peer_id)) if m.addr else None,
             m.weight,
             m.norm,
+            m.overflow,
         )
         for m in assembly.members
     )

@@ -21,7 +21,7 @@ import protocols.receipts
 import protocols.state
 import protocols.training
 from protocols.envelope import PROTOCOL_VERSION, Envelope, Flags, Message, decode_message, registered_kinds
-from protocols.errors import ProtocolError
+from protocols.errors import DECODE_FAILURES, ProtocolError
 
 from .test_envelope import SAMPLES
 
@@ -141,3 +141,50 @@ def test_meta_decoders_raise_only_protocol_error(decode: Callable[[bytes], objec
 def test_meta_decoders_refuse_the_bytes_of_finding_1(decode: Callable[[bytes], object]) -> None:
     with pytest.raises(ProtocolError):
         decode(bytes.fromhex("81a3fffefdc0"))
+
+
+# ---------------------------------------------------------------- matchmaking's DHT values
+
+_TICKET = protocols.averaging.JoinTicket(
+    addr="/ip4/127.0.0.1/tcp/4001",
+    weight=0.0,
+    norm=0.0,
+    samples_per_second=1.0,
+    upload_bps=1.0,
+    download_bps=1.0,
+    overflow=True,
+)
+_ASSEMBLY = protocols.averaging.GroupAssembly(
+    group_id=b"g",
+    round=3,
+    members=[protocols.averaging.AssemblyMember("p", None, 0.0, 0.0, True)],
+    slice_sizes=[4],
+    codec="none",
+    part_numel=4,
+    deadline=1.0,
+    predicted_seconds=0.5,
+)
+
+
+@pytest.mark.parametrize("sample", [_TICKET, _ASSEMBLY], ids=lambda s: type(s).__name__)
+@FUZZ
+@given(data=st.data())
+def test_round_tickets_and_plans_decode_to_decode_failures_only(
+    sample: msgspec.Struct, data: st.DataObject
+) -> None:
+    """Matchmaking reads these from the DHT and drops what fails with DECODE_FAILURES (the overflow claim
+    of protocol version 3 included)."""
+    fields = msgspec.to_builtins(sample)
+    assert isinstance(fields, dict)
+    fields[data.draw(st.sampled_from(sorted(fields)))] = data.draw(_values)
+    raw = data.draw(st.one_of(st.just(_encode(fields)), st.binary(max_size=128), _values.map(_encode)))
+    with contextlib.suppress(*DECODE_FAILURES):
+        msgspec.msgpack.decode(raw, type=type(sample))
+
+
+def test_a_ticket_claiming_overflow_sends_nothing() -> None:
+    fields = msgspec.to_builtins(_TICKET)
+    assert msgspec.msgpack.decode(_encode(fields), type=protocols.averaging.JoinTicket).overflow
+    for name in ("weight", "norm"):
+        with pytest.raises(msgspec.ValidationError, match="overflow"):
+            msgspec.msgpack.decode(_encode({**fields, name: 1.0}), type=protocols.averaging.JoinTicket)

@@ -64,3 +64,26 @@ def test_a_report_with_discards_is_refused_by_the_previous_version_and_read_by_t
 def test_a_step_range_is_ordered() -> None:
     with pytest.raises(ValueError, match="last"):
         StepRange(5, 4)
+
+
+class OldCapabilities(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Capabilities before issue 12 added the precision and the accelerator's memory."""
+
+    samples_per_second: float
+    upload_bps: float
+    download_bps: float
+    device: str
+
+
+def test_a_cpu_peers_capabilities_decode_on_the_previous_version_and_an_accelerators_are_read_here() -> None:
+    from protocols.ledger import Capabilities
+
+    cpu = Capabilities(samples_per_second=5.0, upload_bps=1.0, download_bps=2.0, device="CPU: x, 2 cores")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(cpu), type=OldCapabilities).device == cpu.device
+    gpu = msgspec.structs.replace(cpu, device="NVIDIA T4, 15 GiB", precision="fp16", memory_bytes=15 * 2**30)
+    data = msgspec.msgpack.encode(gpu)
+    assert msgspec.msgpack.decode(data, type=Capabilities) == gpu
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(data, type=OldCapabilities)
+    with pytest.raises(ValueError, match="memory_bytes"):
+        msgspec.structs.replace(cpu, memory_bytes=-1)

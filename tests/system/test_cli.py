@@ -117,6 +117,8 @@ START = ["backbone", "start", "--run-id", "r", "--listen", "/ip4/127.0.0.1/tcp/0
         (["backbone", "start", "--run-id", "r", "--listen", "/dns4/example.com/tcp/0"], "give an IP address"),
         ([*JOIN, "--device", "tpu"], "--device 'tpu' is not a device to train on: use auto, cpu, cuda"),
         ([*JOIN, "--device", "cuda:999"], "CUDA device"),  # none here, or fewer than 1000
+        ([*JOIN, "--precision", "int8"], "--precision 'int8': use auto, fp32, bf16 or fp16"),
+        ([*JOIN, "--micro-batch", "-1"], "--micro-batch -1"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, argv: list[str], message: str) -> None:

@@ -63,7 +63,8 @@ def test_device_description_describes_the_chosen_device_not_the_machines_first_g
     [
         ("auto", 0, False, "cpu"),
         ("auto", 2, False, "cuda:0"),
-        ("auto", 0, True, "cpu"),  # MPS only when asked for
+        ("auto", 0, True, "mps"),  # issue 12: CUDA, then MPS, then the CPU
+        ("auto", 1, True, "cuda:0"),
         ("cpu", 4, False, "cpu"),
         (" CUDA ", 1, False, "cuda:0"),
         ("cuda:1", 2, False, "cuda:1"),
@@ -371,3 +372,19 @@ async def test_measure_capabilities_rejects_an_impossible_throughput(nursery: tr
     backbone, volunteer, _ = await _nodes(nursery)
     with pytest.raises(ValueError, match="throughput"):
         await measure_capabilities(volunteer.host, backbone.host.listen_addrs[0], -1.0)
+
+
+def test_the_cpu_trains_in_fp32_by_default_reports_no_accelerator_memory_and_may_ask_for_bf16() -> None:
+    from volunteer.capabilities import choose_precision, device_memory
+
+    assert choose_precision("auto", "cpu") == "fp32"
+    assert choose_precision("bf16", "cpu") == "bf16"
+    assert device_memory("cpu") == 0
+
+
+def test_a_new_precision_or_memory_is_republished() -> None:
+    tracker = DriftTracker()
+    assert tracker.update(caps()) is True
+    assert tracker.update(msgspec.structs.replace(caps(), precision="bf16")) is True
+    assert tracker.update(msgspec.structs.replace(caps(), precision="bf16", memory_bytes=2**34)) is True
+    assert tracker.update(msgspec.structs.replace(caps(), precision="bf16", memory_bytes=2**34)) is False

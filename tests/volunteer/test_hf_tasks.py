@@ -21,6 +21,7 @@ from shared.data.corpus import generate_examples
 from shared.errors import ConfigError
 from shared.tasks import check_trainable
 from shared.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from volunteer.collab.trainer import LocalTrainer
 from volunteer.tasks import make_task
 from volunteer.tasks.hf import IGNORE, HFMaskedLM, HFTask
 
@@ -136,6 +137,7 @@ MODEL_DIGEST = """
 import hashlib, sys
 import msgspec, torch
 from protocols.training import TrainingSpec
+from volunteer.collab.trainer import LocalTrainer
 from volunteer.tasks import make_task
 spec = msgspec.json.decode(sys.argv[1], type=TrainingSpec)
 before = torch.random.get_rng_state()
@@ -224,3 +226,19 @@ async def test_delayed_parameter_updates_keep_the_loss_within_one_percent(
     for step, (got, want) in enumerate(zip(losses, expected, strict=True)):
         assert abs(got - want) <= 0.01 * want, (step, got, want)
     assert losses != expected  # the updates really were delayed
+
+
+def test_activation_checkpointing_from_the_manifest(tokenizers: dict[str, bytes]) -> None:
+    gpt2 = msgspec.structs.replace(GPT2, gradient_checkpointing=True)
+    task = task_of(gpt2, tokenizers)
+    plain = LocalTrainer(task, GPT2, "ckpt")
+    checkpointed = LocalTrainer(task, gpt2, "ckpt")
+    batch = task.collate(blocks(task, 9, 8))
+    plain.accumulate(batch)
+    checkpointed.accumulate(batch)  # the same gradient, computed with a second forward pass
+    np.testing.assert_allclose(
+        checkpointed.take_gradients().gradient_sum, plain.take_gradients().gradient_sum, rtol=1e-4, atol=1e-6
+    )
+    albert = msgspec.structs.replace(ALBERT, gradient_checkpointing=True)
+    with pytest.raises(ConfigError, match="does not support activation checkpointing; remove gradient_che"):
+        LocalTrainer(task_of(ALBERT, tokenizers), albert, "x")

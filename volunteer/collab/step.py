@@ -36,6 +36,11 @@ enters follows at once unless the rest takes less than half a matchmaking window
 first step, a newcomer, alone) the collaboration's estimate rules as before; one who holds longer than
 ``hold_patience`` (a member died) goes back to it.
 
+**Loss scaling** (:mod:`volunteer.precision`): a member whose fp16 gradient overflowed joins to receive
+only and says so in its ticket; when the plan shows a believed claim, every member skips the step without
+averaging (the trainer advances the step, parameters unchanged, and halves the scale). A non-finite
+gradient that no claim can make use of is dropped rather than put back for the next attempt.
+
 **Holding a round** (:meth:`BatchStep.holding`): peers at the collaboration's step hold their round for
 a peer downloading the state of that step (:func:`shared.progress.held_for`, per user, bounded).
 """
@@ -65,6 +70,7 @@ from shared.node import Node
 from shared.progress import MAX_EXTRAPOLATION, CollabView, held_for, micro_batch_budget, quotas
 from shared.tolerated import Tolerated
 
+from ..precision import believed
 from ..receipts import ReceiptBook
 from .phase import PeerState, Phase
 from .progress_board import ProgressBoard
@@ -91,6 +97,7 @@ class StepRecord:
     finished_at: float
     fingerprint: bytes  # of the parameters after the step (identical on every peer of the round)
     batch: int = 0  # the step's global batch: the group's total weight (ours alone for a lone step)
+    skipped: bool = False  # a collective loss-scale overflow: the step advanced, the parameters did not
 
 
 @dataclass
@@ -209,7 +216,7 @@ class BatchStep:
         """How many samples our next micro-batch may hold (0: our share is done, wait for the round)."""
         quota = self._quota_now(self.board.view)
         limit = self.spec.target_batch if quota is None or self.peer.averaging else quota
-        return micro_batch_budget(self.trainer.samples, limit, self.spec.local_batch)
+        return micro_batch_budget(self.trainer.samples, limit, self.trainer.micro_batch)
 
     def _estimate(self) -> float:
         """The collaboration's samples at our step now: the last view, our samples since, and the others'
@@ -280,11 +287,13 @@ class BatchStep:
                 self.board.publish_soon()
                 outcome = await self._average(step, attempt, taken)
                 if outcome is not None:
-                    vector, peers, aggregated, batch = outcome
                     seconds = trio.current_time() - started
-                    await self._apply(step, taken, vector, peers, aggregated, batch, seconds)
+                    await self._apply(step, taken, outcome, seconds)
                     return True
-                await run_torch(self.trainer.restore_gradients, taken)
+                if self._usable(taken):
+                    await run_torch(self.trainer.restore_gradients, taken)
+                else:  # non-finite and no claim can use it: these samples are lost, not retried forever
+                    logger.warning("step %d: dropping our non-finite gradient", step + 1)
                 taken = None
                 self.peer.round_samples = 0
                 self.stats.failed_rounds += 1
@@ -297,11 +306,14 @@ class BatchStep:
                 self.peer.enter(Phase.TRAINING)
             self.board.publish_soon()
 
-    async def _average(
-        self, step: int, attempt: int, taken: Accumulated
-    ) -> tuple[np.ndarray, int, int, int] | None:
-        """One averaging attempt: (mean gradient, members, bytes we aggregated, the step's global batch),
-        or None if it failed."""
+    def _usable(self, taken: Accumulated) -> bool:
+        """Worth putting back for the next attempt: finite, or an overflow claim that would be believed."""
+        if _norm(taken.mean()) <= MAX_NORM:
+            return True
+        return self.trainer.scales_loss and believed(self.trainer.loss_scale, True)
+
+    async def _average(self, step: int, attempt: int, taken: Accumulated) -> _Outcome | None:
+        """One averaging attempt, or None if it failed."""
         view = await self.board.try_refresh()
         if (view is None or view.peers <= 1) and taken.samples > 0:
             # nobody else in the run: no group to find, no window to wait -- if we have evidence of it
@@ -309,8 +321,14 @@ class BatchStep:
         alone = view is None or view.peers_at_step <= 1
         vector = taken.mean()
         weight, norm = float(taken.samples), _norm(vector)
+        overflow = False
         if not norm <= MAX_NORM:  # NaN/Inf or absurd: averaging it would only get us banned
-            logger.warning("step %d: our gradient is not finite; joining to receive only", step + 1)
+            overflow = self.trainer.scales_loss  # an fp16 overflow: claimed (module docstring)
+            logger.warning(
+                "step %d: our gradient is not finite%s; joining to receive only",
+                step + 1,
+                f" (fp16 overflow at loss scale {self.trainer.loss_scale.scale:g})" if overflow else "",
+            )
             weight, norm = 0.0, 0.0
         ticket = JoinTicket(
             addr=self.node.host.listen_addrs[0]
@@ -322,6 +340,7 @@ class BatchStep:
             upload_bps=self.upload_bps,
             download_bps=self.download_bps,
             client_mode=self.client_mode,
+            overflow=overflow,
         )
         try:
             plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")
@@ -333,6 +352,11 @@ class BatchStep:
                 return await self._alone(step, taken)
             logger.info("step %d: no group this time (attempt %d)", step + 1, attempt + 1)
             return None
+        claimed = any(m.overflow for m in plan.members)
+        if believed(self.trainer.loss_scale, claimed):  # every member of the plan skips: no averaging
+            claimants = sum(1 for m in plan.members if m.overflow)
+            logger.info("step %d: %d member(s) overflowed; skipping the step together", step + 1, claimants)
+            return _Outcome(None, len(plan.members), 0, 0, overflow=True)
         if not any(m.weight > 0 for m in plan.members):
             logger.info("step %d: nobody in the group has samples yet; not averaging", step + 1)
             await trio.sleep(self.poll_period)
@@ -370,9 +394,9 @@ class BatchStep:
         self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
         batch = round(sum(m.weight for m in plan.members))  # the weights averaged: the step's batch
-        return vector, len(plan.members), share * 4 * senders, batch
+        return _Outcome(vector, len(plan.members), share * 4 * senders, batch, overflow=claimed)
 
-    async def _alone(self, step: int, taken: Accumulated) -> tuple[np.ndarray, int, int, int] | None:
+    async def _alone(self, step: int, taken: Accumulated) -> _Outcome | None:
         """Our own mean gradient as the step's, when the evidence says we are alone (no lone forks:
         :mod:`shared.alone`); otherwise None after a short wait (the round is retried)."""
         if self.lone is not None:
@@ -382,20 +406,17 @@ class BatchStep:
                 logger.info("step %d: not stepping alone: %s", step + 1, verdict.why)
                 await trio.sleep(LONE_RETRY)
                 return None
-        return taken.mean(), 1, 0, taken.samples
+        vector = taken.mean()
+        if _norm(vector) <= MAX_NORM:
+            return _Outcome(vector, 1, 0, taken.samples)
+        logger.warning("step %d: our gradient is not finite; it cannot be applied", step + 1)
+        return _Outcome(None, 1, 0, taken.samples, overflow=self.trainer.scales_loss)
 
-    async def _apply(
-        self,
-        step: int,
-        taken: Accumulated,
-        vector: np.ndarray,
-        peers: int,
-        aggregated: int,
-        batch: int,
-        seconds: float,
-    ) -> None:
+    async def _apply(self, step: int, taken: Accumulated, outcome: _Outcome, seconds: float) -> None:
+        peers, aggregated, batch = outcome.peers, outcome.aggregated, outcome.batch
         self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)
-        new_step = await run_torch(self.trainer.apply, vector)
+        new_step = await run_torch(self.trainer.apply, outcome.vector, outcome.overflow)
+        skipped = outcome.vector is None  # a believed claim never brings a vector (_average)
         await faults.point("step.after_apply")  # stepped, nothing reported or published yet
         self.peer.fingerprint = self.trainer.lineage[new_step]  # apply fingerprinted it (no second pass)
         self.peer.anchored = True
@@ -403,8 +424,9 @@ class BatchStep:
         if peers > 1:  # stepped with a group: our state is theirs (a lone step is ours alone)
             self.peer.agreed_step = new_step
         logger.info(
-            "step %d done: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
+            "step %d %s: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
             new_step,
+            "skipped (loss scale overflow; parameters unchanged)" if skipped else "done",
             peers,
             taken.samples,
             "—" if taken.loss is None else f"{taken.loss:.4f}",
@@ -424,12 +446,25 @@ class BatchStep:
                     time.time(),
                     self.peer.fingerprint,
                     batch,
+                    skipped,
                 )
             )
         if self.after_step is not None:
             await self.after_step(new_step)
         self.board.publish_soon()
         assert new_step == step + 1
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A round's result: the vector to apply (None: nothing finite to apply), the members, the bytes we
+    aggregated, the step's global batch, and whether a member claimed overflow (identical on all)."""
+
+    vector: np.ndarray | None
+    peers: int
+    aggregated: int
+    batch: int
+    overflow: bool = False
 
 
 def _norm(vector: np.ndarray) -> float:

@@ -21,6 +21,15 @@ gradients. ``fingerprint()`` is a short hash of a fixed sample of the parameters
 step, that peers compare to detect divergence; ``lineage`` holds the fingerprints of the last states and
 travels in the state's metadata (:mod:`shared.state.lineage`), so a peer that loads a state can tell which
 of its own steps the collaboration did not take.
+
+**Precision** (:mod:`volunteer.precision`). The task's forward pass and loss run under autocast to the
+trainer's ``precision``; with fp16 the loss is multiplied by the collaboration's loss scale S before
+``backward()`` and ``take_gradients()`` divides the sum by the S it was accumulated with (a power of two:
+exact). The S of an accumulation is fixed at its first micro-batch, so micro-batches computed while a step
+changes S (delayed parameter updates) are unscaled by the S they used. ``apply(mean_gradient, overflow=...)``
+follows the collective rule (:func:`volunteer.precision.after_round`): a skipped step advances ``step`` with
+the parameters and optimizer state unchanged. The scale is part of the state (``loss_scale`` metadata) and of
+the fingerprint, so a peer whose scale differs is seen to diverge.
 """
 
 from __future__ import annotations
@@ -37,10 +46,11 @@ import numpy.typing as npt
 import torch
 
 from protocols.training import OptimizerSpec, TrainingSpec
-from shared.errors import StateError
+from shared.errors import ConfigError, StateError
 from shared.state.blob import STATE_FORMAT, decode_state, encode_state
 from shared.state.lineage import decode_lineage, encode_lineage, extend_lineage
 
+from ..precision import LossScale, Precision, after_round, autocast
 from .lamb import Lamb
 
 if TYPE_CHECKING:
@@ -81,12 +91,28 @@ def make_optimizer(spec: OptimizerSpec, params: list[torch.nn.Parameter]) -> tor
 
 
 class LocalTrainer:
-    def __init__(self, task: Task, spec: TrainingSpec, run_id: str, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        task: Task,
+        spec: TrainingSpec,
+        run_id: str,
+        device: str = "cpu",
+        precision: Precision = "fp32",
+        growth_interval: int = 0,  # clean steps before the loss scale doubles; 0: precision.GROWTH_INTERVAL
+    ) -> None:
         self.task = task
         self.spec = spec
         self.run_id = run_id
         self.device = torch.device(device)
+        self.precision: Precision = precision
         self.model = task.build_model().to(self.device)
+        if spec.gradient_checkpointing:  # the task raises ConfigError if its model cannot
+            enable = getattr(task, "gradient_checkpointing", None)
+            if not callable(enable):
+                raise ConfigError(
+                    f"{task.name} has no activation checkpointing; remove gradient_checkpointing"
+                )
+            enable(self.model, True)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.optimizer = make_optimizer(spec.optimizer, self.params)
@@ -98,6 +124,17 @@ class LocalTrainer:
         self._stride = max(1, self.numel // FINGERPRINT_SAMPLE)
         #: fingerprints of the last states, step -> fingerprint (:mod:`shared.state.lineage`)
         self.lineage: dict[int, bytes] = {}
+        #: the collaboration's loss scale (part of the state; followed by every member, see .precision)
+        self.loss_scale = LossScale()
+        self._growth = growth_interval
+        self._grad_scale: float | None = None  # the S the gradients now accumulated were computed with
+        #: samples per forward/backward (spec.local_batch unless fitted to the device or set by the user)
+        self.micro_batch = spec.local_batch
+
+    @property
+    def scales_loss(self) -> bool:
+        """This trainer multiplies the loss by the loss scale (fp16); it then claims its overflows."""
+        return self.precision == "fp16"
 
     # ------------------------------------------------------------------ accumulation
 
@@ -108,8 +145,10 @@ class LocalTrainer:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             n = self.task.batch_size(batch)
             self.model.train()
-            loss = self.task.loss(self.model, batch)
-            (loss * n).backward()  # type: ignore[no-untyped-call]
+            with autocast(self.device.type, self.precision):
+                loss = self.task.loss(self.model, batch)
+            scale = self._accumulation_scale()
+            (loss.float() * (n * scale if scale != 1.0 else n)).backward()  # type: ignore[no-untyped-call]
             value = float(loss.detach())
             self.samples += n
             self._loss_sum += value * n
@@ -129,6 +168,9 @@ class LocalTrainer:
                 else:
                     flat[offset : offset + size] = 0.0
                 offset += size
+            if self._grad_scale is not None and self._grad_scale != 1.0:
+                flat *= np.float32(1.0 / self._grad_scale)  # a power of two: exact
+            self._grad_scale = None
             taken = Accumulated(
                 flat,
                 self.samples,
@@ -141,7 +183,10 @@ class LocalTrainer:
     def restore_gradients(self, taken: Accumulated) -> None:
         """Put gradients taken for a round that failed back into the accumulators."""
         with self._lock:
-            self._add_into_grads(taken.gradient_sum)
+            scale = self._accumulation_scale()
+            self._add_into_grads(
+                taken.gradient_sum * np.float32(scale) if scale != 1.0 else taken.gradient_sum
+            )
             self.samples += taken.samples
             if taken.loss is not None:
                 self._loss_sum += taken.loss * taken.samples
@@ -153,11 +198,24 @@ class LocalTrainer:
 
     # ---------------------------------------------------------------------- stepping
 
-    def apply(self, mean_gradient: Float32Array) -> int:
-        """One optimizer step with ``mean_gradient`` (the collaboration's average); returns the new step."""
-        if mean_gradient.shape != (self.numel,):
+    def apply(self, mean_gradient: Float32Array | None, overflow: bool = False) -> int:
+        """One optimizer step with ``mean_gradient`` (the collaboration's average); returns the new step.
+
+        ``overflow``: a member of the round claimed an fp16 overflow; ``mean_gradient`` None: there is no
+        finite vector to apply. The loss scale's rule (:func:`volunteer.precision.after_round`) decides
+        whether the step is skipped: then ``step`` advances with the parameters and optimizer state
+        unchanged."""
+        if mean_gradient is not None and mean_gradient.shape != (self.numel,):
             raise ValueError(f"gradient has shape {mean_gradient.shape}, expected ({self.numel},)")
         with self._lock:
+            growth = {"growth_interval": self._growth} if self._growth else {}
+            self.loss_scale, skip = after_round(
+                self.loss_scale, overflow, mean_gradient is not None, **growth
+            )
+            if skip or mean_gradient is None:
+                self.step += 1
+                self.lineage = extend_lineage(self.lineage, self.step, self._fingerprint())
+                return self.step
             pending = [p.grad for p in self.params]
             source = torch.from_numpy(np.ascontiguousarray(mean_gradient))
             offset = 0
@@ -185,6 +243,8 @@ class LocalTrainer:
     def _fingerprint(self) -> bytes:
         digest = hashlib.blake2b(digest_size=8)
         digest.update(self.step.to_bytes(8, "little"))
+        if self.loss_scale != LossScale():  # the initial scale adds nothing: fingerprints of old states hold
+            digest.update(self.loss_scale.encode().encode())
         for p in self.params:
             digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
         return digest.digest()
@@ -213,6 +273,7 @@ class LocalTrainer:
                 "run_id": self.run_id,
                 "task": self.task.name,
                 "lineage": encode_lineage(self.lineage),
+                "loss_scale": self.loss_scale.encode(),
             }
             return encode_state(tensors, metadata)
 
@@ -229,6 +290,10 @@ class LocalTrainer:
             step = int(metadata["step"])
         except (KeyError, ValueError) as exc:
             raise StateError("state without a valid step") from exc
+        try:
+            loss_scale = LossScale.decode(metadata.get("loss_scale"))
+        except ValueError as exc:
+            raise StateError(f"state with an invalid loss scale: {exc}") from exc
         model_state = {
             k[len("model/") :]: torch.from_numpy(v.copy())
             for k, v in tensors.items()
@@ -253,6 +318,7 @@ class LocalTrainer:
                     k: v.to(param.device) if v.dim() > 0 else v for k, v in entry.items()
                 }
             self.step = step
+            self.loss_scale = loss_scale
             lineage = decode_lineage(metadata.get("lineage", ""))  # absent or malformed: {}
             self.lineage = extend_lineage(lineage, step, self._fingerprint())
             self._clear()
@@ -260,7 +326,16 @@ class LocalTrainer:
 
     # ---------------------------------------------------------------------- helpers
 
+    def _accumulation_scale(self) -> float:
+        """The S of the accumulation under way (fixed at its first micro-batch); 1 without fp16."""
+        if not self.scales_loss:
+            return 1.0
+        if self._grad_scale is None:
+            self._grad_scale = self.loss_scale.scale
+        return self._grad_scale
+
     def _clear(self) -> None:
+        self._grad_scale = None
         for p in self.params:
             p.grad = None
         self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0

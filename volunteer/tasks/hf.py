@@ -113,11 +113,21 @@ class HFTask:
         return model.float()
 
     def gradient_checkpointing(self, model: torch.nn.Module, enabled: bool) -> None:
-        """Activation checkpointing: less memory for a second forward pass in backward."""
-        if enabled:
-            model.gradient_checkpointing_enable()  # type: ignore[operator]
-        else:
-            model.gradient_checkpointing_disable()  # type: ignore[operator]
+        """Activation checkpointing: less memory for a second forward pass in backward.
+
+        Raises:
+            ConfigError: the model type cannot checkpoint activations (ALBERT cannot).
+        """
+        # transformers 5 renamed gradient_checkpointing_enable (deprecated) to activation_checkpointing_enable
+        kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+        switch = f"{kind}_checkpointing_{'enable' if enabled else 'disable'}"
+        try:
+            getattr(model, switch)()
+        except ValueError as exc:  # "AlbertForMaskedLM does not support activation checkpointing"
+            reason = str(exc).rstrip(".")
+            raise ConfigError(
+                f"{self.name}: {reason}; remove gradient_checkpointing from the manifest"
+            ) from exc
 
     # ------------------------------------------------------------------- the data
 
