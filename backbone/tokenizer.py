@@ -118,8 +118,10 @@ def _train(training: TrainingSpec, shards_dir: Path) -> bytes:
 
 
 def _texts(shards_dir: Path, field: str) -> Iterator[str]:
-    """The texts of the served shards, shard by shard in name order (a malformed line is skipped)."""
-    paths = sorted(p for p in shards_dir.iterdir() if is_shard_name(p.name)) if shards_dir.is_dir() else []
+    """The texts of the training shards (``*.jsonl`` files, not the held-out ones in a subfolder), shard
+    by shard in name order; a malformed line is skipped."""
+    listed = shards_dir.iterdir() if shards_dir.is_dir() else iter(())
+    paths = sorted(p for p in listed if is_shard_name(p.name) and p.suffix == ".jsonl" and p.is_file())
     skipped = 0
     for path in paths:
         with path.open("rb") as lines:
