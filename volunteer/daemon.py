@@ -47,6 +47,8 @@ class VolunteerOptions:
     manifest: Path | None = None
     device: str = "auto"
     threads: int = 0  # torch intra-op threads; 0: torch's default
+    evaluate: bool = False  # held-out evaluation (volunteer.evaluation)
+    evaluate_every: int | None = None  # steps between evaluations; None: the manifest's dataset.eval_every
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
