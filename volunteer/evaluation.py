@@ -47,6 +47,7 @@ from protocols.training import DatasetSpec, TrainingSpec
 from shared.auth.keys import Identity
 from shared.data.heldout import heldout_digest, read_heldout
 from shared.errors import ConfigError, ProjectError
+from shared.tolerated import Tolerated
 
 from .api_client import ApiClient
 from .collab.torch_thread import run_torch
@@ -56,6 +57,9 @@ from .tasks import Task
 __all__ = ["Evaluator", "HeldoutSet", "heldout_files", "load_heldout"]
 
 logger = logging.getLogger(__name__)
+#: what one evaluation may fail with without ending the volunteer: the backbone's refusal or absence, and
+#: torch's errors (out of memory on the device, a held-out batch the model rejects); counted and logged
+EVALUATION_FAILURES = (ProjectError, RuntimeError, ValueError, IndexError, KeyError, OSError)
 Publish = Callable[[SignedEvaluation], Awaitable[EvaluationReceipt]]
 
 
@@ -166,6 +170,7 @@ class Evaluator:
     publish: Publish | None = None
     evaluated: list[Evaluation] = field(default_factory=list)
     skipped: int = 0
+    failures: Tolerated = field(default_factory=lambda: Tolerated(logger))
     _model: torch.nn.Module | None = None
     _due: tuple[trio.MemorySendChannel[int], trio.MemoryReceiveChannel[int]] = field(
         default_factory=lambda: trio.open_memory_channel[int](1)
@@ -187,7 +192,8 @@ class Evaluator:
 
     async def run(self, load: Callable[[], Awaitable[HeldoutSet]]) -> None:
         """Load the held-out set, then evaluate each due step until cancelled. A held-out set that
-        cannot be had ends evaluation (one log line), never training."""
+        cannot be had ends evaluation (one log line), never training; an evaluation that fails is counted
+        in :attr:`failures` (and logged), and the next due step is evaluated."""
         try:
             heldout = await load()
         except ProjectError as exc:
@@ -201,7 +207,8 @@ class Evaluator:
             self.every,
         )
         async for step in self._due[1]:
-            await self.evaluate(step, heldout)
+            with self.failures.around("held-out evaluation", *EVALUATION_FAILURES):
+                await self.evaluate(step, heldout)
 
     async def evaluate(self, step: int, heldout: HeldoutSet) -> Evaluation | None:
         """Evaluate the parameters of ``step`` and publish the result; None if the trainer is past it."""

@@ -120,3 +120,22 @@ async def test_held_out_files_are_the_local_eval_files_and_must_hold_the_runs_ex
         await load_heldout(make_task(spec), spec, files)
     with pytest.raises(ConfigError, match="served by its backbones"):
         await heldout_files(DatasetSpec(), None, tmp_path / "cache")
+
+
+async def test_a_failing_evaluation_is_counted_and_does_not_end_the_volunteer(tmp_path: Path) -> None:
+    held = await heldout(tmp_path)
+    broken = dict(held.batches[0])
+    broken["input_ids"] = torch.full_like(broken["input_ids"], 10**6)  # no such token: the model refuses
+    e = evaluator(every=1)
+
+    async def load() -> HeldoutSet:
+        return HeldoutSet([broken], held.examples, held.digest)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(e.run, load)
+        e.trainer.step = 1
+        e.step_done(1)
+        while not e.failures.total:
+            await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert e.failures.snapshot() == {"held-out evaluation": 1}
