@@ -137,7 +137,6 @@ class ApiState:
     #: a volunteer process silent this long has its session closed (backbone.sessions sweeps)
     session_timeout: float = SESSION_TIMEOUT
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
-    #: held-out shards (``heldout``) are those of ``shards_dir / heldout`` (protocols.evaluation)
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -422,6 +421,38 @@ def build_app(state: ApiState) -> Starlette:
         info, path = found
         return FileResponse(path, media_type="application/jsonl", headers={"x-sha256": info.sha256})
 
+    @route("admin/users", ["POST"], admin=True)
+    async def add_user(request: Request) -> Response:
+        body = await _body(request, NewUser)
+        now = state.clock()
+        try:
+            await db(state.store.add_user, body.username, note=body.note, now=now, write=True)
+            secret = await db(
+                state.store.create_invite,
+                body.username,
+                now=now,
+                expires_at=now + body.expires_in if body.expires_in else None,
+                write=True,
+            )
+        except UnknownUser as exc:
+            raise HttpError(404, "unknown_user", str(exc)) from exc
+        except ConfigError as exc:  # a reserved username, an invalid note
+            raise HttpError(422, "invalid", str(exc)) from exc
+        urls = state.manifest().api
+        return _json({"username": body.username, "invite": encode_invite(Invite(state.run_id, urls, secret))})
+
+    @route("admin/users", ["GET"], admin=True)
+    async def list_users(request: Request) -> Response:
+        return _json(await db(state.store.list_users))
+
+    @route("admin/users/{username}", ["DELETE"], admin=True)
+    async def remove_user(request: Request) -> Response:
+        username = request.path_params["username"]
+        if not await db(state.store.remove_user, username, now=state.clock(), write=True):
+            raise HttpError(404, "unknown_user", f"no active user {username!r}")
+        await state.on_user_removed(username)
+        return _json({"username": username, "removed": True})
+
     heldout = ShardCatalog(state.shards_dir / HELDOUT_DIR) if state.shards_dir is not None else None
     digests: dict[tuple[object, ...], str | None] = {}
 
@@ -519,38 +550,6 @@ def build_app(state: ApiState) -> Starlette:
             )
         )
 
-    @route("admin/users", ["POST"], admin=True)
-    async def add_user(request: Request) -> Response:
-        body = await _body(request, NewUser)
-        now = state.clock()
-        try:
-            await db(state.store.add_user, body.username, note=body.note, now=now, write=True)
-            secret = await db(
-                state.store.create_invite,
-                body.username,
-                now=now,
-                expires_at=now + body.expires_in if body.expires_in else None,
-                write=True,
-            )
-        except UnknownUser as exc:
-            raise HttpError(404, "unknown_user", str(exc)) from exc
-        except ConfigError as exc:  # a reserved username, an invalid note
-            raise HttpError(422, "invalid", str(exc)) from exc
-        urls = state.manifest().api
-        return _json({"username": body.username, "invite": encode_invite(Invite(state.run_id, urls, secret))})
-
-    @route("admin/users", ["GET"], admin=True)
-    async def list_users(request: Request) -> Response:
-        return _json(await db(state.store.list_users))
-
-    @route("admin/users/{username}", ["DELETE"], admin=True)
-    async def remove_user(request: Request) -> Response:
-        username = request.path_params["username"]
-        if not await db(state.store.remove_user, username, now=state.clock(), write=True):
-            raise HttpError(404, "unknown_user", f"no active user {username!r}")
-        await state.on_user_removed(username)
-        return _json({"username": username, "removed": True})
-
     async def not_routed(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         version = _API_VERSION.match(request.url.path)
@@ -576,12 +575,12 @@ def build_app(state: ApiState) -> Starlette:
             session,
             list_shards,
             get_shard,
-            list_heldout,
-            get_heldout,
-            evaluations,
             add_user,
             list_users,
             remove_user,
+            list_heldout,
+            get_heldout,
+            evaluations,
         ],
     )
 
