@@ -7,6 +7,7 @@ through ``trio.to_thread`` with the ledger limiters (one writer at a time). Ever
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import logging
 import re
@@ -37,6 +38,7 @@ from protocols.api import (
     ReportReceipt,
     RevocationList,
     SessionState,
+    ShardInfo,
     ShardList,
     Username,
     api_request_payload,
@@ -47,6 +49,7 @@ from protocols.api import (
 )
 from protocols.auth import DEFAULT_TOKEN_LIFETIME, MAX_CLOCK_SKEW, AccessToken, SignedRevocation
 from protocols.errors import DECODE_FAILURES
+from protocols.evaluation import EvaluationReceipt, SignedEvaluation
 from protocols.ledger import (
     CapabilitiesReceipt,
     SignedCapabilities,
@@ -55,13 +58,16 @@ from protocols.ledger import (
     decode_capabilities,
 )
 from protocols.peer_id import peer_id_from_public_key
+from protocols.training import TrainingSpec
 from shared.auth.authority import Authority
 from shared.auth.keys import verify, verify_by_peer_id
+from shared.data.heldout import HELDOUT_DIR, heldout_digest, read_heldout
 from shared.data.shards import ShardCatalog
 from shared.errors import AuthError, ConfigError, ProtocolError
 
 from .ledger import (
     CapabilitiesRejected,
+    EvaluationRejected,
     InviteRejected,
     LedgerStore,
     ReportRejected,
@@ -69,6 +75,7 @@ from .ledger import (
     UnknownUser,
     verify_report,
 )
+from .ledger.evaluations import check_evaluation, open_evaluation
 from .ratelimit import RateLimiter
 
 __all__ = ["DB_READ", "DB_WRITE", "SESSION_TIMEOUT", "ApiState", "build_app"]
@@ -125,6 +132,8 @@ class ApiState:
     reports_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=1.0, burst=120))
     capabilities_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.1, burst=10))
     sessions_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.5, burst=10))
+    #: held-out evaluations: one every ``dataset.eval_every`` steps per evaluator (a burst after an outage)
+    evaluations_by_peer: RateLimiter = field(default_factory=lambda: RateLimiter(rate=0.2, burst=20))
     #: a volunteer process silent this long has its session closed (backbone.sessions sweeps)
     session_timeout: float = SESSION_TIMEOUT
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
@@ -454,6 +463,103 @@ def build_app(state: ApiState) -> Starlette:
         await state.on_user_removed(username)
         return _json({"username": username, "removed": True})
 
+    heldout = ShardCatalog(state.shards_dir / HELDOUT_DIR) if state.shards_dir is not None else None
+    digests: dict[tuple[object, ...], str | None] = {}
+
+    def training() -> TrainingSpec:
+        return state.manifest().training or TrainingSpec()
+
+    def heldout_shards() -> list[ShardInfo]:
+        """The held-out shards the run's evaluators read (``dataset.eval_files`` restricts the names)."""
+        patterns = training().dataset.eval_files
+        infos = heldout.list() if heldout is not None else []
+        return [i for i in infos if not patterns or any(fnmatch.fnmatchcase(i.name, p) for p in patterns)]
+
+    def served_eval_set() -> str | None:
+        """The digest of the held-out examples we serve (None: the run reads none from us), cached by
+        the shards' names and digests."""
+        dataset = training().dataset
+        if heldout is None or dataset.source != "backbone":
+            return None
+        infos = heldout_shards()
+        key = (dataset.eval_examples, dataset.text_field, *((i.name, i.sha256) for i in infos))
+        if key not in digests:
+            try:
+                files = [heldout.directory / i.name for i in infos]
+                examples = read_heldout(files, dataset.eval_examples, dataset.text_field)
+            except ConfigError as exc:
+                logger.warning("the held-out shards cannot be read: %s", exc)
+                examples = []
+            complete = bool(examples) and len(examples) == dataset.eval_examples
+            digests.clear()
+            digests[key] = heldout_digest(examples) if complete else None
+        return digests[key]
+
+    @route("heldout", ["GET"], access=True)
+    async def list_heldout(request: Request) -> Response:
+        return _json(ShardList(shards=await trio.to_thread.run_sync(heldout_shards, limiter=FILES)))
+
+    @route("heldout/{name:path}", ["GET"], access=True)
+    async def get_heldout(request: Request) -> Response:
+        name = request.path_params["name"]
+        infos = await trio.to_thread.run_sync(heldout_shards, limiter=FILES)
+        info = next((i for i in infos if i.name == name), None)
+        if heldout is None or info is None:
+            raise HttpError(404, "unknown_shard", f"this backbone serves no held-out shard {name[:80]!r}")
+        path = heldout.directory / info.name
+        return FileResponse(path, media_type="application/jsonl", headers={"x-sha256": info.sha256})
+
+    @route("evaluations", ["POST"])
+    async def evaluations(request: Request) -> Response:
+        now = state.clock()
+        _limit(state.posts_by_address, address_of(request), now, "requests from your address")
+        signed = await _body(request, SignedEvaluation)
+        statuses = {"bad_signature": 401, "clock_skew": 401, "unknown_run": 404}
+        try:
+            evaluation = open_evaluation(signed)
+            # After the signature: only the key holder spends its peer's budget.
+            _limit(state.evaluations_by_peer, evaluation.peer_id, now, "evaluations from this peer")
+            check_evaluation(
+                evaluation,
+                run_id=state.run_id,
+                now=now,
+                examples=training().dataset.eval_examples,
+                eval_set=await trio.to_thread.run_sync(served_eval_set, limiter=FILES),
+                newest_step=await db(state.store.newest_step),
+            )
+        except EvaluationRejected as exc:
+            raise HttpError(statuses.get(exc.code, 422), exc.code, str(exc)) from exc
+        if await db(state.store.active_user_of_peer, evaluation.peer_id) is None:
+            raise HttpError(
+                403, "unknown_peer", f"peer {evaluation.peer_id} belongs to no active user of this run"
+            )
+        try:
+            recorded = await db(state.store.record_evaluation, signed, evaluation, now=now, write=True)
+        except UnknownPeer as exc:  # removed between the two calls
+            raise HttpError(403, "unknown_peer", str(exc)) from exc
+        if not recorded:
+            raise HttpError(
+                409, "duplicate", f"peer {evaluation.peer_id} has evaluated step {evaluation.step}"
+            )
+        summary = await db(state.store.step_evaluation, evaluation.step)
+        assert summary is not None  # the claim just recorded is finite
+        logger.info(
+            "held-out loss %.4f of step %d from %s (the step's: %.4f, %d users)",
+            evaluation.loss,
+            evaluation.step,
+            evaluation.peer_id,
+            summary.loss,
+            summary.users,
+        )
+        return _json(
+            EvaluationReceipt(
+                step=evaluation.step,
+                loss=summary.loss,
+                users=summary.users,
+                agrees=evaluation.peer_id not in summary.outliers,
+            )
+        )
+
     async def not_routed(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         version = _API_VERSION.match(request.url.path)
@@ -483,6 +589,9 @@ def build_app(state: ApiState) -> Starlette:
             add_user,
             list_users,
             remove_user,
+            list_heldout,
+            get_heldout,
+            evaluations,
         ],
     )
 

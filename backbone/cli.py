@@ -544,8 +544,8 @@ def ledger(
 
     The leaderboard: per user, the samples, compute time, time online and bytes aggregated that receipts
     of other users' peers back, and how many reports were flagged and why (rule codes). With --steps: the
-    run's last global steps (finished at, loss, batch against the target, peers) and its loss curve. With
-    --flags: each flagged report, the rules it broke and the details.
+    run's last global steps (finished at, loss, held-out loss, batch against the target, peers) and its loss
+    curve. With --flags: each flagged report, the rules it broke and the details.
 
     \b
     Examples:
@@ -728,7 +728,9 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
         return
     recorded = str(len(rows)) if len(rows) < limit else f"at least {len(rows):,}"
     table = Table(title=f"global steps (the last {len(recent)} of {recorded} recorded)")
-    for column in ("step", "finished at", "loss", "batch / target", "peers", "seen by"):
+    evaluated = any(r.eval_loss is not None for r in recent)  # the held-out loss, when there is one
+    columns = ["step", "finished at", "loss", *(["eval loss"] if evaluated else []), "batch / target"]
+    for column in [*columns, "peers", "seen by"]:
         table.add_column(column, justify="left" if column in ("finished at", "seen by") else "right")
     for row in recent:
         finished = datetime.fromtimestamp(row.finished_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -736,8 +738,15 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
         batch = f"{row.samples:,}" if row.samples > 0 else "—"
         if row.target_batch is not None:
             batch += f" / {row.target_batch:,}"
-        table.add_row(str(row.global_step), finished, loss, batch, str(row.peers), _SEEN_BY[row.source])
+        cells = [str(row.global_step), finished, loss, *([_eval_loss(row)] if evaluated else []), batch]
+        table.add_row(*cells, str(row.peers), _SEEN_BY[row.source])
     out.print(table)
+    if any(r.eval_loss is not None and r.eval_users < 2 for r in recent):
+        out.print(
+            "eval loss: the held-out loss of the step's parameters; * computed by one user's evaluators "
+            "only (not cross-checked)",
+            highlight=False,
+        )
     if median is not None:
         ratio = f" ({median / target:.2f}x)" if target else ""
         versus = f" / target {target:,}{ratio}" if target else ""
@@ -773,6 +782,13 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
         f"loss at step {first.global_step}: {first.loss:.4f}; at step {final.global_step}: {final.loss:.4f}",
         highlight=False,
     )
+
+
+def _eval_loss(row: StepRow) -> str:
+    """The step's held-out loss; ``*`` marks one that no second user's evaluator confirmed."""
+    if row.eval_loss is None:
+        return "—"
+    return f"{row.eval_loss:.4f}" + ("*" if row.eval_users < 2 else "")
 
 
 @app.command()

@@ -46,6 +46,7 @@ from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
 from shared.data.corpus import SHARD_PATTERN, shard_name, write_shards
+from shared.data.heldout import HELDOUT_DIR, write_heldout
 from shared.data.shards import is_shard_name
 from shared.discovery import advertise_run
 from shared.errors import ConfigError, DiscoveryError, RecordRejected
@@ -343,8 +344,8 @@ async def _serve_pinned(
 async def _prepare_shards(training: TrainingSpec, directory: Path) -> None:
     """When the run's examples come from the backbones (``dataset.source = "backbone"``): write the
     synthetic corpus's shards if the run asks for them (``dataset.generate``) and the directory holds no
-    shards of the organizer's own (complete shards from an earlier start are kept), then make sure there is
-    a shard to serve.
+    shards of the organizer's own (complete shards from an earlier start are kept), and its held-out shard
+    (``heldout/``, protocols.evaluation), then make sure there is a shard to serve.
 
     Raises:
         ConfigError: no shard to serve (none there and none to generate, or none matching
@@ -376,6 +377,11 @@ async def _prepare_shards(training: TrainingSpec, directory: Path) -> None:
                     "free some disk space or fix the data dir's permissions"
                 ) from exc
             logger.info("the synthetic corpus is ready in %s", directory)
+        if dataset.generate and all(SHARD_PATTERN.match(name) for name in present):
+            try:  # the held-out examples of the synthetic corpus (protocols.evaluation)
+                write_heldout(directory / HELDOUT_DIR, dataset.eval_examples, training.seed)
+            except OSError as exc:
+                raise ConfigError(f"cannot write the held-out shard to {directory}: {exc}") from exc
         served = [
             path.name
             for path in (directory.iterdir() if directory.is_dir() else [])

@@ -15,6 +15,9 @@ GET      ``tokenizer/<sha256>``  the run's ``tokenizer.json``, named by the SHA-
                                  (``training.tokenizer.sha256``); check the bytes against it (access)
 GET      ``ledger``              the leaderboard (see ``backbone ledger``) (access or admin)
 POST     ``reports``             a signed contribution report -> :class:`ReportReceipt`
+POST     ``evaluations``         a signed held-out evaluation (``protocols.evaluation``) -> its receipt
+GET      ``heldout``             :class:`ShardList`: the held-out shards evaluators read (access)
+GET      ``heldout/<name>``      one held-out shard's bytes (access)
 POST     ``capabilities``        a peer's signed measured capabilities (``protocols.ledger``) -> receipt
 POST     ``sessions/<t>/alive``  heartbeat of the volunteer process with session token ``t`` (access)
                                  -> :class:`SessionState`; the first one opens its session
@@ -49,8 +52,8 @@ the path, so the access credential's signature covers them (no body). A session 
 ``timeout_s`` is closed by the backbone at its last heartbeat; a new token of the same peer (a restart)
 closes the peer's older open session. An older backbone answers 404 here: the volunteer carries on.
 
-**Rate limits**: ``join``, ``refresh``, ``reports`` and ``capabilities`` answer 429 ``rate_limited`` past
-a per-address budget and a per-peer (or per-invite) budget, before any database work.
+**Rate limits**: ``join``, ``refresh``, ``reports``, ``capabilities`` and ``evaluations`` answer 429
+``rate_limited`` past a per-address budget and a per-peer (or per-invite) budget, before any database work.
 
 **Invite codes** are ``dli1_`` + base64url(msgpack(:class:`Invite`)): the pinned run id, the API URLs,
 and the one-time-shown secret. One code serves every machine of its user until it is revoked or expires,

@@ -109,7 +109,7 @@ class ScheduleSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.final_fraction + (1.0 - self.final_fraction) * decay
 
 
-class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Where examples come from (DESIGN D6). Every peer streams them in its own random shard order through
     a shuffle buffer of ``shuffle_buffer`` examples.
 
@@ -118,6 +118,12 @@ class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       the project's synthetic corpus first.
     * ``files``: local paths or globs on each volunteer's machine (JSON lines or text).
     * ``hub``: a dataset id of a dataset hub, streamed (``hub_config``, ``split``).
+
+    Held-out evaluation (:mod:`protocols.evaluation`): the loss over the first ``eval_examples`` examples
+    of the held-out files, every ``eval_every`` steps, by volunteers that run ``--evaluate``. For
+    ``backbone``, the held-out shards are those the backbones serve under ``heldout`` (``eval_files``:
+    name patterns restricting them; ``generate`` writes one); for ``files`` and ``hub``, ``eval_files``
+    are local paths or globs on each evaluator's machine.
     """
 
     source: Literal["backbone", "files", "hub"] = "backbone"
@@ -129,6 +135,11 @@ class DatasetSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shuffle_buffer: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 10_000
     generate: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0  # shards of synthetic corpus (backbone)
     examples_per_shard: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 2_000
+    eval_files: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=512)]], msgspec.Meta(max_length=64)
+    ] = []
+    eval_examples: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 256  # held-out examples evaluated
+    eval_every: Annotated[int, msgspec.Meta(ge=1, le=_MAX_STEP)] = 50  # steps between evaluations
 
     def __post_init__(self) -> None:
         if self.source == "files" and not self.files:

@@ -46,6 +46,7 @@ from protocols.api import (
 )
 from protocols.auth import SignedToken, authority_fingerprint, split_run_id
 from protocols.errors import DECODE_FAILURES
+from protocols.evaluation import EvaluationReceipt, SignedEvaluation
 from protocols.ledger import (
     Capabilities,
     CapabilitiesReceipt,
@@ -306,3 +307,46 @@ class ApiClient:
         signature = identity.sign(refresh_payload(self.run_id, token, now))
         request = RefreshRequest(run_id=self.run_id, token=token, timestamp=now, signature=signature)
         return (await self._post("refresh", request, RefreshResponse)).token
+
+    async def list_heldout(self) -> ShardList:
+        """The held-out shards the first answering backbone serves (``protocols.evaluation``).
+
+        Raises:
+            PeerUnavailable: no API URL answered (also: only backbones too old to serve held-out shards).
+            ProtocolError: the answer is not a valid shard list.
+        """
+        content = await self._get("heldout")
+        try:
+            return msgspec.json.decode(content, type=ShardList)
+        except DECODE_FAILURES as exc:
+            raise ProtocolError(f"the backbone's held-out shard list is malformed: {exc}") from exc
+
+    async def fetch_heldout(self, info: ShardInfo) -> bytes:
+        """The bytes of a held-out shard, checked against ``info``'s length and SHA-256.
+
+        Raises:
+            PeerUnavailable: no backbone could serve it.
+            ProtocolError: the bytes served are not the shard announced.
+        """
+        content = await self._get(f"heldout/{info.name}")
+        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
+        if len(content) != info.nbytes or digest != info.sha256:
+            raise ProtocolError(f"held-out shard {info.name} does not match its listing (length or SHA-256)")
+        return content
+
+    async def evaluation(self, signed: SignedEvaluation) -> EvaluationReceipt:
+        """Publish a signed held-out evaluation (``protocols.evaluation``).
+
+        Raises:
+            Refused: the backbone refused it (its ``code``: ``duplicate``, ``future_step``,
+                ``wrong_eval_set``, ``rate_limited``, ...).
+            PeerUnavailable: no API URL answered.
+            ProtocolError: the answer is malformed.
+        """
+        content = await self._request(
+            "POST", "evaluations", signed, refusals=(401, 403, 404, 409, 413, 422, 429)
+        )
+        try:
+            return msgspec.json.decode(content, type=EvaluationReceipt)
+        except DECODE_FAILURES as exc:
+            raise ProtocolError(f"the backbone's answer to an evaluation is malformed: {exc}") from exc

@@ -165,6 +165,23 @@ def join(
             "--threads", metavar="N", help="CPU threads torch may use (0: torch's default, all cores)."
         ),
     ] = 0,
+    evaluate: Annotated[
+        bool,
+        typer.Option(
+            "--evaluate",
+            help="Also compute the held-out loss of the run's parameters every N steps and publish it "
+            "(signed) to the run's ledger.",
+        ),
+    ] = False,
+    evaluate_every: Annotated[
+        int | None,
+        typer.Option(
+            "--evaluate-every",
+            metavar="N",
+            min=1,
+            help="Evaluate every N-th step (implies --evaluate).  [default: the run's dataset.eval_every]",
+        ),
+    ] = None,
     manifest: Annotated[
         Path | None,
         typer.Option(
@@ -240,6 +257,8 @@ def join(
                 threads=threads,
                 precision=computes_in,
                 micro_batch=micro_batch,
+                evaluate=evaluate or evaluate_every is not None,
+                evaluate_every=evaluate_every,
             )
             await serve_volunteer(options, shutdown, console)
 

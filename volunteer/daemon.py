@@ -49,6 +49,8 @@ class VolunteerOptions:
     threads: int = 0  # torch intra-op threads; 0: torch's default
     precision: str = "auto"  # auto, fp32, bf16 or fp16 (volunteer.precision)
     micro_batch: int = 0  # samples per forward/backward; 0: fitted to the GPU, else the spec's
+    evaluate: bool = False  # held-out evaluation (volunteer.evaluation)
+    evaluate_every: int | None = None  # steps between evaluations; None: the manifest's dataset.eval_every
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:

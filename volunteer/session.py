@@ -60,6 +60,7 @@ from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
 from .data import BackboneShards, Prefetcher, open_examples
+from .evaluation import Evaluator, heldout_files, load_heldout
 from .fitting import fit_micro_batch
 from .panel import training_line, training_status, training_view
 from .precision import Precision
@@ -113,6 +114,7 @@ class TrainingSession:
         self._caps: MeasuredCapabilities | None = None
         self.device = "cpu"  # the torch device training runs on, set by run()
         self.precision: Precision = "fp32"  # what it computes in (volunteer.precision), set by run()
+        self.evaluator: Evaluator | None = None  # with --evaluate (volunteer.evaluation), set by run()
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
@@ -162,6 +164,8 @@ class TrainingSession:
                     return
                 await nursery.start(collab.run)
                 nursery.start_soon(self._remeasure_on_drift, collab)
+                if getattr(self.options, "evaluate", False):
+                    self._start_evaluating(nursery, task, trainer)
                 self.headline = "training"
                 reason = await train_until_stopped(
                     collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
@@ -209,6 +213,26 @@ class TrainingSession:
             )
         trainer.micro_batch = size
         return itertools.chain(taken, examples)
+
+    def _start_evaluating(self, nursery: trio.Nursery, task: Any, trainer: LocalTrainer) -> None:
+        """``--evaluate``: the held-out loss of every N-th step's parameters (volunteer.evaluation)."""
+        client = self.client
+        every = getattr(self.options, "evaluate_every", None) or self.spec.dataset.eval_every
+        evaluator = Evaluator(
+            task,
+            trainer,
+            self.options.run_id,
+            self.identity,
+            every,
+            publish=client.evaluation if client is not None else None,
+        )
+
+        async def load() -> Any:
+            files = await heldout_files(self.spec.dataset, client, self.data_dir / "heldout")
+            return await load_heldout(task, self.spec, files)
+
+        self.evaluator = evaluator
+        nursery.start_soon(evaluator.run, load)
 
     async def _report_and_leave(self) -> None:
         """Report every open step and close our ledger session (best effort, bounded)."""
@@ -287,6 +311,8 @@ class TrainingSession:
 
     def _on_step(self, record: StepRecord) -> None:
         self.reporter.record(record)
+        if self.evaluator is not None:
+            self.evaluator.step_done(record.step)
         line = {
             "step": record.step,
             "fingerprint": record.fingerprint.hex(),

@@ -4,6 +4,8 @@ Modules:
     accounting  **pure**: verify a signed contribution report (verify_report), its bounds (assess ->
                 Assessment), its receipts (verify_receipt), what it is credited (credit_due), which
                 capabilities are believed; the design of receipt-backed credit is its docstring
+    evaluations **pure**: verify a signed held-out evaluation (verify_evaluation), a step's
+                cross-checked held-out loss from its claims (summarize -> StepEvaluation)
     store       LedgerStore, the only module with SQL I/O: allowlist (users, invites, peers), sessions,
                 reports (exactly once per (peer_id, seq)), steps, leaderboard; SQLite (WAL) or PostgreSQL
     views       the frozen values queries return: UserSummary, PeerSeen, LeaderboardRow, StoredReport,
@@ -25,6 +27,9 @@ from .errors import InviteRejected as InviteRejected
 from .errors import LedgerError as LedgerError
 from .errors import UnknownPeer as UnknownPeer
 from .errors import UnknownUser as UnknownUser
+from .evaluations import EvaluationRejected as EvaluationRejected
+from .evaluations import StepEvaluation as StepEvaluation
+from .evaluations import verify_evaluation as verify_evaluation
 from .store import BACKBONE_USERNAME as BACKBONE_USERNAME
 from .store import RESERVED_USERNAMES as RESERVED_USERNAMES
 from .store import LedgerStore as LedgerStore
@@ -42,6 +47,7 @@ __all__ = [
     "RESERVED_USERNAMES",
     "Assessment",
     "CapabilitiesRejected",
+    "EvaluationRejected",
     "FlaggedReport",
     "InviteRejected",
     "LeaderboardRow",
@@ -50,6 +56,7 @@ __all__ = [
     "PeerSeen",
     "ReportRejected",
     "SessionRow",
+    "StepEvaluation",
     "StepRow",
     "StoredReport",
     "UnknownPeer",
@@ -57,5 +64,6 @@ __all__ = [
     "UserSummary",
     "Verdict",
     "assess",
+    "verify_evaluation",
     "verify_report",
 ]

@@ -24,6 +24,10 @@ Tables::
                    for a step below the tracker's frontier; ``legacy``: recorded by schema version <= 2,
                    which also wrote rows for steps it jumped over); ``target_batch``: the run's target
                    batch when the tracker recorded it (NULL: receipts, or schema version <= 4)
+    evaluations    signed held-out evaluations, one per (peer, step) ever (schema 7): the loss a peer
+                   computed over the run's held-out examples with the parameters of a step, their
+                   fingerprint and the held-out set's digest; a step's loss is the cross-check of
+                   its rows (backbone.ledger.evaluations), computed when read
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -84,6 +88,7 @@ __all__ = [
     "PeerSession",
     "Pull",
     "Discard",
+    "EvaluationRecord",
     "Receipt",
     "Report",
     "SchemaVersion",
@@ -92,7 +97,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -272,6 +277,27 @@ class Step(Base):
     target_batch: Mapped[int | None] = mapped_column(Integer)
 
 
+class EvaluationRecord(Base):
+    """``peer_id`` (of user ``user_id`` when it arrived) computed held-out loss ``loss`` over ``examples``
+    examples (digest ``eval_set``) with the parameters of ``step`` (fingerprint ``params``); the signed
+    bytes are kept as received, so any row can be re-verified."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index(None, "step"),)
+
+    peer_id: Mapped[str] = mapped_column(ForeignKey("peers.peer_id"), primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    loss: Mapped[float]
+    examples: Mapped[int]
+    eval_set: Mapped[str] = mapped_column(String(64))
+    params: Mapped[bytes]
+    evaluated_at: Mapped[float]
+    received_at: Mapped[float]
+    evaluation_bytes: Mapped[bytes]
+    signature: Mapped[bytes]
+
+
 class SchemaVersion(Base):
     __tablename__ = "schema_version"
     __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
@@ -375,6 +401,11 @@ def _migrate_5_to_6(conn: Connection) -> None:
             conn.execute(text(f"CREATE INDEX ix_{table}_step ON {table} (step)"))
 
 
+def _migrate_6_to_7(conn: Connection) -> None:
+    """Version 7 (issue 12): held-out evaluations, a new table (made by ``create_all``); no old row
+    changes. Nothing else to do: the function marks the version step (and is where a change would go)."""
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -389,6 +420,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     3: _migrate_3_to_4,
     4: _migrate_4_to_5,
     5: _migrate_5_to_6,
+    6: _migrate_6_to_7,
 }
 
 

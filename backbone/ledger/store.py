@@ -64,6 +64,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemyError
 
+from protocols.evaluation import Evaluation, SignedEvaluation
 from protocols.ledger import Capabilities, ContributionReport, SignedReport
 from protocols.peer_id import peer_id_from_public_key
 from protocols.receipts import PartReceipt
@@ -80,8 +81,10 @@ from .accounting import (
     valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
+from .evaluations import Claim, StepEvaluation, summarize
 from .schema import (
     Discard,
+    EvaluationRecord,
     Invite,
     Peer,
     PeerSession,
@@ -846,10 +849,82 @@ class LedgerStore:
                 .order_by(Step.global_step.desc())
                 .limit(limit)
             ).all()
+            claims = _claims(conn, rows[-1].global_step, rows[0].global_step) if rows else {}
+        evaluated = {step: summarize(step, found) for step, found in claims.items()}
         return [
-            StepRow(r.global_step, r.finished_at, r.loss, r.samples, r.peers, r.source, r.target_batch)
+            StepRow(
+                r.global_step,
+                r.finished_at,
+                r.loss,
+                r.samples,
+                r.peers,
+                r.source,
+                r.target_batch,
+                *_evaluated(evaluated.get(r.global_step)),
+            )
             for r in rows
         ]
+
+    def newest_step(self) -> int | None:
+        """The newest step in the step log (None: no step recorded yet)."""
+        with self._tx(write=False) as conn:
+            newest: int | None = conn.execute(select(func.max(Step.global_step))).scalar_one_or_none()
+        return newest
+
+    # -------------------------------------------------------------- evaluations
+
+    def record_evaluation(self, signed: SignedEvaluation, evaluation: Evaluation, *, now: float) -> bool:
+        """Store a verified held-out evaluation (backbone.ledger.evaluations.verify_evaluation).
+
+        Returns:
+            True if recorded now, False if ``(peer_id, step)`` was recorded before (nothing changed).
+
+        Raises:
+            UnknownPeer: ``evaluation.peer_id`` never redeemed an invite.
+        """
+        peer_id, step = evaluation.peer_id, evaluation.step
+
+        def exists(conn: Connection) -> bool:
+            found = conn.execute(
+                select(EvaluationRecord.step).where(
+                    EvaluationRecord.peer_id == peer_id, EvaluationRecord.step == step
+                )
+            ).first()
+            return found is not None
+
+        try:
+            with self._tx(write=True) as conn:
+                user_id = conn.execute(select(Peer.user_id).where(Peer.peer_id == peer_id)).scalar()
+                if user_id is None:
+                    raise UnknownPeer(f"unknown peer {peer_id}")
+                if exists(conn):
+                    return False
+                conn.execute(
+                    insert(EvaluationRecord).values(
+                        peer_id=peer_id,
+                        step=step,
+                        user_id=user_id,
+                        loss=evaluation.loss,
+                        examples=evaluation.examples,
+                        eval_set=evaluation.eval_set,
+                        params=evaluation.params,
+                        evaluated_at=evaluation.timestamp,
+                        received_at=now,
+                        evaluation_bytes=signed.evaluation,
+                        signature=signed.signature,
+                    )
+                )
+        except _Conflict:  # a concurrent insert of the same (peer, step) won
+            if self._exists(exists):
+                return False
+            raise
+        return True
+
+    def step_evaluation(self, step: int) -> StepEvaluation | None:
+        """The cross-checked held-out loss of ``step`` (None: nobody evaluated it)."""
+        with self._tx(write=False) as conn:
+            claims = _claims(conn, step, step)
+        return summarize(step, claims.get(step, []))
 
     def discards(self, peer_id: str) -> list[tuple[int, int]]:
         """The step ranges ``peer_id`` reported discarded, by first step (each as often as reported)."""
@@ -1018,6 +1093,30 @@ class LedgerStore:
         """After a constraint refused a write: was it because the row is there already?"""
         with self._tx(write=False) as conn:
             return check(conn)
+
+
+def _claims(conn: Connection, first: int, last: int) -> dict[int, list[Claim]]:
+    """The held-out evaluations of the steps ``first..last``, by step, as claims of their users."""
+    rows = conn.execute(
+        select(
+            EvaluationRecord.step,
+            EvaluationRecord.peer_id,
+            User.username,
+            EvaluationRecord.loss,
+            EvaluationRecord.params,
+            EvaluationRecord.eval_set,
+        )
+        .join(User, User.id == EvaluationRecord.user_id)
+        .where(EvaluationRecord.step.between(first, last))
+    ).all()
+    claims: dict[int, list[Claim]] = {}
+    for r in rows:
+        claims.setdefault(r.step, []).append(Claim(r.peer_id, r.username, r.loss, r.params, r.eval_set))
+    return claims
+
+
+def _evaluated(summary: StepEvaluation | None) -> tuple[float | None, int]:
+    return (None, 0) if summary is None else (summary.loss, summary.users)
 
 
 def _parse_url(url: str) -> URL:

@@ -141,3 +141,7 @@ class StepRow:
     source: str = "tracker"
     #: the run's target batch when it was recorded (None: unknown; see ``backbone.ledger.schema``)
     target_batch: int | None = None
+    #: the held-out loss of the step's parameters (None: not evaluated; backbone.ledger.evaluations)
+    eval_loss: float | None = None
+    #: users whose evaluators agree on ``eval_loss`` (below 2: single-sourced, not cross-checked)
+    eval_users: int = 0

@@ -3,6 +3,8 @@
 Modules:
     corpus  a deterministic synthetic English-like corpus (a small probabilistic grammar) and the
             JSON-lines shards the backbone writes from it
+    heldout the held-out examples of a run in their fixed order, their digest, the synthetic held-out
+            shard
     shards  the shard files of a directory with their sizes and SHA-256 digests, cached by mtime
 
 Pure Python (no torch, no numpy, no trio).

@@ -125,9 +125,11 @@ async def test_backbone_writes_the_synthetic_corpus_once_when_asked(
     spec = TrainingSpec(seed=3, dataset=DatasetSpec(generate=2, examples_per_shard=7))
     directory = tmp_path / "shards"
     await _prepare_shards(spec, directory)
-    names = sorted(p.name for p in directory.iterdir())
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
     assert names == ["shard-00000.jsonl", "shard-00001.jsonl"]
     assert len((directory / names[0]).read_text().splitlines()) == 7
+    # and the held-out shard, apart (issue 12 item 7): the run's eval_examples examples
+    assert len((directory / "heldout" / "heldout-00000.jsonl").read_text().splitlines()) == 256
     assert "writing 2 shards of the synthetic corpus (7 examples each, seed 3)" in caplog.text
     # a restart keeps them; a lost shard is written again, the same as before
     before = (directory / names[1]).read_bytes()

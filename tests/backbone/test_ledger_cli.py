@@ -77,6 +77,8 @@ def test_ledger_steps_json_lists_the_last_steps_oldest_first_and_the_falling_cur
         "peers": 3,
         "source": "tracker",
         "target_batch": 120,
+        "eval_loss": None,
+        "eval_users": 0,
     }
     assert (shown["median_batch"], shown["target_batch"]) == (128, 120)
     assert shown["curve_steps"] == 40

@@ -83,7 +83,7 @@ class Backbone:
 
 
 class Volunteer:
-    def __init__(self, root: Path, name: str, backbone: Backbone) -> None:
+    def __init__(self, root: Path, name: str, backbone: Backbone, *extra: str) -> None:
         self.name = name
         self.dir = root / name
         self.dir.mkdir()
@@ -91,7 +91,7 @@ class Volunteer:
             "volunteer", "join", backbone.run_id, "--data-dir", str(self.dir),
             "--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peer", backbone.address,
             "--no-panel", "--threads", "1",
-            "--invite", backbone.invite(name),
+            "--invite", backbone.invite(name), *extra,
         )  # fmt: skip
         self.log = self.dir / "volunteer.log"
         with self.log.open("w") as log:

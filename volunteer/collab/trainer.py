@@ -249,6 +249,14 @@ class LocalTrainer:
             digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
         return digest.digest()
 
+    def copy_state_into(self, model: torch.nn.Module) -> tuple[int, bytes]:
+        """Copy the parameters and buffers into ``model`` (the same task's architecture) under the lock,
+        so they are exactly those of one step; returns that step and its fingerprint (held-out
+        evaluation, volunteer.evaluation)."""
+        with self._lock:
+            model.load_state_dict(self.model.state_dict(), strict=True)
+            return self.step, self.lineage.get(self.step) or self._fingerprint()
+
     def parameter_vector(self) -> Float32Array:
         with self._lock:
             return torch.cat([p.detach().reshape(-1).cpu() for p in self.params]).numpy()

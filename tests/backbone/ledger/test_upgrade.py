@@ -93,6 +93,7 @@ def check_upgraded(url: str) -> None:
                 i["name"] for t in ("receipts", "pulls") for i in sqlalchemy.inspect(conn).get_indexes(t)
             }
             assert {"ix_receipts_step", "ix_pulls_step"} <= indexes  # version 6
+            assert "evaluations" in sqlalchemy.inspect(conn).get_table_names()  # version 7
     finally:
         engine.dispose()
 
