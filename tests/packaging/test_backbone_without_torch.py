@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 #: what only the volunteer installs (pyproject's `volunteer` extra)
 VOLUNTEER_ONLY = ("torch", "transformers", "datasets")
+#: what only the backbone installs (pyproject's `backbone` extra, less tokenizers, which both have)
+BACKBONE_ONLY = ("sqlalchemy", "psycopg", "starlette", "hypercorn")
 #: a Hugging Face run with a tokenizer the backbone trains at its first start (the `tokenizers` library)
 MANIFEST = """\
 task = "hf-mlm"
@@ -51,9 +53,10 @@ generate = 2
 
 
 class WithoutTorch:
-    """Runs Python processes in which the volunteer's packages cannot be imported."""
+    """Runs Python processes in which the ``forbidden`` packages cannot be imported."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, forbidden: tuple[str, ...] = VOLUNTEER_ONLY) -> None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.log = tmp_path / "refused-imports.log"
         path = [str(Path(__file__).with_name("without_torch")), str(ROOT), os.environ.get("PYTHONPATH", "")]
         self.env = {
@@ -61,7 +64,7 @@ class WithoutTorch:
             "PYTHONPATH": os.pathsep.join(p for p in path if p),
             "PYTHONUNBUFFERED": "1",
             "COLUMNS": "200",
-            "DEDLOC_FORBID": ",".join(VOLUNTEER_ONLY),
+            "DEDLOC_FORBID": ",".join(forbidden),
             "DEDLOC_FORBID_LOG": str(self.log),
         }
 
@@ -126,17 +129,38 @@ def _modules(*packages: str) -> list[str]:
     return [name for name in names if not name.endswith(".__main__")]  # __main__ would run the CLI
 
 
+def _import_all(modules: list[str]) -> str:
+    return f"import importlib\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
+
+
 def test_every_module_of_the_backbone_and_the_layers_below_imports_without_them(
     without_torch: WithoutTorch,
 ) -> None:
     modules = _modules("protocols", "shared", "backbone")
     assert "backbone.cli" in modules and "backbone.ledger.store" in modules and "shared.tokenizer" in modules
-    code = f"import importlib\nfor name in {modules!r}:\n    importlib.import_module(name)\n"
 
-    done = without_torch.run("-c", code)
+    done = without_torch.run("-c", _import_all(modules))
 
     assert done.returncode == 0, done.stderr
     refused = without_torch.refused()
+    assert not refused, refused
+
+
+def test_the_volunteer_needs_none_of_the_backbones_packages(tmp_path: Path) -> None:
+    """The other half of the split: ``dedloc[volunteer]`` has no ledger database and no HTTP server."""
+    without_backbone = WithoutTorch(tmp_path, forbidden=BACKBONE_ONLY)
+    modules = _modules("volunteer")
+    assert "volunteer.cli" in modules and "volunteer.tasks.hf" in modules
+
+    then_help = (
+        "import sys\nfrom volunteer.cli import main\nsys.argv = ['volunteer', 'join', '--help']\nmain()\n"
+    )
+
+    done = without_backbone.run("-c", _import_all(modules) + then_help)  # one process: torch loads slowly
+
+    assert done.returncode == 0, done.stderr
+    assert "--invite" in done.stdout
+    refused = without_backbone.refused()
     assert not refused, refused
 
 
@@ -178,3 +202,25 @@ def test_a_real_backbone_starts_serves_and_stops_without_them(
         assert done.returncode == 0, f"backbone {' '.join(command)}: {done.stderr}"
     refused = without_torch.refused()
     assert not refused, refused
+
+
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWAFQ3xykdXZzoAzo2FvDi91sdttnkBocq8LcQePV1dQHm"
+
+
+def test_each_role_without_its_packages_says_in_one_line_what_to_install(tmp_path: Path) -> None:
+    """``pip install dedloc`` without a role: exit 2 and the pip line, not a traceback (shared/extras.py)."""
+    volunteer = WithoutTorch(tmp_path / "v").run(
+        *("-m", "volunteer", "join", "r", "--initial-peer", PEER, "--no-panel"),
+        *("--data-dir", str(tmp_path / "volunteer")),
+    )
+    backbone = WithoutTorch(tmp_path / "b", forbidden=BACKBONE_ONLY).run(
+        *("-m", "backbone", "start", "--run-id", "r", "--open", "--no-mdns"),
+        *("--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(tmp_path / "backbone")),
+    )
+
+    for role, done in (("volunteer", volunteer), ("backbone", backbone)):
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.endswith(f"install the {role}'s packages with: pip install 'dedloc[{role}]'\n")
+    assert "needs the torch package" in volunteer.stderr
+    assert not (tmp_path / "volunteer").exists()

@@ -16,6 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from shared.extras import ROLE_PACKAGES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,3 +51,10 @@ def test_the_backbone_extra_installs_no_torch_transformers_or_datasets(tmp_path:
     assert {"dedloc", "sqlalchemy", "psycopg", "starlette", "hypercorn", "tokenizers", "trio"} <= names
     assert not names & {"torch", "transformers", "datasets", "accelerate", "triton"}
     assert not [name for name in names if name.startswith("nvidia-")]
+
+
+def test_the_packages_the_cli_errors_name_are_pyprojects_extras() -> None:
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for role, packages in ROLE_PACKAGES.items():
+        names = {re.match(r"[A-Za-z0-9_.-]+", spec).group().lower() for spec in optional[role]}  # type: ignore[union-attr]
+        assert names == packages, role
