@@ -5,7 +5,9 @@ packages fails as if they were not installed, and is recorded with the stack tha
 import the code catches (``try: import torch``) fails the test too. tests/architecture/test_layers.py reads
 the import statements; this runs the real thing: every module of the backbone and of the layers below it,
 the CLI's help, and a real ``backbone start`` that trains the run's tokenizer and serves its API, then the
-commands an organizer runs on the stopped data dir.
+commands an organizer runs on the stopped data dir. The same guard checks the other half of the split (the
+volunteer loads none of the backbone's packages) and the one-line error of a role installed without its
+packages.
 """
 
 from __future__ import annotations
