@@ -33,6 +33,7 @@ from shared.console import (
     validate_run_id,
 )
 from shared.errors import ConfigError, ProjectError
+from shared.extras import role_installed
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.net.addresses import expand_unspecified, parse_multiaddr
@@ -860,4 +861,5 @@ def _run_info(data_dir: Path) -> RunInfo:
 
 
 def main() -> None:
-    app()
+    with role_installed("backbone"):  # pip install dedloc without [backbone]: one line, exit 2
+        app()

@@ -9,6 +9,7 @@ Packages and modules:
     node        a run's node: Host + DHTNode, presence and status, ordered start and leave
     lifecycle   running under SIGINT/SIGTERM with a clean, graceful stop
     console     CLI support: logging, data-dir locks, errors to exit codes
+    extras      each role's packages (dedloc[backbone], dedloc[volunteer]) and the error when one lacks them
     panel       the rich status panel
     progress    where the collaboration stands, from the peers' progress records (pure)
     progress_records  reading those records: through our DHT, and seeded at each backbone

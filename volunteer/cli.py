@@ -26,6 +26,7 @@ from shared.console import (
     validate_run_id,
 )
 from shared.errors import ConfigError
+from shared.extras import role_installed
 from shared.lifecycle import Shutdown
 
 from .precision import PRECISIONS
@@ -266,4 +267,5 @@ def join(
 
 
 def main() -> None:
-    app()
+    with role_installed("volunteer"):  # pip install dedloc without [volunteer]: one line, exit 2
+        app()

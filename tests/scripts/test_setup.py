@@ -28,6 +28,10 @@ esac
 exit 0
 """
 
+#: What every setup installs: this checkout runs a backbone and volunteers (scripts/demo), and the tests too.
+BOTH = ".[volunteer,backbone]"
+BOTH_TEST = ".[volunteer,backbone,test]"
+
 pytestmark = pytest.mark.skipif(
     shutil.which("bash") is None or shutil.which("sha256sum") is None, reason="bash"
 )
@@ -63,7 +67,7 @@ class Checkout:
         )
 
     def installs(self) -> list[str]:
-        """The project installs asked of pip so far (``.`` or ``.[extras]``)."""
+        """The project installs asked of pip so far (``.[volunteer,backbone…]``)."""
         calls = self.log.read_text().splitlines()
         return [call.split()[-1] for call in calls if call.startswith("-m pip install -q -e")]
 
@@ -76,7 +80,7 @@ def test_demo_and_test_setups_install_once_per_pyproject(tmp_path: Path) -> None
 
     first = repo.setup("test")
     assert first.returncode == 0, first.stderr
-    assert repo.installs() == [".[test]"]
+    assert repo.installs() == [BOTH_TEST]
     assert "WARNING" not in first.stderr  # pip's output went to .venv/pip.log
     assert "WARNING: Running pip" in (repo.root / ".venv" / "pip.log").read_text()
 
@@ -84,7 +88,7 @@ def test_demo_and_test_setups_install_once_per_pyproject(tmp_path: Path) -> None
         again = repo.setup(*extras)
         assert again.returncode == 0, again.stderr
         assert again.stderr == ""
-    assert repo.installs() == [".[test]"]
+    assert repo.installs() == [BOTH_TEST]
 
     with (repo.root / "pyproject.toml").open("a") as pyproject:
         pyproject.write("# a changed dependency\n")
@@ -92,7 +96,7 @@ def test_demo_and_test_setups_install_once_per_pyproject(tmp_path: Path) -> None
     assert repo.stamps() == ["base"]  # the old pyproject's stamp is gone
     assert repo.setup("test").returncode == 0  # the base install lacks the test extras
     assert repo.setup().returncode == 0
-    assert repo.installs() == [".[test]", ".", ".[test]"]
+    assert repo.installs() == [BOTH_TEST, BOTH, BOTH_TEST]
     assert repo.stamps() == ["base", "test"]
 
 
@@ -106,3 +110,16 @@ def test_a_failed_install_shows_pips_error_and_leaves_no_stamp(tmp_path: Path) -
     assert repo.stamps() == []
     assert repo.setup("test").returncode == 0
     assert repo.stamps() == ["test"]
+
+
+def test_every_setup_installs_the_pinned_torch_first_then_both_roles(tmp_path: Path) -> None:
+    repo = Checkout(tmp_path / "repo")
+
+    assert repo.setup().returncode == 0
+
+    pip = [call for call in repo.log.read_text().splitlines() if call.startswith("-m pip install")]
+    assert pip == [
+        "-m pip install -q --upgrade pip",
+        "-m pip install -q torch==2.13.0",
+        f"-m pip install -q -e {BOTH}",
+    ]
