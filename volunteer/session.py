@@ -122,7 +122,10 @@ class TrainingSession:
             import torch
 
             torch.set_num_threads(self.options.threads)
+        if self.spec.tokenizer.kind != "none":
+            self.headline = "getting the run's tokenizer"
         tokenizer = await obtain_tokenizer(self.spec.tokenizer, self.client, self.data_dir)
+        self.headline = f"building the run's model ({self.spec.task})"
         task = await trio.to_thread.run_sync(make_task, self.spec, tokenizer)  # imports transformers: seconds
         device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
         self.device = device
