@@ -217,10 +217,12 @@ def summarize(
     best = survivor(found)
     if best is not None:
         step = best.top
-    else:  # nobody holds a state a collaboration continues (newcomers, downloads): the newest claim
-        step = max((p.step for p in everyone.values()), default=mine.step)
-        if not anchored and credible:
-            step = max(p.step for p in credible.values())
+    else:  # nobody holds a state a collaboration continues (newcomers, downloads): the newest claim of a
+        # peer that holds its state (a downloading peer's step is the one it is leaving: it never leads)
+        step = max((p.step for p in everyone.values() if not p.syncing), default=mine.step)
+        holding = [p.step for p in credible.values() if not p.syncing]
+        if not anchored and holding:
+            step = max(holding)
     # Anyone flagged syncing gets the state announced (rule 5), whatever step it still holds: a peer of a
     # losing collaboration that is ahead of the survivor is not credible, yet must be able to re-sync.
     syncing = {peer for peer, p in fresh.items() if p.syncing}

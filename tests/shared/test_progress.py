@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from protocols.training import Progress
@@ -112,6 +112,10 @@ def test_a_step_claim_needs_support_from_another_user() -> None:
     ),
     st.integers(0, 20),
     st.integers(0, TARGET),
+)
+# found by hypothesis: nobody could continue a collaboration, and the newest claim was a downloading peer's
+@example(
+    raw={"a": (0, 0, 0.0, False), "b": (0, 0, 0.0, False), "e": (18, 0, 0.0, True)}, my_step=17, my_samples=0
 )
 def test_view_invariants(raw: dict[str, tuple[int, int, float, bool]], my_step: int, my_samples: int) -> None:
     records = {
