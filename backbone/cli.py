@@ -823,12 +823,12 @@ def export(
         ),
     ] = None,
 ) -> None:
-    """Write the trained model, from a checkpoint, to a file or a Hugging Face folder.
+    """Write the trained model to a file or a Hugging Face folder.
 
-    The safetensors file holds the model's parameters as tensors named as in the model (without the
-    `model/` prefix) and metadata with the step, run id and task. The hf folder holds config.json,
-    model.safetensors and the run's tokenizer: AutoModelForMaskedLM.from_pretrained(folder) and
-    AutoTokenizer.from_pretrained(folder) load it.
+    The model is that of the newest checkpoint (or --step's). The safetensors file holds the model's
+    parameters as tensors named as in the model (without the `model/` prefix) and metadata with the
+    step, run id and task. The hf folder holds config.json, model.safetensors and the run's tokenizer:
+    AutoModelForMaskedLM.from_pretrained(folder) and AutoTokenizer.from_pretrained(folder) load it.
 
     \b
     Examples:

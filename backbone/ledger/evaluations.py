@@ -25,7 +25,6 @@ its step log holds.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,6 +175,16 @@ class StepEvaluation:
         return self.users < 2
 
 
+def _median(values: Sequence[float]) -> float:
+    """The median of finite ``values``, finite too: the two middle values are halved before they are added
+    (``statistics.median`` of two values near the float maximum overflows to infinity)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return ordered[middle - 1] / 2 + ordered[middle] / 2
+
+
 def summarize(step: int, claims: Sequence[Claim]) -> StepEvaluation | None:
     """The held-out loss of ``step`` from its ``claims`` (any order); None without a finite claim."""
     finite = [c for c in claims if math.isfinite(c.loss)]
@@ -189,7 +198,7 @@ def summarize(step: int, claims: Sequence[Claim]) -> StepEvaluation | None:
     per_user: dict[str, list[float]] = defaultdict(list)
     for claim in chosen:
         per_user[claim.user].append(claim.loss)
-    loss = statistics.median(statistics.median(values) for values in per_user.values())
+    loss = _median([_median(values) for values in per_user.values()])
     tolerance = max(ABS_TOLERANCE, REL_TOLERANCE * abs(loss))
     agreeing = [c for c in chosen if abs(c.loss - loss) <= tolerance]
     outliers = sorted({c.peer_id for c in finite} - {c.peer_id for c in agreeing})

@@ -136,7 +136,8 @@ def test_backbone_start_with_a_run_no_volunteer_can_train_exits_2_before_anythin
     result = run(*cli(*START, "--data-dir", str(tmp_path / "d"), "--manifest", str(manifest)))
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
-        f"error: {manifest}: unknown task 'gpt-5': volunteers can train hf-clm, hf-mlm, tiny-mlm"
+        f"error: {manifest}: unknown task 'gpt-5': volunteers can train hf-clm, hf-mlm, tiny-mlm, or the "
+        'task of a plugin the manifest names (plugin = "distribution==version")'
     ]
     assert result.stdout == ""  # no run id printed, no invite possible
     assert not (tmp_path / "d").exists()
