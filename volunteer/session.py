@@ -155,7 +155,10 @@ class TrainingSession:
                 nursery.start_soon(self._remeasure_on_drift, collab)
                 self.headline = "training"
                 reason = await train_until_stopped(
-                    collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
+                    collab,
+                    lambda: prefetch.get(timeout=0.5),
+                    shutdown.requested,
+                    ready_batch=lambda: prefetch.get(timeout=0),
                 )
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)
