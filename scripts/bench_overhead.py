@@ -40,6 +40,12 @@ is measured between micro-batches instead (``window``: "micro-batches"). The run
 volunteer, plain, …); the medians of each and ``ratio`` = volunteer median / plain median are reported
 (target >= 0.97, issue 12, not asserted).
 
+On a shared machine the torch time of a step varies by tens of percent from run to run, far more than
+the few percent ``ratio`` is about. ``ratio_at_equal_compute`` is robust to that: each side's overhead per
+step (its step period less its torch time: ``compute`` for plain, ``accumulate_torch`` for the volunteer;
+medians over its runs) added to the same torch time (the median over all runs of both sides),
+``(compute + plain overhead) / (compute + volunteer overhead)``.
+
 ``breakdown_ms_per_step`` says where each side's time per step goes, from timers wrapped around the calls
 the loops make (a few ``perf_counter`` reads per micro-batch): waiting for a batch, the micro-batches
 (for the volunteer: ``data_take``, taking a ready batch on the torch thread, the torch time inside
@@ -487,11 +493,19 @@ def main() -> None:
             plain.append(run_child("plain", spec, args))
             lone.append(run_child("volunteer", spec, args))
     plain_sps = statistics.median(r["samples_per_second"] for r in plain)
+    torch_ms = [r["breakdown_ms_per_step"].get("compute", 0.0) for r in plain] + [
+        r["breakdown_ms_per_step"].get("accumulate_torch", 0.0) for r in lone
+    ]
+    compute = statistics.median(torch_ms)
+    plain_over = statistics.median(r["ms_per_step"] - torch_ms[i] for i, r in enumerate(plain))
+    lone_over = statistics.median(r["ms_per_step"] - torch_ms[len(plain) + i] for i, r in enumerate(lone))
     volunteer_sps = statistics.median(r["samples_per_second"] for r in lone)
     model = task.build_model()
     config = CollabConfig(matchmaking_window=args.matchmaking_window)
     result = {
         "ratio": volunteer_sps / plain_sps,
+        "ratio_at_equal_compute": (compute + plain_over) / (compute + lone_over),
+        "overhead_ms_per_step": {"plain": plain_over, "volunteer": lone_over, "compute": compute},
         "target": TARGET,
         "plain_samples_per_second": plain_sps,
         "volunteer_samples_per_second": volunteer_sps,
