@@ -370,6 +370,7 @@ class Prefetcher(Generic[X]):
 
     def get(self, timeout: float) -> X | None:
         """The next item, or None if none arrived within ``timeout`` seconds (the stream goes on).
+        ``timeout=0`` never blocks: an item already read ahead, else None.
 
         Raises:
             EOFError: the stream ended (or the prefetcher was closed). Not StopIteration: that one would
@@ -389,11 +390,11 @@ class Prefetcher(Generic[X]):
                 self._finished = True
                 break
             wait = _POLL if deadline is None else min(_POLL, deadline - time.monotonic())
-            if wait <= 0:
-                return None
-            try:
-                kind, value = self._queue.get(timeout=wait)
+            try:  # past the deadline: an item already read ahead still counts (``get(timeout=0)``)
+                kind, value = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
+                if wait <= 0:
+                    return None
                 if not self._thread.is_alive() and self._queue.empty():  # it died without a word
                     self._finished = True
                 continue

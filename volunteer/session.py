@@ -171,7 +171,10 @@ class TrainingSession:
                     self._start_evaluating(nursery, task, trainer)
                 self.headline = "training"
                 reason = await train_until_stopped(
-                    collab, lambda: prefetch.get(timeout=0.5), shutdown.requested
+                    collab,
+                    lambda: prefetch.get(timeout=0.5),
+                    shutdown.requested,
+                    ready_batch=lambda: prefetch.get(timeout=0),
                 )
                 self.headline = reason
                 console.print(f"{reason}; at step {trainer.step}", highlight=False)

@@ -11,6 +11,15 @@
   loop never waits on it except through a worker thread), cut to the budget: the examples cut off open
   the next micro-batch.
 
+**One hop per micro-batch.** A batch the prefetcher has ready (``ready_batch``, which never blocks) is
+taken, cut and computed in one call on the torch thread (:meth:`CollaborativeOptimizer.accumulate_from`),
+as a plain loop takes it right before its forward pass; only when none is ready does the loop wait for one
+(``next_batch``) in a worker thread. Why: taking a batch wakes the prefetch thread, which then holds the
+GIL for the Python part of producing the next one (reading examples, collating: about 1 ms for tiny-mlm).
+Taken in a worker thread, every hand-over after it (worker → trio loop → torch thread) waited for that,
+on the critical path: 14 to 19 ms per step of 16 micro-batches (``scripts/bench_overhead.py``). Taken on the
+torch thread, the producer's work overlaps the forward and backward passes, which release the GIL.
+
 A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its own deadline; then the loop
 returns and the daemon reports and leaves.
 
@@ -40,8 +49,11 @@ async def train_until_stopped(
     collab: CollaborativeOptimizer,
     next_batch: Callable[[], dict[str, Any] | None],
     stop: trio.Event,
+    ready_batch: Callable[[], dict[str, Any] | None] | None = None,
 ) -> str:
-    """Run the loop of the module docstring; returns why it stopped."""
+    """Run the loop of the module docstring; returns why it stopped. ``next_batch`` waits (a bounded
+    time) for the next micro-batch, None if none came; ``ready_batch`` returns one without waiting, None
+    if none is ready (``Prefetcher.get(timeout=0)``; without it every batch comes from ``next_batch``)."""
     await collab.resume_if_behind()
     held_over: dict[str, Any] | None = None  # the examples a cut micro-batch left for the next one
     async with trio.open_nursery() as background:
@@ -75,16 +87,26 @@ async def train_until_stopped(
             if budget <= 0:
                 await trio.sleep(0.02)  # our share is done: the next samples would only overshoot the batch
                 continue
-            batch, held_over = held_over, None
-            if batch is None:
-                batch = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
-            if batch is None:
+            if held_over is not None or ready_batch is not None:
+
+                def take(budget: int = budget) -> dict[str, Any] | None:  # on the torch thread
+                    nonlocal held_over  # the trio task awaits this call: one thread at a time
+                    batch, held_over = held_over, None
+                    if batch is None and ready_batch is not None:
+                        batch = ready_batch()
+                    if batch is None:
+                        return None
+                    batch, held_over = split_batch(batch, budget)
+                    return batch
+
+                if await collab.accumulate_from(take) is not None:
+                    collab.stats.waiting = None
+                    continue
+            # nothing ready: wait in a worker thread, never the torch thread (a step in flight needs it)
+            held_over = await trio.to_thread.run_sync(next_batch, abandon_on_cancel=True)
+            if held_over is None:
                 collab.stats.waiting = "waiting for the first examples"
                 await trio.sleep(0.05)
-                continue
-            collab.stats.waiting = None
-            batch, held_over = split_batch(batch, budget)
-            await collab.accumulate(batch)
     return "stopped"
 
 

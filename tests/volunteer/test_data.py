@@ -271,3 +271,29 @@ def test_a_restart_while_no_backbone_answers_reads_the_shards_listed_last_time(t
     again.close()
     with pytest.raises(PeerUnavailable):  # nothing cached: nothing to read
         next(open_examples(spec, seed=3, shards=down, cache_dir=tmp_path / "empty"))
+
+
+def test_prefetcher_get_with_timeout_zero_takes_an_item_read_ahead_and_never_waits() -> None:
+    """The training loop takes ready batches with ``get(timeout=0)`` on the torch thread (issue 12)."""
+    release = threading.Event()
+
+    def gated() -> Iterator[str]:
+        yield "first"
+        release.wait(10)
+        yield "second"
+
+    def ready(prefetcher: Prefetcher[str]) -> str:
+        for _ in range(1000):  # the producer puts the item soon: wait for it without taking it otherwise
+            item = prefetcher.get(timeout=0)
+            if item is not None:
+                return item
+            threading.Event().wait(0.01)
+        raise AssertionError("get(timeout=0) never returned the item read ahead")
+
+    with Prefetcher(gated(), depth=4) as prefetcher:
+        assert ready(prefetcher) == "first"
+        assert prefetcher.get(timeout=0) is None  # the producer is held: nothing ready, no wait
+        release.set()
+        assert ready(prefetcher) == "second"
+        with pytest.raises(EOFError):  # the end of the stream, once it is read
+            ready(prefetcher)

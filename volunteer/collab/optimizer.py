@@ -256,9 +256,21 @@ class CollaborativeOptimizer:
     # ------------------------------------------------------------------ training
 
     async def accumulate(self, batch: Mapping[str, torch.Tensor]) -> int:
-        """One micro-batch in a worker thread; returns the samples it added."""
+        """One micro-batch on the torch thread; returns the samples it added."""
+        samples = await self.accumulate_from(lambda: batch)
+        assert samples is not None
+        return samples
+
+    async def accumulate_from(self, take: Callable[[], Mapping[str, torch.Tensor] | None]) -> int | None:
+        """``take()`` a micro-batch and accumulate it, both in one call on the torch thread; returns the
+        samples it added, or None if ``take`` had no batch (nothing was computed). ``take`` must not block:
+        the torch thread also serves a step in flight (delayed parameter updates). The training loop hands
+        over batches the prefetcher has ready this way (:mod:`volunteer.training`, "One hop")."""
         started = trio.current_time()
-        samples, loss = await run_torch(self.trainer.accumulate, batch)
+        computed = await run_torch(self._take_and_accumulate, take)
+        if computed is None:
+            return None
+        samples, loss = computed
         elapsed = trio.current_time() - started
         if elapsed > 0:
             rate = samples / elapsed
@@ -272,6 +284,12 @@ class CollaborativeOptimizer:
         if peer.phase is Phase.FRESH:
             peer.enter(Phase.TRAINING)
         return samples
+
+    def _take_and_accumulate(
+        self, take: Callable[[], Mapping[str, torch.Tensor] | None]
+    ) -> tuple[int, float] | None:
+        batch = take()
+        return None if batch is None else self.trainer.accumulate(batch)
 
     def holding(self) -> bool:
         return self.mode.holding()
