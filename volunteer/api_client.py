@@ -184,11 +184,7 @@ class ApiClient:
             PeerUnavailable: no API URL answered.
             ProtocolError: the answer is not a valid shard list.
         """
-        content = await self._get("shards")
-        try:
-            return msgspec.json.decode(content, type=ShardList)
-        except DECODE_FAILURES as exc:
-            raise ProtocolError(f"the backbone's shard list is malformed: {exc}") from exc
+        return await self._shard_list("shards", "shard list")
 
     async def fetch_shard(self, info: ShardInfo) -> bytes:
         """The bytes of a shard, checked against ``info``'s length and SHA-256.
@@ -197,14 +193,24 @@ class ApiClient:
             PeerUnavailable: no backbone could serve it.
             ProtocolError: the bytes served are not the shard announced (length or digest differ).
         """
-        content = await self._get(f"shards/{info.name}")
+        return await self._checked_shard("shards", info, "shard")
+
+    async def _shard_list(self, path: str, what: str) -> ShardList:
+        content = await self._get(path)
+        try:
+            return msgspec.json.decode(content, type=ShardList)
+        except DECODE_FAILURES as exc:
+            raise ProtocolError(f"the backbone's {what} is malformed: {exc}") from exc
+
+    async def _checked_shard(self, folder: str, info: ShardInfo, what: str) -> bytes:
+        content = await self._get(f"{folder}/{info.name}")
         if len(content) != info.nbytes:
             raise ProtocolError(
-                f"shard {info.name} should be {info.nbytes} bytes long, the backbone sent {len(content)}"
+                f"{what} {info.name} should be {info.nbytes} bytes long, the backbone sent {len(content)}"
             )
         digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
         if digest != info.sha256:
-            raise ProtocolError(f"shard {info.name} does not match its SHA-256 (the backbone sent {digest})")
+            raise ProtocolError(f"{what} {info.name} does not match its SHA-256 (the backbone sent {digest})")
         return content
 
     async def fetch_tokenizer(self, sha256: str) -> bytes:
@@ -315,11 +321,7 @@ class ApiClient:
             PeerUnavailable: no API URL answered (also: only backbones too old to serve held-out shards).
             ProtocolError: the answer is not a valid shard list.
         """
-        content = await self._get("heldout")
-        try:
-            return msgspec.json.decode(content, type=ShardList)
-        except DECODE_FAILURES as exc:
-            raise ProtocolError(f"the backbone's held-out shard list is malformed: {exc}") from exc
+        return await self._shard_list("heldout", "held-out shard list")
 
     async def fetch_heldout(self, info: ShardInfo) -> bytes:
         """The bytes of a held-out shard, checked against ``info``'s length and SHA-256.
@@ -328,11 +330,7 @@ class ApiClient:
             PeerUnavailable: no backbone could serve it.
             ProtocolError: the bytes served are not the shard announced.
         """
-        content = await self._get(f"heldout/{info.name}")
-        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(content).hexdigest())
-        if len(content) != info.nbytes or digest != info.sha256:
-            raise ProtocolError(f"held-out shard {info.name} does not match its listing (length or SHA-256)")
-        return content
+        return await self._checked_shard("heldout", info, "held-out shard")
 
     async def evaluation(self, signed: SignedEvaluation) -> EvaluationReceipt:
         """Publish a signed held-out evaluation (``protocols.evaluation``).

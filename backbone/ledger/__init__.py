@@ -4,7 +4,7 @@ Modules:
     accounting  **pure**: verify a signed contribution report (verify_report), its bounds (assess ->
                 Assessment), its receipts (verify_receipt), what it is credited (credit_due), which
                 capabilities are believed; the design of receipt-backed credit is its docstring
-    evaluations **pure**: verify a signed held-out evaluation (verify_evaluation), a step's
+    evaluations **pure**: verify a signed held-out evaluation (open_evaluation, check_evaluation), a step's
                 cross-checked held-out loss from its claims (summarize -> StepEvaluation)
     store       LedgerStore, the only module with SQL I/O: allowlist (users, invites, peers), sessions,
                 reports (exactly once per (peer_id, seq)), steps, leaderboard; SQLite (WAL) or PostgreSQL
@@ -29,7 +29,8 @@ from .errors import UnknownPeer as UnknownPeer
 from .errors import UnknownUser as UnknownUser
 from .evaluations import EvaluationRejected as EvaluationRejected
 from .evaluations import StepEvaluation as StepEvaluation
-from .evaluations import verify_evaluation as verify_evaluation
+from .evaluations import check_evaluation as check_evaluation
+from .evaluations import open_evaluation as open_evaluation
 from .store import BACKBONE_USERNAME as BACKBONE_USERNAME
 from .store import RESERVED_USERNAMES as RESERVED_USERNAMES
 from .store import LedgerStore as LedgerStore
@@ -64,6 +65,7 @@ __all__ = [
     "UserSummary",
     "Verdict",
     "assess",
-    "verify_evaluation",
+    "check_evaluation",
+    "open_evaluation",
     "verify_report",
 ]

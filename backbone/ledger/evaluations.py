@@ -1,6 +1,6 @@
 """**Pure**: which held-out evaluations are believed, and a step's cross-checked held-out loss (DESIGN D10).
 
-:func:`verify_evaluation` (:func:`open_evaluation`, then :func:`check_evaluation`) checks a
+:func:`open_evaluation` (the signature), then :func:`check_evaluation` (the rest), check a
 :class:`~protocols.evaluation.SignedEvaluation` against everything the backbone knows before anything is
 stored (the rules are :mod:`protocols.evaluation`'s): the signature of the peer it names, this run, the
 clock, the manifest's number of examples, the backbone's own held-out digest (when it serves the held-out
@@ -49,7 +49,6 @@ __all__ = [
     "check_evaluation",
     "open_evaluation",
     "summarize",
-    "verify_evaluation",
 ]
 
 #: Two losses of one step closer than this (absolute, or relative to the loss) agree.
@@ -80,27 +79,6 @@ def open_evaluation(signed: SignedEvaluation) -> Evaluation:
     if not verify_by_peer_id(evaluation.peer_id, signed.signature, evaluation_payload(signed.evaluation)):
         raise EvaluationRejected("bad_signature", f"the evaluation is not signed by {evaluation.peer_id}")
     return evaluation
-
-
-def verify_evaluation(
-    signed: SignedEvaluation,
-    *,
-    run_id: str,
-    now: float,
-    examples: int,
-    eval_set: str | None,
-    newest_step: int | None,
-) -> Evaluation:
-    """The evaluation inside ``signed`` if it keeps every rule of the module docstring
-    (:func:`open_evaluation`, then :func:`check_evaluation`)."""
-    return check_evaluation(
-        open_evaluation(signed),
-        run_id=run_id,
-        now=now,
-        examples=examples,
-        eval_set=eval_set,
-        newest_step=newest_step,
-    )
 
 
 def check_evaluation(

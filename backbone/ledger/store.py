@@ -874,7 +874,7 @@ class LedgerStore:
     # -------------------------------------------------------------- evaluations
 
     def record_evaluation(self, signed: SignedEvaluation, evaluation: Evaluation, *, now: float) -> bool:
-        """Store a verified held-out evaluation (backbone.ledger.evaluations.verify_evaluation).
+        """Store a verified held-out evaluation (checked by backbone.ledger.evaluations).
 
         Returns:
             True if recorded now, False if ``(peer_id, step)`` was recorded before (nothing changed).

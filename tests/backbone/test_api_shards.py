@@ -152,3 +152,17 @@ async def test_backbone_does_not_generate_over_the_organizers_shards_or_other_so
     with pytest.raises(ConfigError, match=r"holds no \.jsonl shard"):  # nothing to serve: refused at start
         await _prepare_shards(none, tmp_path / "none")
     assert not (tmp_path / "files").exists() and not (tmp_path / "none").exists()
+
+
+async def test_api_heldout_shards_are_fetched_and_verified(tmp_path: Path) -> None:
+    shards = tmp_path / "bb" / "shards"
+    await trio.to_thread.run_sync(write_shards, shards, 1, 10)
+    (kept,) = await trio.to_thread.run_sync(write_shards, shards / "heldout", 1, 10)
+    async with serve_pinned_api(tmp_path / "bb", shards) as api:
+        client = member_client(api)
+        (info,) = (await client.list_heldout()).shards
+        assert await client.fetch_heldout(info) == kept.read_bytes()
+        with pytest.raises(ProtocolError, match=r"held-out shard \S+ does not match its SHA-256"):
+            await client.fetch_heldout(ShardInfo(info.name, info.nbytes, "0" * 64))
+        with pytest.raises(ProtocolError, match=r"held-out shard \S+ should be"):
+            await client.fetch_heldout(ShardInfo(info.name, info.nbytes + 1, info.sha256))
