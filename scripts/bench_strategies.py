@@ -62,6 +62,8 @@ from typing import IO, TYPE_CHECKING, Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.strategy_trace import LinkSampler, Recorder, analyze, instrument, rates, write_svg  # noqa: E402
+
 if TYPE_CHECKING:
     from shared.averaging.load_balance import PeerSpec, Plan
 
@@ -202,13 +204,31 @@ def pattern(numel: int) -> Any:
     return (((i * np.uint64(2654435761)) % np.uint64(1024)).astype(np.float32) - 512) / 64
 
 
+def tcp_counters() -> dict[str, int]:
+    """This network namespace's TCP loss counters (``/proc/net/snmp`` and ``/proc/net/netstat``)."""
+    wanted = {"RetransSegs", "OutSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans", "TCPSpuriousRTOs"}
+    found: dict[str, int] = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for names, values in zip(lines[::2], lines[1::2], strict=False):
+            for name, value in zip(names.split()[1:], values.split()[1:], strict=False):
+                if name in wanted:
+                    found[name] = int(value)
+    return found
+
+
 def start_value(rank: int) -> tuple[float, float]:
     """Peer ``rank`` starts each round with ``a * pattern + b``."""
     return float(rank + 1), rank / 2
 
 
-def worker(listen: str, numel: int) -> None:
-    """One peer: a Host (listening on ``listen``; empty: client mode) and an Averager, driven by stdin."""
+def worker(listen: str, numel: int, trace: bool = False) -> None:
+    """One peer: a Host (listening on ``listen``; empty: client mode) and an Averager, driven by stdin.
+    With ``trace``, its protocol events are recorded (``scripts/strategy_trace.py``) and sent with the
+    reply of every round whose command asks for them."""
+    import resource
+
     import numpy as np
     import trio
 
@@ -236,6 +256,9 @@ def worker(listen: str, numel: int) -> None:
             setup = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
             me = setup["rank"]
             ids = [validate_peer_id(p) for p, _ in setup["members"]]
+            recorder = Recorder({str(p): i for i, p in enumerate(ids)})
+            if trace:
+                instrument(host, averager, recorder)
             addresses = [None if a is None else parse_multiaddr(a) for _, a in setup["members"]]
             while line := (await trio.to_thread.run_sync(sys.stdin.readline)).strip():
                 cmd = json.loads(line)
@@ -249,15 +272,22 @@ def worker(listen: str, numel: int) -> None:
                     members,
                     tuple(cmd["slices"]),
                     deadline=cmd["deadline"],
+                    predicted_seconds=cmd["predicted"],
                 )
                 a, b = start_value(me)
                 np.multiply(base, np.float32(a), out=vector)
                 np.add(vector, np.float32(b), out=vector)
                 reply({"ready": cmd["round"]})
                 await trio.to_thread.run_sync(sys.stdin.readline)  # "go"
+                recorder.events.clear()
+                usage = resource.getrusage(resource.RUSAGE_SELF)
+                tcp = tcp_counters()
                 start = time.time()
                 result = await averager.all_reduce(plan, vector, me)
                 end = time.time()
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+                tcp = {k: v - tcp.get(k, 0) for k, v in tcp_counters().items()}
                 total = sum(weights)
                 ca = sum(w * start_value(k)[0] for k, w in enumerate(weights)) / total
                 cb = sum(w * start_value(k)[1] for k, w in enumerate(weights)) / total
@@ -271,6 +301,9 @@ def worker(listen: str, numel: int) -> None:
                         "complete": result.outcome.complete,
                         "max_rel_err": float(err.max()) if numel else 0.0,
                         "digest": hashlib.sha256(vector.tobytes()).hexdigest(),
+                        "cpu_s": round(cpu, 4),
+                        "tcp": tcp,
+                        **({"events": recorder.events} if cmd.get("trace") else {}),
                     }
                 )
             nursery.cancel_scope.cancel()
@@ -327,14 +360,16 @@ class Peer:
 
 
 @contextlib.contextmanager
-def peer_group(hosts: Sequence[Any], scenario: Scenario, numel: int) -> Iterator[list[Peer]]:
+def peer_group(
+    hosts: Sequence[Any], scenario: Scenario, numel: int, trace: bool = False
+) -> Iterator[list[Peer]]:
     """One peer process per namespace host, introduced to each other; killed and reaped on exit."""
     peers: list[Peer] = []
     try:
         for rank, host in enumerate(hosts):
             listen = "" if scenario.client_mode[rank] else host.address
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--listen", listen]
-            argv += ["--numel", str(numel)]
+            argv += ["--numel", str(numel), *(["--trace-events"] if trace else [])]
             stderr = tempfile.TemporaryFile()
             try:
                 proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
@@ -368,10 +403,25 @@ def peer_group(hosts: Sequence[Any], scenario: Scenario, numel: int) -> Iterator
 _round_counter = 0
 
 
+@dataclass(frozen=True)
+class TraceSetup:
+    """Where to trace: the LAN's switch namespace and bridge ports (one per peer), and the output folder."""
+
+    switch: str
+    ports: tuple[str, ...]
+    out: Path
+
+
 def run_round(
-    peers: Sequence[Peer], strategy: Strategy, scenario: Scenario, deadline: float
+    peers: Sequence[Peer],
+    strategy: Strategy,
+    scenario: Scenario,
+    deadline: float,
+    trace: TraceSetup | None = None,
+    numel: int = 0,
 ) -> dict[str, Any]:
-    """One averaging round of ``strategy``; its time and checks."""
+    """One averaging round of ``strategy``; its time and checks (and, with ``trace``, where the time went:
+    ``scripts/strategy_trace.py``)."""
     global _round_counter
     _round_counter += 1
     cmd = {
@@ -380,14 +430,24 @@ def run_round(
         "slices": list(strategy.plan.slices),
         "weights": strategy.weights(scenario),
         "deadline": deadline,
+        # as the volunteers' plans do: the base of the stall timeouts (shared/averaging/deadlines.py)
+        "predicted": strategy.plan.averaging_seconds,
+        "trace": trace is not None,
     }
     for p in peers:
         p.send(cmd)
     for p in peers:
         p.receive(STARTUP_S)  # ready: its vector is filled
-    for p in peers:
-        p.send("go")
-    reports = [p.receive(deadline + GRACE_S) for p in peers]
+    sampler = LinkSampler(trace.switch, trace.ports) if trace is not None else None
+    try:
+        for p in peers:
+            p.send("go")
+        reports = [p.receive(deadline + GRACE_S) for p in peers]
+    finally:
+        samples = sampler.stop() if sampler is not None else []
+    traced = None
+    if trace is not None:
+        traced = _write_trace(trace, strategy, scenario, reports, samples, numel)
     return {
         "seconds": max(r["end"] for r in reports) - min(r["start"] for r in reports),
         "complete": all(r["complete"] for r in reports),
@@ -395,7 +455,60 @@ def run_round(
         "bit_identical": len({r["digest"] for r in reports}) == 1,
         "peer_s": [round(r["end"] - r["start"], 3) for r in reports],
         "start_spread_s": max(r["start"] for r in reports) - min(r["start"] for r in reports),
+        "cpu_s": [r["cpu_s"] for r in reports],
+        "tcp": {k: sum(r["tcp"].get(k, 0) for r in reports) for k in reports[0]["tcp"]},
+        **({"trace": traced} if traced is not None else {}),
     }
+
+
+def _write_trace(
+    trace: TraceSetup,
+    strategy: Strategy,
+    scenario: Scenario,
+    reports: list[dict[str, Any]],
+    samples: list[list[float]],
+    numel: int,
+) -> dict[str, Any]:
+    """Write ``<strategy>.json`` (samples, events, summary) and ``<strategy>.svg``; return the summary."""
+    plan = strategy.plan
+    summary = analyze(
+        samples,
+        [r["events"] for r in reports],
+        reports,
+        scenario.links,
+        plan.fractions,
+        plan.compute,
+        4.0 * numel,
+        plan.averaging_seconds,
+    )
+    start = min(r["start"] for r in reports)
+    bin_s = max(0.02, summary["round_s"] / 200)
+    series = rates(samples, start, scenario.links, bin_s)
+    name = strategy.name.replace(" ", "-").replace("@", "")
+    trace.out.mkdir(parents=True, exist_ok=True)
+    events = [
+        [[e[0], e[1], e[2], round(e[3] - start, 4), round(e[4] - start, 4), e[5]] for e in r["events"]]
+        for r in reports
+    ]
+    full = {
+        "strategy": strategy.name,
+        "start": start,
+        "bin_s": bin_s,
+        "summary": summary,
+        "rates": series,
+        "events": events,
+        "samples": samples,
+    }
+    (trace.out / f"{name}.json").write_text(json.dumps(full))
+    write_svg(
+        trace.out / f"{name}.svg",
+        f"{strategy.name}: round {summary['round_s']} s, LP predicts {summary['predicted_s']} s",
+        series,
+        bin_s,
+        plan.averaging_seconds,
+        [r["end"] - start for r in reports],
+    )
+    return summary
 
 
 def measure(
@@ -406,6 +519,8 @@ def measure(
     warmup: int,
     deadline: float,
     pause: float = 1.0,
+    trace: TraceSetup | None = None,
+    numel: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Time every strategy: ``warmup`` untimed rounds each, then ``rounds`` timed rounds of each strategy in
     turn (interleaved, so a drift in the machine's load hits every strategy alike).
@@ -415,15 +530,15 @@ def measure(
     in training: no strategy inherits congestion windows warmed up by the round before it.
     """
 
-    def one(strategy: Strategy) -> dict[str, Any]:
+    def one(strategy: Strategy, traced: bool = False) -> dict[str, Any]:
         time.sleep(pause)
-        return run_round(peers, strategy, scenario, deadline)
+        return run_round(peers, strategy, scenario, deadline, trace if traced else None, numel)
 
     warm = {s.name: [one(s) for _ in range(warmup)] for s in strategies}
     timed: dict[str, list[dict[str, Any]]] = {s.name: [] for s in strategies}
-    for _ in range(rounds):
+    for r in range(rounds):
         for s in strategies:
-            timed[s.name].append(one(s))
+            timed[s.name].append(one(s, traced=r == rounds - 1))
     return {s.name: _summary(s, warm[s.name], timed[s.name]) for s in strategies}
 
 
@@ -431,6 +546,7 @@ def _summary(strategy: Strategy, warm: list[dict[str, Any]], timed: list[dict[st
     plan = strategy.plan
     median = statistics.median(r["seconds"] for r in timed)
     every = warm + timed
+    cpu_sums = [sum(r["cpu_s"]) for r in timed]
     return {
         "round_s_median": median,
         "round_s_all": [r["seconds"] for r in timed],
@@ -446,6 +562,13 @@ def _summary(strategy: Strategy, warm: list[dict[str, Any]], timed: list[dict[st
         "incomplete_rounds": sum(not r["complete"] for r in every),
         "max_rel_err": max(r["max_rel_err"] for r in every),
         "bit_identical": all(r["bit_identical"] for r in every),
+        # CPU seconds of every peer process together per round, and as a share of the machine's cores
+        "cpu_s_all_peers_median": round(statistics.median(cpu_sums), 3),
+        "cpu_share_of_machine": round(statistics.median(cpu_sums) / median / (os.cpu_count() or 1), 3),
+        "cpu_s_busiest_peer_median": round(statistics.median(max(r["cpu_s"]) for r in timed), 3),
+        # TCP segments sent, retransmitted and retransmission timeouts, all peers, the last timed round
+        "tcp_last_round": timed[-1]["tcp"],
+        **({"trace": timed[-1]["trace"]} if "trace" in timed[-1] else {}),
     }
 
 
@@ -467,9 +590,10 @@ def run_benchmark(
     target_batch: float | None = None,
     deadline: float | None = None,
     pause: float = 1.0,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Build the shaped LAN and peers, time every strategy on it (see :func:`measure`); the JSON-ready
-    result."""
+    result. With ``trace_dir``, the last timed round of each strategy is traced into it."""
     from tests.netns import lan
 
     check_environment()
@@ -478,8 +602,15 @@ def run_benchmark(
     # The model ignores protocol overhead and start-up; a round past 5x its prediction has gone wrong.
     round_deadline = deadline if deadline is not None else max(30.0, 5.0 * slowest)
     started = time.monotonic()
-    with lan(scenario.n, shape=list(scenario.links)) as hosts, peer_group(hosts, scenario, numel) as peers:
-        results = measure(peers, strategies, scenario, rounds, warmup, round_deadline, pause)
+    tracing = trace_dir is not None
+    with (
+        lan(scenario.n, shape=list(scenario.links)) as hosts,
+        peer_group(hosts, scenario, numel, tracing) as peers,
+    ):
+        trace = None
+        if trace_dir is not None:
+            trace = TraceSetup(hosts[0].switch, tuple(h.port for h in hosts), trace_dir)
+        results = measure(peers, strategies, scenario, rounds, warmup, round_deadline, pause, trace, numel)
     ar = results["all-reduce"]["round_s_median"]
     ps_name = min(
         (k for k in results if k.startswith("parameter server")), key=lambda k: results[k]["round_s_median"]
@@ -541,11 +672,18 @@ def main() -> None:
     parser.add_argument("--target-batch", type=float, help="samples per step for the LP (default: 1 h)")
     parser.add_argument("--deadline", type=float, help="seconds per round (default: 5x the slowest model)")
     parser.add_argument("--pause", type=float, default=1.0, help="idle seconds before each round")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="trace the last timed round of each strategy: DIR/<strategy>.json and .svg",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trace-events", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--listen", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.listen, args.numel)
+        worker(args.listen, args.numel, args.trace_events)
         return
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
@@ -564,6 +702,7 @@ def main() -> None:
             args.target_batch,
             args.deadline,
             args.pause,
+            args.trace,
         )
     except BenchError as exc:
         print(f"bench_strategies: error: {exc}", file=sys.stderr)

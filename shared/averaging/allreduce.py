@@ -6,7 +6,9 @@ aggregates (the LP's apportionment; client-mode peers own none). Every member ``
 aggregator ``j`` with a non-empty slice, concurrently:
 
 1. **push** — sends its copy of slice ``j`` part by part (``avg.push``, a :class:`PartHeader` and the
-   encoded part; skipped for weight 0);
+   encoded part; skipped for weight 0), its pushes to all aggregators kept in step by a
+   :class:`~.pacing.PushGate` (no aggregator more than one part ahead of another, in proportion to their
+   slices), so that every aggregator can reduce part ``k`` at about the same time;
 2. **pull** — asks for each averaged part (``avg.pull``); the aggregator answers once its slice is
    averaged, with an :class:`AveragedHeader` and the encoded average as the reply payload, over the
    connection the member opened (so client-mode members, which accept no connections, take part).
@@ -138,7 +140,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import msgspec
 import numpy as np
@@ -179,6 +180,7 @@ from ..net.rpc import RequestContext
 from .compression import codec_by_name
 from .deadlines import PartTimes, expected_part_seconds
 from .groups import WeightHistory, average_norm_bound, codec_norm_slack, lower_median
+from .pacing import PushGate
 from .partition import Slice, auto_part_numel, make_slices, num_parts, part_bounds
 from .reducer import Completeness, NothingToAverage, PartRejected, RoundOutcome, SliceReducer, apply_outcome
 
@@ -299,6 +301,7 @@ class _Exchange:
     pushed: float  # when our last push to it completed (or the exchange began)
     pulled: float  # when our last pull from it completed (or the exchange began)
     pushing: bool  # pushes remain
+    paced: bool = False  # our next push to it waits at the round's PushGate (.pacing): no push clock
 
 
 @dataclass
@@ -327,6 +330,17 @@ class _Watch:
         self.exchanges[j].pushing = False
         self.refresh()
 
+    def paced(self, j: int) -> None:
+        """Our next push to ``j`` waits for our pushes to the others (:mod:`.pacing`): not a stall."""
+        self.exchanges[j].paced = True
+        self.refresh()
+
+    def unpaced(self, j: int) -> None:
+        """Our next push to ``j`` starts now: its push clock restarts."""
+        exchange = self.exchanges[j]
+        exchange.paced, exchange.pushed = False, trio.current_time()
+        self.refresh()
+
     def pulled(self, j: int) -> None:
         """A pull of an averaged part from aggregator ``j`` completed."""
         exchange, now = self.exchanges[j], trio.current_time()
@@ -337,7 +351,8 @@ class _Watch:
     def refresh(self) -> None:
         limit = self.times.timeout()
         for e in self.exchanges.values():
-            e.scope.deadline = min(e.pushed + limit if e.pushing else math.inf, e.pulled + 2 * limit)
+            pushing = e.pushing and not e.paced
+            e.scope.deadline = min(e.pushed + limit if pushing else math.inf, e.pulled + 2 * limit)
 
 
 @dataclass
@@ -478,9 +493,9 @@ class Averager:
         failed: dict[int, str] = {}
         expected = expected_part_seconds(plan.predicted_seconds, plan.part_numel, plan.slice_sizes)
         got = _Got(step, _Watch(PartTimes(expected, plan.deadline)))
-        got.pushes_left = sum(
-            1 for j, s in enumerate(slices) if j != me and s.numel and plan.members[me].weight > 0
-        )
+        targets = [j for j, s in enumerate(slices) if j != me and s.numel and plan.members[me].weight > 0]
+        got.pushes_left = len(targets)
+        got.gate = PushGate({j: num_parts(slices[j].numel, plan.part_numel) for j in targets})
         if duty is not None:
             duty.watch = got.watch
         held = got.held = self._hold_round(plan, started)
@@ -648,7 +663,10 @@ class Averager:
                     watch.pulled(j)
 
             async def push_all() -> None:
-                await self._push_slice(address, plan, slice_j, local, weight, partial(watch.pushed, j))
+                try:
+                    await self._push_slice(address, plan, j, slice_j, local, weight, got)
+                finally:
+                    got.gate.leave(j)
                 watch.pushes_done(j)
                 got.pushes_left -= 1
                 if not got.pushes_left:
@@ -702,15 +720,21 @@ class Averager:
         self,
         address: PeerAddress,
         plan: GroupPlan,
+        j: int,
         slice_j: Slice,
         local: Float32Array,
         weight: float,
-        on_part: Callable[[], None] = lambda: None,
+        got: _Got,
     ) -> None:
-        """Send our copy of a slice. A refused part is logged, not fatal: we still pull the average (made
-        without us), so every member ends with the same values."""
+        """Send our copy of aggregator ``j``'s slice, each part when the round's :class:`.PushGate` lets
+        it go. A refused part is logged, not fatal: we still pull the average (made without us), so every
+        member ends with the same values."""
         codec = codec_by_name(plan.codec)
         for k in range(num_parts(slice_j.numel, plan.part_numel)):
+            if not got.gate.ready(j, k):
+                got.watch.paced(j)
+                await got.gate.wait(j, k)
+                got.watch.unpaced(j)
             lo, hi = part_bounds(slice_j.numel, plan.part_numel, k)
             view = local[lo:hi]
             data = (
@@ -726,7 +750,8 @@ class Averager:
                     raise
                 logger.warning("round %d: our part %d was refused: %s", plan.round, k, exc)
                 return
-            on_part()
+            got.watch.pushed(j)
+            got.gate.completed(j)
 
     async def _pull_part(
         self,
@@ -1223,6 +1248,7 @@ class _Got:
     refused: dict[int, str] = field(default_factory=dict)
     departed: dict[PeerId, str] = field(default_factory=dict)
     pushes_left: int = 0  # remote aggregators we have yet to send our whole slice to
+    gate: PushGate = field(default_factory=lambda: PushGate({}))  # the pace of our pushes (.pacing)
     held: _Held | None = None  # where verified parts are kept for relaying
     relayed: dict[int, int] = field(default_factory=dict)  # aggregator index -> parts got through relays
     not_asked: set[PeerId] = field(default_factory=set)  # relays unreachable or caught lying this round
