@@ -58,7 +58,12 @@ aggregator's own ceiling at ``X*``, so equal peers get equal slices and spare ca
 
 **Choosing ``C``** exactly: closed-form incumbents, cell bounds that certify them, and a fixed-size MILP
 (HiGHS, ``scipy.optimize.milp``) where they do not (:mod:`.load_balance_search`). Tested against
-enumerating all ``2^n`` compute sets. Slices: ``x_j / X`` rounded to integers by largest remainder.
+enumerating all ``2^n`` compute sets. The search has a time budget (``time_limit``, default
+``DEFAULT_TIME_LIMIT`` = 0.8 s, for the whole search): if it runs out first, the plan is the best set found
+(never worse than the closed-form incumbent) and ``Plan.gap = 1 - ξ / U`` with ``U`` the largest upper bound
+on ``ξ`` still open, so the optimum lies in ``[ξ, ξ / (1 - gap)]``. Without caps the certificate almost always
+holds and the budget is not reached; with binding pairwise caps it is what bounds the worst case. Slices:
+``x_j / X`` rounded to integers by largest remainder.
 
 Special cases it recovers (tested): homogeneous peers → equal all-reduce; one high-bandwidth low-compute
 peer → parameter server; CPU-only peers with good links → pure aggregators (BytePS); client-mode peers →
@@ -143,7 +148,8 @@ class Plan:
             ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic),
             ``"all-reduce"`` or ``"parameter server"`` (forced fractions). A search that ran out of its
             time budget before proving its compute set optimal appends ``", time limit, gap G%"`` inside
-            the parentheses (``"lp (compute set milp over N sizes, time limit, gap 1.25%)"``).
+            the parentheses (``"lp (compute set milp over N sizes, time limit, gap 1.25%)"``, or
+            ``"lp (compute set incumbent, time limit, gap G%)"`` if no MILP ran).
         gap: relative optimality gap of the compute set: the best possible ``steps_per_second`` is at
             most ``steps_per_second / (1 - gap)``. 0 when the plan is proven optimal (up to a relative
             1e-9), which is always the case unless the search's time budget ran out. Forced plans
