@@ -1,17 +1,20 @@
 """Benchmark the adaptive-averaging program (shared.averaging.load_balance) on random heterogeneous peers.
 
 Usage: scripts/bench_lp.py --peers N [--pairwise [--caps-mb LO,HI]] [--repeats R] [--seed S]
-                           [--batch B] [--gradient-mb M]
+                           [--batch B] [--gradient-mb M] [--time-limit SECONDS|none]
 
 Each repeat draws a new group (seed, seed+1, ...) and times one plan_averaging call on it, after one warm-up
 call that is not timed. A group: 60% GPU peers (samples/s log-uniform in [2, 100]) and 40% CPU-only peers;
 30% fast links (download 50-125 MB/s, upload 20-125 MB/s) and 70% home links (download 2-12 MB/s, upload
 0.5-5 MB/s); ~10% in client mode. With --pairwise, peers sit in 4 regions and every pair in different
 regions gets caps drawn uniformly from --caps-mb (default 1-10 MB/s) each way; the home uploads usually bind
-first, so try 0.05,0.5 for caps that bind. Prints ONE JSON object: solve times (ms), how each plan was
-proven optimal, and a summary of the first group's plan next to the all-reduce and best parameter-server
-plans of the same model. Targets (DESIGN §5, not asserted): <= 10 ms at 64 peers, <= 1 s at 512, <= 1 s
-at 64 with --pairwise. HiGHS's MILP sometimes prints a debug line on stdout; it is sent to stderr here.
+first, so try 0.05,0.5 for caps that bind. --time-limit is plan_averaging's budget for the compute-set
+search (default: its default; ``none``: search until proven optimal). Prints ONE JSON object: solve times
+(ms: median, p95, min, worst), how each plan was found (methods, without their gap), the optimality gaps
+(plans not proven optimal within the budget: how many, the largest, all of them), and a summary of the
+first group's plan next to the all-reduce and best parameter-server plans of the same model. Targets
+(DESIGN §5, not asserted): <= 10 ms at 64 peers, <= 1 s at 512, <= 1 s worst case at 64 with --pairwise.
+HiGHS's MILP sometimes prints a debug line on stdout; it is sent to stderr here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -32,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.averaging.load_balance import (
+    DEFAULT_TIME_LIMIT,
     PeerSpec,
     Plan,
     plan_all_reduce,
@@ -96,7 +101,12 @@ def summary(plan: Plan) -> dict[str, object]:
         "compute_rate": plan.compute_rate,
         "comm_rate": plan.comm_rate,
         "method": plan.method,
+        "gap": plan.gap,
     }
+
+
+def time_limit(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
 
 
 def main() -> None:
@@ -110,22 +120,31 @@ def main() -> None:
     parser.add_argument(
         "--caps-mb", default="1,10", help="with --pairwise: range of inter-region caps, MB/s (default 1,10)"
     )
+    parser.add_argument(
+        "--time-limit",
+        type=time_limit,
+        default=DEFAULT_TIME_LIMIT,
+        help=f"seconds for the compute-set search, or none (default {DEFAULT_TIME_LIMIT})",
+    )
     args = parser.parse_args()
     gradient = args.gradient_mb * MB
     lo, hi = (float(v) for v in args.caps_mb.split(","))
     times: list[float] = []
     methods: Counter[str] = Counter()
+    gaps: list[float] = []
     with stdout_to_stderr():
         first = random_group(args.peers, np.random.default_rng(args.seed), args.pairwise, (lo, hi))
-        plan_averaging(first[0], args.batch, gradient, pairwise=first[1])  # warm-up (imports, caches)
+        limit = args.time_limit
+        plan_averaging(first[0], args.batch, gradient, pairwise=first[1], time_limit=limit)  # warm-up
         for r in range(args.repeats):
             peers, pairs = random_group(
                 args.peers, np.random.default_rng(args.seed + r), args.pairwise, (lo, hi)
             )
             start = time.perf_counter()
-            plan = plan_averaging(peers, args.batch, gradient, pairwise=pairs)
+            plan = plan_averaging(peers, args.batch, gradient, pairwise=pairs, time_limit=limit)
             times.append((time.perf_counter() - start) * 1e3)
-            methods[plan.method] += 1
+            methods[re.sub(r", gap [^)]*", "", plan.method)] += 1
+            gaps.append(plan.gap)
             if r == 0:
                 first_plan = plan
                 peers0, pairs0 = peers, pairs
@@ -142,11 +161,15 @@ def main() -> None:
         "repeats": args.repeats,
         "seed": args.seed,
         "caps_mb": [lo, hi] if args.pairwise else None,
+        "time_limit_s": args.time_limit,
         "solve_ms_median": statistics.median(times),
         "solve_ms_p95": percentile(times, 0.95),
         "solve_ms_min": min(times),
-        "solve_ms_max": max(times),
+        "solve_ms_worst": max(times),
         "methods": dict(methods),
+        "gaps_nonzero": sum(g > 0 for g in gaps),
+        "gap_max": max(gaps),
+        "gaps": [round(g, 4) for g in gaps],
         "plan": summary(first_plan),
         "all_reduce": summary(all_reduce),
         "best_parameter_server": summary(best_ps),

@@ -58,7 +58,12 @@ aggregator's own ceiling at ``X*``, so equal peers get equal slices and spare ca
 
 **Choosing ``C``** exactly: closed-form incumbents, cell bounds that certify them, and a fixed-size MILP
 (HiGHS, ``scipy.optimize.milp``) where they do not (:mod:`.load_balance_search`). Tested against
-enumerating all ``2^n`` compute sets. Slices: ``x_j / X`` rounded to integers by largest remainder.
+enumerating all ``2^n`` compute sets. The search has a time budget (``time_limit``, default
+``DEFAULT_TIME_LIMIT`` = 0.8 s, for the whole search): if it runs out first, the plan is the best set found
+(never worse than the closed-form incumbent) and ``Plan.gap = 1 - ξ / U`` with ``U`` the largest upper bound
+on ``ξ`` still open, so the optimum lies in ``[ξ, ξ / (1 - gap)]``. Without caps the certificate almost always
+holds and the budget is not reached; with binding pairwise caps it is what bounds the worst case. Slices:
+``x_j / X`` rounded to integers by largest remainder.
 
 Special cases it recovers (tested): homogeneous peers → equal all-reduce; one high-bandwidth low-compute
 peer → parameter server; CPU-only peers with good links → pure aggregators (BytePS); client-mode peers →
@@ -76,7 +81,10 @@ import numpy as np
 from .load_balance_model import Bools, Floats, Problem, forced_rate, max_rates
 from .load_balance_search import choose_compute_set
 
+DEFAULT_TIME_LIMIT = 0.8  # seconds for the compute-set search of one plan_averaging call
+
 __all__ = [
+    "DEFAULT_TIME_LIMIT",
     "PeerSpec",
     "Plan",
     "largest_remainder",
@@ -138,7 +146,14 @@ class Plan:
         method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set milp over N
             sizes)"``, ``"lp (compute set certified, caps slack)"`` (see :mod:`.load_balance_search`),
             ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic),
-            ``"all-reduce"`` or ``"parameter server"`` (forced fractions).
+            ``"all-reduce"`` or ``"parameter server"`` (forced fractions). A search that ran out of its
+            time budget before proving its compute set optimal appends ``", time limit, gap G%"`` inside
+            the parentheses (``"lp (compute set milp over N sizes, time limit, gap 1.25%)"``, or
+            ``"lp (compute set incumbent, time limit, gap G%)"`` if no MILP ran).
+        gap: relative optimality gap of the compute set: the best possible ``steps_per_second`` is at
+            most ``steps_per_second / (1 - gap)``. 0 when the plan is proven optimal (up to a relative
+            1e-9), which is always the case unless the search's time budget ran out. Forced plans
+            (all-reduce, parameter server) have no search and report 0.
     """
 
     compute: tuple[bool, ...]
@@ -149,6 +164,7 @@ class Plan:
     compute_rate: float
     comm_rate: float
     method: str
+    gap: float = 0.0
 
 
 def plan_averaging(
@@ -158,6 +174,7 @@ def plan_averaging(
     *,
     numel: int | None = None,
     pairwise: Mapping[tuple[int, int], float] | None = None,
+    time_limit: float | None = DEFAULT_TIME_LIMIT,
 ) -> Plan:
     """Solve the adaptive-averaging program: the optimal compute set, aggregator fractions and slices.
 
@@ -167,23 +184,33 @@ def plan_averaging(
         gradient_bytes: ``P``, bytes of one gradient as sent (after compression).
         numel: elements of the vector to slice; defaults to ``gradient_bytes // 4`` (float32).
         pairwise: optional caps ``{(i, j): bytes/s from i to j}``; absent pairs are uncapped.
+        time_limit: budget in seconds for choosing the compute set (the whole search, not one MILP), or
+            ``None`` for no limit. When it runs out the plan is the best compute set found so far (never
+            worse than the closed-form incumbent) and ``Plan.gap`` says how far from optimal it may be.
+            Plans are deterministic unless the budget runs out.
 
     Returns:
-        The optimal :class:`Plan` (objective exact up to a relative 1e-9).
+        The optimal :class:`Plan` (objective exact up to a relative 1e-9), or with ``gap > 0`` the best
+        found within ``time_limit``.
 
     Raises:
         ValueError: no peers; ``target_batch`` or ``gradient_bytes`` not positive and finite; every peer
             in client mode (nobody can aggregate); no peer with ``samples_per_second > 0`` (nobody can
-            compute); a bad ``pairwise`` entry or ``numel``; or pairwise caps of 0 leave no way to average.
+            compute); a bad ``pairwise`` entry, ``numel`` or ``time_limit``; or pairwise caps of 0 leave no
+            way to average.
     """
     p = _problem(peers, target_batch, gradient_bytes, pairwise)
     size = _numel(numel, gradient_bytes)
-    choice = choose_compute_set(p)
+    if time_limit is not None:
+        _check_rate("time_limit", time_limit, positive=False)
+    choice = choose_compute_set(p, time_limit)
     total, x = max_rates(p, choice.compute)
     if total <= 0.0:
         raise ValueError("the pairwise caps leave no compute set a positive averaging rate (caps of 0?)")
-    method = "lone aggregator" if math.isinf(total) else f"lp (compute set {choice.how})"
-    return _plan(p, choice.compute, x / x.sum(), total, size, method)
+    gap = choice.gap
+    how = f"{choice.how}, gap {gap:.2%}" if gap > 0 else choice.how
+    method = "lone aggregator" if math.isinf(total) else f"lp (compute set {how})"
+    return _plan(p, choice.compute, x / x.sum(), total, size, method, gap)
 
 
 def plan_all_reduce(
@@ -324,7 +351,9 @@ def _forced(p: Problem, compute: Sequence[bool] | None, fractions: Floats, numel
     return _plan(p, c, fractions, forced_rate(p, c, fractions), numel, method)
 
 
-def _plan(p: Problem, compute: Bools, fractions: Floats, total: float, numel: int, method: str) -> Plan:
+def _plan(
+    p: Problem, compute: Bools, fractions: Floats, total: float, numel: int, method: str, gap: float = 0.0
+) -> Plan:
     compute_rate = float(p.s[compute].sum()) / p.batch
     comm_rate = total / p.size
     return Plan(
@@ -336,4 +365,5 @@ def _plan(p: Problem, compute: Bools, fractions: Floats, total: float, numel: in
         compute_rate=compute_rate,
         comm_rate=comm_rate,
         method=method,
+        gap=gap,
     )

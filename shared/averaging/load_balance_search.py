@@ -1,4 +1,6 @@
-"""Who computes: the 0/1 part of the adaptive-averaging program, solved exactly (math in ``load_balance``).
+"""Who computes: the 0/1 part of the adaptive-averaging program, exactly or within a time budget.
+
+(Traffic model and notation in ``load_balance``.)
 
 Objective of a compute set ``C`` (``k = |C|``): ``ξ(C) = min(S(C)/B, X*(C)/P)``. Facts used here:
 
@@ -19,6 +21,14 @@ Objective of a compute set ``C`` (``k = |C|``): ``ξ(C) = min(S(C)/B, X*(C)/P)``
    size that cannot beat the incumbent comes back infeasible, usually after little branching. (Small sizes
    first: with binding pairwise caps few senders win, and an early good incumbent makes the larger sizes'
    proofs short.)
+5. *Budget.* With a ``time_limit`` of ``T`` seconds the whole call (steps 1-4) gets ``T``: each MILP runs
+   with HiGHS's ``time_limit`` set to what is left, and sizes not started when it is spent stay open. A
+   size HiGHS stops early may still yield a feasible set (taken if better) and leaves its dual bound open
+   (``r <= -dual / 1e4``, so ``ξ <= bound · r``; ``bound`` itself if HiGHS had no dual bound yet, e.g. the
+   limit hit in presolve). With ``U`` the largest bound left open (``U`` = the incumbent when none is), the
+   returned set is optimal within ``gap = 1 - ξ/U`` (0 when ``U <= ξ (1 + 1e-9)``). Since the incumbent of
+   step 3 (with caps: the no-cap optimum re-rated under caps, or the best lone peer) is in hand before any
+   MILP, the result is never worse than it, even if the limit hits before HiGHS finds any solution.
 
 No fixed order of peers is optimal in general: peers trade samples/s against bandwidth and the choice hides a
 cardinality-constrained knapsack, so step 4 is what makes the result exact. On measured-looking inputs the
@@ -39,12 +49,19 @@ with each ``M`` the smallest value that makes the row void when its condition is
 caps only remove options, so the no-cap optimum bounds every set: if the caps do not bind at the no-cap
 optimum it is optimal ("caps slack"); otherwise ``k = 1`` is solved in closed form and every size ``k >= 2``
 whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to the MILP as above. Worst case
-exponential (it is a MILP); measured times are in ``scripts/bench_lp.py``'s output.
+exponential (it is a MILP), hence the budget of step 5: on ``scripts/bench_lp.py --pairwise --caps-mb
+0.05,0.5`` at 64 peers about one group in five runs into it with the default 0.8 s (15 of seeds 0-39 and
+1000-1039 on one run), nearly always while proving that larger sizes cannot beat the incumbent: the big-M
+rows make the relaxation weak, so those proofs branch a lot (up to 3 s for one size). In all 15 the set
+found by then was the optimum (checked with ``time_limit=None``), but the bounds left open are loose, so
+the reported gap (up to 0.34 there) is pessimistic. The incumbent alone (``time_limit=0``) was 1-43%
+below the optimum on the same groups: the small sizes' MILPs, solved first, are what find the good sets.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,11 +81,23 @@ _OBJECTIVE_SCALE = 1e4  # the MILP maximizes ξ / bound · 1e4, so HiGHS's absol
 
 @dataclass(frozen=True, eq=False)
 class Choice:
-    """The chosen compute set, its objective (steps/s) and how it was proven optimal."""
+    """The chosen compute set, its objective ``ξ`` (steps/s), how it was found, and a proven bound.
+
+    ``bound`` is an upper bound on ``ξ`` over every compute set; it equals ``value`` when the choice is
+    proven optimal (up to a relative 1e-9).
+    """
 
     compute: Bools
     value: float
     how: str
+    bound: float
+
+    @property
+    def gap(self) -> float:
+        """``1 - value / bound``: the optimum is at most ``value / (1 - gap)``; 0 when proven optimal."""
+        if self.bound <= self.value * (1 + REL_TOL) or math.isinf(self.value):
+            return 0.0
+        return 1.0 - self.value / self.bound
 
 
 def _value(p: Problem, compute: Bools, rate: float) -> float:
@@ -203,8 +232,15 @@ class _Rows:
         return LinearConstraint(matrix, np.concatenate(self.lo), np.concatenate(self.hi))
 
 
-def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, floor: float, limits: Floats) -> Bools | None:
-    """Solve the fixed-``k`` MILP (module docstring): the best set of ``k`` if it beats ``floor``, else None.
+def _best_of_size(
+    p: Problem, cand: Ints, k: int, bound: float, floor: float, limits: Floats, seconds: float | None
+) -> tuple[Bools | None, float]:
+    """Solve the fixed-``k`` MILP (module docstring) within ``seconds`` (``None``: no limit).
+
+    Returns ``(found, open_bound)``: ``found`` is the best set of ``k`` found that beats ``floor`` (``None``
+    if there is none, or none was found in time); ``open_bound`` is ``-inf`` when HiGHS finished (``found``
+    is then the best set of this size, or no set of this size beats ``floor``), else an upper bound on ``ξ``
+    over every set of ``k`` that HiGHS left unproven: its dual bound when it has one, else ``bound``.
 
     Variables: ``c`` (n), ``x`` (n), ``X``, and ``r = ξ / bound`` in [0, 1]; rows are scaled so that their
     entries are near 1 (``bound`` is an upper bound on ``ξ`` for this size).
@@ -246,17 +282,28 @@ def _best_of_size(p: Problem, cand: Ints, k: int, bound: float, floor: float, li
         constraints=rows.constraint(),
         integrality=np.concatenate([np.ones(n), np.zeros(n + 2)]),
         bounds=Bounds(np.concatenate([np.zeros(2 * n + 1), [min(floor / bound, 1.0)]]), upper),
-        options={"mip_rel_gap": REL_TOL},
+        options={"mip_rel_gap": REL_TOL} | ({} if seconds is None else {"time_limit": seconds}),
     )
     if res.status == 2:  # infeasible: no set of this size beats the floor
-        return None
-    if res.x is None:
+        return None, -math.inf
+    if res.status == 1:  # time limit: maybe a feasible set, and a dual bound on r if the search got that far
+        dual = getattr(res, "mip_dual_bound", None)
+        ratio = 1.0 if dual is None or not math.isfinite(dual) else min(1.0, -dual / _OBJECTIVE_SCALE)
+        found = None if res.x is None else np.asarray(res.x[:n] > 0.5)
+        return found, max(floor, bound * ratio)
+    if res.status != 0 or res.x is None:
         raise RuntimeError(f"HiGHS could not solve the compute-set MILP for {k} peers: {res.message}")
-    return np.asarray(res.x[:n] > 0.5)
+    return np.asarray(res.x[:n] > 0.5), -math.inf
 
 
-def choose_compute_set(p: Problem) -> Choice:
-    """The compute set that maximizes ``ξ`` (exact up to a relative 1e-9; module docstring)."""
+def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
+    """The compute set that maximizes ``ξ``, or the best found in ``time_limit`` seconds (module docstring).
+
+    Exact up to a relative 1e-9 when ``Choice.gap`` is 0 (always, with ``time_limit=None``). The budget
+    covers the whole call: the closed-form stages always run; MILP sizes start only while time is left,
+    each with the time left as its HiGHS limit. The result is never worse than the closed-form incumbent.
+    """
+    start = time.perf_counter()
     cand = np.flatnonzero(p.s > 0)
     free = p.without_caps()
     best, best_set, best2 = _small_sets(free, cand)
@@ -271,7 +318,7 @@ def choose_compute_set(p: Problem) -> Choice:
         ceiling = best  # caps only remove options: the no-cap optimum bounds every set
         best = _value(p, best_set, max_rates(p, best_set)[0])
         if best >= ceiling * (1 - REL_TOL):
-            return Choice(best_set, best, "certified, caps slack")
+            return Choice(best_set, best, "certified, caps slack", best)
         one, one_set = _best_single_capped(p, cand)
         if one > best:
             best, best_set = one, one_set
@@ -279,11 +326,19 @@ def choose_compute_set(p: Problem) -> Choice:
             flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size  # X <= Σ_j x̄_j
             bound_by_k[k] = min(bound_by_k[k], ceiling, flow)
     solved = 0
+    unproven = -math.inf  # the largest upper bound on ξ over the sizes the budget left open
     for k in range(2, len(cand) + 1):
         if bound_by_k[k] <= best * (1 + REL_TOL):
             continue
-        found = _best_of_size(p, cand, int(k), float(bound_by_k[k]), best * (1 + REL_TOL), limits)
+        left = None if time_limit is None else time_limit - (time.perf_counter() - start)
+        if left is not None and left <= 0.0:
+            unproven = max(unproven, float(bound_by_k[k]))
+            continue
+        found, open_bound = _best_of_size(
+            p, cand, int(k), float(bound_by_k[k]), best * (1 + REL_TOL), limits, left
+        )
         solved += 1
+        unproven = max(unproven, open_bound)
         if found is None:
             continue
         rate = comm_bound(p, found) if p.caps is None else max_rates(p, found)[0]
@@ -292,7 +347,11 @@ def choose_compute_set(p: Problem) -> Choice:
             best, best_set = value, found
     if solved:
         how = f"milp over {solved} size{'s' if solved > 1 else ''}"
-    return Choice(best_set, best, how)
+    if unproven <= best * (1 + REL_TOL):
+        return Choice(best_set, best, how, best)
+    if not solved:
+        how = "incumbent"  # the budget ran out before any MILP: the closed-form incumbent, not certified
+    return Choice(best_set, best, f"{how}, time limit", unproven)
 
 
 def _best_single_capped(p: Problem, cand: Ints) -> tuple[float, Bools]:

@@ -27,6 +27,7 @@ from shared.averaging import (
 )
 from shared.averaging.load_balance import _problem
 from shared.averaging.load_balance_model import comm_bound
+from shared.averaging.load_balance_search import _best_of_size, _pair_limits
 
 MB = 1e6
 Caps = Mapping[tuple[int, int], float]
@@ -346,6 +347,83 @@ def test_load_balance_matches_brute_force_where_bounds_cannot_certify(
     plan = plan_averaging(peers, batch, size, pairwise=pairwise)
     assert "milp" in plan.method  # this input needs the MILP: the closed-form bounds leave a gap
     assert close(plan.steps_per_second, brute_force(peers, batch, size, pairwise))
+
+
+# the inputs above that need the MILP, as (peers, batch, size, pairwise)
+def _uncertifiable() -> list[tuple[list[PeerSpec], float, float, dict[tuple[int, int], float] | None]]:
+    caps = {(0, 2): 1, (0, 3): 3, (0, 4): 1, (1, 3): 2, (1, 4): 3, (2, 3): 2}
+    return [
+        ([PeerSpec(float(s), m * MB, m * MB, c) for s, m, c in zip(ss, ms, cs, strict=True)], b, size, pw)
+        for ss, ms, cs, b, size, pw in (
+            ([1, 3, 2, 2], [8, 3, 3, 5], [False, False, True, True], 8.0, 4 * MB, None),
+            (
+                [3, 5, 3, 3, 2],
+                [5, 5, 13, 2, 3],
+                [False, True, False, False, False],
+                4.0,
+                1 * MB,
+                {k: v * MB for (i, j), v in caps.items() for k in ((i, j), (j, i))},
+            ),
+        )
+    ]
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_load_balance_proven_plans_report_gap_zero(case: int) -> None:
+    peers, batch, size, pairwise = _uncertifiable()[case]
+    plan = plan_averaging(peers, batch, size, pairwise=pairwise, time_limit=None)
+    assert "milp" in plan.method and "gap" not in plan.method and "time limit" not in plan.method
+    assert plan.gap == 0.0
+    assert close(plan.steps_per_second, brute_force(peers, batch, size, pairwise))
+    assert plan == plan_averaging(peers, batch, size, pairwise=pairwise)  # the default budget is ample here
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_load_balance_budget_spent_before_the_milp_keeps_the_incumbent_and_reports_its_gap(case: int) -> None:
+    peers, batch, size, pairwise = _uncertifiable()[case]
+    plan = plan_averaging(peers, batch, size, pairwise=pairwise, time_limit=0.0)
+    best = brute_force(peers, batch, size, pairwise)
+    assert plan.method.startswith("lp (compute set incumbent, time limit, gap ")
+    assert 0.0 < plan.gap < 1.0
+    assert f"gap {plan.gap:.2%})" in plan.method
+    check_feasible(plan, peers, size, pairwise)
+    assert plan.steps_per_second <= best * (1 + 1e-7)
+    assert best <= plan.steps_per_second / (1 - plan.gap) * (1 + 1e-7)  # the gap is a true bound
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+@given(data=st.data(), batch=batch_st, size=size_st, budget=st.sampled_from([0.0, 1e-9, 1e-4, 1e-3]))
+def test_load_balance_tiny_budget_is_feasible_no_worse_than_the_incumbent_and_its_gap_holds(
+    data: st.DataObject, batch: float, size: float, budget: float
+) -> None:
+    peers = data.draw(groups(max_peers=6))
+    caps = data.draw(st.none() | caps_for(len(peers)))
+    plan = plan_averaging(peers, batch, size, pairwise=caps, time_limit=budget)
+    incumbent = plan_averaging(peers, batch, size, pairwise=caps, time_limit=0.0)
+    best = brute_force(peers, batch, size, caps)
+    check_feasible(plan, peers, size, caps)
+    assert 0.0 <= plan.gap < 1.0
+    assert (plan.gap > 0) == ("time limit" in plan.method) == ("gap" in plan.method)
+    assert incumbent.steps_per_second * (1 - 1e-9) <= plan.steps_per_second <= best * (1 + 1e-7)
+    assert best <= plan.steps_per_second / (1 - plan.gap) * (1 + 1e-7)
+
+
+def test_load_balance_milp_stopped_by_its_time_limit_leaves_its_size_open() -> None:
+    peers, batch, size, pairwise = _uncertifiable()[1]
+    p = _problem(peers, batch, size, pairwise)
+    cand = np.flatnonzero(p.s > 0)
+    found, open_bound = _best_of_size(p, cand, 3, 10.0, 0.1, _pair_limits(p, cand), 1e-9)
+    assert found is None and open_bound == 10.0  # stopped before any solution or dual bound
+    found, open_bound = _best_of_size(p, cand, 3, 10.0, 0.1, _pair_limits(p, cand), None)
+    assert found is not None and found.sum() == 3 and open_bound == -math.inf
+
+
+def test_load_balance_rejects_a_bad_time_limit() -> None:
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="time_limit"):
+            plan_averaging([gpu(1.0, 1.0), gpu(1.0, 1.0)], 10, 4000, time_limit=bad)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
