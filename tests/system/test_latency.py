@@ -14,6 +14,7 @@ import socket
 import statistics
 import struct
 import subprocess
+import sys
 import time
 
 import pytest
@@ -215,3 +216,49 @@ def test_an_error_inside_the_lan_still_stops_every_wire() -> None:
     assert all(w.proc.returncode == 0 for w in wires)
     assert hosts[0].switch not in running_wires
     assert _my_namespaces() == []
+
+
+_MCAST_RECEIVER = """
+import socket, struct, sys
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.bind(("", 45_454))
+group = struct.pack("4s4s", socket.inet_aton("239.7.7.7"), socket.inet_aton(sys.argv[1]))
+sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, group)
+sock.settimeout(20)
+print("joined", flush=True)
+print(sock.recv(100).decode(), flush=True)
+"""
+
+_MCAST_SENDER = """
+import socket, sys, time
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(sys.argv[1]))
+for _ in range(20):  # until the receiver's join has crossed the wires too
+    sock.sendto(b"hello over the wire", ("239.7.7.7", 45_454))
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.usefixtures("_need_tc")
+def test_multicast_crosses_the_delay_wires() -> None:
+    """mDNS discovery must work on a LAN with latency too: the wires forward multicast like the bridge."""
+    with lan(2, rtt_ms=40) as (a, b):
+        rx = b.popen(
+            [sys.executable, "-c", _MCAST_RECEIVER, b.address],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert rx.stdout is not None
+            assert rx.stdout.readline().strip() == "joined"
+            a.run([sys.executable, "-c", _MCAST_SENDER, a.address], check=True, timeout=30)
+            out, err = rx.communicate(timeout=30)
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+            rx.wait()
+        assert rx.returncode == 0, err
+        assert out.strip() == "hello over the wire"
