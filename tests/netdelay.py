@@ -21,21 +21,26 @@ device, bound to ``ETH_P_ALL``, with
 The socket is created listening to no protocol and bound to ``ETH_P_ALL`` on its device only after its
 options are set, so it never sees another device's frames.
 
-**Timing.** A frame's due time is its receive time plus the delay (``time.monotonic``; frames drained in one
-wake-up share one receive time). The loop sleeps in ``poll`` until a socket is readable or the earliest due
-frame, drains each readable socket without blocking (up to :data:`DRAIN` frames per wake-up, so neither
-direction starves the other), then sends every due frame. The delay line is unbounded: it is a cable, not a
-bottleneck, and holds at most ``rate x delay`` bytes; rate limits and their queues belong to ``tbf``.
-Frames are late by the process's scheduling latency, which is why ``tests/netns.py`` starts it with a raised
-priority (``--nice``).
+**Timing.** A frame's due time is its kernel receive time (``SO_TIMESTAMPNS``, converted to
+``time.monotonic``) plus the delay, so a frame that waits in the socket buffer keeps its place in time. With
+nothing queued the loop sleeps in ``poll`` on both sockets; with frames queued it sleeps only until the
+earliest is due (arrivals do not wake it: their timestamps say when they came), then drains both sockets
+without blocking (up to :data:`DRAIN` frames each) and sends every frame due within :data:`EARLY`. The
+``poll`` timeout is rounded to the nearest millisecond, so each frame leaves within about half a millisecond
+of its due time, early or late, with a mean error near zero (rounding up instead made every round trip,
+which crosses four wires, ~4 ms long; aligning departures to a 2 ms grid saved no measurable CPU). The
+delay line is unbounded: it is a cable, not a bottleneck, and holds ``rate x delay`` bytes; rate limits and
+their queues belong to ``tbf``. Frames are late by the process's scheduling latency, which is why
+``tests/netns.py`` starts it with a raised priority (``--nice``).
 
-**Cost.** Every frame costs a wake-up (frames due within :data:`EARLY` of each other share one), a
-``recvmsg`` and a ``send``, about 30-70 us of CPU in all on a 2-core VM, half of it the kernel forwarding the
-sent frame onward (work the sender's own ``send`` would do without a wire). Measured there under a load
-average of 13-17: one 100 Mbit/s TCP flow on 50 ms ~8-10% of a core per wire (~1500 frames/s), one
-10 Mbit/s flow ~5%; 24 hosts each sending and receiving 10 Mbit/s at once ~0.7 core for all 24 wires
-together, 24 at 2 Mbit/s ~0.5. TCP frames are not MTU-sized: segmentation offload hands the wire up to
-64 KiB at a time, fewer the lower the rate.
+**Cost.** Every frame costs a ``recvmsg``, a ``send`` and, at these rates, mostly a wake-up of its own:
+30-70 us of CPU per frame on a 2-core VM, about half of it system time, which includes the kernel forwarding
+the sent frame onward (work the sender's own ``send`` would do without a wire). Measured there under a load
+average of 8-17 (other jobs): one 100 Mbit/s TCP flow on 50 ms, ~1500 frames/s, ~8-10% of a core per wire
+(user ~4-5%); one 10 Mbit/s flow ~5%; 12 hosts each sending and receiving 10 Mbit/s at once ~0.7 core for
+all 12 wires together, 24 such hosts ~0.7 (the machine saturated: more frames per wake-up), 24 at 2 Mbit/s
+~0.5. TCP frames are not MTU-sized: segmentation offload hands the wire up to 64 KiB at a time, fewer bytes
+the lower the rate.
 
 **Lifetime.** It prints ``ready`` once both sockets are bound, and runs until its standard input reaches end
 of file (the parent closed it, or died), then exits 0. Any socket error (a device deleted, a frame the
