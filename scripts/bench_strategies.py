@@ -4,7 +4,10 @@ The DeDLOC Table 1 comparison (seed 000 §4.1; DESIGN §5). Every peer gets its 
 bridge (``tests/netns.py``), its download and upload capped with ``tc`` (``--bandwidth-mbps``), and one OS
 process running a :class:`~shared.net.host.Host` on its namespace address plus an
 :class:`~shared.averaging.allreduce.Averager`. The coordinator (this process) talks to the peers over
-stdin/stdout JSON lines, as ``bench_allreduce.py`` does.
+stdin/stdout JSON lines, as ``bench_allreduce.py`` does. ``--rtt-ms X`` puts every two peers ``X`` ms of
+round trip apart (a userspace delay wire per peer, see ``tests/netns.py``; the JSON records ``rtt_ms``);
+the model's ``predicted_s`` ignores latency, so with it ``measured_vs_predicted`` also shows what latency
+costs.
 
 For the same network it times rounds of three kinds of plan, all from :mod:`shared.averaging.load_balance`
 fed with the emulated bandwidths (bytes/s) and compute rates:
@@ -35,6 +38,7 @@ Examples::
 
     python scripts/bench_strategies.py --bandwidth-mbps 100,100,100,100
     python scripts/bench_strategies.py --bandwidth-mbps 500,500,20,20
+    python scripts/bench_strategies.py --bandwidth-mbps 10,10,10,10 --rtt-ms 50
     python scripts/bench_strategies.py --bandwidth-mbps 1000,20,20,20 --compute 0,1,1,1
     python scripts/bench_strategies.py --bandwidth-mbps 100/20,100/20,100,100 --client-mode 0,0,0,1
 """
@@ -591,10 +595,12 @@ def run_benchmark(
     deadline: float | None = None,
     pause: float = 1.0,
     trace_dir: Path | None = None,
+    rtt_ms: float | None = None,
 ) -> dict[str, Any]:
-    """Build the shaped LAN and peers, time every strategy on it (see :func:`measure`); the JSON-ready
-    result. With ``trace_dir``, the last timed round of each strategy is traced into it."""
-    from tests.netns import lan
+    """Build the shaped LAN (every pair ``rtt_ms`` apart, if given) and peers, time every strategy on it
+    (see :func:`measure`); the JSON-ready result. With ``trace_dir``, the last timed round of each
+    strategy is traced into it."""
+    from tests.netns import LinkError, lan
 
     check_environment()
     strategies = make_strategies(scenario, numel, ps_servers, target_batch)
@@ -602,15 +608,19 @@ def run_benchmark(
     # The model ignores protocol overhead and start-up; a round past 5x its prediction has gone wrong.
     round_deadline = deadline if deadline is not None else max(30.0, 5.0 * slowest)
     started = time.monotonic()
-    tracing = trace_dir is not None
-    with (
-        lan(scenario.n, shape=list(scenario.links)) as hosts,
-        peer_group(hosts, scenario, numel, tracing) as peers,
-    ):
-        trace = None
-        if trace_dir is not None:
-            trace = TraceSetup(hosts[0].switch, tuple(h.port for h in hosts), trace_dir)
-        results = measure(peers, strategies, scenario, rounds, warmup, round_deadline, pause, trace, numel)
+    try:
+        with (
+            lan(scenario.n, shape=list(scenario.links), rtt_ms=rtt_ms) as hosts,
+            peer_group(hosts, scenario, numel, trace_dir is not None) as peers,
+        ):
+            trace = None
+            if trace_dir is not None:
+                trace = TraceSetup(hosts[0].switch, tuple(h.port for h in hosts), trace_dir)
+            results = measure(
+                peers, strategies, scenario, rounds, warmup, round_deadline, pause, trace, numel
+            )
+    except LinkError as exc:  # a delay wire died: its peer's link was dead, the timings are void
+        raise BenchError(f"emulated link failed: {exc}") from exc
     ar = results["all-reduce"]["round_s_median"]
     ps_name = min(
         (k for k in results if k.startswith("parameter server")), key=lambda k: results[k]["round_s_median"]
@@ -622,6 +632,7 @@ def run_benchmark(
     return {
         "peers": scenario.n,
         "bandwidth_mbps": [{"down": d, "up": u} for d, u in scenario.links],
+        "rtt_ms": rtt_ms,
         "compute": list(scenario.compute),
         "client_mode": list(scenario.client_mode),
         "numel": numel,
@@ -678,6 +689,7 @@ def main() -> None:
         metavar="DIR",
         help="trace the last timed round of each strategy: DIR/<strategy>.json and .svg",
     )
+    parser.add_argument("--rtt-ms", type=float, help="round-trip time between every two peers (default: ~0)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace-events", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--listen", default="", help=argparse.SUPPRESS)
@@ -692,6 +704,8 @@ def main() -> None:
             raise BenchError("--bandwidth-mbps is required")
         if args.numel < 1 or args.rounds < 1 or args.warmup < 0 or not args.pause >= 0:
             raise BenchError("--numel and --rounds must be >= 1, --warmup and --pause >= 0")
+        if args.rtt_ms is not None and not 0 <= args.rtt_ms < 40_000:
+            raise BenchError("--rtt-ms must be in [0, 40000)")
         scenario = parse_scenario(args.bandwidth_mbps, args.compute, args.client_mode)
         result = run_benchmark(
             scenario,
@@ -703,6 +717,7 @@ def main() -> None:
             args.deadline,
             args.pause,
             args.trace,
+            args.rtt_ms,
         )
     except BenchError as exc:
         print(f"bench_strategies: error: {exc}", file=sys.stderr)

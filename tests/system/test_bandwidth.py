@@ -94,9 +94,16 @@ def test_scenario_parsing() -> None:
             parse_scenario(*args)
 
 
-def test_script_reports_bad_arguments_in_one_line() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bandwidth-mbps", "100,-5"], "bandwidths must be positive"),
+        (["--bandwidth-mbps", "100,100", "--rtt-ms", "-5"], "--rtt-ms"),
+    ],
+)
+def test_script_reports_bad_arguments_in_one_line(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_strategies.py"), "--bandwidth-mbps", "100,-5"],
+        [sys.executable, str(REPO / "scripts" / "bench_strategies.py"), *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -104,4 +111,5 @@ def test_script_reports_bad_arguments_in_one_line() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("bench_strategies: error:") and "Traceback" not in proc.stderr
+    assert message in proc.stderr
     assert proc.stdout == ""
