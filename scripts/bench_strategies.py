@@ -276,6 +276,7 @@ def worker(listen: str, numel: int, trace: bool = False) -> None:
                     members,
                     tuple(cmd["slices"]),
                     deadline=cmd["deadline"],
+                    part_numel=cmd["part_numel"],
                     predicted_seconds=cmd["predicted"],
                 )
                 a, b = start_value(me)
@@ -423,6 +424,7 @@ def run_round(
     deadline: float,
     trace: TraceSetup | None = None,
     numel: int = 0,
+    part_numel: int = 0,
 ) -> dict[str, Any]:
     """One averaging round of ``strategy``; its time and checks (and, with ``trace``, where the time went:
     ``scripts/strategy_trace.py``)."""
@@ -432,6 +434,7 @@ def run_round(
         "group": strategy.name,
         "round": _round_counter,
         "slices": list(strategy.plan.slices),
+        "part_numel": part_numel,
         "weights": strategy.weights(scenario),
         "deadline": deadline,
         # as the volunteers' plans do: the base of the stall timeouts (shared/averaging/deadlines.py)
@@ -525,6 +528,7 @@ def measure(
     pause: float = 1.0,
     trace: TraceSetup | None = None,
     numel: int = 0,
+    part_numel: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Time every strategy: ``warmup`` untimed rounds each, then ``rounds`` timed rounds of each strategy in
     turn (interleaved, so a drift in the machine's load hits every strategy alike).
@@ -536,7 +540,7 @@ def measure(
 
     def one(strategy: Strategy, traced: bool = False) -> dict[str, Any]:
         time.sleep(pause)
-        return run_round(peers, strategy, scenario, deadline, trace if traced else None, numel)
+        return run_round(peers, strategy, scenario, deadline, trace if traced else None, numel, part_numel)
 
     warm = {s.name: [one(s) for _ in range(warmup)] for s in strategies}
     timed: dict[str, list[dict[str, Any]]] = {s.name: [] for s in strategies}
@@ -596,6 +600,7 @@ def run_benchmark(
     pause: float = 1.0,
     trace_dir: Path | None = None,
     rtt_ms: float | None = None,
+    part_numel: int = 0,
 ) -> dict[str, Any]:
     """Build the shaped LAN (every pair ``rtt_ms`` apart, if given) and peers, time every strategy on it
     (see :func:`measure`); the JSON-ready result. With ``trace_dir``, the last timed round of each
@@ -617,7 +622,7 @@ def run_benchmark(
             if trace_dir is not None:
                 trace = TraceSetup(hosts[0].switch, tuple(h.port for h in hosts), trace_dir)
             results = measure(
-                peers, strategies, scenario, rounds, warmup, round_deadline, pause, trace, numel
+                peers, strategies, scenario, rounds, warmup, round_deadline, pause, trace, numel, part_numel
             )
     except LinkError as exc:  # a delay wire died: its peer's link was dead, the timings are void
         raise BenchError(f"emulated link failed: {exc}") from exc
@@ -633,6 +638,7 @@ def run_benchmark(
         "peers": scenario.n,
         "bandwidth_mbps": [{"down": d, "up": u} for d, u in scenario.links],
         "rtt_ms": rtt_ms,
+        "part_numel": part_numel or "auto",
         "compute": list(scenario.compute),
         "client_mode": list(scenario.client_mode),
         "numel": numel,
@@ -690,6 +696,9 @@ def main() -> None:
         help="trace the last timed round of each strategy: DIR/<strategy>.json and .svg",
     )
     parser.add_argument("--rtt-ms", type=float, help="round-trip time between every two peers (default: ~0)")
+    parser.add_argument(
+        "--part-numel", type=int, default=0, help="elements per part (default 0: the plans' automatic size)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace-events", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--listen", default="", help=argparse.SUPPRESS)
@@ -702,6 +711,8 @@ def main() -> None:
     try:
         if not args.bandwidth_mbps:
             raise BenchError("--bandwidth-mbps is required")
+        if args.part_numel < 0:
+            raise BenchError("--part-numel must be >= 0")
         if args.numel < 1 or args.rounds < 1 or args.warmup < 0 or not args.pause >= 0:
             raise BenchError("--numel and --rounds must be >= 1, --warmup and --pause >= 0")
         if args.rtt_ms is not None and not 0 <= args.rtt_ms < 40_000:
@@ -718,6 +729,7 @@ def main() -> None:
             args.pause,
             args.trace,
             args.rtt_ms,
+            args.part_numel,
         )
     except BenchError as exc:
         print(f"bench_strategies: error: {exc}", file=sys.stderr)
