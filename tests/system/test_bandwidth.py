@@ -7,10 +7,12 @@ another's on the same network), never absolute wall-clock targets.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,11 +55,16 @@ def test_tc_caps_each_hosts_upload_and_download_separately() -> None:
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.usefixtures("_need_tc")
-def test_all_strategies_on_fast_and_slow_peers_average_exactly_and_adaptive_spares_slow_peers() -> None:
-    """Correctness on a shaped network; how fast each strategy is belongs to scripts/bench_strategies.py
-    (timings are not asserted in tests: on a shared 2-core machine they vary by tens of percent)."""
+def test_all_strategies_on_fast_and_slow_peers_average_exactly_and_adaptive_spares_slow_peers(
+    tmp_path: Path,
+) -> None:
+    """Correctness on a shaped network, traced; how fast each strategy is belongs to
+    scripts/bench_strategies.py (timings are not asserted in tests: on a shared 2-core machine they vary by
+    tens of percent)."""
     numel = 250_000
-    result = run_benchmark(parse_scenario("200,200,20,20"), numel, rounds=1, warmup=0, pause=0.5)
+    result = run_benchmark(
+        parse_scenario("200,200,20,20"), numel, rounds=1, warmup=0, pause=0.5, trace_dir=tmp_path
+    )
 
     strategies = result["strategies"]
     assert set(strategies) == {"all-reduce", "parameter server @0", "adaptive"}
@@ -69,8 +76,37 @@ def test_all_strategies_on_fast_and_slow_peers_average_exactly_and_adaptive_spar
     adaptive = strategies["adaptive"]
     assert adaptive["slices"][2:] == [0, 0]  # the slow peers only send and receive
     assert all(adaptive["compute"])
+    _check_trace(tmp_path, adaptive, numel)
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"dlt-{os.getpid()}-" not in listing  # the LAN is gone
+
+
+def _check_trace(folder: Path, result: dict[str, Any], numel: int) -> None:
+    """The trace of the adaptive round: files, link bytes that add up, and the protocol's events."""
+    assert (folder / "adaptive.svg").read_text().startswith("<svg")
+    trace = json.loads((folder / "adaptive.json").read_text())
+    summary = result["trace"]
+    assert summary == trace["summary"]
+    assert result["tcp_last_round"]["OutSegs"] > 0
+    for peer in summary["peers"]:
+        # on the link: the protocol's payload plus headers (TCP/IP, TLS, parts); the counters are sampled
+        # every 5 ms and interpolated at the round's ends, which may cut a burst there
+        for way in ("up", "down"):
+            expected = peer[f"protocol_{way}_bytes"]
+            assert 0.95 * expected <= peer[f"{way}_bytes"] <= 1.3 * expected + 200_000, (way, peer)
+        assert peer["cpu_s"] is not None and peer["cpu_s"] > 0
+    events = trace["events"]
+    for i, fraction in enumerate(summary_fractions := [p["fraction"] for p in summary["peers"]]):
+        kinds = {e[0] for e in events[i]}
+        assert "pull" in kinds
+        if fraction > 0:  # an aggregator reduced every part of its slice, and served them
+            assert {"reduced", "serve", "recv"} <= kinds
+        else:
+            assert "reduced" not in kinds
+    pushed = sum(e[5] for peer_events in events for e in peer_events if e[0] == "push")
+    # every member but the aggregator itself pushes its copy of each slice, 4 bytes an element
+    assert pushed == sum(4 * size * (len(summary_fractions) - 1) for size in result["slices"])
+    assert sum(result["slices"]) == numel
 
 
 def test_scenario_parsing() -> None:
