@@ -293,6 +293,20 @@ def worker(listen: str, numel: int, trace: bool = False) -> None:
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 cpu = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
                 tcp = {k: v - tcp.get(k, 0) for k, v in tcp_counters().items()}
+                reply(
+                    {
+                        "round": cmd["round"],
+                        "start": start,
+                        "end": end,
+                        "complete": result.outcome.complete,
+                        "cpu_s": round(cpu, 4),
+                        "tcp": tcp,
+                        **({"events": recorder.events} if cmd.get("trace") else {}),
+                    }
+                )
+                # checked once every peer's round ended ("check"), so that checking takes no CPU from a
+                # peer still averaging
+                await trio.to_thread.run_sync(sys.stdin.readline)
                 total = sum(weights)
                 ca = sum(w * start_value(k)[0] for k, w in enumerate(weights)) / total
                 cb = sum(w * start_value(k)[1] for k, w in enumerate(weights)) / total
@@ -300,15 +314,8 @@ def worker(listen: str, numel: int, trace: bool = False) -> None:
                 err = np.abs(vector.astype(np.float64) - expected) / np.maximum(1.0, np.abs(expected))
                 reply(
                     {
-                        "round": cmd["round"],
-                        "start": start,
-                        "end": end,
-                        "complete": result.outcome.complete,
                         "max_rel_err": float(err.max()) if numel else 0.0,
                         "digest": hashlib.sha256(vector.tobytes()).hexdigest(),
-                        "cpu_s": round(cpu, 4),
-                        "tcp": tcp,
-                        **({"events": recorder.events} if cmd.get("trace") else {}),
                     }
                 )
             nursery.cancel_scope.cancel()
@@ -452,6 +459,10 @@ def run_round(
         reports = [p.receive(deadline + GRACE_S) for p in peers]
     finally:
         samples = sampler.stop() if sampler is not None else []
+    for p in peers:
+        p.send("check")
+    for p, report in zip(peers, reports, strict=True):
+        report.update(p.receive(STARTUP_S))
     traced = None
     if trace is not None:
         traced = _write_trace(trace, strategy, scenario, reports, samples, numel)
