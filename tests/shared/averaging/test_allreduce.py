@@ -225,3 +225,30 @@ async def test_the_manifests_rule_reaches_every_aggregator_and_outvotes_a_flippe
         assert centre > 0.8, centre  # the honest majority's value, give or take the clipping
     else:
         assert abs(centre - 0.2) < 0.01, centre  # (4 x 1 - 3) / 5: the plain mean is dragged
+
+
+async def test_a_hung_aggregator_holds_the_paced_pushes_only_until_its_stall_timeout(
+    nursery: trio.Nursery,
+) -> None:
+    """Pacing (shared.averaging.pacing) holds a member's pushes to the healthy aggregators behind one that
+    acknowledges nothing, until that exchange stalls out and leaves the gate: only the hung aggregator's
+    slice fails; the healthy slices are averaged over every member (a gate never released fails this)."""
+    peers = await start_hosts(nursery, 4)
+    numel = 40_000
+    hung = 3
+
+    async def never_acknowledge(*args: object) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    peers[hung][0].bulk_handlers["avg.push"] = never_acknowledge
+    vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(4)]
+    plan = plan_for(peers, numel, part_numel=1_000, deadline=60.0)  # 10 parts per slice
+    results = await run_round(peers, plan, vectors)
+    hung_slice = (3 * numel // 4, numel)
+    for i in range(3):
+        result = results[i]
+        assert result.outcome.unaveraged() == [hung_slice], result  # type: ignore[attr-defined]
+        assert np.all(vectors[i][: hung_slice[0]] == np.float32(2.5))  # (1 + 2 + 3 + 4) / 4
+        assert np.all(vectors[i][hung_slice[0] :] == np.float32(i + 1))  # its own values there
+        assert "stalled" in result.departed[peers[hung][0].peer_id]  # type: ignore[attr-defined]
