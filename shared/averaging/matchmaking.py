@@ -217,7 +217,10 @@ class Matchmaker:
                 PeerSpec(max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)
                 for w, s in zip(weights, specs, strict=True)
             ]
-        plan = plan_averaging(specs, max(1.0, sum(weights)), 4.0 * numel, numel=numel)
+        # no time budget: every member recomputes this plan from the same tickets and refuses one whose
+        # slices differ from its own, so the search must not depend on how fast each machine is (without
+        # pairwise caps it is proven optimal within milliseconds anyway: scripts/bench_lp.py)
+        plan = plan_averaging(specs, max(1.0, sum(weights)), 4.0 * numel, numel=numel, time_limit=None)
         deadline = adaptive_deadline(plan.averaging_seconds, self.observed_ratios)
         return GroupAssembly(
             group_id=_group_id(key),
