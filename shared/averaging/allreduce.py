@@ -9,11 +9,9 @@ aggregator ``j`` with a non-empty slice, concurrently:
    encoded part; skipped for weight 0), its pushes to all aggregators kept in step by a
    :class:`~.pacing.PushGate` (no aggregator more than one part ahead of another, in proportion to their
    slices), so that every aggregator can reduce part ``k`` at about the same time;
-2. **pull** — asks for each averaged part (``avg.pull``; :data:`PULL_WINDOW` requests outstanding per
-   aggregator, so a request's round trip hides behind the previous part's transfer); the aggregator
-   answers once the part is averaged, with an :class:`AveragedHeader` and the encoded average as the
-   reply payload, over the connection the member opened (so client-mode members, which accept no
-   connections, take part).
+2. **pull** — asks for each averaged part (``avg.pull``); the aggregator answers once its slice is
+   averaged, with an :class:`AveragedHeader` and the encoded average as the reply payload, over the
+   connection the member opened (so client-mode members, which accept no connections, take part).
 
 Aggregator ``j`` feeds the parts into a :class:`SliceReducer` (validation, bans, deterministic float64
 sum in sorted peer order) and finalizes when every expected sender is complete, or at the round's
@@ -194,9 +192,6 @@ Float32Array = npt.NDArray[np.float32]
 #: Worker threads for decoding, reducing and writing back (numpy releases the GIL).
 COMPUTE = trio.CapacityLimiter(2)
 PUSH, PULL, RELAY = "avg.push", "avg.pull", "avg.relay"
-#: Pull requests a member keeps outstanding per aggregator (each on its own pooled connection), so the
-#: round trip of one part's request hides behind the previous part's transfer on long-latency links.
-PULL_WINDOW = 2
 #: Rounds whose received averaged parts a member keeps for relaying at once (module docstring, "Relayed
 #: slices"): the one it runs and the one before, whose slower members may still ask during its grace.
 MAX_HELD_ROUNDS = 2
@@ -661,11 +656,8 @@ class Averager:
                     errors.append(exc)
                     scope.cancel()
 
-            parts_j = num_parts(slice_j.numel, plan.part_numel)
-            queue = iter(range(parts_j))  # shared by our PULL_WINDOW pullers: each takes the next part
-
-            async def pull_next() -> None:
-                for k in queue:
+            async def pull_all() -> None:
+                for k in range(num_parts(slice_j.numel, plan.part_numel)):
                     await self._pull_part(address, plan, me, j, k, slice_j, result, got)
                     have.add(k)
                     watch.pulled(j)
@@ -688,8 +680,7 @@ class Averager:
                 async with trio.open_nursery() as both:
                     if weight > 0:
                         both.start_soon(guarded, push_all, both.cancel_scope)
-                    for _ in range(min(PULL_WINDOW, parts_j)):
-                        both.start_soon(guarded, pull_next, both.cancel_scope)
+                    both.start_soon(guarded, pull_all, both.cancel_scope)
             watch.exchanges.pop(j, None)
             limit = watch.times.timeout()
             if stall.cancelled_caught:
