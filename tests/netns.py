@@ -310,23 +310,44 @@ print(json.dumps(samples), flush=True)
 """
 
 
+@contextmanager
+def _serving(
+    host: NetnsHost, code: str, args: Sequence[str], what: str, timeout: float
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Run the one-file server ``code`` on ``host`` (it prints its port first); yield it and its port, then
+    kill and reap it.
+
+    Raises:
+        RuntimeError: it did not start (its stderr is in the message).
+    """
+    proc = host.popen(
+        [sys.executable, "-c", code, host.address, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = proc.stdout.readline().strip()
+        if not port.isdigit():
+            raise RuntimeError(f"{what} did not start: {proc.communicate(timeout=timeout)[1]}")
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
 def tcp_rtt_ms(client: NetnsHost, server: NetnsHost, count: int = 10, timeout: float = 30.0) -> list[float]:
     """Round trips (ms) of ``count`` one-byte TCP ping-pongs from ``client`` to an echo on ``server``.
 
     Raises:
         RuntimeError: either side failed or timed out (its stderr is in the message).
     """
-    echo = server.popen(
-        [sys.executable, "-c", _ECHO, server.address, str(timeout)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert echo.stdout is not None
-        port = echo.stdout.readline().strip()
-        if not port.isdigit():
-            raise RuntimeError(f"echo server did not start: {echo.communicate(timeout=timeout)[1]}")
+    with _serving(server, _ECHO, [str(timeout)], "echo server", timeout) as (_, port):
         ping = client.run(
             [sys.executable, "-c", _PINGER, server.address, port, str(count), str(timeout)],
             capture_output=True,
@@ -337,13 +358,6 @@ def tcp_rtt_ms(client: NetnsHost, server: NetnsHost, count: int = 10, timeout: f
         if ping.returncode != 0:
             raise RuntimeError(f"ping-pong client failed: {ping.stderr.strip()}")
         samples = json.loads(ping.stdout.strip().splitlines()[-1])
-    finally:
-        if echo.poll() is None:
-            echo.kill()
-        echo.wait()
-        for stream in (echo.stdout, echo.stderr):
-            if stream is not None:
-                stream.close()
     return [float(x) for x in samples]
 
 
@@ -355,17 +369,7 @@ def tcp_throughput_mbps(sender: NetnsHost, receiver: NetnsHost, nbytes: int, tim
     Raises:
         RuntimeError: either side failed or timed out (its stderr is in the message).
     """
-    rx = receiver.popen(
-        [sys.executable, "-c", _RECEIVER, receiver.address, str(timeout)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert rx.stdout is not None
-        port = rx.stdout.readline().strip()
-        if not port.isdigit():
-            raise RuntimeError(f"throughput receiver did not start: {rx.communicate(timeout=timeout)[1]}")
+    with _serving(receiver, _RECEIVER, [str(timeout)], "throughput receiver", timeout) as (rx, port):
         tx = sender.run(
             [sys.executable, "-c", _SENDER, receiver.address, port, str(nbytes), str(timeout)],
             capture_output=True,
@@ -379,10 +383,6 @@ def tcp_throughput_mbps(sender: NetnsHost, receiver: NetnsHost, nbytes: int, tim
         if rx.returncode != 0:
             raise RuntimeError(f"throughput receiver failed: {err.strip()}")
         report = json.loads(out.strip().splitlines()[-1])
-    finally:
-        if rx.poll() is None:
-            rx.kill()
-            rx.wait()
     if report["bytes"] != nbytes or report["seconds"] <= 0:
         raise RuntimeError(f"throughput transfer incomplete: {report}")
     return float(report["bytes"]) * 8 / 1e6 / float(report["seconds"])
