@@ -145,7 +145,8 @@ class Plan:
         comm_rate: ``X / P``: gradients/s the network can average under this plan (``inf``: no traffic).
         method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set milp over N
             sizes)"``, ``"lp (compute set certified, caps slack)"`` (see :mod:`.load_balance_search`),
-            ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic),
+            ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic;
+            ``"lone aggregator (compute set …, time limit, gap G%)"`` when the budget cut the search),
             ``"all-reduce"`` or ``"parameter server"`` (forced fractions). A search that ran out of its
             time budget before proving its compute set optimal appends ``", time limit, gap G%"`` inside
             the parentheses (``"lp (compute set milp over N sizes, time limit, gap 1.25%)"``, or
@@ -209,7 +210,10 @@ def plan_averaging(
         raise ValueError("the pairwise caps leave no compute set a positive averaging rate (caps of 0?)")
     gap = choice.gap
     how = f"{choice.how}, gap {gap:.2%}" if gap > 0 else choice.how
-    method = "lone aggregator" if math.isinf(total) else f"lp (compute set {how})"
+    if math.isinf(total):  # a budget cut short still says so (hypothesis: a lone aggregator with a gap)
+        method = f"lone aggregator (compute set {how})" if gap > 0 else "lone aggregator"
+    else:
+        method = f"lp (compute set {how})"
     return _plan(p, choice.compute, x / x.sum(), total, size, method, gap)
 
 
