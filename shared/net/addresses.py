@@ -1,4 +1,8 @@
-"""Multiaddrs as this engine uses them: ``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>[/p2p/<peer-id>]``.
+"""Multiaddrs as this engine uses them: ``/ip4|ip6|dns|dns4|dns6/<host>/tcp/<port>[/p2p/<peer-id>]``,
+and relayed ones: ``/ip4/<relay-ip>/tcp/<port>/p2p/<relay-id>/p2p-circuit/p2p/<target-id>`` (dial the
+relay, proven to be ``relay-id``, and ask it for a circuit to ``target-id``; see :mod:`shared.net.relay`).
+A relayed :class:`PeerAddress` carries the relay's own address (with its peer id) in ``relay``; its
+``host``/``port`` are the relay's, its ``peer_id`` the target's (always present).
 
 Parsing happens once, at the edge (CLI flags, DHT contact records); the rest of the engine passes
 :class:`PeerAddress` values around.
@@ -19,7 +23,14 @@ from protocols.peer_id import PeerId, validate_peer_id
 
 from ..errors import ConfigError
 
-__all__ = ["PeerAddress", "expand_unspecified", "format_multiaddr", "local_hosts", "parse_multiaddr"]
+__all__ = [
+    "PeerAddress",
+    "expand_unspecified",
+    "format_multiaddr",
+    "local_hosts",
+    "parse_multiaddr",
+    "relayed",
+]
 
 _HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
 
@@ -32,20 +43,49 @@ class PeerAddress:
     port: int
     peer_id: PeerId | None = None
     proto: str = "ip4"
+    #: the relay's own address (with its peer id) when this address is reached through a relay
+    relay: PeerAddress | None = None
 
     def with_peer(self, peer_id: PeerId) -> PeerAddress:
-        return PeerAddress(self.host, self.port, peer_id, self.proto)
+        return PeerAddress(self.host, self.port, peer_id, self.proto, self.relay)
 
     def __str__(self) -> str:
+        if self.relay is not None:
+            return f"{self.relay}/p2p-circuit/p2p/{self.peer_id}"
         return format_multiaddr(self.host, self.port, self.peer_id, self.proto)
 
 
+def relayed(relay: PeerAddress, target: PeerId) -> PeerAddress:
+    """The address of ``target`` reached through ``relay`` (which must carry its peer id).
+
+    Raises:
+        ConfigError: ``relay`` has no peer id or is itself relayed.
+    """
+    if relay.peer_id is None or relay.relay is not None:
+        raise ConfigError(f"a relay address needs a peer id and no relay of its own, got {relay}")
+    return PeerAddress(relay.host, relay.port, target, relay.proto, relay)
+
+
 def parse_multiaddr(text: str) -> PeerAddress:
-    """Parse a TCP multiaddr, with or without a trailing ``/p2p/<peer-id>``.
+    """Parse a TCP multiaddr, with or without a trailing ``/p2p/<peer-id>``, or a relayed one
+    (``<relay multiaddr with /p2p/<relay-id>>/p2p-circuit/p2p/<target-id>``).
 
     Raises:
         ConfigError: not a multiaddr, not TCP, or a malformed peer id; the message quotes the input.
     """
+    head, circuit, tail = text.partition("/p2p-circuit")
+    if circuit:
+        relay = parse_multiaddr(head)
+        if relay.peer_id is None:
+            raise ConfigError(f"{text!r}: the relay before /p2p-circuit needs its /p2p/<peer-id>")
+        parts = tail.split("/")
+        if len(parts) != 3 or parts[:2] != ["", "p2p"]:
+            raise ConfigError(f"{text!r}: /p2p-circuit must be followed by exactly /p2p/<target-id>")
+        try:
+            target = validate_peer_id(parts[2])
+        except ValueError as exc:
+            raise ConfigError(f"{text!r}: {exc}") from exc
+        return relayed(relay, target)
     try:
         ma = multiaddr.Multiaddr(text)
         names = [p.name for p in ma.protocols()]

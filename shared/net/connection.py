@@ -131,6 +131,8 @@ class SecureConnection:
         self.max_frame = _LANE_FRAME_BYTES[lane] if max_frame is None else max_frame
         #: trio time this connection was last used (idle reaping)
         self.last_used = trio.current_time()
+        #: how the bytes travel: "direct", "relayed" (spliced by a relay) or "punched" (hole punched)
+        self.via = "direct"
         self._write_lock = trio.StrictFIFOLock()
 
     @property
@@ -181,8 +183,11 @@ class SecureConnection:
         self.tls.close()
 
 
-async def dial(endpoint: LocalEndpoint, address: PeerAddress, lane: Lane) -> SecureConnection:
-    """Connect to ``address`` and authenticate both ends.
+async def dial(
+    endpoint: LocalEndpoint, address: PeerAddress, lane: Lane, raw: socket.socket | None = None
+) -> SecureConnection:
+    """Connect to ``address`` and authenticate both ends (over ``raw``, a connected TCP socket, when
+    given: a relay's circuit or a punched connection).
 
     Raises:
         PeerUnavailable: nobody answered, or the connection broke during the handshake.
@@ -192,7 +197,8 @@ async def dial(endpoint: LocalEndpoint, address: PeerAddress, lane: Lane) -> Sec
         ProtocolError: the listener sent garbage.
     """
     peer = f"{address.host}:{address.port}"
-    raw = await connect_tcp(address.host, address.port)
+    if raw is None:
+        raw = await connect_tcp(address.host, address.port)
     tls = await TlsSocket.handshake(raw, endpoint.client_ctx, server_side=False, peer=peer)
     try:
         cert = tls.peer_certificate()

@@ -27,6 +27,11 @@ accepted bulk lanes waiting for their next header, and our own pooled idle bulk 
 **Faults end a connection, never the host** (DESIGN D10f): a decoding failure is a ``ProtocolError``
 that ends one request or connection; anything unexpected while serving one connection is logged with
 its traceback and counted (``connection_failures``). Dialing follows :mod:`shared.net.dialing`.
+
+**Relayed addresses** (:mod:`shared.net.relay`): dialing an address with a ``relay`` asks that relay for a
+circuit and runs the usual TLS + identity handshake through it, so every service works over relayed
+addresses unchanged. A host serving as a relay sets :attr:`Host.preamble_handler`: its accept path then
+peeks at an incoming connection's first byte and hands relay preambles (never a TLS record) to it.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_
 from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .dialing import DialGuard, DialPolicy
+from .relay import PREAMBLE_FIRST_BYTE, PreambleHandler, relay_dial
 from .rpc import HandlerRegistry, RpcChannel, RpcStatistics
 
 __all__ = ["CALL_FAILURES", "Host", "HostConfig", "HostStatistics"]
@@ -127,6 +133,8 @@ class Host:
         #: called with the peer id of every new RPC connection, either side's, once the peer proved its
         #: identity (not yet its admission: that is checked per request)
         self.connection_observers: list[Callable[[PeerId], None]] = []
+        #: set by a relay (:class:`shared.net.relay.RelayService`): takes incoming relay preambles
+        self.preamble_handler: PreambleHandler | None = None
         self._channels: dict[PeerId, RpcChannel] = {}
         self._all_channels: set[RpcChannel] = set()
         self._by_address: dict[tuple[str, int], PeerId] = {}
@@ -278,10 +286,26 @@ class Host:
         self._pending -= 1
         _decrement(self._pending_by_address, ip)
 
-    async def _serve_incoming(self, raw: socket.socket, ip: str, peer: str) -> None:
+    async def serve_socket(self, raw: socket.socket, peer: str, via: str) -> None:
+        """Serve ``raw``, a TCP socket this host connected itself (a relay circuit's target end, a punched
+        connection), as if it had been accepted: TLS server side, identity proof, then RPC or bulk as the
+        dialer chose. Counted in the incoming budgets under ``peer``'s host; returns when it closes."""
+        ip = _budget_key(peer.rpartition(":")[0].strip("[]"))
+        refusal = self._over_budget(ip)
+        if refusal is not None:
+            self._refused += 1
+            raw.close()
+            raise PeerUnavailable(f"not serving a {via} connection: {refusal}")
+        self._incoming += 1
+        self._pending += 1
+        self._incoming_by_address[ip] = self._incoming_by_address.get(ip, 0) + 1
+        self._pending_by_address[ip] = self._pending_by_address.get(ip, 0) + 1
+        await self._serve_incoming(raw, ip, peer, via)
+
+    async def _serve_incoming(self, raw: socket.socket, ip: str, peer: str, via: str = "direct") -> None:
         pending = [True]
         try:
-            await self._serve_incoming_counted(raw, ip, peer, pending)
+            await self._serve_incoming_counted(raw, ip, peer, pending, via)
         except ProtocolError as exc:
             self._protocol_errors += 1
             logger.warning("closed connection from %s: %s", peer, exc)
@@ -318,8 +342,25 @@ class Host:
                     del self._idle_bulk[peer]
 
     async def _serve_incoming_counted(
-        self, raw: socket.socket, ip: str, peer: str, pending: list[bool]
+        self, raw: socket.socket, ip: str, peer: str, pending: list[bool], via: str = "direct"
     ) -> None:
+        handler = self.preamble_handler
+        if handler is not None and via == "direct":
+            first = b""
+            with trio.move_on_after(self.config.accept_deadline):
+                first = await _peek_byte(raw)
+            if not first:  # silent for accept_deadline, or closed
+                self._handshakes_failed += 1
+                return
+            if first == PREAMBLE_FIRST_BYTE:
+
+                def admitted() -> None:
+                    if pending[0]:
+                        pending[0] = False
+                        self._handshake_done(ip)
+
+                await handler(raw, peer, admitted)
+                return
         try:
             with trio.fail_after(self.config.accept_deadline):
                 conn = await accept(self.endpoint, raw, peer)
@@ -341,6 +382,7 @@ class Host:
             return
         pending[0] = False
         self._handshake_done(ip)
+        conn.via = via
         self._accepted.add(conn)
         try:
             if conn.lane == "bulk":
@@ -416,7 +458,8 @@ class Host:
                 except PeerUnavailable:
                     conn.close()  # the host stopped while we were dialing
                     raise
-                self._by_address[(address.host, address.port)] = conn.remote_peer
+                if address.relay is None:
+                    self._by_address[(address.host, address.port)] = conn.remote_peer
                 channel = self._adopt(conn)
                 nursery.start_soon(self._run_channel, channel)
                 return channel
@@ -446,6 +489,8 @@ class Host:
                 answered, or the handshake did not complete in time.
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
+        if address.relay is not None:
+            return await relay_dial(self, address, lane)
         refusal = self._dial_guard.refusal(address.host, address.port, address.peer_id, trio.current_time())
         if refusal is not None:
             raise PeerUnavailable(f"not dialing {address}: {refusal}")
@@ -492,6 +537,27 @@ class Host:
 
     def connected_peers(self) -> list[PeerId]:
         return [peer for peer, channel in self._channels.items() if not channel.closed]
+
+    def connection_kind(self, peer_id: PeerId) -> str | None:
+        """How our RPC connection to ``peer_id`` travels: ``"direct"``, ``"relayed"`` or ``"punched"``
+        (``None``: not connected)."""
+        channel = self.channel_for(peer_id)
+        return channel.conn.via if channel is not None else None
+
+    def adopt_connection(self, conn: SecureConnection) -> RpcChannel:
+        """Serve ``conn`` (an authenticated RPC connection this host set up itself, e.g. a punched one) and
+        make it the channel our calls to its peer use from now on; the one it replaces is closed once idle.
+
+        Raises:
+            PeerUnavailable: the host has stopped.
+        """
+        nursery = self._require_running()
+        old = self._channels.pop(conn.remote_peer, None)
+        channel = self._adopt(conn)
+        nursery.start_soon(self._run_channel, channel)
+        if old is not None and old is not channel:
+            nursery.start_soon(_close_when_idle, old, self.config.handler_deadline)
+        return channel
 
     def channel_for(self, peer_id: PeerId) -> RpcChannel | None:
         channel = self._channels.get(peer_id)
@@ -555,7 +621,8 @@ class Host:
             conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
         conn = await self._dial(address, "bulk")
-        self._by_address[(address.host, address.port)] = conn.remote_peer
+        if address.relay is None:
+            self._by_address[(address.host, address.port)] = conn.remote_peer
         return conn
 
     # ---------------------------------------------------------------- metrics
@@ -594,6 +661,27 @@ def _counted(stats: RpcStatistics) -> tuple[int, ...]:
         stats.protocol_errors,
         stats.failures,
     )
+
+
+async def _close_when_idle(channel: RpcChannel, patience: float) -> None:
+    """Close a replaced channel now if nothing is in flight on it, else after ``patience`` seconds (the
+    longest a handler runs) unless it closed before."""
+    if not channel.idle:
+        with trio.move_on_after(patience):
+            await channel.wait_closed()
+    channel.conn.close()
+
+
+async def _peek_byte(raw: socket.socket) -> bytes:
+    """The first byte waiting on ``raw`` without consuming it (``b""``: the peer closed)."""
+    while True:
+        await trio.lowlevel.wait_readable(raw)
+        try:
+            return raw.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            continue
+        except OSError:
+            return b""
 
 
 def _budget_key(host: str) -> str:
