@@ -111,6 +111,15 @@ class TlsSocket:
             raise
         return tls
 
+    def socket_peer(self) -> str:
+        """``host:port`` of the TCP connection's far end as the kernel has it (``""`` once closed): for a
+        relayed connection the relay, for a punched one the other side's NAT."""
+        try:
+            host, port = self._sock.getpeername()[:2]
+        except (OSError, ValueError):
+            return ""
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def peer_certificate(self) -> bytes | None:
         return self._sock.getpeercert(binary_form=True)
 

@@ -31,6 +31,7 @@ from shared.errors import ConfigError, HandshakeError, Overloaded, PeerUnavailab
 from shared.net.addresses import PeerAddress, parse_multiaddr, relayed
 from shared.net.bulk import BulkReader
 from shared.net.host import Host, HostConfig
+from shared.net.punch import HolePuncher
 from shared.net.relay import RelayClient, RelayLimits, RelayService, observe_address
 from shared.net.rpc import RequestContext
 
@@ -355,3 +356,13 @@ async def test_relay_killed_mid_transfer_fails_it_cleanly(start_host: StartHost)
     assert 2 * MiB <= tap.forwarded < 256 * MiB
     with trio.fail_after(HANG_GUARD_S), pytest.raises(PeerUnavailable):  # and the relay is gone
         await dialer.call(relayed(address_of(relay), target.peer_id), RelayEcho(text="x"))
+
+
+# ---------------------------------------------------------------- hole punching (see test_punch_nat.py)
+
+
+async def test_punch_to_a_peer_we_are_not_connected_to_is_peer_unavailable(start_host: StartHost) -> None:
+    relay, target, dialer, _, _, _ = await _setup(start_host)
+
+    with pytest.raises(PeerUnavailable):
+        await HolePuncher(dialer, address_of(relay)).punch(target.peer_id)
