@@ -36,6 +36,7 @@ peeks at an incoming connection's first byte and hands relay preambles (never a 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -142,6 +143,7 @@ class Host:
         self._idle_bulk: dict[PeerId, list[SecureConnection]] = {}
         self._accepted: set[SecureConnection] = set()  # authenticated incoming connections, open now
         self._busy_bulk: set[SecureConnection] = set()  # our bulk connections checked out by a transfer
+        self._preambled: set[socket.socket] = set()  # raw sockets a relay's preamble handler holds
         self._nursery: trio.Nursery | None = None
         self._listeners: list[socket.socket] = []
         self._aborted = False
@@ -218,6 +220,9 @@ class Host:
         # connections in use: hung up now, closed by the task using them (a bulk thread may hold one)
         for conn in [*self._accepted, *self._busy_bulk]:
             conn.tls.hang_up()
+        for raw in self._preambled:  # a relay's circuits end with it
+            with contextlib.suppress(OSError):
+                raw.shutdown(socket.SHUT_RDWR)
 
     def _require_running(self) -> trio.Nursery:
         if self._nursery is None:
@@ -359,7 +364,11 @@ class Host:
                         pending[0] = False
                         self._handshake_done(ip)
 
-                await handler(raw, peer, admitted)
+                self._preambled.add(raw)
+                try:
+                    await handler(raw, peer, admitted)
+                finally:
+                    self._preambled.discard(raw)
                 return
         try:
             with trio.fail_after(self.config.accept_deadline):

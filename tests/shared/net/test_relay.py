@@ -240,6 +240,53 @@ async def test_concurrent_circuits_are_limited(start_host: StartHost) -> None:
     assert service.statistics().circuits_refused == 1
 
 
+async def test_reservation_ends_when_the_targets_connection_closes(start_host: StartHost) -> None:
+    relay, target, dialer, service, _, _ = await _setup(start_host)
+    seen_by_relay = relay.channel_for(target.peer_id)
+    assert seen_by_relay is not None
+
+    with trio.fail_after(HANG_GUARD_S):
+        target.disconnect(relay.peer_id)
+        await seen_by_relay.wait_closed()
+        with pytest.raises(PeerUnavailable, match="no reservation"):
+            await dialer.call(relayed(address_of(relay), target.peer_id), RelayEcho(text="x"))
+    assert service.statistics().reservations == 0
+
+
+async def test_keep_renews_the_reservation_and_ends_with_the_connection(
+    start_host: StartHost, nursery: trio.Nursery
+) -> None:
+    relay, target, dialer = await start_host(), await start_host(), await start_host()
+    service = RelayService(relay, RelayLimits(reservation_ttl=0.4))
+    client = RelayClient(target)
+    target.registry.add(RelayEcho, _plain_echo)
+    address = relayed(address_of(relay), target.peer_id)
+    ended: list[BaseException] = []
+
+    async def keep() -> None:
+        try:
+            await client.keep(address_of(relay))
+        except PeerUnavailable as exc:
+            ended.append(exc)
+
+    with trio.fail_after(HANG_GUARD_S):
+        nursery.start_soon(keep)
+        while not client.addresses():
+            await trio.sleep(0.01)
+        assert client.addresses() == [address]
+        await trio.sleep(1.2)  # three ttls: alive only if renewed
+        assert isinstance(await dialer.call(address, RelayEcho(text="renewed")), RelayEchoReply)
+        relay.disconnect(target.peer_id)
+        while not ended:
+            await trio.sleep(0.01)
+    assert client.addresses() == []
+    assert service.statistics().reservations == 0
+
+
+async def _plain_echo(ctx: RequestContext, request: RelayEcho) -> RelayEchoReply:
+    return RelayEchoReply(text=request.text, relayed=True)
+
+
 # ---------------------------------------------------------------- hostile raw connections
 
 
@@ -336,12 +383,15 @@ async def test_relay_killed_mid_transfer_fails_it_cleanly(start_host: StartHost)
     tap.threshold = 2 * MiB
     target.bulk_handlers["sink"] = _sink
     failure: list[BaseException] = []
+    finished = trio.Event()
 
     async def transfer(address: PeerAddress) -> None:
         try:
             await dialer.send_bulk(address, "sink", bytes(256 * MiB))
         except PeerUnavailable as exc:
             failure.append(exc)
+        finally:
+            finished.set()
 
     with trio.fail_after(HANG_GUARD_S):
         async with trio.open_nursery() as outer, trio.open_nursery() as relay_scope:
@@ -350,7 +400,8 @@ async def test_relay_killed_mid_transfer_fails_it_cleanly(start_host: StartHost)
             await RelayClient(target).reserve(address_of(relay))
             outer.start_soon(transfer, relayed(address_of(relay), target.peer_id))
             await tap.reached.wait()
-            relay.abort()
+            relay.abort()  # as a crash would: its circuits end with it, before run() is cancelled
+            await finished.wait()
             relay_scope.cancel_scope.cancel()
     assert len(failure) == 1, "the transfer did not fail with PeerUnavailable"
     assert 2 * MiB <= tap.forwarded < 256 * MiB
