@@ -45,7 +45,7 @@ address.
 **Hole punching** (libp2p DCUtR's exchange, over the relayed, authenticated RPC connection between ``A``
 (the peer that starts it) and ``B``)::
 
-    A -> B  PunchConnect{observed: A's external ip:port}
+    A -> B  PunchConnect{observed: A's external ip:port, lane}
     B -> A  PunchReply{observed: B's external ip:port}       A measures the round trip rtt of this exchange
     A -> B  PunchSync{}                                      (notification)
     B       connects to A's observed address at once (from its bound port)
@@ -55,7 +55,9 @@ Each side learned its external ``ip:port`` from ``R`` (above) over a socket boun
 and ``SO_REUSEPORT`` to a chosen local port, and connects from that same port, so a NAT that maps a
 local port to the same external port whatever the destination (endpoint-independent mapping, the common
 "cone" case; Linux MASQUERADE without port randomization) lets the two SYNs cross: a simultaneous TCP
-open. The peer with the lower peer id (as a string) runs the TLS client side, the other the server.
+open. For an RPC connection (``lane="rpc"``) the peer with the lower peer id (as a string) runs the TLS
+client side, the other the server; for a bulk connection (``lane="bulk"``, only between peers whose RPC
+connection is already punched) ``A`` is the client, since a bulk lane carries transfers from its dialer.
 Behind a NAT that picks a new port per destination (symmetric) the observed address is wrong for any other
 destination, the connects time out, and the peers stay relayed.
 """
@@ -67,6 +69,7 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from .envelope import Message, Request, register
+from .handshake import Lane
 from .types import PeerIdStr
 
 __all__ = [
@@ -182,6 +185,7 @@ class PunchConnect(Request, frozen=True, kw_only=True):
     max_bytes: ClassVar[int] = 128
     response: ClassVar[type[Message]] = PunchReply
     observed: HostPort
+    lane: Lane = "rpc"
 
 
 @register

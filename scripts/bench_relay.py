@@ -15,7 +15,8 @@ process each time, so every measurement includes its own connection set-up separ
 * ``relayed``: D -> T through R, the case relaying exists for (both ends behind NAT);
 * ``punch``: D -> T through R, then a hole punch; ``punch_ms`` is the punch call's duration on D (two
   observed-address requests, the exchange, ``rtt/2`` and the simultaneous open plus TLS), and the echo
-  calls are timed again over the punched connection.
+  calls are timed again over the punched connection, and the transfer is sent over a punched bulk
+  connection (``punched_MBps``).
 
 No link is shaped: the numbers say what the relay's splice costs on this machine (CPU: every relayed byte
 is copied through user space once more, and the two TLS ends, relay and dialer share the same cores), not
@@ -115,18 +116,8 @@ def main() -> None:
             runs["direct"].append(_dial(q_host, "--target", public["addr"], *load))
             runs["relayed_public"].append(_dial(q_host, "--target", public["relayed"], *load))
             runs["relayed"].append(_dial(d_host, "--target", home["relayed"], *load))
-            runs["punch"].append(
-                _dial(
-                    d_host,
-                    "--target",
-                    home["relayed"],
-                    "--relay",
-                    relay["addr"],
-                    "--rpcs",
-                    str(args.rpcs),
-                    "--punch",
-                )
-            )
+            punch = ("--relay", relay["addr"], *load, "--punch")
+            runs["punch"].append(_dial(d_host, "--target", home["relayed"], *punch))
     for name in ("direct", "relayed_public", "relayed"):
         expected = "direct" if name == "direct" else "relayed"
         if any(run["kind"] != expected for run in runs[name]):
@@ -141,6 +132,7 @@ def main() -> None:
         "relayed_public_MBps": statistics.median(r["bulk_MBps"] for r in runs["relayed_public"]),
         "punch_ms": statistics.median(r["punch_ms"] for r in punched) if punched else None,
         "punch_successes": len(punched),
+        "punched_MBps": statistics.median(r["bulk_MBps_after"] for r in punched) if punched else None,
         "worst": {
             "direct_MBps": min(r["bulk_MBps"] for r in runs["direct"]),
             "relayed_MBps": min(r["bulk_MBps"] for r in runs["relayed"]),

@@ -10,7 +10,8 @@ one more when its stdin closes (then it exits):
   the end ``{"kinds": {peer: kind}, "punch": PunchStatistics}``.
 * ``dial --listen IP --target MULTIADDR [--relay MULTIADDR] [--rpcs N] [--bulk-mb M] [--punch]``: connects
   (one echo), times ``N`` sequential echo calls, sends ``M`` MiB to ``sink``, then, with ``--punch``, punches
-  and times the echo calls again; prints everything measured as one JSON object and exits.
+  and times the echo calls (and, with ``--punch``, the transfer: over a punched bulk connection when the
+  punch worked) again; prints everything measured as one JSON object and exits.
 """
 
 from __future__ import annotations
@@ -140,6 +141,15 @@ async def _echo_ms(host: Host, address: PeerAddress, n: int) -> list[float]:
     return times
 
 
+async def _bulk_MBps(host: Host, target: PeerAddress, mb: int) -> float:
+    data = bytes(mb * MiB)
+    start = trio.current_time()
+    ack = await host.send_bulk(target, "sink", data)
+    seconds = trio.current_time() - start
+    assert ack == hashlib.sha256(data).digest()
+    return mb * MiB / 1e6 / seconds
+
+
 async def _dial(args: argparse.Namespace) -> None:
     host = Host(Identity.generate(), RUN_ID, _config())
     target = parse_multiaddr(args.target)
@@ -161,13 +171,8 @@ async def _dial(args: argparse.Namespace) -> None:
                 times = await _echo_ms(host, target, args.rpcs)
                 out["rpc_ms_median"] = statistics.median(times)
                 out["rpc_ms_max"] = max(times)
-            if args.bulk_mb:
-                data = bytes(args.bulk_mb * MiB)
-                start = trio.current_time()
-                ack = await host.send_bulk(target, "sink", data)
-                seconds = trio.current_time() - start
-                assert ack == hashlib.sha256(data).digest()
-                out["bulk_MBps"] = args.bulk_mb * MiB / 1e6 / seconds
+            if args.bulk_mb and not args.punch:
+                out["bulk_MBps"] = await _bulk_MBps(host, target, args.bulk_mb)
             if args.punch and puncher is not None:
                 start = trio.current_time()
                 out["punched"] = await puncher.punch(target.peer_id)
@@ -183,6 +188,9 @@ async def _dial(args: argparse.Namespace) -> None:
                     times = await _echo_ms(host, target, args.rpcs)
                     out["rpc_ms_median_after"] = statistics.median(times)
                     out["rpc_ms_max_after"] = max(times)
+                if args.bulk_mb:
+                    out["bulk_MBps_after"] = await _bulk_MBps(host, target, args.bulk_mb)
+                    out["punch_after_bulk"] = asdict(puncher.statistics())
         _emit(out)
         nursery.cancel_scope.cancel()
 

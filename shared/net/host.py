@@ -41,7 +41,7 @@ import errno
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -136,6 +136,9 @@ class Host:
         self.connection_observers: list[Callable[[PeerId], None]] = []
         #: set by a relay (:class:`shared.net.relay.RelayService`): takes incoming relay preambles
         self.preamble_handler: PreambleHandler | None = None
+        #: set by :class:`shared.net.punch.HolePuncher`: a direct bulk connection to a peer we would
+        #: otherwise reach through a relay, or ``None`` (then the relay is used)
+        self.bulk_upgrader: Callable[[PeerId], Awaitable[SecureConnection | None]] | None = None
         self._channels: dict[PeerId, RpcChannel] = {}
         self._all_channels: set[RpcChannel] = set()
         self._by_address: dict[tuple[str, int], PeerId] = {}
@@ -392,6 +395,12 @@ class Host:
         pending[0] = False
         self._handshake_done(ip)
         conn.via = via
+        await self.serve_connection(conn)
+
+    async def serve_connection(self, conn: SecureConnection) -> None:
+        """Serve an authenticated connection the peer opened (or, punched, that both opened) as its lane
+        says: bulk transfers to our handlers, or an RPC channel (a punched one becomes the peer's channel
+        for our calls). Closes it when it ends."""
         self._accepted.add(conn)
         try:
             if conn.lane == "bulk":
@@ -403,6 +412,8 @@ class Host:
                     self.config.idle_timeout,
                 )
             else:
+                if conn.via == "punched":
+                    self._replace_channel(conn.remote_peer)
                 await self._run_channel(self._adopt(conn))
         finally:
             self._accepted.discard(conn)
@@ -561,12 +572,26 @@ class Host:
             PeerUnavailable: the host has stopped.
         """
         nursery = self._require_running()
-        old = self._channels.pop(conn.remote_peer, None)
+        self._replace_channel(conn.remote_peer)
         channel = self._adopt(conn)
         nursery.start_soon(self._run_channel, channel)
-        if old is not None and old is not channel:
-            nursery.start_soon(_close_when_idle, old, self.config.handler_deadline)
         return channel
+
+    def _replace_channel(self, peer: PeerId) -> None:
+        """Retire ``peer``'s current channel (closed once idle) so that the next one adopted is used."""
+        old = self._channels.pop(peer, None)
+        if old is not None and self._nursery is not None:
+            self._nursery.start_soon(_close_when_idle, old, self.config.handler_deadline)
+
+    def pool_bulk(self, conn: SecureConnection) -> None:
+        """Put ``conn``, an idle bulk connection this host set up itself (e.g. a punched one), in the pool
+        our transfers to its peer draw from."""
+        idle = self._idle_bulk.setdefault(conn.remote_peer, [])
+        if len(idle) < self.config.max_idle_bulk and self._nursery is not None and not conn.tls.closed:
+            conn.last_used = trio.current_time()
+            idle.append(conn)
+        else:
+            conn.close()
 
     def channel_for(self, peer_id: PeerId) -> RpcChannel | None:
         channel = self._channels.get(peer_id)
@@ -629,6 +654,10 @@ class Host:
                 return conn
             conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
+        if address.relay is not None and peer is not None and self.bulk_upgrader is not None:
+            direct = await self.bulk_upgrader(peer)
+            if direct is not None:
+                return direct
         conn = await self._dial(address, "bulk")
         if address.relay is None:
             self._by_address[(address.host, address.port)] = conn.remote_peer

@@ -15,16 +15,21 @@ The exchange is DCUtR's, carried on the relayed, authenticated RPC connection (s
    sees the other's SYN as the reply to its own and lets it in (a simultaneous TCP open). A connect that
    fails at once (reset, refused: the other SYN was not out yet) is retried from the same port after
    ``retry_pause``, until ``timeout``;
-5. on the connected socket the peer with the lower peer id (as a string) runs the TLS client handshake
-   (:func:`shared.net.connection.dial`, expecting the other's peer id), the other the server side
-   (:func:`shared.net.connection.accept`, which must prove the expected peer id, else the connection is
-   closed). The new connection (``via="punched"``) becomes the peer's RPC channel on both sides
-   (:meth:`shared.net.host.Host.adopt_connection`); the relayed one is closed once idle.
+5. on the connected socket one side runs the TLS client handshake (:func:`shared.net.connection.dial`,
+   expecting the other's peer id), the other the server side (:func:`shared.net.connection.accept`, which
+   must prove the expected peer id, else the connection is closed). For the RPC lane the client is the
+   peer with the lower peer id (as a string), and the new connection (``via="punched"``) becomes the
+   peer's RPC channel on both sides (:meth:`shared.net.host.Host.adopt_connection`); the relayed one is
+   closed once idle.
+
+Bulk lanes. Once a peer's RPC connection is punched, the puncher is the host's ``bulk_upgrader``: a transfer
+that needs a new bulk connection to that peer punches one more (``lane="bulk"``; ``A``, the sender, is the
+TLS client, since a bulk lane carries transfers from its dialer) and the host pools it like any other; if
+that punch fails the transfer dials the relayed address as before.
 
 A failure at any step (symmetric NAT: the observed port is not the one a new destination gets, so the
 SYNs are dropped; a timeout; a refused step) leaves the relayed connection in place and is counted in
-:class:`PunchStatistics` with its reason. Bulk transfers keep dialing the relayed address for now: a
-punched connection is an RPC connection.
+:class:`PunchStatistics` with its reason.
 
 Waits are bounded: every step runs under ``timeout`` (plus one RPC deadline for the exchange), and the
 ``B`` side forgets a ``PunchConnect`` that no ``PunchSync`` followed within ``timeout``.
@@ -32,6 +37,7 @@ Waits are bounded: every step runs under ``timeout`` (plus one RPC deadline for 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -42,6 +48,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from protocols.codes import ErrorCode
+from protocols.handshake import Lane
 from protocols.peer_id import PeerId
 from protocols.relay import PunchConnect, PunchReply, PunchSync
 
@@ -96,12 +103,13 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 class _Plan:
-    __slots__ = ("deadline", "observed", "port")
+    __slots__ = ("deadline", "lane", "observed", "port")
 
-    def __init__(self, port: int, observed: tuple[str, int], deadline: float) -> None:
+    def __init__(self, port: int, observed: tuple[str, int], deadline: float, lane: Lane) -> None:
         self.port = port
         self.observed = observed
         self.deadline = deadline
+        self.lane = lane
 
 
 class HolePuncher:
@@ -130,6 +138,7 @@ class HolePuncher:
         self.finished: dict[PeerId, trio.Event] = {}
         host.registry.add(PunchConnect, self._on_connect)
         host.registry.add_notification(PunchSync, self._on_sync)
+        host.bulk_upgrader = self._bulk_for
 
     def statistics(self) -> PunchStatistics:
         return PunchStatistics(self._attempts, self._punched, dict(self._failures), self._last_ms)
@@ -152,6 +161,17 @@ class HolePuncher:
         Raises:
             PeerUnavailable: we have no RPC connection to ``peer`` to coordinate over.
         """
+        return await self._punch(peer, "rpc") is not None
+
+    async def _bulk_for(self, peer: PeerId) -> SecureConnection | None:
+        """A punched bulk connection to ``peer`` if its RPC connection is punched and this punch works."""
+        if self.host.connection_kind(peer) != "punched":
+            return None
+        with contextlib.suppress(PeerUnavailable):
+            return await self._punch(peer, "bulk")
+        return None
+
+    async def _punch(self, peer: PeerId, lane: Lane) -> SecureConnection | None:
         channel = self.host.channel_for(peer)
         if channel is None:
             raise PeerUnavailable(f"no connection to {peer} to coordinate a hole punch over")
@@ -162,18 +182,21 @@ class HolePuncher:
             port, observed = await self._observe()
             sent = trio.current_time()
             with trio.fail_after(self.timeout):
-                reply = await channel.call(PunchConnect(observed=_text(observed)))
+                reply = await channel.call(PunchConnect(observed=_text(observed), lane=lane))
             rtt = trio.current_time() - sent
             assert isinstance(reply, PunchReply)
             remote = split_host_port(reply.observed)
             await channel.notify(PunchSync())
             await trio.sleep(rtt / 2)
-            return await self._connect(peer, port, remote, started)
+            conn = await self._connect(peer, port, remote, started, lane, initiator=True)
         except (PeerUnavailable, RemoteError, HandshakeError, trio.TooSlowError, OSError, ValueError) as exc:
             self._failed(peer, exc)
-            return False
+            return None
         finally:
             event.set()
+        if lane == "rpc":
+            self.host.adopt_connection(conn)
+        return conn
 
     # ---------------------------------------------------------------- B: the side that answers
 
@@ -183,7 +206,7 @@ class HolePuncher:
             port, observed = await self._observe()
         except (ValueError, PeerUnavailable, trio.TooSlowError, OSError) as exc:
             raise remote_error(ErrorCode.INTERNAL, f"cannot take part in a hole punch: {exc}") from exc
-        self._plans[ctx.peer_id] = _Plan(port, remote, trio.current_time() + self.timeout)
+        self._plans[ctx.peer_id] = _Plan(port, remote, trio.current_time() + self.timeout, request.lane)
         return PunchReply(observed=_text(observed))
 
     async def _on_sync(self, ctx: RequestContext, _: PunchSync) -> None:
@@ -199,11 +222,16 @@ class HolePuncher:
 
     async def _answer(self, peer: PeerId, plan: _Plan, started: float) -> None:
         try:
-            await self._connect(peer, plan.port, plan.observed, started)
+            conn = await self._connect(peer, plan.port, plan.observed, started, plan.lane, initiator=False)
         except (PeerUnavailable, RemoteError, HandshakeError, trio.TooSlowError, OSError) as exc:
             self._failed(peer, exc)
+            return
         finally:
             self.finished[peer].set()
+        if plan.lane == "rpc":
+            self.host.adopt_connection(conn)
+        else:
+            await self.host.serve_connection(conn)
 
     # ---------------------------------------------------------------- both
 
@@ -212,24 +240,31 @@ class HolePuncher:
         self._failures[reason] += 1
         logger.info("hole punch with %s failed (%s: %s); staying relayed", peer, reason, exc)
 
-    async def _connect(self, peer: PeerId, port: int, remote: tuple[str, int], started: float) -> bool:
+    async def _connect(
+        self, peer: PeerId, port: int, remote: tuple[str, int], started: float, lane: Lane, *, initiator: bool
+    ) -> SecureConnection:
+        client = self.host.peer_id < peer if lane == "rpc" else initiator
         with trio.fail_after(self.timeout):
             raw = await self._simultaneous_open(port, remote)
             label = f"{remote[0]}:{remote[1]}"
             conn: SecureConnection
-            if self.host.peer_id < peer:
-                conn = await dial(self.host.endpoint, PeerAddress(remote[0], remote[1], peer), "rpc", raw=raw)
+            if client:
+                conn = await dial(self.host.endpoint, PeerAddress(remote[0], remote[1], peer), lane, raw=raw)
             else:
                 conn = await accept(self.host.endpoint, raw, label)
                 if conn.remote_peer != peer:
                     conn.close()
                     raise HandshakeError(f"{label} proved to be {conn.remote_peer}, not {peer}")
+                if conn.lane != lane:
+                    conn.close()
+                    raise HandshakeError(
+                        f"{label} opened a {conn.lane} connection, not the {lane} one agreed"
+                    )
         conn.via = "punched"
-        self.host.adopt_connection(conn)
         self._punched += 1
         self._last_ms = (trio.current_time() - started) * 1000
-        logger.info("hole punched to %s at %s in %.0f ms", peer, label, self._last_ms)
-        return True
+        logger.info("hole punched a %s connection to %s at %s in %.0f ms", lane, peer, label, self._last_ms)
+        return conn
 
     async def _simultaneous_open(self, port: int, remote: tuple[str, int]) -> socket.socket:
         """Connect from ``port`` to ``remote`` until it works (the caller bounds the time)."""

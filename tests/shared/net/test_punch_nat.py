@@ -72,9 +72,8 @@ def _punch_between_homes(net: NatNetwork) -> tuple[dict[str, Any], dict[str, Any
     relay_host, dialer_host, target_host = net.public[0], net.homes[0].hosts[0], net.homes[1].hosts[0]
     with node(relay_host, "relay") as (relay, relay_final):
         with node(target_host, "target", "--relay", relay["addr"]) as (target, target_final):
-            result = dial(
-                dialer_host, "--target", target["relayed"], "--relay", relay["addr"], "--rpcs", "5", "--punch"
-            )
+            load = ("--rpcs", "5", "--bulk-mb", "8", "--punch")
+            result = dial(dialer_host, "--target", target["relayed"], "--relay", relay["addr"], *load)
         assert target_final, "the target printed no final line"
     assert relay_final, "the relay printed no final line"
     return result, target_final[0], relay_final[0]
@@ -93,8 +92,11 @@ def test_punch_between_two_cone_nats_gives_a_direct_connection() -> None:
     assert peer_ip == target_nat != relay_ip  # straight to the other home's router, not via the relay
     assert result["server_seen_from"].rpartition(":")[0] == relay_ip
     assert result["server_seen_from_after"].rpartition(":")[0] == dialer_nat
-    assert target["punch"]["punched"] == 1
-    assert relay["relay"]["circuits_granted"] == 1 and relay["relay"]["observed"] == 2
+    assert target["punch"]["punched"] == 2  # the RPC and the bulk connection
+    # the transfer after the punch went over a second punched connection (a bulk lane), not the relay
+    assert result["punch_after_bulk"]["punched"] == 2 and result["bulk_MBps_after"] > 0
+    assert relay["relay"]["circuits_granted"] == 1 and relay["relay"]["observed"] == 4
+    assert relay["relay"]["bytes_relayed"] < 1 << 20
 
 
 def test_punch_behind_a_symmetric_nat_fails_and_traffic_stays_relayed() -> None:
@@ -106,6 +108,8 @@ def test_punch_behind_a_symmetric_nat_fails_and_traffic_stays_relayed() -> None:
     assert result["kind_after"] == "relayed" and result["server_sees_after"] == "relayed"
     assert result["socket_peer_after"].rpartition(":")[0] == relay_ip
     assert result["punch"]["failures"] == {"timeout": 1}
+    assert result["punch_after_bulk"]["attempts"] == 1  # no bulk punch over an unpunched connection
+    assert relay["relay"]["bytes_relayed"] > 8 << 20  # so the transfer went through the relay
     assert result["server_seen_from_after"].rpartition(":")[0] == relay_ip
     assert target["punch"]["punched"] == 0
     assert relay["relay"]["bytes_relayed"] > 0
