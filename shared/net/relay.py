@@ -24,17 +24,21 @@ credit. ``tap`` (optional) sees every chunk forwarded, as the relay sees it: the
 checks that no plaintext is in it. The relay never holds more than two buffers per circuit.
 
 **Target** (:class:`RelayClient` on a host that accepts no inbound connections). ``reserve`` asks a relay
-for a reservation; :meth:`RelayClient.keep` renews it at half its ``ttl`` while the host runs, and
-:meth:`RelayClient.addresses` lists the relayed addresses of the relays that currently hold one. An offer
-is accepted only from a relay we hold a reservation with: the target opens a fresh TCP connection to the
+for a reservation; :meth:`RelayClient.keep` renews it at half its ``ttl``, or at a third of the host's
+``idle_timeout`` if that is sooner (so the connection never sits idle long enough to be reaped), and
+:meth:`RelayClient.addresses` lists the relayed addresses of the relays that hold one now. An offer is
+accepted only from a relay we hold a reservation with: the target opens a fresh TCP connection to the
 relay, sends the preamble and serves the connection as an ordinary incoming one
-(:meth:`shared.net.host.Host.serve_socket`: TLS server side, identity proof, RPC or bulk as the dialer chose).
+(:meth:`shared.net.host.Host.serve_socket`: TLS server side, identity proof, then RPC or bulk as the
+dialer chose). The dialer it proves may differ from the offer's ``dialer`` only if the relay lied; it
+gains nothing by that (the dialer still had to prove its own key), so the target does not check it.
 
 **Dialer** (:func:`relay_dial`, called by ``Host._dial`` for any address with a ``relay``): an RPC connection
 to the relay, proven to be the relay's peer id (a relay that is not who the address says fails there
 with :class:`~shared.errors.PeerIdMismatch`), a ``CircuitRequest``, a fresh TCP connection with the
 preamble, then the ordinary client handshake expecting the target's peer id, all within
-``dial_deadline`` each (connecting to the relay, then the circuit). A refused circuit is
+``dial_deadline`` each (connecting to the relay, then the circuit). The dial of the relay itself goes
+through the host's :class:`~shared.net.dialing.DialGuard` like any other dial. A refused circuit is
 :class:`~shared.errors.PeerUnavailable` (the target is not reachable that way now), as is a relay that dies
 mid-transfer (the TLS stream breaks).
 """
@@ -523,7 +527,8 @@ class RelayClient:
             task_status.started(reservation)
             while True:
                 channel = self.host.channel_for(relay.peer_id)
-                with trio.move_on_after(reservation.terms.ttl / 2):
+                # renew at half the ttl, and often enough that neither side reaps the connection as idle
+                with trio.move_on_after(min(reservation.terms.ttl / 2, self.host.config.idle_timeout / 3)):
                     if channel is not None:
                         await channel.wait_closed()
                         raise PeerUnavailable(f"the connection to relay {relay} closed")
