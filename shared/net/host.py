@@ -509,8 +509,18 @@ class Host:
                 answered, or the handshake did not complete in time.
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
-        if address.relay is not None:
-            return await relay_dial(self, address, lane)
+        if address.relay is not None:  # backed off per relayed address, not per relay host:port
+            key, now = str(address), trio.current_time()
+            refusal = self._dial_guard.refusal(key, 0, None, now)
+            if refusal is not None:
+                raise PeerUnavailable(f"not dialing {address}: {refusal}")
+            try:
+                conn = await relay_dial(self, address, lane)
+            except PeerUnavailable:
+                self._dial_guard.failed(key, 0, trio.current_time())
+                raise
+            self._dial_guard.succeeded(key, 0)
+            return conn
         refusal = self._dial_guard.refusal(address.host, address.port, address.peer_id, trio.current_time())
         if refusal is not None:
             raise PeerUnavailable(f"not dialing {address}: {refusal}")

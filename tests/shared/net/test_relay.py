@@ -15,9 +15,12 @@ from typing import ClassVar
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocols.bulk import BulkHeader
 from protocols.envelope import Message, Request, register
+from protocols.peer_id import PeerId
 from protocols.relay import (
     MAGIC,
     OBSERVE_MAGIC,
@@ -31,7 +34,7 @@ from shared.errors import ConfigError, HandshakeError, Overloaded, PeerUnavailab
 from shared.net.addresses import PeerAddress, parse_multiaddr, relayed
 from shared.net.bulk import BulkReader
 from shared.net.host import Host, HostConfig
-from shared.net.punch import HolePuncher
+from shared.net.punch import HolePuncher, split_host_port
 from shared.net.relay import RelayClient, RelayLimits, RelayService, observe_address
 from shared.net.rpc import RequestContext
 
@@ -181,6 +184,22 @@ async def test_dialer_without_reservation_at_target_gets_peer_unavailable(start_
     with trio.fail_after(HANG_GUARD_S), pytest.raises(PeerUnavailable, match="no reservation"):
         await dialer.call(relayed(address_of(relay), stranger.peer_id), RelayEcho(text="x"))
     assert service.statistics().circuits_refused == 1
+
+
+async def test_a_failed_relayed_dial_backs_off_without_asking_the_relay_again(start_host: StartHost) -> None:
+    relay, stranger, dialer = await start_host(), await start_host(), await start_host()
+    service = RelayService(relay)
+    address = relayed(address_of(relay), stranger.peer_id)
+
+    with trio.fail_after(HANG_GUARD_S):
+        with pytest.raises(PeerUnavailable, match="no reservation"):
+            await dialer.call(address, RelayEcho(text="x"))
+        with pytest.raises(PeerUnavailable, match="not dialing"):
+            await dialer.call(address, RelayEcho(text="x"))
+        await dialer.connect(address_of(relay))  # the relay itself is not backed off
+
+    assert service.statistics().circuits_refused == 1
+    assert dialer.statistics().dials_refused == 1
 
 
 async def test_relay_that_is_not_who_the_address_says_is_refused(start_host: StartHost) -> None:
@@ -417,3 +436,48 @@ async def test_punch_to_a_peer_we_are_not_connected_to_is_peer_unavailable(start
 
     with pytest.raises(PeerUnavailable):
         await HolePuncher(dialer, address_of(relay)).punch(target.peer_id)
+
+
+# ---------------------------------------------------------------- properties of the pure parts
+
+_IDS = [Identity.generate().peer_id for _ in range(4)]
+
+
+@given(
+    ip=st.ip_addresses(v=4).map(str),
+    port=st.integers(0, 65535),
+    relay_id=st.sampled_from(_IDS),
+    target_id=st.sampled_from(_IDS),
+)
+def test_relayed_addresses_round_trip_through_text(ip: str, port: int, relay_id: str, target_id: str) -> None:
+    relay = PeerAddress(ip, port, PeerId(relay_id), "ip4")
+    address = relayed(relay, PeerId(target_id))
+
+    assert parse_multiaddr(str(address)) == address
+    assert parse_multiaddr(str(address)).relay == relay
+
+
+@given(st.binary(max_size=2 * PREAMBLE_BYTES))
+def test_parse_preamble_never_raises_and_accepts_only_its_two_forms(data: bytes) -> None:
+    parsed = parse_preamble(data)
+
+    if parsed is not None:
+        kind, token = parsed
+        assert len(data) == PREAMBLE_BYTES
+        assert (kind, data) in (("circuit", MAGIC + token), ("observe", OBSERVE_MAGIC + bytes(16)))
+
+
+@given(st.text(max_size=40))
+def test_parse_multiaddr_of_any_circuit_text_is_an_address_or_config_error(tail: str) -> None:
+    text = f"/ip4/198.51.100.1/tcp/4001/p2p/{_IDS[0]}/p2p-circuit{tail}"
+    try:
+        address = parse_multiaddr(text)
+    except ConfigError:
+        return
+    assert address.relay is not None and str(address) == text
+
+
+@given(st.ip_addresses().map(str), st.integers(1, 65535))
+def test_split_host_port_inverts_the_punch_text_form(host: str, port: int) -> None:
+    text = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    assert split_host_port(text) == (host, port)
