@@ -41,6 +41,7 @@ from protocols.errors import ProtocolError
 from protocols.handshake import ClientProof, ServerHello, Welcome
 from protocols.peer_id import peer_id_from_public_key
 from protocols.probe import ReachReply, ReachRequest
+from protocols.reversal import DialBackReply, DialBackRequest
 
 PEER = peer_id_from_public_key(bytes(range(32)))
 ADDR = "/ip4/203.0.113.7/tcp/4001/p2p/" + PEER
@@ -81,6 +82,8 @@ SAMPLES: list[Message] = [
     BulkAck(meta=b"ack"),
     ReachRequest(addrs=[ADDR, "/ip6/::1/tcp/4001"]),
     ReachReply(reachable=[ADDR], observed="203.0.113.7"),
+    DialBackRequest(),
+    DialBackReply(),
 ]
 
 _ENVELOPE = bytes([0x95, PROTOCOL_VERSION])  # msgpack: a 5-field envelope of this version
