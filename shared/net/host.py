@@ -30,8 +30,10 @@ its traceback and counted (``connection_failures``). Dialing follows :mod:`share
 
 **Advertised addresses.** ``listen_addrs`` are where the listeners are bound (a listener on ``0.0.0.0``
 expands to every interface, loopback included); ``advertised_addrs`` are what this node tells others
-(its identity proof's ``listen_addrs``, which become its DHT contact): by default the same, and after
-:meth:`Host.advertise` only what a reachability check proved others can dial (none: client mode).
+(its identity proof's ``listen_addrs``, which become its DHT contact): by default the same less loopback
+ones when there are others (a loopback address serves only this machine, which can use the others too),
+and after :meth:`Host.advertise` only what a reachability check proved others can dial (none: client
+mode; :mod:`shared.net.reachability`).
 
 **Connection reversal** (:mod:`protocols.reversal`). A bulk transfer to :meth:`PeerAddress.dial_back
 <shared.net.addresses.PeerAddress.dial_back>` asks that peer, over the RPC connection it opened to us, to
@@ -184,7 +186,10 @@ class Host:
     @property
     def advertised_addrs(self) -> list[str]:
         """Where we tell others we can be reached (module docstring); empty: client mode."""
-        return list(self.listen_addrs if self._advertised is None else self._advertised)
+        if self._advertised is not None:
+            return list(self._advertised)
+        routable = [a for a in self.listen_addrs if not _is_loopback(a)]
+        return routable or list(self.listen_addrs)
 
     def advertise(self, addrs: Sequence[str]) -> None:
         """Tell others only ``addrs`` from now on (none: we accept no connections they could open).
@@ -746,6 +751,13 @@ def _budget_key(host: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
+
+
+def _is_loopback(multiaddr: str) -> bool:
+    try:
+        return ipaddress.ip_address(parse_multiaddr(multiaddr).host).is_loopback
+    except (ConfigError, ValueError):
+        return False
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

@@ -330,10 +330,9 @@ class BatchStep:
                 f" (fp16 overflow at loss scale {self.trainer.loss_scale.scale:g})" if overflow else "",
             )
             weight, norm = 0.0, 0.0
+        advertised = self.node.host.advertised_addrs  # only what a backbone dialed back (client mode: none)
         ticket = JoinTicket(
-            addr=self.node.host.listen_addrs[0]
-            if self.node.host.listen_addrs and not self.client_mode
-            else None,
+            addr=advertised[0] if advertised and not self.client_mode else None,
             weight=weight,
             norm=norm,
             samples_per_second=self.samples_per_second,
