@@ -73,7 +73,7 @@ __all__ = ["TrainingSession"]
 logger = logging.getLogger("volunteer")
 WARMUP_STEPS = 2
 WARMUP_SECONDS = 2.0
-REPORT_FLUSH_DEADLINE = 10.0
+REPORT_FLUSH_DEADLINE = 2.5  # unsent reports stay in the journal and go out at the next start
 REFRESH = 0.5
 DRIFT_CHECK = 3.0
 

@@ -345,6 +345,7 @@ class BatchStep:
             plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
+            self.waiting(_round_failure(str(exc)))
             return None
         if plan is None:
             if alone and taken.samples > 0:
@@ -475,3 +476,14 @@ def _role(computes: bool, aggregates: bool) -> str:
     if computes and aggregates:
         return "compute + aggregate"
     return "compute" if computes else ("aggregate" if aggregates else "receive")
+
+
+def _round_failure(reason: str) -> str:
+    """What the status line says when a round cannot form: why, and what would fix it."""
+    if "client mode" in reason:
+        return (
+            f"no round can form: {reason} (every peer is behind NAT or a firewall); it needs a backbone that "
+            "aggregates, a volunteer with a reachable address (--listen on a forwarded port), or `volunteer "
+            "join --aux` on a reachable server"
+        )
+    return f"the last round could not form: {reason}"
