@@ -253,6 +253,8 @@ class MeasuredCapabilities:
     capabilities: Capabilities
     reachable: tuple[str, ...] = ()
     measured_at: float = 0.0  # unix time
+    observed: str = ""  # our IP as the checking backbone saw it (shared.net.reachability)
+    connectivity: str = "unchecked"  # "direct", "relayed", "client" or "unchecked"
 
     @property
     def client_mode(self) -> bool:
@@ -266,6 +268,8 @@ class MeasuredCapabilities:
             reachable=list(self.reachable[:MAX_REACH_ADDRS]),
             client_mode=self.client_mode,
             measured_at=self.measured_at,
+            observed=self.observed[:64],
+            connectivity=self.connectivity[:16],
         )
 
 

@@ -282,6 +282,8 @@ class TrainingSession:
                 )
             except (ProjectError, OSError, *CALL_FAILURES) as exc:
                 logger.warning("bandwidth could not be measured against %s: %s", backbone, exc)
+        if caps is not None and reach is not None:
+            caps = dataclasses.replace(caps, observed=reach.observed, connectivity=reach.mode)
         if caps is not None:
             collab.measured_bandwidth(
                 max(caps.capabilities.upload_bps, 1.0), max(caps.capabilities.download_bps, 1.0)
@@ -317,9 +319,9 @@ class TrainingSession:
                 logger.info("throughput drifted to %.0f samples/s: publishing it", sps)
                 collab.samples_per_second = sps
                 if self._caps is not None:
-                    caps = MeasuredCapabilities(
-                        msgspec.structs.replace(self._caps.capabilities, samples_per_second=sps),
-                        self._caps.reachable,
+                    caps = dataclasses.replace(
+                        self._caps,
+                        capabilities=msgspec.structs.replace(self._caps.capabilities, samples_per_second=sps),
                         measured_at=time.time(),
                     )
                     self._caps = caps
