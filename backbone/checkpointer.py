@@ -33,6 +33,12 @@ checkpoints are kept (the store keeps the highest steps) and the newest one anno
 A survivor of a single user discards nothing: one user behind the stored checkpoints is more likely a
 volunteer that did not resume than the run.
 
+**State behind NAT** (issue 14). A peer in client mode advertises no address, so nobody can dial it for
+its state; but it holds an RPC connection to its backbones (the DHT's traffic), so a backbone asks it to
+dial back a lane for each chunk request (:mod:`protocols.reversal`): checkpoints never depend on dialing a
+NATed peer, and a run whose state only NATed peers hold still gets it onto a backbone, where newcomers
+download it.
+
 An announced size is checked before anything is allocated or requested: against
 :class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
 the largest kept checkpoint when only one user vouches for it (a state is the model plus optimizer slots
@@ -58,6 +64,7 @@ from pathlib import Path
 import trio
 
 from protocols.errors import ProtocolError
+from protocols.peer_id import PeerId
 from protocols.training import Progress, StateAnnouncement, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
 from shared.merge import Collaboration
@@ -227,7 +234,7 @@ class Checkpointer:
                 continue
             # sources cooling down after failures are skipped here, quietly: their failure was logged
             usable = [w for w in writers if self.book.usable(w)]
-            sources = [(a, announcement) for w in usable for a in addresses.get(w, [])]
+            sources = [(a, announcement) for w in usable for a in self._addresses(w, addresses)]
             if not sources:
                 logger.debug("no usable source for the state of step %d", announcement.step)
                 continue
@@ -235,6 +242,14 @@ class Checkpointer:
             if entry is not None:
                 return entry
         return None
+
+    def _addresses(self, writer: str, present: dict[str, list[PeerAddress]]) -> list[PeerAddress]:
+        """Where to fetch ``writer``'s state: the addresses it advertises, or for a client-mode peer (none
+        advertised) a lane it dials back over its own connection to us (:mod:`protocols.reversal`)."""
+        if present.get(writer):
+            return present[writer]
+        peer = PeerId(writer)
+        return [PeerAddress.dial_back(peer)] if self.node.host.channel_for(peer) is not None else []
 
     async def _view(self) -> CollabView:
         """The collaboration as a newcomer sees it (:func:`shared.progress.summarize`: a lone claim far

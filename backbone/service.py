@@ -268,7 +268,7 @@ async def _serve_pinned(
         return Manifest(
             run_id=run_id,
             authority_public_key=authority.identity.public_key_bytes,
-            backbones=node.host.listen_addrs[:64],
+            backbones=node.host.advertised_addrs[:64],
             api=public_urls[:16],
             training=options.training,
         )

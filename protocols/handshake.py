@@ -15,7 +15,8 @@ nonce. The listener derives the dialer's peer id from ``public_key``; ``listen_a
 own claims about where it can be reached (empty for peers that accept no connections).
 
 Both sides refuse a peer of another run (``WRONG_RUN``). ``lane`` says what the connection is for:
-``"rpc"`` (multiplexed framed requests) or ``"bulk"`` (exclusive raw byte transfers).
+``"rpc"`` (multiplexed framed requests), ``"bulk"`` (exclusive raw byte transfers) or ``"reverse"`` (a bulk
+lane whose *listener* sends the transfers: a client-mode peer dialing back, :mod:`protocols.reversal`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .types import Bytes32, Bytes64, MultiaddrStr, RunIdStr
 
 __all__ = ["ClientProof", "Lane", "ServerHello", "Welcome", "proof_payload"]
 
-Lane = Literal["rpc", "bulk"]
+Lane = Literal["rpc", "bulk", "reverse"]
 AgentStr = Annotated[str, msgspec.Meta(max_length=64)]
 _DOMAIN = b"dedloc-identity-v1"
 

@@ -135,6 +135,10 @@ class CapabilityRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reachable: _Addrs = []  # the addresses a backbone dialed back; empty = client mode
     client_mode: bool = True
     measured_at: UnixTime = 0.0
+    #: our IP as the checking backbone saw it: the NAT's public address when it differs from ours
+    observed: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    #: how others reach us: "direct", "relayed", "client" (we dial out only) or "unchecked" (no check yet)
+    connectivity: Annotated[str, msgspec.Meta(max_length=16)] = "unchecked"
 
     def __post_init__(self) -> None:
         if len(self.reachable) > MAX_REACH_ADDRS:

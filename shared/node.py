@@ -43,6 +43,8 @@ from .dht.records import (
 from .errors import AuthError, ConfigError, RecordRejected
 from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
+from .net.reachability import Reachability
+from .net.reachability import verify_reachability as check_and_advertise
 from .tolerated import Tolerated
 
 __all__ = [
@@ -154,7 +156,7 @@ class NodeStatus:
     run_id: str
     peer_id: str
     role: str
-    listen_addrs: list[str]
+    listen_addrs: list[str]  # where we are bound
     routing_table_size: int
     connected_peers: int
     dht_size_estimate: int
@@ -165,6 +167,9 @@ class NodeStatus:
     uptime_s: float
     updated_at: float
     tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site (node and DHT)
+    advertised_addrs: list[str] = field(default_factory=list)  # what we tell others (empty: client mode)
+    reachability: str = ""  # "direct", "client" or "unchecked" (shared.net.reachability); "" not checked
+    reachability_note: str = ""  # the same for people: why, and what would change it
 
 
 @dataclass
@@ -176,6 +181,7 @@ class Node:
     _rtts: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     _members: int = 0
     tolerated: Tolerated = field(default_factory=lambda: Tolerated(logger))
+    reachability: Reachability | None = None  # the check's result (nodes opened with verify_reachability)
 
     @property
     def peer_id(self) -> str:
@@ -183,12 +189,14 @@ class Node:
 
     async def publish_presence_forever(self) -> None:
         """Keep our entry under the run's presence key fresh; also count who else is online."""
-        value = msgspec.msgpack.encode(
-            Presence(role=self.role, agent=self.host.endpoint.agent, addrs=self.host.listen_addrs[:8])
-        )
+        published: list[str] | None = None
         next_publish = trio.current_time()
         while True:
-            if trio.current_time() >= next_publish:
+            addrs = self.host.advertised_addrs[:8]
+            if trio.current_time() >= next_publish or addrs != published:  # at once when they changed
+                published = addrs
+                presence = Presence(role=self.role, agent=self.host.endpoint.agent, addrs=addrs)
+                value = msgspec.msgpack.encode(presence)
                 with self.tolerated.around("presence publish"):
                     await self.dht.store(
                         PRESENCE_KEY, value, time.time() + PRESENCE_TTL, subkey=self.peer_id.encode()
@@ -238,6 +246,9 @@ class Node:
             bytes_received=host_stats.bytes_received,
             uptime_s=time.monotonic() - self.started_at,
             updated_at=time.time(),
+            advertised_addrs=self.host.advertised_addrs,
+            reachability="" if self.reachability is None else self.reachability.mode,
+            reachability_note="" if self.reachability is None else self.reachability.describe(),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
         )
 
@@ -261,8 +272,13 @@ async def open_node(
     dht_config: DHTConfig | None = None,
     authenticator: Authenticator | None = None,
     data_dir: Path | None = None,
+    verify_reachability: bool = False,
 ) -> AsyncIterator[Node]:
     """Start a node, join the DHT through ``initial_peers``, and leave in order on exit.
+
+    With ``verify_reachability`` the node advertises nothing until one of ``initial_peers`` (a backbone)
+    dialed it back, and then only the addresses it reached (:mod:`shared.net.reachability`); this happens
+    before it joins the DHT, so that its first connections already tell peers the right addresses.
 
     With a ``data_dir`` the DHT saves its contacts there (``dht-contacts.json``, see
     :mod:`shared.dht.contacts`) and pings them again when started on the same data dir.
@@ -289,9 +305,16 @@ async def open_node(
         with host_scope:
             await host.run(listen, task_status=task_status)
 
+    if verify_reachability:
+        host.advertise([])  # nothing until proven
+    reachability: Reachability | None = None
     async with trio.open_nursery() as host_nursery:
         try:
             await host_nursery.start(run_host)
+            if verify_reachability:
+                reachability = await check_and_advertise(host, initial_peers)
+                for peer in host.connected_peers():
+                    host.disconnect(peer)  # redialed with the addresses we advertise now
             async with trio.open_nursery() as dht_nursery:
                 await dht_nursery.start(dht.run, initial_peers)
                 if isinstance(authenticator, RunAuthenticator):
@@ -301,7 +324,7 @@ async def open_node(
                         authenticator,
                     )
                 try:
-                    yield Node(role, host, dht)
+                    yield Node(role, host, dht, reachability=reachability)
                 finally:
                     dht_nursery.cancel_scope.cancel()
         finally:

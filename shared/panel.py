@@ -272,7 +272,7 @@ def status_view(status: NodeStatus, headline: str) -> PanelView:
     rows = [
         Row("run", status.run_id, 1),
         Row("peer id", status.peer_id, 2),
-        Row("listening", "\n".join(status.listen_addrs) or "(client mode)", 3),
+        Row("reachable at", "\n".join(status.advertised_addrs) or "(client mode: nobody can dial us)", 3),
         Row("peers known", str(status.routing_table_size), 1),
         Row("connected", str(status.connected_peers)),
         Row("DHT size", f"≈ {status.dht_size_estimate} nodes", 1),
@@ -281,6 +281,8 @@ def status_view(status: NodeStatus, headline: str) -> PanelView:
         Row("traffic", f"↑ {format_bytes(status.bytes_sent)}  ↓ {format_bytes(status.bytes_received)}", 2),
         Row("uptime", f"{status.uptime_s:.0f} s", 3),
     ]
+    if status.reachability_note:
+        rows.append(Row("network", status.reachability_note, 1))
     return PanelView(f"[bold]{status.role}[/] · {headline}", rows, status_line(status), hint=HINT)
 
 

@@ -25,7 +25,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,6 +253,8 @@ class MeasuredCapabilities:
     capabilities: Capabilities
     reachable: tuple[str, ...] = ()
     measured_at: float = 0.0  # unix time
+    observed: str = ""  # our IP as the checking backbone saw it (shared.net.reachability)
+    connectivity: str = "unchecked"  # "direct", "relayed", "client" or "unchecked"
 
     @property
     def client_mode(self) -> bool:
@@ -266,6 +268,8 @@ class MeasuredCapabilities:
             reachable=list(self.reachable[:MAX_REACH_ADDRS]),
             client_mode=self.client_mode,
             measured_at=self.measured_at,
+            observed=self.observed[:64],
+            connectivity=self.connectivity[:16],
         )
 
 
@@ -277,6 +281,7 @@ async def measure_capabilities(
     probe_bytes: int = DEFAULT_PROBE_BYTES,
     device: str = "auto",
     precision: Precision = "fp32",
+    reachable: Sequence[str] | None = None,
 ) -> MeasuredCapabilities:
     """Measure bandwidth and reachability against a backbone and combine them with ``throughput``.
 
@@ -289,6 +294,8 @@ async def measure_capabilities(
         device: the device training runs on (described in the capabilities, see :func:`device_description`;
             its accelerator's memory, :func:`device_memory`).
         precision: what ``throughput`` was measured in (:mod:`volunteer.precision`).
+        reachable: where a backbone already dialed us back (:mod:`shared.net.reachability`); None: ask
+            ``backbone_address`` now.
 
     Raises:
         ValueError: ``throughput`` is negative or not finite; ``probe_bytes`` out of range.
@@ -299,7 +306,8 @@ async def measure_capabilities(
     description = await trio.to_thread.run_sync(device_description, device)
     memory = 0 if device == "auto" else await trio.to_thread.run_sync(device_memory, device)
     upload, download = await measure_bandwidth(host, backbone_address, probe_bytes)
-    reachable = await check_reachable(host, backbone_address)
+    if reachable is None:
+        reachable = await check_reachable(host, backbone_address)
     capabilities = Capabilities(
         samples_per_second=min(throughput, _RATE_CEILING),
         upload_bps=min(upload, _RATE_CEILING),

@@ -86,11 +86,14 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         initial_peers=initial,
         authenticator=admission.authenticator,
         data_dir=options.data_dir,  # its saved DHT contacts: a restart re-dials them (shared.dht.contacts)
+        verify_reachability=True,  # advertise only addresses a backbone dialed back (else: client mode)
     ) as node:
         # one line whatever the width: scripts read the peer id from it (scripts/soak.py)
         console.print(
             f"joined run [bold]{options.run_id}[/] as {node.peer_id}", highlight=False, soft_wrap=True
         )
+        if node.reachability is not None:
+            console.print(node.reachability.describe(), highlight=False, soft_wrap=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)

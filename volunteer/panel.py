@@ -37,10 +37,11 @@ class TrainingStatus:
     download: tuple[int, int] | None
     reports_sent: int
     reports_pending: int
+    network: str = ""  # how peers reach us: "direct", "client" or "unchecked" (shared.net.reachability)
 
 
 def training_status(
-    collab: CollaborativeOptimizer, reports_sent: int = 0, reports_pending: int = 0
+    collab: CollaborativeOptimizer, reports_sent: int = 0, reports_pending: int = 0, network: str = ""
 ) -> TrainingStatus:
     view = collab.view
     stats = collab.stats
@@ -66,6 +67,7 @@ def training_status(
         download=collab.sync.download,
         reports_sent=reports_sent,
         reports_pending=reports_pending,
+        network=network,
     )
 
 
@@ -88,6 +90,8 @@ def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> Pa
         Row("peers", f"{status.peers} training · {node.connected_peers} connected", 1),
         Row("traffic", f"↑ {format_bytes(node.bytes_sent)}  ↓ {format_bytes(node.bytes_received)}", 3),
     ]
+    if node.reachability_note:
+        rows.append(Row("network", node.reachability_note, 1))
     if status.last_round_s is not None:
         rows.append(Row("last averaging", f"{status.last_round_s:.2f} s", 2))
     rows.append(Row("reports", f"{status.reports_sent} sent · {status.reports_pending} pending", 2))
@@ -108,10 +112,12 @@ def training_line(status: TrainingStatus) -> str:
     waiting = f" — {status.waiting}" if status.waiting else ""
     loss = "—" if status.loss is None else f"{status.loss:.4f}"
     peers = f"{status.peers} peer" + ("" if status.peers == 1 else "s")
+    modes = {"client": ", client mode", "unchecked": ", client mode (reachability unknown)"}
+    network = modes.get(status.network, "")
     return (
         f"step {status.step}{_behind(status)}, {status.role}, {status.local_sps:.0f} samples/s here, "
         f"{status.collab_sps:.0f} collaboration, {status.samples:.0f}/{status.target_batch} toward the next "
-        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {peers}{waiting}"
+        f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {peers}{network}{waiting}"
     )
 
 

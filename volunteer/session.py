@@ -18,7 +18,6 @@ Order of events (each shown on the panel, or logged without one):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -74,7 +73,7 @@ __all__ = ["TrainingSession"]
 logger = logging.getLogger("volunteer")
 WARMUP_STEPS = 2
 WARMUP_SECONDS = 2.0
-REPORT_FLUSH_DEADLINE = 10.0
+REPORT_FLUSH_DEADLINE = 2.5  # unsent reports stay in the journal and go out at the next start
 REFRESH = 0.5
 DRIFT_CHECK = 3.0
 
@@ -263,16 +262,29 @@ class TrainingSession:
         )
         await run_torch(trainer.discard_gradients)
         collab.samples_per_second = sps
-        self.headline = "measuring bandwidth and reachability against a backbone"
-        backbone = parse_multiaddr(self.initial_peers[0]) if self.initial_peers else None
+        self.headline = "measuring bandwidth against a backbone"
+        reach = self.node.reachability
+        # client mode unless a backbone dialed us back (a failed check is not a pass)
+        collab.client_mode = reach is None or reach.client_mode
+        backbone = parse_multiaddr(reach.checked_with) if reach is not None and reach.checked_with else None
+        if backbone is None and self.initial_peers:
+            backbone = parse_multiaddr(self.initial_peers[0])
         caps = None
         if backbone is not None and backbone.peer_id is not None:
-            with contextlib.suppress(ProjectError, OSError, *CALL_FAILURES):
+            try:
                 caps = await measure_capabilities(
-                    self.node.host, backbone, sps, device=self.device, precision=self.precision
+                    self.node.host,
+                    backbone,
+                    sps,
+                    device=self.device,
+                    precision=self.precision,
+                    reachable=() if reach is None else reach.reachable,
                 )
+            except (ProjectError, OSError, *CALL_FAILURES) as exc:
+                logger.warning("bandwidth could not be measured against %s: %s", backbone, exc)
+        if caps is not None and reach is not None:
+            caps = dataclasses.replace(caps, observed=reach.observed, connectivity=reach.mode)
         if caps is not None:
-            collab.client_mode = caps.client_mode
             collab.measured_bandwidth(
                 max(caps.capabilities.upload_bps, 1.0), max(caps.capabilities.download_bps, 1.0)
             )
@@ -307,9 +319,9 @@ class TrainingSession:
                 logger.info("throughput drifted to %.0f samples/s: publishing it", sps)
                 collab.samples_per_second = sps
                 if self._caps is not None:
-                    caps = MeasuredCapabilities(
-                        msgspec.structs.replace(self._caps.capabilities, samples_per_second=sps),
-                        self._caps.reachable,
+                    caps = dataclasses.replace(
+                        self._caps,
+                        capabilities=msgspec.structs.replace(self._caps.capabilities, samples_per_second=sps),
                         measured_at=time.time(),
                     )
                     self._caps = caps
@@ -335,8 +347,10 @@ class TrainingSession:
 
     async def _show_forever(self, console: Console) -> None:
         def view() -> PanelView:
-            status = training_status(self.collab, self.reporter.sent, self.reporter.pending)
-            return training_view(self.node.status(), status, self.headline)
+            node = self.node.status()
+            reports = self.reporter
+            status = training_status(self.collab, reports.sent, reports.pending, node.reachability)
+            return training_view(node, status, self.headline)
 
         if self.options.panel:
             with LivePanel(console, view) as panel:
@@ -348,7 +362,8 @@ class TrainingSession:
         while True:
             await trio.to_thread.run_sync(self.node.write_status, self.data_dir)
             if trio.current_time() - last >= self.options.log_period:
-                logger.info("%s: %s", self.headline, training_line(training_status(self.collab)))
+                status = training_status(self.collab, network=self.node.status().reachability)
+                logger.info("%s: %s", self.headline, training_line(status))
                 last = trio.current_time()
             await trio.sleep(REFRESH)
 

@@ -20,8 +20,10 @@ Taken in a worker thread, every hand-over after it (worker → trio loop → tor
 on the critical path: 14 to 19 ms per step of 16 micro-batches (``scripts/bench_overhead.py``). Taken on the
 torch thread, the producer's work overlaps the forward and backward passes, which release the GIL.
 
-A stop request (Ctrl+C / SIGTERM) lets a round in flight finish or fail by its own deadline; then the loop
-returns and the daemon reports and leaves.
+A stop request (Ctrl+C / SIGTERM) lets whatever is in flight (a round, a download, a matchmaking wait)
+go on for at most :data:`STOP_GRACE` seconds, then cancels it; the loop returns and the daemon reports and
+leaves, so a stop takes a few seconds whatever the volunteer was waiting for (issue 14: a peer waiting
+for a round that could not form took 22 s). A round cut short fails for its group as any departure does.
 
 :class:`Reporter` (:mod:`volunteer.reporting`, re-exported here) reports what the loop contributed.
 """
@@ -44,6 +46,9 @@ __all__ = ["Reporter", "split_batch", "train_until_stopped"]
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a stop request leaves the work in flight before cancelling it.
+STOP_GRACE = 1.0
+
 
 async def train_until_stopped(
     collab: CollaborativeOptimizer,
@@ -54,6 +59,29 @@ async def train_until_stopped(
     """Run the loop of the module docstring; returns why it stopped. ``next_batch`` waits (a bounded
     time) for the next micro-batch, None if none came; ``ready_batch`` returns one without waiting, None
     if none is ready (``Prefetcher.get(timeout=0)``; without it every batch comes from ``next_batch``)."""
+    async with trio.open_nursery() as watch:
+        with trio.CancelScope() as work:
+
+            async def stop_soon() -> None:
+                await stop.wait()
+                await trio.sleep(STOP_GRACE)
+                work.cancel()
+
+            watch.start_soon(stop_soon)
+            reason = await _train(collab, next_batch, stop, ready_batch)
+        watch.cancel_scope.cancel()
+    if work.cancelled_caught:
+        logger.info("stopped: cancelled what was still in flight after %.1f s", STOP_GRACE)
+        return "stopped"
+    return reason
+
+
+async def _train(
+    collab: CollaborativeOptimizer,
+    next_batch: Callable[[], dict[str, Any] | None],
+    stop: trio.Event,
+    ready_batch: Callable[[], dict[str, Any] | None] | None,
+) -> str:
     await collab.resume_if_behind()
     held_over: dict[str, Any] | None = None  # the examples a cut micro-batch left for the next one
     async with trio.open_nursery() as background:

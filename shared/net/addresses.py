@@ -46,12 +46,24 @@ class PeerAddress:
     #: the relay's own address (with its peer id) when this address is reached through a relay
     relay: PeerAddress | None = None
 
+    @classmethod
+    def dial_back(cls, peer_id: PeerId) -> PeerAddress:
+        """A peer that accepts no connections, reached over one it opens to us on request
+        (:mod:`protocols.reversal`); only :class:`~shared.net.host.Host` bulk transfers can use it."""
+        return cls("", 0, peer_id, "dial-back")
+
+    @property
+    def is_dial_back(self) -> bool:
+        return self.proto == "dial-back"
+
     def with_peer(self, peer_id: PeerId) -> PeerAddress:
         return PeerAddress(self.host, self.port, peer_id, self.proto, self.relay)
 
     def __str__(self) -> str:
         if self.relay is not None:
             return f"{self.relay}/p2p-circuit/p2p/{self.peer_id}"
+        if self.is_dial_back:
+            return f"/p2p/{self.peer_id} (dial-back)"
         return format_multiaddr(self.host, self.port, self.peer_id, self.proto)
 
 

@@ -68,7 +68,7 @@ AGENT = "dedloc/0.1"
 #: Worker threads decoding large frames, process-wide (msgspec holds the GIL while it decodes, so the
 #: loop still gets its turn every switch interval; the limiter keeps a flood from queueing many).
 DECODE_THREADS = trio.CapacityLimiter(2)
-_LANE_FRAME_BYTES = {"rpc": MAX_FRAME_BYTES, "bulk": BULK_FRAME_BYTES}
+_LANE_FRAME_BYTES = {"rpc": MAX_FRAME_BYTES, "bulk": BULK_FRAME_BYTES, "reverse": BULK_FRAME_BYTES}
 
 
 async def parse_frame(body: bytes) -> Envelope:

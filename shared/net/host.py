@@ -28,6 +28,18 @@ accepted bulk lanes waiting for their next header, and our own pooled idle bulk 
 that ends one request or connection; anything unexpected while serving one connection is logged with
 its traceback and counted (``connection_failures``). Dialing follows :mod:`shared.net.dialing`.
 
+**Advertised addresses.** ``listen_addrs`` are where the listeners are bound (a listener on ``0.0.0.0``
+expands to every interface, loopback included); ``advertised_addrs`` are what this node tells others
+(its identity proof's ``listen_addrs``, which become its DHT contact): by default the same less loopback
+ones when there are others (a loopback address serves only this machine, which can use the others too),
+and after :meth:`Host.advertise` only what a reachability check proved others can dial (none: client
+mode; :mod:`shared.net.reachability`).
+
+**Connection reversal** (:mod:`protocols.reversal`). A bulk transfer to :meth:`PeerAddress.dial_back
+<shared.net.addresses.PeerAddress.dial_back>` asks that peer, over the RPC connection it opened to us, to
+dial us a ``"reverse"`` lane, and runs on it; the other way round, this host answers such requests from
+peers it dialed itself, dialing back the address it dialed, and serves the lane with its bulk handlers.
+
 **Relayed addresses** (:mod:`shared.net.relay`): dialing an address with a ``relay`` asks that relay for a
 circuit and runs the usual TLS + identity handshake through it, so every service works over relayed
 addresses unchanged. A host serving as a relay sets :attr:`Host.preamble_handler`: its accept path then
@@ -46,10 +58,12 @@ from dataclasses import dataclass
 
 import trio
 
+from protocols.codes import ErrorCode
 from protocols.envelope import Message, Request
 from protocols.errors import ProtocolError
 from protocols.handshake import Lane
 from protocols.peer_id import PeerId
+from protocols.reversal import MAX_PENDING_DIAL_BACKS, DialBackReply, DialBackRequest
 
 from ..auth.guard import Authenticator, OpenAuthenticator
 from ..auth.keys import Identity
@@ -59,7 +73,7 @@ from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .dialing import DialGuard, DialPolicy
 from .relay import PREAMBLE_FIRST_BYTE, PreambleHandler, relay_dial
-from .rpc import HandlerRegistry, RpcChannel, RpcStatistics
+from .rpc import HandlerRegistry, RequestContext, RpcChannel, RpcStatistics
 
 __all__ = ["CALL_FAILURES", "Host", "HostConfig", "HostStatistics"]
 
@@ -111,6 +125,9 @@ class HostStatistics:
     protocol_errors: int = 0  # malformed frames and messages received
     connection_failures: int = 0  # connections ended by an unexpected error (logged with a traceback)
     dials_refused: int = 0  # dials not attempted: target in back-off or failed its identity check
+    dial_backs: int = 0  # reverse lanes we dialed (and served) for peers that cannot dial us
+    reverse_lanes: int = 0  # ... and reverse lanes peers dialed back to us on our request (used)
+    reverse_refused: int = 0  # dial-back requests refused, and reverse lanes nobody asked for
     incoming_connections: int = 0  # accepted connections open now (RPC and bulk, in the handshake or not)
     pending_connections: int = 0  # ... of which still in the handshake
 
@@ -131,6 +148,8 @@ class Host:
         self.registry = HandlerRegistry()
         self.bulk_handlers: dict[str, BulkHandler] = {}
         self.listen_addrs: list[str] = []
+        #: what we tell others about where we can be reached (module docstring); None: ``listen_addrs``
+        self._advertised: list[str] | None = None
         #: called with the peer id of every new RPC connection, either side's, once the peer proved its
         #: identity (not yet its admission: that is checked per request)
         self.connection_observers: list[Callable[[PeerId], None]] = []
@@ -163,6 +182,11 @@ class Host:
                 self.config.redial_after_failure, self.config.max_redial_backoff, self.config.identity_block
             )
         )
+        #: our outstanding dial-back requests, per peer: the channels their reverse lanes go to, oldest first
+        self._reverse_waiters: dict[PeerId, list[trio.MemorySendChannel[SecureConnection]]] = {}
+        self._dial_backs_running: dict[str, int] = {}
+        self._reversal_counts = [0, 0, 0]  # dial_backs, reverse_lanes, reverse_refused
+        self.registry.add(DialBackRequest, self._on_dial_back)
 
     @property
     def peer_id(self) -> PeerId:
@@ -171,6 +195,25 @@ class Host:
     @property
     def run_id(self) -> str:
         return self.endpoint.run_id
+
+    @property
+    def advertised_addrs(self) -> list[str]:
+        """Where we tell others we can be reached (module docstring); empty: client mode."""
+        if self._advertised is not None:
+            return list(self._advertised)
+        routable = [a for a in self.listen_addrs if not _is_loopback(a)]
+        return routable or list(self.listen_addrs)
+
+    def advertise(self, addrs: Sequence[str]) -> None:
+        """Tell others only ``addrs`` from now on (none: we accept no connections they could open).
+
+        Raises:
+            ConfigError: an address is not a multiaddr.
+        """
+        for text in addrs:
+            parse_multiaddr(text)
+        self._advertised = list(dict.fromkeys(addrs))
+        self.endpoint.listen_addrs[:] = self._advertised
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -196,7 +239,7 @@ class Host:
                 port = sock.getsockname()[1]
                 for host in expand_unspecified(address.host):
                     self.listen_addrs.append(format_multiaddr(host, port, self.peer_id))
-            self.endpoint.listen_addrs[:] = self.listen_addrs
+            self.endpoint.listen_addrs[:] = self.advertised_addrs
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for sock in self._listeners:
@@ -394,6 +437,9 @@ class Host:
             return
         pending[0] = False
         self._handshake_done(ip)
+        if conn.lane == "reverse":
+            self._reverse_arrived(conn)
+            return
         conn.via = via
         await self.serve_connection(conn)
 
@@ -664,6 +710,8 @@ class Host:
                 return conn
             conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
+        if address.is_dial_back:
+            return await self._dial_back(address)
         if address.relay is not None and peer is not None and self.bulk_upgrader is not None:
             direct = await self.bulk_upgrader(peer)
             if direct is not None:
@@ -672,6 +720,98 @@ class Host:
         if address.relay is None:
             self._by_address[(address.host, address.port)] = conn.remote_peer
         return conn
+
+    # ---------------------------------------------------------------- connection reversal
+
+    async def _dial_back(self, address: PeerAddress) -> SecureConnection:
+        """A reverse lane from ``address.peer_id``, dialed by it on our request (:mod:`protocols.reversal`).
+
+        Raises:
+            PeerUnavailable: it has no RPC connection to us, refused, could not dial, or its lane did not
+                arrive within ``dial_deadline``.
+        """
+        peer = address.peer_id
+        channel = self.channel_for(peer) if peer is not None else None
+        if peer is None or channel is None:
+            raise PeerUnavailable(f"{address}: it accepts no connections and has none open to us")
+        send, receive = trio.open_memory_channel[SecureConnection](1)
+        waiters = self._reverse_waiters.setdefault(peer, [])
+        waiters.append(send)
+        try:
+            with trio.move_on_after(2 * self.config.dial_deadline):
+                try:
+                    reply = await channel.call(DialBackRequest())
+                except (RemoteError, ProtocolError) as exc:
+                    raise PeerUnavailable(f"{address} did not dial back: {exc}") from exc
+                if not isinstance(reply, DialBackReply):
+                    raise PeerUnavailable(f"{address} answered a dial-back request with {reply.kind}")
+                conn = await receive.receive()
+                self._reversal_counts[1] += 1
+                return conn
+            raise PeerUnavailable(f"{address} did not dial back within {2 * self.config.dial_deadline:.0f} s")
+        finally:
+            waiters.remove(send)
+            if not waiters:
+                self._reverse_waiters.pop(peer, None)
+            send.close()
+            while True:  # a lane that arrived just as we gave up is nobody's
+                try:
+                    receive.receive_nowait().close()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+
+    def _reverse_arrived(self, conn: SecureConnection) -> None:
+        """Hand an accepted reverse lane to the oldest dial-back waiting for its peer, or close it."""
+        for send in self._reverse_waiters.get(conn.remote_peer, []):
+            try:
+                send.send_nowait(conn)
+                return
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                continue  # that request already has its lane, or gave up
+        self._reversal_counts[2] += 1
+        logger.info("closed a reverse lane from %s that we did not ask for", conn.remote_peer)
+        conn.close()
+
+    async def _on_dial_back(self, ctx: RequestContext, request: DialBackRequest) -> DialBackReply:
+        """Dial ``ctx.peer_id`` back where we dialed it, and serve the lane (its bulk requests)."""
+        peer = ctx.peer_id
+        channel = self.channel_for(peer)
+        if channel is None or not channel.conn.initiator or not channel.conn.remote_addrs:
+            self._reversal_counts[2] += 1
+            raise RemoteError(ErrorCode.FORBIDDEN, "dial-backs go only to peers this node dialed: dial it")
+        if self._dial_backs_running.get(peer, 0) >= MAX_PENDING_DIAL_BACKS:
+            self._reversal_counts[2] += 1
+            busy = f"{MAX_PENDING_DIAL_BACKS} dial-backs to you already running"
+            raise RemoteError(ErrorCode.OVERLOADED, busy)
+        self._dial_backs_running[peer] = self._dial_backs_running.get(peer, 0) + 1
+        try:
+            conn = await self._dial(parse_multiaddr(channel.conn.remote_addrs[0]).with_peer(peer), "reverse")
+        finally:
+            _decrement(self._dial_backs_running, peer)
+        try:
+            nursery = self._require_running()
+        except PeerUnavailable:
+            conn.close()
+            raise
+        self._reversal_counts[0] += 1
+        nursery.start_soon(self._serve_reverse, conn)
+        return DialBackReply()
+
+    async def _serve_reverse(self, conn: SecureConnection) -> None:
+        self._accepted.add(conn)  # hung up with the others when the host stops
+        try:
+            await serve_bulk_lane(
+                conn, self.bulk_handlers, self.config.bulk_stall, self.authenticator, self.config.idle_timeout
+            )
+        except ProtocolError as exc:
+            self._protocol_errors += 1
+            logger.warning("closed the reverse lane to %s: %s", conn.remote_peer, exc)
+        except Exception:
+            self._failures += 1
+            logger.exception("closed the reverse lane to %s after an unexpected error", conn.remote_peer)
+        finally:
+            self._accepted.discard(conn)
+            conn.close()
 
     # ---------------------------------------------------------------- metrics
 
@@ -694,6 +834,9 @@ class Host:
             protocol_errors=self._protocol_errors + totals[5],
             connection_failures=self._failures + totals[6],
             dials_refused=self._dial_guard.refused,
+            dial_backs=self._reversal_counts[0],
+            reverse_lanes=self._reversal_counts[1],
+            reverse_refused=self._reversal_counts[2],
             incoming_connections=self._incoming,
             pending_connections=self._pending,
         )
@@ -744,6 +887,13 @@ def _budget_key(host: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
+
+
+def _is_loopback(multiaddr: str) -> bool:
+    try:
+        return ipaddress.ip_address(parse_multiaddr(multiaddr).host).is_loopback
+    except (ConfigError, ValueError):
+        return False
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:

@@ -51,7 +51,7 @@ from .bulk import BulkReader, BulkReply
 from .host import Host
 from .rpc import RequestContext
 
-__all__ = ["ProbeService", "ProbeStatistics", "check_reachable", "measure_bandwidth"]
+__all__ = ["ProbeService", "ProbeStatistics", "check_reachability", "check_reachable", "measure_bandwidth"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -281,14 +281,20 @@ def _transfer_seconds(elapsed: float, rtt: float) -> float:
 
 
 async def check_reachable(host: Host, address: PeerAddress | str) -> list[str]:
+    """The addresses where the probe server at ``address`` dialed us back (:func:`check_reachability`)."""
+    return list((await check_reachability(host, address))[0])
+
+
+async def check_reachability(host: Host, address: PeerAddress | str) -> tuple[tuple[str, ...], str]:
     """Ask the probe server at ``address`` which of our listen addresses it can dial back.
 
     If it reaches none of them and sees us on another IP (a NAT), it is asked once more about that IP
     with our listen ports, which finds a forwarded port.
 
     Returns:
-        The addresses (as multiaddrs with our peer id) where the server reached *us*; empty for a
-        client-mode node (no listener, or nothing reachable).
+        ``(reachable, observed)``: the addresses (multiaddrs with our peer id) where the server reached
+        *us*, empty for a client-mode node (no listener, or nothing reachable); and the IP the server saw
+        us come from ("" if it did not say or we have no listener to ask about).
 
     Raises:
         PeerUnavailable, HandshakeError, RemoteError (Overloaded after retries), ProtocolError: as for
@@ -297,19 +303,20 @@ async def check_reachable(host: Host, address: PeerAddress | str) -> list[str]:
     target = _as_address(address)
     asked = list(dict.fromkeys(host.listen_addrs))[:MAX_REACH_ADDRS]
     if not asked:
-        return []
+        return (), ""
     reply = await _ask_reach(host, target, asked)
-    reached = [a for a in reply.reachable if a in asked]
+    reached = tuple(a for a in reply.reachable if a in asked)
     observed = _ip(reply.observed)
+    seen = "" if observed is None else str(observed)
     if reached or observed is None:
-        return reached
+        return reached, seen
     ports = dict.fromkeys(parse_multiaddr(a).port for a in asked)
     public = [format_multiaddr(str(observed), port, host.peer_id) for port in ports]
     public = [a for a in public if a not in asked][:MAX_REACH_ADDRS]
     if not public:
-        return []
+        return (), seen
     second = await _ask_reach(host, target, public)
-    return [a for a in second.reachable if a in public]
+    return tuple(a for a in second.reachable if a in public), seen
 
 
 async def _ask_reach(host: Host, target: PeerAddress, addrs: list[str]) -> ReachReply:

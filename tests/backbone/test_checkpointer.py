@@ -16,6 +16,7 @@ from backbone.checkpoints import DISCARDED_DIR, CheckpointStore
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, StateAnnouncement, TrainingSpec
 from shared.auth.keys import Identity
+from shared.net.addresses import parse_multiaddr
 from shared.node import Node, open_node
 from shared.state.blob import encode_state, read_metadata, state_digest, state_step
 from shared.state.limits import STATE_GROWTH
@@ -38,13 +39,15 @@ def blob_of(step: int) -> bytes:
     return encode_state(tensors, {"step": str(step), "run_id": RUN, "task": "tiny-mlm"})
 
 
-async def start_node(nursery: trio.Nursery, role: str, initial: Node | None = None) -> Node:
+async def start_node(
+    nursery: trio.Nursery, role: str, initial: Node | None = None, *, client_mode: bool = False
+) -> Node:
     async def run(task_status: trio.TaskStatus[Node]) -> None:
         async with open_node(
             Identity.generate(),
             RUN,
             role,  # type: ignore[arg-type]
-            listen=["/ip4/127.0.0.1/tcp/0"],
+            listen=[] if client_mode else ["/ip4/127.0.0.1/tcp/0"],
             initial_peers=[initial.host.listen_addrs[0]] if initial else [],
         ) as node:
             task_status.started(node)
@@ -95,6 +98,34 @@ async def test_checkpointer_stores_the_trusted_state_once_due(nursery: trio.Nurs
     entry = await checkpointer.poll_once()
     assert entry is not None and entry.step == 20
     assert [e.step for e in store.entries()] == [10, 20]
+
+
+async def test_a_state_only_client_mode_peers_hold_is_fetched_over_lanes_they_dial_back(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Issue 14: peers behind NAT advertise no address; the backbone still stores their state, over lanes
+    they open to it on request, and never dials them."""
+    backbone = await start_node(nursery, "backbone")
+    store = CheckpointStore(tmp_path / "checkpoints", keep=2)
+    checkpointer = Checkpointer(backbone, StateServer(backbone.host, backbone=True), store, TrainingSpec())
+    blob = blob_of(12)
+    hidden = [await start_node(nursery, "volunteer", backbone, client_mode=True) for _ in range(2)]
+    servers = []
+    for node in hidden:
+        assert node.host.advertised_addrs == []
+        servers.append(StateServer(node.host))
+        await announce_state(node.dht, servers[-1].offer(12, blob))
+    assert await presence_addresses(backbone.dht) == {
+        backbone.peer_id: [*map(parse_multiaddr, backbone.host.listen_addrs)]
+    }
+
+    entry = await checkpointer.poll_once()
+
+    assert entry is not None and (entry.step, entry.digest) == (12, state_digest(blob))
+    assert store.path(entry.digest).read_bytes() == blob
+    assert sum(s.statistics().bytes_served for s in servers) == len(blob)
+    assert sum(n.host.statistics().dial_backs for n in hidden) >= 1
+    assert backbone.host.statistics().reverse_lanes >= 1
 
 
 async def test_keep_checkpoints_serves_and_announces_the_stored_checkpoint_after_a_restart(

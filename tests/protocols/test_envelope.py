@@ -41,6 +41,18 @@ from protocols.errors import ProtocolError
 from protocols.handshake import ClientProof, ServerHello, Welcome
 from protocols.peer_id import peer_id_from_public_key
 from protocols.probe import ReachReply, ReachRequest
+from protocols.relay import (
+    CircuitAccepted,
+    CircuitGranted,
+    CircuitOffer,
+    CircuitRequest,
+    PunchConnect,
+    PunchReply,
+    PunchSync,
+    RelayReservation,
+    RelayReserve,
+)
+from protocols.reversal import DialBackReply, DialBackRequest
 
 PEER = peer_id_from_public_key(bytes(range(32)))
 ADDR = "/ip4/203.0.113.7/tcp/4001/p2p/" + PEER
@@ -81,6 +93,17 @@ SAMPLES: list[Message] = [
     BulkAck(meta=b"ack"),
     ReachRequest(addrs=[ADDR, "/ip6/::1/tcp/4001"]),
     ReachReply(reachable=[ADDR], observed="203.0.113.7"),
+    DialBackRequest(),
+    DialBackReply(),
+    RelayReserve(),
+    RelayReservation(ttl=600.0, max_circuit_bytes=2**30, max_circuit_seconds=600.0, max_circuits=16),
+    CircuitRequest(target=PEER),
+    CircuitGranted(token=b"d" * 16),
+    CircuitOffer(token=b"t" * 16, dialer=PEER),
+    CircuitAccepted(),
+    PunchConnect(observed="203.0.113.7:4001", lane="bulk"),
+    PunchReply(observed="[2001:db8::7]:4001"),
+    PunchSync(),
 ]
 
 _ENVELOPE = bytes([0x95, PROTOCOL_VERSION])  # msgpack: a 5-field envelope of this version

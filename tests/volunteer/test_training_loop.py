@@ -80,3 +80,30 @@ async def test_a_ready_batch_is_taken_on_the_torch_thread_that_computes_it(nurse
     assert not threads["waited"] & threads["computed"]  # waiting for a batch never blocks the torch thread
     assert [r.samples for r in records[:4]] == [20] * 4
     assert 0 <= taken[0] - peer.stats.samples_total < training.local_batch  # the rest: held over
+
+
+async def test_a_stop_cancels_whatever_is_in_flight_after_the_grace(nursery: trio.Nursery) -> None:
+    """Issue 14: a volunteer waiting for something that cannot happen (a round no one can aggregate, a state
+    no one serves) took 22 s to leave on SIGTERM. Now whatever is in flight gets STOP_GRACE seconds."""
+    from volunteer.training import STOP_GRACE
+
+    (node,) = await start_nodes(nursery, 1)
+    peer = await start_collab(nursery, node, spec(20))
+    stuck = trio.Event()
+
+    async def wait_forever() -> None:
+        stuck.set()
+        await trio.sleep_forever()
+
+    setattr(peer, "resume_if_behind", wait_forever)  # noqa: B010 (mypy: no assigning to a method)
+    stop = trio.Event()
+
+    async def stop_when_stuck() -> None:
+        await stuck.wait()
+        stop.set()
+
+    nursery.start_soon(stop_when_stuck)
+    started = trio.current_time()
+    with trio.fail_after(STOP_GRACE + 5):
+        assert await train_until_stopped(peer, lambda: None, stop) == "stopped"
+    assert trio.current_time() - started >= STOP_GRACE

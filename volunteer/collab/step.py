@@ -330,10 +330,9 @@ class BatchStep:
                 f" (fp16 overflow at loss scale {self.trainer.loss_scale.scale:g})" if overflow else "",
             )
             weight, norm = 0.0, 0.0
+        advertised = self.node.host.advertised_addrs  # only what a backbone dialed back (client mode: none)
         ticket = JoinTicket(
-            addr=self.node.host.listen_addrs[0]
-            if self.node.host.listen_addrs and not self.client_mode
-            else None,
+            addr=advertised[0] if advertised and not self.client_mode else None,
             weight=weight,
             norm=norm,
             samples_per_second=self.samples_per_second,
@@ -346,6 +345,7 @@ class BatchStep:
             plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
+            self.waiting(_round_failure(str(exc)))
             return None
         if plan is None:
             if alone and taken.samples > 0:
@@ -476,3 +476,14 @@ def _role(computes: bool, aggregates: bool) -> str:
     if computes and aggregates:
         return "compute + aggregate"
     return "compute" if computes else ("aggregate" if aggregates else "receive")
+
+
+def _round_failure(reason: str) -> str:
+    """What the status line says when a round cannot form: why, and what would fix it."""
+    if "client mode" in reason:
+        return (
+            f"no round can form: {reason} (every peer is behind NAT or a firewall); it needs a backbone that "
+            "aggregates, a volunteer with a reachable address (--listen on a forwarded port), or `volunteer "
+            "join --aux` on a reachable server"
+        )
+    return f"the last round could not form: {reason}"

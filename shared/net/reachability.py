@@ -1,0 +1,105 @@
+"""Whether others can dial this node, how we found out, and what we therefore tell them (issue 14).
+
+A node behind a NAT or a firewall that announces its private or loopback addresses makes every peer
+that learns them dial nowhere (or, worse, someone else's machine: every home has a 192.168.1.10). So a
+volunteer announces only what was *proven* (:func:`verify_reachability`):
+
+1. right after its host starts, before it joins the DHT (so that the very first connections it opens
+   already carry the right addresses in their identity proofs, which is where peers learn contacts), it
+   asks a backbone of the run to dial its listen addresses back (:func:`shared.net.probe.check_reachability`:
+   a fresh, authenticated dial from the backbone, on the IP the request came from; then once more on the
+   IP the backbone saw, for a forwarded port);
+2. the addresses dialed back are what it advertises (:meth:`Host.advertise <shared.net.host.Host.advertise>`):
+   its identity proofs, presence record and round tickets carry them and nothing else. None dialed back,
+   or no backbone answered: it advertises nothing and runs in **client mode** -- it still trains, pushes
+   its gradient parts and fetches averages over connections it opens itself, and backbones fetch state
+   from it over lanes it dials back (:mod:`protocols.reversal`); the LP gives it no slice.
+
+A failed check is *not* a pass: a node we could not ask is treated as unreachable (the safe side: a
+client-mode peer costs some of its bandwidth to the run, a falsely reachable one fails every round it is
+in). :class:`Reachability` says which case holds, for the panel, ``status.json`` and the capabilities.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from ..errors import ConfigError, ProjectError
+from .addresses import PeerAddress, parse_multiaddr
+from .host import CALL_FAILURES, Host
+from .probe import check_reachability
+
+__all__ = ["Reachability", "verify_reachability"]
+
+logger = logging.getLogger(__name__)
+
+#: How long one backbone may take to answer a reachability check (it dials each address for 3 s).
+CHECK_DEADLINE = 15.0
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """What a reachability check found: where we were dialed back, which IP the checker saw us on."""
+
+    reachable: tuple[str, ...] = ()
+    observed: str = ""  # our IP as the checking backbone saw it ("" if unknown)
+    checked_with: str = ""  # the backbone that checked ("" if none could)
+    error: str = ""  # why no check was possible (then ``reachable`` is empty)
+
+    @property
+    def client_mode(self) -> bool:
+        return not self.reachable
+
+    @property
+    def mode(self) -> str:
+        """``"direct"`` (dialed back), ``"client"`` (checked, not reachable) or ``"unchecked"``."""
+        if self.reachable:
+            return "direct"
+        return "client" if self.checked_with else "unchecked"
+
+    def describe(self) -> str:
+        """One line for people: what mode we are in and why."""
+        if self.reachable:
+            return f"reachable at {', '.join(_short(a) for a in self.reachable)}"
+        if not self.checked_with:
+            return f"client mode: reachability unknown ({self.error or 'no backbone to check with'})"
+        seen = f", seen as {self.observed}" if self.observed else ""
+        why = "behind NAT or a firewall" if self.observed else "not reachable"
+        return f"client mode: {why}{seen} (forward a port and pass --listen to aggregate for the run)"
+
+
+async def verify_reachability(host: Host, checkers: Sequence[PeerAddress | str]) -> Reachability:
+    """Ask the first of ``checkers`` (backbones) that answers to dial us back; advertise what it reached.
+
+    Never raises for a checker's failure: with none answering, the result is ``unchecked`` (client mode).
+    """
+    errors: list[str] = []
+    for checker in checkers:
+        try:
+            address = parse_multiaddr(checker) if isinstance(checker, str) else checker
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            with trio.fail_after(CHECK_DEADLINE):
+                reachable, observed = await check_reachability(host, address)
+        except (*CALL_FAILURES, ProjectError) as exc:
+            errors.append(f"{address}: {exc}")
+            logger.info("reachability check with %s failed: %s", address, exc)
+            continue
+        result = Reachability(reachable, observed, str(address))
+        break
+    else:
+        result = Reachability(error="; ".join(errors)[:300] or "no backbone to check with")
+    host.advertise(result.reachable)
+    logger.info("%s", result.describe())
+    return result
+
+
+def _short(text: str) -> str:
+    """A multiaddr without its ``/p2p/…`` suffix, for one-line messages."""
+    return text.split("/p2p/", 1)[0]
