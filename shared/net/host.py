@@ -639,16 +639,6 @@ class Host:
         if old is not None and self._nursery is not None:
             self._nursery.start_soon(_close_when_idle, old, self.config.handler_deadline)
 
-    def pool_bulk(self, conn: SecureConnection) -> None:
-        """Put ``conn``, an idle bulk connection this host set up itself (e.g. a punched one), in the pool
-        our transfers to its peer draw from."""
-        idle = self._idle_bulk.setdefault(conn.remote_peer, [])
-        if len(idle) < self.config.max_idle_bulk and self._nursery is not None and not conn.tls.closed:
-            conn.last_used = trio.current_time()
-            idle.append(conn)
-        else:
-            conn.close()
-
     def channel_for(self, peer_id: PeerId) -> RpcChannel | None:
         channel = self._channels.get(peer_id)
         return channel if channel is not None and not channel.closed else None
