@@ -56,7 +56,7 @@ class Backbone:
     def checkpoint_steps(self) -> list[int]:
         index = self.dir / "checkpoints" / "index.json"
         try:
-            return sorted(int(entry["step"]) for entry in json.loads(index.read_text()))
+            return sorted(int(entry["step"]) for entry in json.loads(index.read_text())["entries"])
         except (FileNotFoundError, json.JSONDecodeError):
             return []
 
