@@ -492,6 +492,8 @@ class Host:
                 answered, or the handshake did not complete in time.
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
+        if address.is_dial_back:  # reached only over its own connections (bulk: _dial_back)
+            raise PeerUnavailable(f"{address} accepts no connections and has no RPC connection open to us")
         refusal = self._dial_guard.refusal(address.host, address.port, address.peer_id, trio.current_time())
         if refusal is not None:
             raise PeerUnavailable(f"not dialing {address}: {refusal}")
