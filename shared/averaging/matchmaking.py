@@ -125,7 +125,9 @@ class Matchmaker:
         formed without us, or no acceptable plan arrived in time.
 
         Raises:
-            ValueError: the LP has no solution for the members' capabilities (leader only).
+            ValueError: the LP has no solution for the members' capabilities (the leader; every member
+                when all the tickets it read are from client-mode peers: nobody can aggregate, and waiting
+                for a plan that cannot come would only hold the round).
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
@@ -140,6 +142,8 @@ class Matchmaker:
         tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
         if len(tickets) < 2:
             return None
+        if all(t.client_mode for t in tickets.values()):
+            raise ValueError(f"all {len(tickets)} peers are in client mode: nobody can aggregate")
         leader = leader_of(key, tickets)
         if leader == me:
             assembly = self._solve(round_, key, sorted(tickets), tickets, numel)

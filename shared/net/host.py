@@ -555,6 +555,8 @@ class Host:
                 answered, or the handshake did not complete in time.
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
+        if address.is_dial_back:  # reached only over its own connections (bulk: _dial_back)
+            raise PeerUnavailable(f"{address} accepts no connections and has no RPC connection open to us")
         if address.relay is not None:  # backed off per relayed address, not per relay host:port
             key, now = str(address), trio.current_time()
             refusal = self._dial_guard.refusal(key, 0, None, now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import trio
 
 from protocols.averaging import JoinTicket
@@ -82,6 +83,24 @@ async def test_matchmaking_alone_returns_none(nursery: trio.Nursery) -> None:
     (node,) = await start_nodes(nursery, 1)
     matchmaker = Matchmaker(node.dht, config=MatchmakingConfig(window=0.2))
     assert await matchmaker.assemble(1, ticket(node, 1.0), 100) is None
+
+
+async def test_a_group_of_client_mode_peers_fails_at_once_for_every_member(nursery: trio.Nursery) -> None:
+    """Issue 14: followers used to wait the whole plan_wait for a plan the leader could not make."""
+    nodes = (await start_nodes(nursery, 4, client={1, 2, 3}))[1:]  # the first only serves the DHT
+    config = MatchmakingConfig(window=0.5, plan_wait=60.0)
+    errors: list[str] = []
+
+    async def member(node: Node) -> None:
+        with pytest.raises(ValueError, match="all 3 peers are in client mode") as caught:
+            await Matchmaker(node.dht, config=config).assemble(1, ticket(node, 1.0), 1000)
+        errors.append(str(caught.value))
+
+    with trio.fail_after(20):  # far less than plan_wait
+        async with trio.open_nursery() as group:
+            for node in nodes:
+                group.start_soon(member, node)
+    assert len(errors) == 3
 
 
 async def test_matchmaking_groups_are_independent_and_a_failure_spoils_only_its_own_group(

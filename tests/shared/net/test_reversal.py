@@ -115,3 +115,17 @@ async def test_advertise_replaces_what_the_handshake_tells_others(start_host: St
     await a.connect(address_of(c))
     channel = c.channel_for(a.peer_id)
     assert channel is not None and channel.conn.remote_addrs == tuple(a.listen_addrs[:1])
+
+
+async def test_rpc_to_a_dial_back_address_uses_its_own_connection_or_fails_cleanly(
+    start_host: StartHost, nursery: trio.Nursery
+) -> None:
+    from protocols.dht import PingRequest
+
+    public = await start_host()
+    hidden = await _client_mode(nursery)
+    with trio.fail_after(5), pytest.raises(PeerUnavailable, match="no RPC connection open to us"):
+        await public.call(PeerAddress.dial_back(hidden.peer_id), PingRequest())
+    await hidden.connect(address_of(public))
+    channel = await public.channel_to(PeerAddress.dial_back(hidden.peer_id))
+    assert channel.peer_id == hidden.peer_id  # the connection the client-mode peer opened
