@@ -27,6 +27,11 @@ that needs a new bulk connection to that peer punches one more (``lane="bulk"``;
 TLS client, since a bulk lane carries transfers from its dialer) and the host pools it like any other; if
 that punch fails the transfer dials the relayed address as before.
 
+``B`` takes part only where a punch makes sense: an RPC punch from a peer whose connection to it is
+relayed, a bulk punch from one whose connection is already punched (else ``FORBIDDEN``), so no peer can
+make it send SYNs to an address of the peer's choosing otherwise; retries after an immediate failure are
+``retry_pause`` apart. ``A`` runs one punch at a time per peer.
+
 A failure at any step (symmetric NAT: the observed port is not the one a new destination gets, so the
 SYNs are dropped; a timeout; a refused step) leaves the relayed connection in place and is counted in
 :class:`PunchStatistics` with its reason.
@@ -123,7 +128,7 @@ class HolePuncher:
         *,
         timeout: float = 5.0,
         bind_host: str = "0.0.0.0",
-        retry_pause: float = 0.05,
+        retry_pause: float = 0.2,
     ) -> None:
         self.host = host
         self.relay = relay
@@ -131,6 +136,7 @@ class HolePuncher:
         self.bind_host = bind_host
         self.retry_pause = retry_pause
         self._plans: dict[PeerId, _Plan] = {}
+        self._locks: dict[PeerId, trio.Lock] = {}  # one punch at a time per peer that we start
         self._attempts = self._punched = 0
         self._failures: Counter[str] = Counter()
         self._last_ms: float | None = None
@@ -172,6 +178,15 @@ class HolePuncher:
         return None
 
     async def _punch(self, peer: PeerId, lane: Lane) -> SecureConnection | None:
+        lock = self._locks.setdefault(peer, trio.Lock())
+        try:
+            async with lock:
+                return await self._punch_locked(peer, lane)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._locks.pop(peer, None)
+
+    async def _punch_locked(self, peer: PeerId, lane: Lane) -> SecureConnection | None:
         channel = self.host.channel_for(peer)
         if channel is None:
             raise PeerUnavailable(f"no connection to {peer} to coordinate a hole punch over")
@@ -201,6 +216,10 @@ class HolePuncher:
     # ---------------------------------------------------------------- B: the side that answers
 
     async def _on_connect(self, ctx: RequestContext, request: PunchConnect) -> PunchReply:
+        kind = self.host.connection_kind(ctx.peer_id)
+        if (request.lane, kind) not in (("rpc", "relayed"), ("bulk", "punched")):
+            # anything else would let any peer make us send SYNs to an address of its choice
+            raise remote_error(ErrorCode.FORBIDDEN, f"no {request.lane} punch over a {kind} connection")
         try:
             remote = split_host_port(request.observed)
             port, observed = await self._observe()

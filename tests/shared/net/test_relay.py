@@ -27,10 +27,11 @@ from protocols.relay import (
     PREAMBLE_BYTES,
     CircuitGranted,
     CircuitRequest,
+    PunchConnect,
     parse_preamble,
 )
 from shared.auth.keys import Identity
-from shared.errors import ConfigError, HandshakeError, Overloaded, PeerUnavailable
+from shared.errors import ConfigError, HandshakeError, Overloaded, PeerUnavailable, RemoteError
 from shared.net.addresses import PeerAddress, parse_multiaddr, relayed
 from shared.net.bulk import BulkReader
 from shared.net.host import Host, HostConfig
@@ -436,6 +437,17 @@ async def test_punch_to_a_peer_we_are_not_connected_to_is_peer_unavailable(start
 
     with pytest.raises(PeerUnavailable):
         await HolePuncher(dialer, address_of(relay)).punch(target.peer_id)
+
+
+async def test_a_punch_request_over_a_direct_connection_is_forbidden(start_host: StartHost) -> None:
+    """Otherwise any peer could make us send SYNs to an address of its choice."""
+    relay, asker, answerer = await start_host(), await start_host(), await start_host()
+    service = RelayService(relay)
+    HolePuncher(answerer, address_of(relay))
+
+    with trio.fail_after(HANG_GUARD_S), pytest.raises(RemoteError, match="FORBIDDEN"):
+        await asker.call(address_of(answerer), PunchConnect(observed="192.0.2.1:9"))
+    assert service.statistics().observed == 0  # the answerer did not even ask the relay
 
 
 # ---------------------------------------------------------------- properties of the pure parts
