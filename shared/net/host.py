@@ -555,7 +555,8 @@ class Host:
                 answered, or the handshake did not complete in time.
             HandshakeError, RemoteError, ProtocolError: see :func:`shared.net.connection.dial`.
         """
-        if address.is_dial_back:  # reached only over its own connections (bulk: _dial_back)
+        ours = address.relay is not None and address.relay.peer_id == self.peer_id  # we are its relay
+        if address.is_dial_back or ours:  # reached only over its own connections (bulk: _dial_back)
             raise PeerUnavailable(f"{address} accepts no connections and has no RPC connection open to us")
         if address.relay is not None:  # backed off per relayed address, not per relay host:port
             key, now = str(address), trio.current_time()
@@ -702,6 +703,9 @@ class Host:
                 return conn
             conn.close()  # the peer closed it (e.g. reaped it as idle) while it sat in our pool
         self._require_running()
+        relay = address.relay
+        if relay is not None and relay.peer_id == self.peer_id and address.peer_id is not None:
+            address = PeerAddress.dial_back(address.peer_id)  # we are its relay: it holds a connection to us
         if address.is_dial_back:
             return await self._dial_back(address)
         if address.relay is not None and peer is not None and self.bulk_upgrader is not None:

@@ -177,6 +177,23 @@ async def test_rpc_and_bulk_through_the_relay_are_end_to_end_encrypted(start_hos
     assert stats.refused == {}
 
 
+async def test_the_relay_itself_reaches_its_target_over_the_targets_own_connection(
+    start_host: StartHost,
+) -> None:
+    """A relay dialing a relayed address through itself would splice to itself; it asks the target to dial
+    back instead (protocols.reversal), over the connection the reservation keeps open."""
+    relay, target, _, service, _, _ = await _setup(start_host)
+    address = relayed(address_of(relay), target.peer_id)
+    data = bytes(range(256)) * 1000
+    with trio.fail_after(HANG_GUARD_S):
+        reply = await relay.call(address, RelayEcho(text="hi"))
+        ack = await relay.send_bulk(address, "sink", data)
+    assert isinstance(reply, RelayEchoReply) and reply.text == "hi"
+    assert ack == hashlib.sha256(data).digest()
+    assert service.statistics().circuits_granted == 0
+    assert relay.statistics().reverse_lanes == 1 and target.statistics().dial_backs == 1
+
+
 async def test_dialer_without_reservation_at_target_gets_peer_unavailable(start_host: StartHost) -> None:
     relay, stranger = await start_host(), await start_host()
     dialer = await start_host()
