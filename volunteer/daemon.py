@@ -7,8 +7,9 @@ joined as a plain member (presence only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from shared.discovery import discover_run
 from shared.errors import AdmissionError, DiscoveryError, PeerUnavailable
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
+from shared.net.addresses import parse_multiaddr
+from shared.net.reachability import keep_relayed
 from shared.node import Node, open_node
 from shared.panel import LivePanel, status_line, status_view
 
@@ -95,6 +98,10 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         if node.reachability is not None:
             console.print(node.reachability.describe(), highlight=False, soft_wrap=True)
         async with trio.open_nursery() as nursery:
+            reach = node.reachability
+            if reach is not None and reach.mode == "client":  # checked, unreachable: try the checker's relay
+                relay = parse_multiaddr(reach.checked_with)
+                nursery.start_soon(keep_relayed, node.host, relay, _on_relay(node))
             nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
@@ -143,3 +150,13 @@ async def _show_forever(node: Node, options: VolunteerOptions, console: Console)
             logger.info(status_line(node.status()))
             last = trio.current_time()
         await trio.sleep(REFRESH)
+
+
+def _on_relay(node: Node) -> Callable[[tuple[str, ...]], None]:
+    """Record our relayed addresses (none: client mode again) in the node's reachability."""
+
+    def changed(addresses: tuple[str, ...]) -> None:
+        if node.reachability is not None:
+            node.reachability = dataclasses.replace(node.reachability, relayed=addresses)
+
+    return changed

@@ -263,9 +263,9 @@ class TrainingSession:
         await run_torch(trainer.discard_gradients)
         collab.samples_per_second = sps
         self.headline = "measuring bandwidth against a backbone"
+        # client mode unless a backbone dialed us back or a relay holds a slot for us (a failed check is
+        # not a pass): the round tickets follow what the host advertises (volunteer.collab.step)
         reach = self.node.reachability
-        # client mode unless a backbone dialed us back (a failed check is not a pass)
-        collab.client_mode = reach is None or reach.client_mode
         backbone = parse_multiaddr(reach.checked_with) if reach is not None and reach.checked_with else None
         if backbone is None and self.initial_peers:
             backbone = parse_multiaddr(self.initial_peers[0])

@@ -18,22 +18,34 @@ volunteer announces only what was *proven* (:func:`verify_reachability`):
 A failed check is *not* a pass: a node we could not ask is treated as unreachable (the safe side: a
 client-mode peer costs some of its bandwidth to the run, a falsely reachable one fails every round it is
 in). :class:`Reachability` says which case holds, for the panel, ``status.json`` and the capabilities.
+
+**Relayed** (:func:`keep_relayed`). A client-mode node whose checker also relays (backbones do) reserves a
+slot there (:class:`~shared.net.relay.RelayClient`) and advertises its relayed address
+``…/p2p/<relay>/p2p-circuit/p2p/<us>`` instead of nothing: it can then be dialed, so it may aggregate (the
+LP bounds its links by its relay's, :mod:`shared.averaging.load_balance`). While it holds the slot, every
+new relayed connection to a peer is upgraded to a direct one by hole punching when our peer id is the
+lower of the two (one side starts, so two punches never cross; :class:`~shared.net.punch.HolePuncher`);
+a punch that fails (a symmetric NAT) leaves the connection relayed. When the relay fails us, we advertise
+nothing again (client mode) and try again after :data:`RELAY_RETRY` seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
+
+from protocols.peer_id import PeerId
 
 from ..errors import ConfigError, ProjectError
 from .addresses import PeerAddress, parse_multiaddr
 from .host import CALL_FAILURES, Host
 from .probe import check_reachability
 
-__all__ = ["Reachability", "verify_reachability"]
+__all__ = ["RELAY_RETRY", "Reachability", "keep_relayed", "verify_reachability"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,22 +61,33 @@ class Reachability:
     observed: str = ""  # our IP as the checking backbone saw it ("" if unknown)
     checked_with: str = ""  # the backbone that checked ("" if none could)
     error: str = ""  # why no check was possible (then ``reachable`` is empty)
+    relayed: tuple[str, ...] = ()  # our relayed addresses while a relay holds a slot for us
 
     @property
     def client_mode(self) -> bool:
-        return not self.reachable
+        return not self.reachable and not self.relayed
 
     @property
     def mode(self) -> str:
-        """``"direct"`` (dialed back), ``"client"`` (checked, not reachable) or ``"unchecked"``."""
+        """``"direct"`` (dialed back), ``"relayed"``, ``"client"`` (checked, unreachable), ``"unchecked"``."""
         if self.reachable:
             return "direct"
+        if self.relayed:
+            return "relayed"
         return "client" if self.checked_with else "unchecked"
+
+    @property
+    def advertised(self) -> tuple[str, ...]:
+        return self.reachable or self.relayed
 
     def describe(self) -> str:
         """One line for people: what mode we are in and why."""
         if self.reachable:
             return f"reachable at {', '.join(_short(a) for a in self.reachable)}"
+        if self.relayed:
+            relays = ", ".join(_short(a.split("/p2p-circuit", 1)[0]) for a in self.relayed)
+            seen = f", seen as {self.observed}" if self.observed else ""
+            return f"relayed through {relays} (behind NAT or a firewall{seen}); direct links are punched"
         if not self.checked_with:
             return f"client mode: reachability unknown ({self.error or 'no backbone to check with'})"
         seen = f", seen as {self.observed}" if self.observed else ""
@@ -103,3 +126,58 @@ async def verify_reachability(host: Host, checkers: Sequence[PeerAddress | str])
 def _short(text: str) -> str:
     """A multiaddr without its ``/p2p/…`` suffix, for one-line messages."""
     return text.split("/p2p/", 1)[0]
+
+
+#: Seconds before a client-mode node asks its relay for a slot again after losing or failing to get one.
+RELAY_RETRY = 30.0
+
+
+async def keep_relayed(
+    host: Host,
+    relay: PeerAddress,
+    on_change: Callable[[tuple[str, ...]], None],
+    *,
+    punch_timeout: float = 5.0,
+) -> None:
+    """Hold a slot at ``relay`` and advertise our relayed address while we do; punch direct connections to
+    the peers we reach through it (module docstring). ``on_change(relayed_addresses)`` is called whenever
+    they change (empty: back to client mode). Runs until cancelled; never raises for the relay's failures."""
+    from .addresses import relayed
+    from .punch import HolePuncher
+    from .relay import RelayClient
+
+    client = RelayClient(host)
+    puncher = HolePuncher(host, relay, timeout=punch_timeout)
+    wanted: trio.MemorySendChannel[PeerId]
+    wanted, pending = trio.open_memory_channel[PeerId](64)
+
+    def observe(peer: PeerId) -> None:
+        if host.connection_kind(peer) == "relayed" and host.peer_id < peer:
+            with contextlib.suppress(trio.WouldBlock):
+                wanted.send_nowait(peer)
+
+    async def punch_forever() -> None:
+        async for peer in pending:
+            with contextlib.suppress(*CALL_FAILURES, ProjectError, OSError):
+                if host.connection_kind(peer) == "relayed" and await puncher.punch(peer):
+                    logger.info("punched a direct connection to %s", peer)
+
+    host.connection_observers.append(observe)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(punch_forever)
+            while True:
+                try:
+                    await client.reserve(relay)
+                    addresses = (str(relayed(relay, host.peer_id)),)
+                    host.advertise(addresses)
+                    on_change(addresses)
+                    logger.info("reachable through relay %s", relay)
+                    await client.keep(relay)  # renews; returns only by raising when the relay fails us
+                except (*CALL_FAILURES, ProjectError, OSError) as exc:
+                    logger.info("relay %s: %s; client mode for now", relay, exc)
+                host.advertise([])
+                on_change(())
+                await trio.sleep(RELAY_RETRY)
+    finally:
+        host.connection_observers.remove(observe)

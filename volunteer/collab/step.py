@@ -330,15 +330,18 @@ class BatchStep:
                 f" (fp16 overflow at loss scale {self.trainer.loss_scale.scale:g})" if overflow else "",
             )
             weight, norm = 0.0, 0.0
-        advertised = self.node.host.advertised_addrs  # only what a backbone dialed back (client mode: none)
+        # only what a backbone dialed back, or our relayed address (none: client mode); read at every
+        # round, since a relay slot can come and go
+        advertised = self.node.host.advertised_addrs
+        client_mode = self.client_mode or not advertised
         ticket = JoinTicket(
-            addr=advertised[0] if advertised and not self.client_mode else None,
+            addr=None if client_mode else advertised[0],
             weight=weight,
             norm=norm,
             samples_per_second=self.samples_per_second,
             upload_bps=self.upload_bps,
             download_bps=self.download_bps,
-            client_mode=self.client_mode,
+            client_mode=client_mode,
             overflow=overflow,
         )
         try:
