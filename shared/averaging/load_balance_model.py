@@ -188,7 +188,8 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
     ``x_j ≥ λ · cap_j``, where ``cap_j`` is aggregator ``j``'s own ceiling at ``X*``. Without pairwise caps
     this has the unique answer ``x_j = X* · cap_j / Σ cap`` (slices proportional to each aggregator's
     capacity, so equal peers get equal slices and spare capacity is spread evenly); with caps a second LP
-    finds it. A lone computing aggregator needs no traffic: ``(inf, e_i)``.
+    finds it, unless the no-cap split already fits them (then it is optimal, and the plan is exactly the
+    one without caps and relays). A lone computing aggregator needs no traffic: ``(inf, e_i)``.
 
     The LP is posed with every row divided by its limit and ``x`` in units of the no-cap optimum, so
     HiGHS's absolute tolerances are relative ones; the answer is then scaled down by its own overload, if
@@ -200,6 +201,11 @@ def max_rates(p: Problem, compute: Bools) -> tuple[float, Floats]:
         alone[compute] = 1.0
         return math.inf, alone
     unit = comm_bound(p.relaxed(), compute)
+    if p.constrained:  # the relaxed optimum's canonical split may already fit the caps and relay rows
+        cap = _capacities(p, compute, unit)
+        x = unit * cap / cap.sum()
+        if overload(p, compute, x) <= max(1.0, overload(p.relaxed(), compute, x)):
+            return _fit(p, compute, x)
     aggs = np.flatnonzero(p.agg)
     na = len(aggs)
     col = np.full(p.n, -1)
