@@ -45,10 +45,20 @@ Fixed-``k`` MILP (also the route with pairwise caps). Binary ``c_i``; ``x_j``, `
                   x_j <= t_ij + M (1 - c_i)                    i may send to aggregator j
                   x_i + x_j <= t_ij + M (2 - c_i - c_j)        both may compute and aggregate
 
-with each ``M`` the smallest value that makes the row void when its condition is off. With pairwise caps,
-caps only remove options, so the no-cap optimum bounds every set: if the caps do not bind at the no-cap
-optimum it is optimal ("caps slack"); otherwise ``k = 1`` is solved in closed form and every size ``k >= 2``
-whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to the MILP as above. Worst case
+with each ``M`` the smallest value that makes the row void when its condition is off. Relays
+(``load_balance``, "Relays") add, for each relay ``r`` with relayed set ``R``, variables ``u_j = c_j x_j``
+(``j ∈ R``; they enter with a minus sign, so ``u_j <= x_j`` and ``u_j <= x̄_j c_j`` make them exact) and, with
+``F_r = 2 (k - c_r) Σ_R x_j - 2 Σ_R u_j``, the rows::
+
+                  X + (k-2) x_r + F_r <= w_r + M (1 - c_r),    k x_r + F_r <= w_r + M c_r
+                  F_r <= h_r + M (1 - c_r)  (F_r at c_r = 1),  F_r <= h_r + M c_r  (F_r at c_r = 0)
+
+The relay rows keep fact 1 (their coefficients count the *other* computing peers) and only tighten the
+model, so every closed-form bound above stays an upper bound. With pairwise caps or relays, they only
+remove options, so the relaxed optimum bounds every set: if they do not bind at the relaxed optimum it is
+optimal ("caps slack", "relays slack", "caps and relays slack"); otherwise ``k = 1`` is solved in closed
+form and every size ``k >= 2`` whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to
+the MILP as above (with relays, ``x̄_j`` still bounds ``x_j``: rows were only added). Worst case
 exponential (it is a MILP), hence the budget of step 5: on ``scripts/bench_lp.py --pairwise --caps-mb
 0.05,0.5`` at 64 peers about one group in five runs into it with the default 0.8 s (15 of seeds 0-39 and
 1000-1039 on one run), nearly always while proving that larger sizes cannot beat the incumbent: the big-M
@@ -366,7 +376,9 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
     limits = _pair_limits(p, cand)
     how = "certified"
     if p.constrained:
-        ceiling = best  # caps and relays only remove options: the relaxed optimum bounds every set
+        # caps and relays only remove options, so the relaxed optimum bounds every set; the relaxed incumbent
+        # is that optimum only where no cell bound exceeds it, so the ceiling is the larger of them
+        ceiling = max(best, float(bound_by_k.max()))
         best = _value(p, best_set, max_rates(p, best_set)[0])
         if best >= ceiling * (1 - REL_TOL):
             slack = {(True, False): "caps", (False, True): "relays", (True, True): "caps and relays"}[
@@ -378,7 +390,7 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
             best, best_set = one, one_set
         for k in range(2, len(cand) + 1):
             flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size  # X <= Σ_j x̄_j
-            bound_by_k[k] = min(bound_by_k[k], ceiling, flow)
+            bound_by_k[k] = min(bound_by_k[k], flow)
     solved = 0
     unproven = -math.inf  # the largest upper bound on ξ over the sizes the budget left open
     for k in range(2, len(cand) + 1):
