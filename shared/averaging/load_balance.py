@@ -190,7 +190,8 @@ class Plan:
         compute_rate: ``Σ_i s_i c_i / B``: steps/s the computing peers can fill.
         comm_rate: ``X / P``: gradients/s the network can average under this plan (``inf``: no traffic).
         method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set milp over N
-            sizes)"``, ``"lp (compute set certified, caps slack)"`` (see :mod:`.load_balance_search`),
+            sizes)"``, ``"lp (compute set certified, caps slack)"`` (also ``relays slack``, ``caps and
+            relays slack``; see :mod:`.load_balance_search`),
             ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic;
             ``"lone aggregator (compute set …, time limit, gap G%)"`` when the budget cut the search),
             ``"all-reduce"`` or ``"parameter server"`` (forced fractions). A search that ran out of its
