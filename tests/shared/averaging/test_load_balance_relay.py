@@ -201,6 +201,21 @@ def test_relayed_plan_matches_brute_force_where_communication_binds(
     assert worst_load(plan, peers, size, caps) <= 1 + 1e-6
 
 
+@given(peers=relayed_groups(), batch=st.floats(500.0, 5000.0), size=st.floats(1e7, 3e8), data=st.data())
+@SLOW
+def test_relayed_plan_with_no_budget_is_feasible_and_its_gap_holds(
+    peers: list[PeerSpec], batch: float, size: float, data: st.DataObject
+) -> None:
+    # time_limit=0: no MILP runs; the plan is the incumbent re-rated under the relay rows, and the optimum
+    # lies within its reported gap
+    caps = data.draw(caps_for(len(peers)))
+    plan = plan_averaging(peers, batch, size, pairwise=caps, time_limit=0.0)
+    best = brute_force(peers, batch, size, caps)
+    assert worst_load(plan, peers, size, caps) <= 1 + 1e-6
+    assert plan.steps_per_second <= best * (1 + 1e-7)
+    assert best <= plan.steps_per_second / (1 - plan.gap) * (1 + 1e-7)
+
+
 @given(peers=relayed_groups(), data=st.data())
 @SLOW
 def test_relay_rate_lp_matches_the_connection_by_connection_reference(
