@@ -22,7 +22,7 @@ from scipy.optimize import linprog
 from shared.averaging import PeerSpec, Plan, plan_all_reduce, plan_averaging, plan_parameter_server
 from shared.averaging.load_balance import _problem
 from shared.averaging.load_balance_model import max_rates, relay_load
-from shared.averaging.load_balance_search import _best_single_capped
+from shared.averaging.load_balance_search import _best_of_size, _best_single_capped, _pair_limits
 
 MB = 1e6
 Caps = Mapping[tuple[int, int], float]
@@ -214,6 +214,28 @@ def test_relayed_plan_with_no_budget_is_feasible_and_its_gap_holds(
     assert worst_load(plan, peers, size, caps) <= 1 + 1e-6
     assert plan.steps_per_second <= best * (1 + 1e-7)
     assert best <= plan.steps_per_second / (1 - plan.gap) * (1 + 1e-7)
+
+
+@given(peers=relayed_groups(), batch=st.floats(500.0, 5000.0), size=st.floats(1e7, 3e8), data=st.data())
+@SLOW
+def test_fixed_size_milp_with_relay_rows_finds_the_best_set_of_each_size(
+    peers: list[PeerSpec], batch: float, size: float, data: st.DataObject
+) -> None:
+    caps = data.draw(caps_for(len(peers)))
+    p = _problem(peers, batch, size, caps)
+    cand = np.flatnonzero(p.s > 0)
+    for k in range(2, len(cand) + 1):
+        best = -math.inf
+        for members in itertools.combinations(cand.tolist(), k):
+            bits = [i in members for i in range(len(peers))]
+            samples = sum(peers[i].samples_per_second for i in members)
+            best = max(best, min(samples / batch, reference_rate(peers, bits, caps) / size))
+        if best <= 0:
+            continue
+        found, open_bound = _best_of_size(p, cand, k, best * 1.5, best * 1e-3, _pair_limits(p, cand), None)
+        assert found is not None and int(found.sum()) == k and open_bound == -math.inf
+        samples = float(p.s[found].sum())
+        assert close(min(samples / batch, reference_rate(peers, found.tolist(), caps) / size), best, 1e-6)
 
 
 @given(peers=relayed_groups(), data=st.data())
