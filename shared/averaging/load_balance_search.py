@@ -347,12 +347,14 @@ def _relay_rows(p: Problem, rows: _Rows, k: int, y: float, x_up: Floats, is_cand
                 limits.append((cols[:2], vals[:2], h, forward * reach))
             for cs, vs, limit, top in limits:
                 big = max(0.0, top - limit)
-                # c_r = 1: row + M c_r <= limit + M;  c_r = 0: row - M c_r <= limit
+                # c_r = 1: row + M c_r <= limit + M;  c_r = 0: row - M c_r <= limit; divided by the limit, so
+                # HiGHS's absolute feasibility tolerance is a relative one on a slow relay too
+                unit = limit if limit > 0 else 1.0
                 rows.row(
                     np.concatenate([*cs, [r]]),
-                    np.concatenate([*vs, [big if c_r else -big]]),
+                    np.concatenate([*vs, [big if c_r else -big]]) / unit,
                     -np.inf,
-                    limit + big if c_r else limit,
+                    (limit + big if c_r else limit) / unit,
                 )
     return u_up
 

