@@ -1,14 +1,17 @@
 """Benchmark the adaptive-averaging program (shared.averaging.load_balance) on random heterogeneous peers.
 
-Usage: scripts/bench_lp.py --peers N [--pairwise [--caps-mb LO,HI]] [--repeats R] [--seed S]
-                           [--batch B] [--gradient-mb M] [--time-limit SECONDS|none]
+Usage: scripts/bench_lp.py --peers N [--pairwise [--caps-mb LO,HI]] [--relayed F [--relay-cap-mb H]]
+                           [--repeats R] [--seed S] [--batch B] [--gradient-mb M] [--time-limit SECONDS|none]
 
 Each repeat draws a new group (seed, seed+1, ...) and times one plan_averaging call on it, after one warm-up
 call that is not timed. A group: 60% GPU peers (samples/s log-uniform in [2, 100]) and 40% CPU-only peers;
 30% fast links (download 50-125 MB/s, upload 20-125 MB/s) and 70% home links (download 2-12 MB/s, upload
 0.5-5 MB/s); ~10% in client mode. With --pairwise, peers sit in 4 regions and every pair in different
 regions gets caps drawn uniformly from --caps-mb (default 1-10 MB/s) each way; the home uploads usually bind
-first, so try 0.05,0.5 for caps that bind. --time-limit is plan_averaging's budget for the compute-set
+first, so try 0.05,0.5 for caps that bind. With --relayed F, each home-link peer not in client mode is, with
+probability F, behind NAT and relayed by a random fast-link peer (not in client mode, not relayed itself;
+none if there is no such peer), every relay with a slot limit of --relay-cap-mb MB/s if given (the
+load_balance module docstring, "Relays"). --time-limit is plan_averaging's budget for the compute-set
 search (default: its default; ``none``: search until proven optimal). Prints ONE JSON object: solve times
 (ms: median, p95, min, worst), how each plan was found (methods, without their gap), the optimality gaps
 (plans not proven optimal within the budget: how many, the largest, all of them), and a summary of the
@@ -48,7 +51,12 @@ MB = 1e6
 
 
 def random_group(
-    n: int, rng: np.random.Generator, pairwise: bool, caps_mb: tuple[float, float]
+    n: int,
+    rng: np.random.Generator,
+    pairwise: bool,
+    caps_mb: tuple[float, float],
+    relayed: float = 0.0,
+    relay_cap_mb: float | None = None,
 ) -> tuple[list[PeerSpec], dict[tuple[int, int], float] | None]:
     gpu = rng.random(n) < 0.6
     gpu[0] = True
@@ -58,7 +66,24 @@ def random_group(
     up = np.where(fast, rng.uniform(20, 125, n), rng.uniform(0.5, 5, n)) * MB
     client = rng.random(n) < 0.1
     client[0] = False
-    peers = [PeerSpec(float(samples[i]), float(down[i]), float(up[i]), bool(client[i])) for i in range(n)]
+    relay: list[int | None] = [None] * n
+    hubs = np.flatnonzero(fast & ~client)
+    if relayed > 0 and len(hubs):
+        behind = ~fast & ~client & (rng.random(n) < relayed)
+        for i in np.flatnonzero(behind):
+            relay[i] = int(rng.choice(hubs))
+    cap = None if relay_cap_mb is None else relay_cap_mb * MB
+    peers = [
+        PeerSpec(
+            float(samples[i]),
+            float(down[i]),
+            float(up[i]),
+            bool(client[i]),
+            relay=relay[i],
+            relay_capacity_bps=cap if i in relay else None,
+        )
+        for i in range(n)
+    ]
     if not pairwise:
         return peers, None
     region = rng.integers(0, 4, n)
@@ -105,6 +130,10 @@ def summary(plan: Plan) -> dict[str, object]:
     }
 
 
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
 def time_limit(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
@@ -120,6 +149,8 @@ def main() -> None:
     parser.add_argument(
         "--caps-mb", default="1,10", help="with --pairwise: range of inter-region caps, MB/s (default 1,10)"
     )
+    parser.add_argument("--relayed", type=float, default=0.0, help="share of home peers relayed (default 0)")
+    parser.add_argument("--relay-cap-mb", type=float, default=None, help="every relay's slot limit, MB/s")
     parser.add_argument(
         "--time-limit",
         type=time_limit,
@@ -133,12 +164,13 @@ def main() -> None:
     methods: Counter[str] = Counter()
     gaps: list[float] = []
     with stdout_to_stderr():
-        first = random_group(args.peers, np.random.default_rng(args.seed), args.pairwise, (lo, hi))
+        extra = (args.relayed, args.relay_cap_mb)
+        first = random_group(args.peers, np.random.default_rng(args.seed), args.pairwise, (lo, hi), *extra)
         limit = args.time_limit
         plan_averaging(first[0], args.batch, gradient, pairwise=first[1], time_limit=limit)  # warm-up
         for r in range(args.repeats):
             peers, pairs = random_group(
-                args.peers, np.random.default_rng(args.seed + r), args.pairwise, (lo, hi)
+                args.peers, np.random.default_rng(args.seed + r), args.pairwise, (lo, hi), *extra
             )
             start = time.perf_counter()
             plan = plan_averaging(peers, args.batch, gradient, pairwise=pairs, time_limit=limit)
@@ -161,6 +193,9 @@ def main() -> None:
         "repeats": args.repeats,
         "seed": args.seed,
         "caps_mb": [lo, hi] if args.pairwise else None,
+        "relayed": args.relayed,
+        "relay_cap_mb": args.relay_cap_mb,
+        "relayed_peers_first_group": sum(p.relay is not None for p in peers0),
         "time_limit_s": args.time_limit,
         "solve_ms_median": statistics.median(times),
         "solve_ms_p95": percentile(times, 0.95),
@@ -173,8 +208,9 @@ def main() -> None:
         "plan": summary(first_plan),
         "all_reduce": summary(all_reduce),
         "best_parameter_server": summary(best_ps),
-        "speedup_vs_all_reduce": first_plan.steps_per_second / all_reduce.steps_per_second,
-        "speedup_vs_best_parameter_server": first_plan.steps_per_second / best_ps.steps_per_second,
+        # None: the baseline cannot average at all (all-reduce gives a slice to a peer whose relay forwards 0)
+        "speedup_vs_all_reduce": ratio(first_plan.steps_per_second, all_reduce.steps_per_second),
+        "speedup_vs_best_parameter_server": ratio(first_plan.steps_per_second, best_ps.steps_per_second),
     }
     print(json.dumps(result, indent=2))
 

@@ -56,6 +56,32 @@ the aggregators' ceilings ``x_j <= (w_j - X)/(k-2)`` (``C ∩ A``) and ``x_j <= 
 (``linprog(method="highs")``), and among optimal splits the plan takes ``x_j`` proportional to each
 aggregator's own ceiling at ``X*``, so equal peers get equal slices and spare capacity is spread evenly.
 
+**Relays** (DESIGN §2 "Relay"; not in the paper). A peer behind NAT that holds a slot on a relay ``r = r(i)``
+(``PeerSpec.relay``: another member, reachable directly, not itself relayed) accepts connections through
+``r``, so it may aggregate: ``i ∈ A``. Which bytes pass ``r`` follows from who dials whom: a sender opens the
+connection to an aggregator, pushes its part of the slice and pulls the average back over connections it
+opens itself (``allreduce``; that is how client mode works), and a peer behind NAT dials out directly. So a
+relayed peer's own sending and receiving as a *sender* is direct, and only the connections *to* a relayed
+aggregator ``j`` go through its relay, except the relay's own (``r`` dials ``j`` on the circuit it holds).
+Each such byte enters ``r`` once and leaves it once, so with ``R(r)`` the peers ``r`` relays the bytes/s
+``r`` forwards, which load its download and its upload alike, are::
+
+    F_r = Σ_{j ∈ R(r)} 2 (k - c_r - c_j) x_j          (x_j: the (k - c_r - c_j) dialers' parts and averages)
+
+and ``r``'s row becomes ``traffic_r + F_r <= w_r``, that is ``c_r X + (k - 2 c_r) x_r + F_r <= w_r``; a
+relay with a slot limit ``h_r`` (``PeerSpec.relay_capacity_bps``: bytes/s forwarded, each way) adds
+``F_r <= h_r``. The relayed peer's own row is unchanged (its bytes cross its link once, relayed or not), and a
+pairwise cap ``t_ij`` stays end to end (measured through the relay when there is one). This is not the
+model in which *all* of ``i``'s traffic crosses ``r`` (``traffic_r + Σ_{i ∈ R(r)} 2 (T_i - e_ir)``, twice
+because ``i``'s sent and received bytes both pass ``r``): that holds for a peer that cannot dial out, which
+NAT does not prevent, and it would make a relayed peer worse off than the same peer in client mode. Here,
+with ``x_i = 0`` a relayed peer's rows are exactly its client-mode rows, so a relayed peer is never planned
+worse than client mode, and a relay whose spare bandwidth covers ``F_r`` changes nothing (tested). The
+relay rows have non-negative coefficients that do not decrease when a peer joins ``C`` (``k - c_r - c_j``
+counts the *other* computing peers), so everything the search uses below still holds, and they only
+remove options, so the closed form ``X*(C)`` is an upper bound with relays. Not modelled: the relay's added
+latency and CPU, and relays of relays (rejected).
+
 **Choosing ``C``** exactly: closed-form incumbents, cell bounds that certify them, and a fixed-size MILP
 (HiGHS, ``scipy.optimize.milp``) where they do not (:mod:`.load_balance_search`). Tested against
 enumerating all ``2^n`` compute sets. The search has a time budget (``time_limit``, default
@@ -67,7 +93,7 @@ holds and the budget is not reached; with binding pairwise caps it is what bound
 
 Special cases it recovers (tested): homogeneous peers → equal all-reduce; one high-bandwidth low-compute
 peer → parameter server; CPU-only peers with good links → pure aggregators (BytePS); client-mode peers →
-senders only.
+senders only; a relayed peer behind a relay with spare bandwidth → as if it were direct.
 """
 
 from __future__ import annotations
@@ -78,7 +104,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .load_balance_model import Bools, Floats, Problem, forced_rate, max_rates
+from .load_balance_model import Bools, Floats, Ints, Problem, forced_rate, max_rates
 from .load_balance_search import choose_compute_set
 
 DEFAULT_TIME_LIMIT = 0.8  # seconds for the compute-set search of one plan_averaging call
@@ -110,21 +136,41 @@ class PeerSpec:
         samples_per_second: gradient throughput on the run's model; 0 for a peer without an accelerator.
         download_bps: download bandwidth, bytes/s.
         upload_bps: upload bandwidth, bytes/s.
-        client_mode: the peer accepts no inbound connections, so it cannot aggregate.
+        client_mode: the peer accepts no inbound connections, not even through a relay, so it cannot
+            aggregate.
+        relay: index (in the group passed to the planner) of the member that relays inbound connections to
+            this peer, or ``None`` for a directly reachable or client-mode peer. A relayed peer may aggregate;
+            its slice's traffic loads the relay (module docstring, "Relays").
+        relay_capacity_bps: as a relay, the most bytes/s this peer forwards for the peers it relays (its slot
+            limit, each way), or ``None`` for no limit beyond its links.
 
     Raises:
-        ValueError: a rate is NaN, infinite or negative, or a bandwidth is 0.
+        ValueError: a rate is NaN, infinite or negative, or a bandwidth is 0; ``relay`` is not a non-negative
+            integer, or is given for a peer in client mode. (Whether ``relay`` names a member that can relay
+            is checked by the planners, which see the whole group.)
     """
 
     samples_per_second: float
     download_bps: float
     upload_bps: float
     client_mode: bool = False
+    relay: int | None = None
+    relay_capacity_bps: float | None = None
 
     def __post_init__(self) -> None:
         _check_rate("samples_per_second", self.samples_per_second, positive=False)
         _check_rate("download_bps", self.download_bps, positive=True)
         _check_rate("upload_bps", self.upload_bps, positive=True)
+        if self.relay_capacity_bps is not None:
+            _check_rate("relay_capacity_bps", self.relay_capacity_bps, positive=False)
+        if self.relay is not None:
+            if isinstance(self.relay, bool) or not isinstance(self.relay, int | np.integer) or self.relay < 0:
+                raise ValueError(f"relay must be a member index (a non-negative integer), got {self.relay!r}")
+            if self.client_mode:
+                raise ValueError(
+                    f"a peer relayed by member {self.relay} is reachable through it, so it is not in client "
+                    "mode: pass client_mode=False, or relay=None for a peer with no relay slot"
+                )
 
 
 @dataclass(frozen=True)
@@ -144,7 +190,8 @@ class Plan:
         compute_rate: ``Σ_i s_i c_i / B``: steps/s the computing peers can fill.
         comm_rate: ``X / P``: gradients/s the network can average under this plan (``inf``: no traffic).
         method: how it was produced: ``"lp (compute set certified)"``, ``"lp (compute set milp over N
-            sizes)"``, ``"lp (compute set certified, caps slack)"`` (see :mod:`.load_balance_search`),
+            sizes)"``, ``"lp (compute set certified, caps slack)"`` (also ``relays slack``, ``caps and
+            relays slack``; see :mod:`.load_balance_search`),
             ``"lone aggregator"`` (one peer computes and aggregates everything locally, no traffic;
             ``"lone aggregator (compute set …, time limit, gap G%)"`` when the budget cut the search),
             ``"all-reduce"`` or ``"parameter server"`` (forced fractions). A search that ran out of its
@@ -196,7 +243,8 @@ def plan_averaging(
 
     Raises:
         ValueError: no peers; ``target_batch`` or ``gradient_bytes`` not positive and finite; every peer
-            in client mode (nobody can aggregate); no peer with ``samples_per_second > 0`` (nobody can
+            in client mode (nobody can aggregate); a ``relay`` that is out of range, the peer itself, a
+            client-mode member or a relayed member; no peer with ``samples_per_second > 0`` (nobody can
             compute); a bad ``pairwise`` entry, ``numel`` or ``time_limit``; or pairwise caps of 0 leave no
             way to average.
     """
@@ -330,7 +378,38 @@ def _problem(
             _check_rate(f"pairwise[{key!r}]", cap, positive=False)
             caps[key] = min(caps[key], cap / scale)
         caps = np.minimum(caps, caps.T)
-    return Problem(s, w / scale, agg, float(target_batch), float(gradient_bytes) / scale, caps, scale)
+    relay, relay_cap = _relays(peers, scale)
+    return Problem(
+        s, w / scale, agg, float(target_batch), float(gradient_bytes) / scale, caps, scale, relay, relay_cap
+    )
+
+
+def _relays(peers: Sequence[PeerSpec], scale: float) -> tuple[Ints | None, Floats | None]:
+    """``r(i)`` (-1: not relayed) and ``h_r / scale`` (``inf``: no slot limit), or ``(None, None)``."""
+    n = len(peers)
+    if all(peer.relay is None for peer in peers):
+        return None, None
+    relay = np.full(n, -1, dtype=np.intp)
+    for i, peer in enumerate(peers):
+        r = peer.relay
+        if r is None:
+            continue
+        if not 0 <= r < n:
+            raise ValueError(f"peers[{i}].relay = {r}: not a member index in [0, {n})")
+        if r == i:
+            raise ValueError(f"peers[{i}].relay = {r}: a peer cannot relay itself")
+        if peers[r].client_mode:
+            raise ValueError(f"peers[{i}].relay = {r}: member {r} is in client mode and cannot relay")
+        if peers[r].relay is not None:
+            raise ValueError(
+                f"peers[{i}].relay = {r}: member {r} is itself relayed (by {peers[r].relay}); relays of "
+                "relays are not supported"
+            )
+        relay[i] = int(r)
+    cap = np.array(
+        [math.inf if peer.relay_capacity_bps is None else peer.relay_capacity_bps / scale for peer in peers]
+    )
+    return relay, cap
 
 
 def _is_index(value: object, n: int) -> bool:

@@ -45,10 +45,20 @@ Fixed-``k`` MILP (also the route with pairwise caps). Binary ``c_i``; ``x_j``, `
                   x_j <= t_ij + M (1 - c_i)                    i may send to aggregator j
                   x_i + x_j <= t_ij + M (2 - c_i - c_j)        both may compute and aggregate
 
-with each ``M`` the smallest value that makes the row void when its condition is off. With pairwise caps,
-caps only remove options, so the no-cap optimum bounds every set: if the caps do not bind at the no-cap
-optimum it is optimal ("caps slack"); otherwise ``k = 1`` is solved in closed form and every size ``k >= 2``
-whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to the MILP as above. Worst case
+with each ``M`` the smallest value that makes the row void when its condition is off. Relays
+(``load_balance``, "Relays") add, for each relay ``r`` with relayed set ``R``, variables ``u_j = c_j x_j``
+(``j ∈ R``; they enter with a minus sign, so ``u_j <= x_j`` and ``u_j <= x̄_j c_j`` make them exact) and, with
+``F_r = 2 (k - c_r) Σ_R x_j - 2 Σ_R u_j``, the rows::
+
+                  X + (k-2) x_r + F_r <= w_r + M (1 - c_r),    k x_r + F_r <= w_r + M c_r
+                  F_r <= h_r + M (1 - c_r)  (F_r at c_r = 1),  F_r <= h_r + M c_r  (F_r at c_r = 0)
+
+The relay rows keep fact 1 (their coefficients count the *other* computing peers) and only tighten the
+model, so every closed-form bound above stays an upper bound. With pairwise caps or relays, they only
+remove options, so the relaxed optimum bounds every set: if they do not bind at the relaxed optimum it is
+optimal ("caps slack", "relays slack", "caps and relays slack"); otherwise ``k = 1`` is solved in closed
+form and every size ``k >= 2`` whose bound ``min(no-cap bound, Σ_j x̄_j / P)`` beats the incumbent goes to
+the MILP as above (with relays, ``x̄_j`` still bounds ``x_j``: rows were only added). Worst case
 exponential (it is a MILP), hence the budget of step 5: on ``scripts/bench_lp.py --pairwise --caps-mb
 0.05,0.5`` at 64 peers about one group in five runs into it with the default 0.8 s (15 of seeds 0-39 and
 1000-1039 on one run), nearly always while proving that larger sizes cannot beat the incumbent: the big-M
@@ -249,7 +259,7 @@ def _best_of_size(
     y, x_bar = _size_bounds(p, cand, k, limits)
     is_cand = _mask(n, cand)
     x0, ix, ir = n, 2 * n, 2 * n + 1
-    rows = _Rows(2 * n + 2)
+    rows = _Rows(2 * n + 2 + (n if p.relay is not None else 0))
     aggs = np.flatnonzero(p.agg)
     rows.row(np.append(x0 + aggs, ix), np.append(-np.ones(len(aggs)), 1.0), 0.0, 0.0)  # X = Σ x
     rows.row(np.append(cand, ir), np.append(-p.s[cand] / (p.batch * bound), 1.0), -np.inf, 0.0)  # B ξ <= S
@@ -272,16 +282,20 @@ def _best_of_size(
         i, j, t = i[keep], j[keep], t[keep]
         m9 = x_bar[i] + x_bar[j] - t
         rows.block([(x0 + i, 1.0), (x0 + j, 1.0), (i, m9), (j, m9)], t + 2 * m9)
-    upper = np.concatenate(
-        [is_cand.astype(float), np.where(is_cand, x_bar, np.minimum(x_bar, p.w / k)), [y, 1.0]]
-    )
-    objective = np.zeros(2 * n + 2)
+    x_up = np.where(is_cand, x_bar, np.minimum(x_bar, p.w / k))
+    upper = np.concatenate([is_cand.astype(float), x_up, [y, 1.0]])
+    if p.relay is not None:
+        upper = np.concatenate([upper, _relay_rows(p, rows, k, y, x_up, is_cand)])
+    width = len(upper)
+    objective = np.zeros(width)
     objective[ir] = -_OBJECTIVE_SCALE
+    lower = np.zeros(width)
+    lower[ir] = min(floor / bound, 1.0)
     res = milp(
         objective,
         constraints=rows.constraint(),
-        integrality=np.concatenate([np.ones(n), np.zeros(n + 2)]),
-        bounds=Bounds(np.concatenate([np.zeros(2 * n + 1), [min(floor / bound, 1.0)]]), upper),
+        integrality=np.concatenate([np.ones(n), np.zeros(width - n)]),
+        bounds=Bounds(lower, upper),
         options={"mip_rel_gap": REL_TOL} | ({} if seconds is None else {"time_limit": seconds}),
     )
     if res.status == 2:  # infeasible: no set of this size beats the floor
@@ -296,6 +310,55 @@ def _best_of_size(
     return np.asarray(res.x[:n] > 0.5), -math.inf
 
 
+def _relay_rows(p: Problem, rows: _Rows, k: int, y: float, x_up: Floats, is_cand: Bools) -> Floats:
+    """Add the relay rows of the fixed-``k`` MILP (module docstring); return the upper bounds of ``u``.
+
+    Variables ``u_j = c_j x_j`` (columns ``2n+2 ..``), needed only from above (they enter with a minus sign):
+    ``u_j <= x_j`` and ``u_j <= x̄_j c_j``. Each relay ``r`` gets its row once for ``c_r = 1`` and once for
+    ``c_r = 0``, each voided by a big-M when ``c_r`` has the other value.
+    """
+    n = p.n
+    x0, ix, u0 = n, 2 * n, 2 * n + 2
+    relayed = np.flatnonzero((p.relay >= 0) & is_cand) if p.relay is not None else np.array([], np.intp)
+    rows.block([(u0 + relayed, 1.0), (x0 + relayed, -1.0)], np.zeros(len(relayed)))  # u_j <= x_j
+    rows.block([(u0 + relayed, 1.0), (relayed, -x_up[relayed])], np.zeros(len(relayed)))  # u_j <= x̄_j c_j
+    u_up = np.zeros(n)
+    u_up[relayed] = x_up[relayed]
+    assert p.relay_cap is not None
+    for r, members in p.relays():
+        js = np.flatnonzero(members)
+        us = u0 + js[is_cand[js]]
+        reach = float(x_up[js].sum())
+        h = float(p.relay_cap[r])
+        for c_r in (1, 0):
+            forward = 2.0 * (k - c_r)  # F_r = forward · X_R - 2 Σ_R u
+            cols = [x0 + js, us]
+            vals = [np.full(len(js), forward), np.full(len(us), -2.0)]
+            if c_r:  # traffic_r = X + (k - 2) x_r
+                cols += [np.array([ix, x0 + r])]
+                vals += [np.array([1.0, k - 2.0])]
+                high = y + (k - 2) * x_up[r] + forward * reach
+            else:  # traffic_r = k x_r
+                cols += [np.array([x0 + r])]
+                vals += [np.array([float(k)])]
+                high = k * x_up[r] + forward * reach
+            limits = [(cols, vals, float(p.w[r]), high)]
+            if math.isfinite(h):
+                limits.append((cols[:2], vals[:2], h, forward * reach))
+            for cs, vs, limit, top in limits:
+                big = max(0.0, top - limit)
+                # c_r = 1: row + M c_r <= limit + M;  c_r = 0: row - M c_r <= limit; divided by the limit, so
+                # HiGHS's absolute feasibility tolerance is a relative one on a slow relay too
+                unit = limit if limit > 0 else 1.0
+                rows.row(
+                    np.concatenate([*cs, [r]]),
+                    np.concatenate([*vs, [big if c_r else -big]]) / unit,
+                    -np.inf,
+                    (limit + big if c_r else limit) / unit,
+                )
+    return u_up
+
+
 def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
     """The compute set that maximizes ``ξ``, or the best found in ``time_limit`` seconds (module docstring).
 
@@ -305,7 +368,7 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
     """
     start = time.perf_counter()
     cand = np.flatnonzero(p.s > 0)
-    free = p.without_caps()
+    free = p.relaxed()
     best, best_set, best2 = _small_sets(free, cand)
     inc, inc_set, bound_by_k = _cells(free, cand)
     if inc > best and inc_set is not None:
@@ -314,17 +377,22 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
         bound_by_k[2] = best2  # sizes 1 and 2 were enumerated: exact
     limits = _pair_limits(p, cand)
     how = "certified"
-    if p.caps is not None:
-        ceiling = best  # caps only remove options: the no-cap optimum bounds every set
+    if p.constrained:
+        # caps and relays only remove options, so the relaxed optimum bounds every set; the relaxed incumbent
+        # is that optimum only where no cell bound exceeds it, so the ceiling is the larger of them
+        ceiling = max(best, float(bound_by_k.max()))
         best = _value(p, best_set, max_rates(p, best_set)[0])
         if best >= ceiling * (1 - REL_TOL):
-            return Choice(best_set, best, "certified, caps slack", best)
+            slack = {(True, False): "caps", (False, True): "relays", (True, True): "caps and relays"}[
+                (p.caps is not None, p.relay is not None)
+            ]
+            return Choice(best_set, best, f"certified, {slack} slack", best)
         one, one_set = _best_single_capped(p, cand)
         if one > best:
             best, best_set = one, one_set
         for k in range(2, len(cand) + 1):
             flow = float(_size_bounds(p, cand, k, limits)[1].sum()) / p.size  # X <= Σ_j x̄_j
-            bound_by_k[k] = min(bound_by_k[k], ceiling, flow)
+            bound_by_k[k] = min(bound_by_k[k], flow)
     solved = 0
     unproven = -math.inf  # the largest upper bound on ξ over the sizes the budget left open
     for k in range(2, len(cand) + 1):
@@ -341,7 +409,7 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
         unproven = max(unproven, open_bound)
         if found is None:
             continue
-        rate = comm_bound(p, found) if p.caps is None else max_rates(p, found)[0]
+        rate = max_rates(p, found)[0] if p.constrained else comm_bound(p, found)
         value = _value(p, found, rate)
         if value > best:
             best, best_set = value, found
@@ -355,11 +423,23 @@ def choose_compute_set(p: Problem, time_limit: float | None = None) -> Choice:
 
 
 def _best_single_capped(p: Problem, cand: Ints) -> tuple[float, Bools]:
-    """Best lone computing peer under pairwise caps (closed form)."""
-    assert p.caps is not None
-    reach = np.where(p.agg[None, :], np.minimum(p.w[None, :], p.caps[cand, :]), 0.0)
+    """Best lone computing peer under pairwise caps and relays (closed form).
+
+    A lone aggregator needs no traffic. A lone client ``c`` sends to every aggregator ``j`` at most
+    ``reach_j = min(w_j, t_cj)``; a relay ``r`` carries ``x_r + 2 X_R <= w_r`` and ``2 X_R <= h_r``
+    (``k = 1``, ``c_r = c_j = 0``), and since ``x_r`` costs it half of what a relayed slice does, the best is
+    ``x_r = reach_r`` and ``X_R = min(Σ_R reach, (w_r - reach_r) / 2, h_r / 2)``.
+    """
+    links = np.tile(p.w, (len(cand), 1)) if p.caps is None else np.minimum(p.w[None, :], p.caps[cand, :])
+    reach = np.where(p.agg[None, :], links, 0.0)
     reach[np.arange(len(cand)), cand] = 0.0
-    rate = np.where(p.agg[cand], math.inf, np.minimum(p.w[cand], reach.sum(axis=1)))
+    total = reach.sum(axis=1)
+    for r, members in p.relays():
+        assert p.relay_cap is not None
+        relayed = reach[:, members].sum(axis=1)
+        room = np.minimum((p.w[r] - reach[:, r]) / 2, p.relay_cap[r] / 2)
+        total = total - relayed + np.minimum(relayed, room)
+    rate = np.where(p.agg[cand], math.inf, np.minimum(p.w[cand], total))
     values = np.minimum(p.s[cand] / p.batch, rate / p.size)
     b = int(np.argmax(values))
     return float(values[b]), _mask(p.n, cand[b : b + 1])

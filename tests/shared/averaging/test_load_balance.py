@@ -657,3 +657,22 @@ def test_load_balance_a_lone_aggregator_cut_by_the_budget_says_so() -> None:
     assert (plan.gap > 0) == ("time limit" in plan.method) == ("gap" in plan.method)
     if plan.gap > 0:
         assert plan.method.startswith("lone aggregator (compute set ")
+
+
+def test_load_balance_caps_route_does_not_take_an_uncertified_incumbent_for_the_no_cap_optimum() -> None:
+    # found by fuzzing the relay extension: the closed-form incumbent (peers 0 and 1 compute) is not the
+    # no-cap optimum here (a cell bound exceeds it; the MILP finds peers 1, 2 and 4), and with caps that do
+    # not bind the search once returned it as "certified, caps slack"
+    peers = [
+        PeerSpec(2.0, 38632803.3982858, 100 * MB, True),
+        PeerSpec(25.13959265017004, 100 * MB, 97118562.65320323, True),
+        PeerSpec(2.0, 134756302.35434675, 100 * MB, True),
+        PeerSpec(0.0, 0.2 * MB, 118038676.14559437),
+        PeerSpec(2.0, 181893936.23916343, 10 * MB),
+    ]
+    batch, size = 1941.244146952545, 300 * MB
+    expected = brute_force(peers, batch, size)
+    for caps in (None, {}, {(0, 1): 1000 * MB}):
+        plan = plan_averaging(peers, batch, size, pairwise=caps, time_limit=None)
+        assert close(plan.steps_per_second, expected), caps
+        assert plan.compute == (False, True, True, False, True)
