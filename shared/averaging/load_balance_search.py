@@ -306,7 +306,10 @@ def _best_of_size(
         found = None if res.x is None else np.asarray(res.x[:n] > 0.5)
         return found, max(floor, bound * ratio)
     if res.status != 0 or res.x is None:
-        raise RuntimeError(f"HiGHS could not solve the compute-set MILP for {k} peers: {res.message}")
+        # HiGHS gave up (status 4, "Solve error": seen on near-tied links): this size stays open with its
+        # upper bound, so the plan is the best set found so far and its gap says how far it may be from
+        # the optimum -- a solver hiccup must not fail an averaging round
+        return None, max(floor, bound)
     return np.asarray(res.x[:n] > 0.5), -math.inf
 
 

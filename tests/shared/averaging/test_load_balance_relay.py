@@ -237,12 +237,12 @@ def test_fixed_size_milp_with_relay_rows_finds_the_best_set_of_each_size(
         # pass). 1e-3: the MILP's rows other than the relay rows are in units of the fastest link, where
         # HiGHS's MIP feasibility tolerance (1e-6) blurs closer ties on links ~100x slower.
         limits = _pair_limits(p, cand)
-        try:
-            found, open_bound = _best_of_size(p, cand, k, best * 1.5, best * (1 - 1e-3), limits, None)
-            above = _best_of_size(p, cand, k, best * 1.5, best * (1 + 1e-3), limits, None)
-        except RuntimeError as error:  # HiGHS status 4, also seen without relays on such floors: reported
-            assume("Solve error" not in str(error))
-            raise
+        found, open_bound = _best_of_size(p, cand, k, best * 1.5, best * (1 - 1e-3), limits, None)
+        above = _best_of_size(p, cand, k, best * 1.5, best * (1 + 1e-3), limits, None)
+        # HiGHS status 4 ("Solve error", also seen without relays on such floors) leaves the size open with
+        # its bound (no set, a finite bound): that case is the search's to report as a gap, not this test's
+        gave_up = (found is None and open_bound > -math.inf) or (above[0] is None and above[1] > -math.inf)
+        assume(not gave_up)
         assert found is not None and int(found.sum()) == k and open_bound == -math.inf
         samples = float(p.s[found].sum())
         assert min(samples / batch, reference_rate(peers, found.tolist(), caps) / size) >= best * (1 - 1e-3)
