@@ -168,8 +168,11 @@ class NodeStatus:
     updated_at: float
     tolerated: dict[str, int] = field(default_factory=dict)  # failures survived, by site (node and DHT)
     advertised_addrs: list[str] = field(default_factory=list)  # what we tell others (empty: client mode)
-    reachability: str = ""  # "direct", "client" or "unchecked" (shared.net.reachability); "" not checked
+    reachability: str = ""  # "direct", "relayed", "client", "unchecked" (shared.net.reachability); "": none
     reachability_note: str = ""  # the same for people: why, and what would change it
+    links: dict[str, int] = field(
+        default_factory=dict
+    )  # our RPC connections by kind: direct, relayed, punched
 
 
 @dataclass
@@ -230,7 +233,8 @@ class Node:
             await trio.sleep(period)
 
     def status(self) -> NodeStatus:
-        host_stats = self.host.statistics()
+        host = self.host
+        host_stats = host.statistics()
         dht_stats = self.dht.statistics()
         return NodeStatus(
             run_id=self.host.run_id,
@@ -249,6 +253,9 @@ class Node:
             advertised_addrs=self.host.advertised_addrs,
             reachability="" if self.reachability is None else self.reachability.mode,
             reachability_note="" if self.reachability is None else self.reachability.describe(),
+            links=dict(
+                Counter(self.host.connection_kind(p) or "direct" for p in self.host.connected_peers())
+            ),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
         )
 

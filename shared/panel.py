@@ -283,6 +283,8 @@ def status_view(status: NodeStatus, headline: str) -> PanelView:
     ]
     if status.reachability_note:
         rows.append(Row("network", status.reachability_note, 1))
+    if status.links:
+        rows.append(Row("links", links_text(status.links), 2))
     return PanelView(f"[bold]{status.role}[/] · {headline}", rows, status_line(status), hint=HINT)
 
 
@@ -296,3 +298,9 @@ def status_line(status: NodeStatus) -> str:
         f"DHT size ≈ {status.dht_size_estimate}, online {status.members_online}, "
         f"RPC latency {_latency(status)}"
     )
+
+
+def links_text(links: dict[str, int]) -> str:
+    """``"3 direct · 1 punched · 1 relayed"`` (our RPC connections by how they travel)."""
+    order = {"direct": 0, "punched": 1, "relayed": 2}
+    return " · ".join(f"{n} {kind}" for kind, n in sorted(links.items(), key=lambda kv: order.get(kv[0], 9)))

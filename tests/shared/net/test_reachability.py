@@ -45,6 +45,7 @@ async def test_a_reachable_node_advertises_exactly_what_was_dialed_back(nursery:
     status = node.status()
     assert (status.reachability, status.advertised_addrs) == ("direct", node.host.listen_addrs)
     assert "reachable at /ip4/127.0.0.1/tcp/" in status.reachability_note
+    assert status.links == {"direct": len(node.host.connected_peers())} and status.links["direct"] >= 1
     # the backbone learned our address from the connection the DHT opened after the check
     channel = backbone.host.channel_for(node.host.peer_id)
     assert channel is not None and channel.conn.remote_addrs == tuple(node.host.listen_addrs)
