@@ -147,6 +147,8 @@ class AuxiliaryAggregator:
             ),
         )
         self.stats = AuxiliaryStatistics()
+        #: the address stated in our tickets; None: our first listen address (a backbone's are public)
+        self.address: str | None = None
 
     def statistics(self) -> AuxiliaryStatistics:
         return AuxiliaryStatistics(**{**vars(self.stats), "errors_by_kind": dict(self.stats.errors_by_kind)})
@@ -154,10 +156,10 @@ class AuxiliaryAggregator:
     def ticket(self) -> JoinTicket | None:
         """Our auxiliary ticket, or None while we have no address others can dial."""
         addrs = self.dht.host.listen_addrs
-        if not addrs:
+        if self.address is None and not addrs:
             return None
         return JoinTicket(
-            addr=addrs[0],
+            addr=self.address or addrs[0],
             weight=0.0,
             norm=0.0,
             samples_per_second=0.0,

@@ -146,3 +146,51 @@ def test_with_no_aggregate_client_mode_volunteers_cannot_average_and_say_why(tmp
         codes = _stop_all(backbone, volunteers)
     assert all(code == 0 for code in codes.values()), codes
     assert "not aggregating (--no-aggregate)" in backbone.log()
+
+
+class _AuxVolunteer(_ClientVolunteer):
+    """``volunteer join --aux`` listening on ``host`` (127.0.0.1: reachable; 127.0.0.2: client mode)."""
+
+    def __init__(self, root: Path, name: str, backbone: Backbone, host: str) -> None:
+        self.name = name
+        self.dir = root / name
+        self.dir.mkdir()
+        argv = cli(
+            "volunteer", "join", backbone.run_id, "--data-dir", str(self.dir),
+            "--listen", f"/ip4/{host}/tcp/0", "--initial-peer", backbone.address,
+            "--no-panel", "--aux", "--invite", backbone.invite(name),
+        )  # fmt: skip
+        self.log = self.dir / "volunteer.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=ENV)
+
+
+def test_a_reachable_aux_volunteer_aggregates_for_client_mode_volunteers(tmp_path: Path) -> None:
+    """``volunteer join --aux`` does what an aggregating backbone does, with its measured bandwidth; one
+    that nobody can dial exits at once, saying why."""
+    backbone = _Backbone(tmp_path, "--no-aggregate")
+    backbone.start()
+    unreachable = _AuxVolunteer(tmp_path, "nat-aux", backbone, "127.0.0.2")
+    assert unreachable.proc.wait(timeout=90) == 1
+    assert "could not dial this machine back" in unreachable.log.read_text()
+
+    aux = _AuxVolunteer(tmp_path, "aux", backbone, "127.0.0.1")
+    volunteers = [_ClientVolunteer(tmp_path, name, backbone) for name in ("alice", "bob")]
+    try:
+        wait_for(
+            lambda: all(sum(r["peers"] == 3 for r in v.records()) >= 3 for v in volunteers),
+            "3 steps averaged by both volunteers and the aux volunteer",
+            240,
+            [*volunteers, aux],
+        )
+        assert assert_identical(volunteers) >= 3  # type: ignore[arg-type]
+    finally:
+        codes = {v.name: stop(v.proc, within=40)[0] for v in [*volunteers, aux] if v.alive()}
+        if backbone.proc is not None and backbone.proc.poll() is None:
+            codes["backbone"] = stop(backbone.proc, within=30)[0]
+    assert all(code == 0 for code in codes.values()), codes
+    text = aux.log.read_text()
+    assert "aggregating (auxiliary, no training)" in text and "as measured" in text
+    held = re.findall(r"aggregated (\d+) of (\d+) elements for (\d+) sender", text)
+    assert len(held) >= 3 and all(part == whole for part, whole, _ in held), held
+    assert not (aux.dir / "steps.jsonl").exists()  # it trained nothing
