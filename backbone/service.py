@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import ipaddress
 import logging
 import os
@@ -339,6 +340,13 @@ async def _serve_pinned(
             await trio.sleep(DEFAULT_TOKEN_LIFETIME * 2 / 3)
             auth.set_token(_own_token(authority, run_id, node.host.endpoint.identity))
 
+    if options.aggregate:  # its receipts must count for the volunteers it aggregates for (ledger)
+        identity = node.host.endpoint.identity
+        await trio.to_thread.run_sync(
+            functools.partial(
+                store.register_backbone, node.peer_id, identity.public_key_bytes, now=time.time()
+            )
+        )
     async with trio.open_nursery() as nursery:
         api_urls = await nursery.start(_serve_api, state, authority, options, api_socket)
         public_urls.extend(u for u in api_urls if u not in public_urls)

@@ -121,6 +121,13 @@ def test_two_client_mode_volunteers_train_because_the_backbone_aggregates(tmp_pa
     held = re.findall(r"aggregated (\d+) of (\d+) elements for (\d+) sender", log)
     assert len(held) >= 4 and all(part == whole for part, whole, _ in held), held
     assert any(senders == "2" for _, _, senders in held), held
+    # the backbone's receipts count: both volunteers are credited samples (the ledger knows the backbone)
+    ledger = subprocess.run(
+        cli("backbone", "ledger", "--data-dir", str(backbone.dir), "--json"),
+        capture_output=True, text=True, env=ENV, check=True,
+    )  # fmt: skip
+    credited = {row["username"] for row in json.loads(ledger.stdout) if row["samples"] > 0}
+    assert {"alice", "bob"} <= credited, ledger.stdout
     for v in volunteers:  # the volunteers held no slice: they were in client mode
         text = v.log.read_text()
         assert "nobody can aggregate" not in text
