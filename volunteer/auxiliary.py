@@ -5,11 +5,12 @@ A reachable CPU server with a good link can take slices of every step's gradient
 volunteers behind NAT (client mode) average through it, like a backbone does by default. It loads no
 model and needs no accelerator: it does not train, download the state or report samples.
 
-Before it joins any round it measures itself against a backbone (:mod:`shared.net.probe`): its upload and
-download bandwidth, which its tickets state (the LP gives aggregators slices in proportion to them), and
-whether the backbone can dial it back. An auxiliary peer that nobody can dial could aggregate nothing, so
-one that turns out to be in client mode exits at once, saying so (exit code 1), rather than idle; its
-tickets state the address the backbone reached.
+Like every volunteer, it joined the DHT after a backbone checked that it can dial it back
+(:mod:`shared.net.reachability`; it advertises only the addresses the backbone reached). An auxiliary
+peer that nobody can dial could aggregate nothing, so one in client mode exits at once, saying so (exit
+code 1), rather than idle. Before it joins any round it measures its upload and download bandwidth
+against that backbone (:mod:`shared.net.probe`): its tickets state them, and the LP gives aggregators
+slices in proportion to them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from shared.averaging.auxiliary import AuxiliaryAggregator, AuxiliaryConfig
 from shared.errors import ProjectError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
-from shared.net.probe import check_reachable, measure_bandwidth
+from shared.net.probe import measure_bandwidth
 from shared.node import Node
 
 __all__ = ["NotReachable", "serve_auxiliary"]
@@ -42,40 +43,28 @@ class NotReachable(ProjectError):
     """``--aux`` on a machine the run cannot dial (client mode): it could aggregate nothing."""
 
 
-async def serve_auxiliary(
-    node: Node,
-    training: TrainingSpec,
-    backbones: list[str],
-    shutdown: Shutdown,
-    console: Console,
-) -> None:
-    """Measure ourselves against the first backbone in ``backbones``, then aggregate until ``shutdown``.
+async def serve_auxiliary(node: Node, training: TrainingSpec, shutdown: Shutdown, console: Console) -> None:
+    """Check that the run can dial us (the node's reachability check), measure our link against the
+    backbone that checked it, then aggregate until ``shutdown``.
 
     Raises:
-        NotReachable: the backbone could not dial us back, or there is no backbone to measure against.
+        NotReachable: no backbone could dial us back (client mode), or none could check.
         PeerUnavailable, HandshakeError, RemoteError, ProtocolError: the backbone could not be probed.
     """
-    peers = [parse_multiaddr(text) for text in backbones]
-    backbone = next((p for p in peers if p.peer_id is not None), None)
-    if backbone is None:
+    reach = node.reachability
+    reachable = node.host.advertised_addrs
+    if reach is None or reach.client_mode or not reach.checked_with or not reachable:
+        why = "no reachability check" if reach is None else reach.describe()
         raise NotReachable(
-            "--aux measures this machine against a backbone: give one with --initial-peer "
-            "/ip4/…/tcp/…/p2p/… (as `backbone start` prints it)"
+            f"--aux: the run cannot dial this machine ({why}); an auxiliary peer behind NAT or a firewall "
+            "could aggregate nothing: run it on a reachable server, or forward its --listen port"
         )
-    upload, download = await measure_bandwidth(node.host, backbone, PROBE_BYTES)
-    reachable = await check_reachable(node.host, backbone)
-    if not reachable:
-        raise NotReachable(
-            "--aux: the backbone could not dial this machine back at "
-            f"{', '.join(node.host.listen_addrs) or 'any address'}: it is behind NAT or a firewall (client "
-            "mode) and could aggregate nothing; run it on a reachable server, or forward its --listen port"
-        )
+    upload, download = await measure_bandwidth(node.host, parse_multiaddr(reach.checked_with), PROBE_BYTES)
     aggregator = AuxiliaryAggregator(
         node.dht,
         training,
         AuxiliaryConfig(upload_bps=min(upload, 1e13), download_bps=min(download, 1e13), max_numel=MAX_NUMEL),
     )
-    aggregator.address = reachable[0]
     logger.info(
         "aggregating (auxiliary, no training): reachable at %s, ↑ %.0f MB/s ↓ %.0f MB/s as measured",
         reachable[0],

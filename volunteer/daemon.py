@@ -114,7 +114,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                 shutdown.ready()
                 await shutdown.requested.wait()
             elif options.aux:
-                await serve_auxiliary(node, training, initial, shutdown, console)
+                await serve_auxiliary(node, training, shutdown, console)
             else:
                 session = TrainingSession(node, identity, admission, training, options, initial)
                 await session.run(shutdown, console)

@@ -147,19 +147,17 @@ class AuxiliaryAggregator:
             ),
         )
         self.stats = AuxiliaryStatistics()
-        #: the address stated in our tickets; None: our first listen address (a backbone's are public)
-        self.address: str | None = None
 
     def statistics(self) -> AuxiliaryStatistics:
         return AuxiliaryStatistics(**{**vars(self.stats), "errors_by_kind": dict(self.stats.errors_by_kind)})
 
     def ticket(self) -> JoinTicket | None:
-        """Our auxiliary ticket, or None while we have no address others can dial."""
-        addrs = self.dht.host.listen_addrs
-        if self.address is None and not addrs:
+        """Our auxiliary ticket, or None while we advertise no address others can dial."""
+        addrs = self.dht.host.advertised_addrs  # what a reachability check proved, if one ran
+        if not addrs:
             return None
         return JoinTicket(
-            addr=self.address or addrs[0],
+            addr=addrs[0],
             weight=0.0,
             norm=0.0,
             samples_per_second=0.0,

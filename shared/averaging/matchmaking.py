@@ -326,11 +326,6 @@ class Matchmaker:
             PeerSpec(t.samples_per_second, t.download_bps, t.upload_bps, t.client_mode or t.addr is None)
             for t in (tickets[m] for m in members)
         ]
-        if all(s.client_mode for s in specs):
-            raise ValueError(
-                f"all {len(specs)} peers are in client mode: nobody can aggregate; a reachable aggregator "
-                "must join the round (a backbone does unless started with --no-aggregate)"
-            )
         if not any(s.samples_per_second > 0 for s in specs):  # nobody measured compute yet: weights say
             specs = [
                 PeerSpec(0.0 if a else max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)

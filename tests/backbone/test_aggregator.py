@@ -39,7 +39,7 @@ async def test_status_json_says_whether_and_what_the_backbone_aggregates(tmp_pat
         aggregator = backbone_aggregator(node, TrainingSpec(), mbps=250.0)
         ticket = aggregator.ticket()
         assert ticket is not None and ticket.aux and ticket.upload_bps == ticket.download_bps == 250e6
-        assert ticket.addr == node.host.listen_addrs[0]
+        assert ticket.addr == node.host.advertised_addrs[0]
         assert ticket.weight == ticket.samples_per_second == 0.0
         assert status_document(node, None)["aggregator"] is None
         aggregator.stats.rounds_aggregated = 3
