@@ -191,7 +191,7 @@ class AuxiliaryAggregator:
         while True:
             try:
                 step = await self.collaboration_step()
-            except CALL_FAILURES as exc:
+            except (*CALL_FAILURES, ProjectError) as exc:
                 self._note("progress", exc)
                 step = None
             ticket = self.ticket()
@@ -228,7 +228,8 @@ class AuxiliaryAggregator:
                 return False
             vector = np.zeros(plan.numel, dtype=np.float32)  # lazily mapped: only our slice is written
             result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
-        except (*CALL_FAILURES, ProtocolError, ProjectError, ValueError) as exc:
+        except (*CALL_FAILURES, ProtocolError, ProjectError, ValueError, MemoryError) as exc:
+            # MemoryError: a vector of up to max_numel elements that the machine cannot map after all
             self._note(type(exc).__name__, exc)
             return False
         own = result.outcome.slices[me]
@@ -257,7 +258,7 @@ class AuxiliaryAggregator:
             await trio.sleep(self.config.poll_period)
             try:
                 now = await self.collaboration_step()
-            except CALL_FAILURES:
+            except (*CALL_FAILURES, ProjectError):
                 continue
             if now is not None and now > step:
                 return

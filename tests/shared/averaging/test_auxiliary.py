@@ -235,3 +235,26 @@ async def test_an_aggregator_joins_no_group_whose_length_exceeds_its_limit_or_on
         assert await aggregator.serve_round(6, 0, ticket) is False
     stats = aggregator.statistics()
     assert stats.no_group == 2 and stats.rounds_joined == 0 and stats.errors == 0
+
+
+async def test_computing_peers_that_vanish_after_their_tickets_cost_one_failed_round_not_the_service(
+    nursery: trio.Nursery,
+) -> None:
+    """The computing peers store tickets and never average (they died, or lie): the aggregator either
+    waits for a plan that never comes (a follower) or averages nothing before its deadline (the leader);
+    either way the round is counted and the aggregator goes on."""
+    nodes = await start_nodes(nursery, 3, client={1, 2})
+    config = AuxiliaryConfig(window=0.3, plan_wait=1.0)
+    aggregator = AuxiliaryAggregator(nodes[0].dht, _spec(), config)
+    ticket = aggregator.ticket()
+    assert ticket is not None
+    for i in (1, 2):
+        claim = JoinTicket(addr=None, weight=1.0, norm=1.0, samples_per_second=1.0, upload_bps=BPS,
+                           download_bps=BPS, client_mode=True, numel=5000)  # fmt: skip
+        value, subkey = msgspec.msgpack.encode(claim), nodes[i].peer_id.encode()
+        await nodes[i].dht.store("train.avg.3.a0", value, time.time() + 60, subkey=subkey)
+    with trio.fail_after(120):
+        assert await aggregator.serve_round(3, 0, ticket) is False
+    stats = aggregator.statistics()
+    assert stats.rounds_aggregated == 0
+    assert stats.no_group + stats.rounds_failed + stats.errors == 1, stats
