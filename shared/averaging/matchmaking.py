@@ -49,6 +49,14 @@ a follower's plan check and the leader's solve see the same members. An aux peer
 with :meth:`Matchmaker.assemble_auxiliary`, which adopts the length that at least two computing members'
 tickets state (never one stranger's claim) and at most ``max_numel``, before anything is sized by it.
 
+**Stale plans.** Members retry a failed round under the next attempt's key and, after the last attempt,
+start again at the first: a key's stored plan may be an earlier, finished round's. A member whose own
+earlier attempt a stored plan names joins again (rule 1) but never adopts that very record: its round
+already ran for the others (its aggregators may even still serve their averages of it), and joining it
+alone would average our own slice with nobody and fork the step (seen in the churn test when a restarted
+backbone aggregated: one member failed the backbone's slice, the others had stepped). The leader's new
+plan is a new record (a new expiry and signature), adopted as usual.
+
 **Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
 :data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
 or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait after one last read of the
@@ -64,7 +72,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -144,7 +152,8 @@ class Matchmaker:
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        if await self._formed(key, me):
+        stale: set[bytes] = set()
+        if await self._formed(key, me, stale):
             logger.info("round %d: the group under %s already formed; not joining it", round_, key)
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
@@ -153,7 +162,7 @@ class Matchmaker:
         await trio.sleep(self.config.window)
         tickets = await self._tickets(key, numel)
         tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
-        return await self._form(round_, key, tickets, numel, expiry)
+        return await self._form(round_, key, tickets, numel, expiry, stale)
 
     async def assemble_auxiliary(
         self,
@@ -180,7 +189,8 @@ class Matchmaker:
             raise ValueError("assemble_auxiliary takes an auxiliary ticket")
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        if await self._formed(key, me):
+        stale: set[bytes] = set()
+        if await self._formed(key, me, stale):
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         earlier = {sig for _, sig in (await self._signed_tickets(key)).values()} if rejoin else set()
@@ -224,12 +234,19 @@ class Matchmaker:
             return None
         tickets = {p: t for p, t in everyone.items() if t.numel in (0, numel)}
         tickets[me] = ticket
-        return await self._form(round_, key, tickets, numel, expiry)
+        return await self._form(round_, key, tickets, numel, expiry, stale)
 
     async def _form(
-        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int, expiry: float
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        expiry: float,
+        stale: set[bytes],
     ) -> GroupPlan | None:
-        """Steps 3 and 4 of the module docstring, from the tickets read one window after ours."""
+        """Steps 3 and 4 of the module docstring, from the tickets read one window after ours;
+        ``stale``: signatures of plan records that named us before we joined (never adopted)."""
         me = self.dht.host.peer_id
         if sum(1 for t in tickets.values() if not t.aux) < 2:
             return None
@@ -240,7 +257,7 @@ class Matchmaker:
             assembly = self._solve(round_, key, sorted(tickets), tickets, numel)
             await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry, subkey=me.encode())
         else:
-            found = await self._await_plan(round_, key, tickets, numel)
+            found = await self._await_plan(round_, key, tickets, numel, stale)
             if found is None:
                 logger.warning("round %d: no acceptable plan (leader %s) in time", round_, leader)
                 return None
@@ -256,10 +273,11 @@ class Matchmaker:
         )
         return _to_plan(assembly, self.config.averaging)
 
-    async def _formed(self, key: str, me: PeerId) -> bool:
+    async def _formed(self, key: str, me: PeerId, stale: set[bytes]) -> bool:
         """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
         ``<key>.plan``. A plan naming us is stale (a failed earlier attempt of ours at this step, under the
-        same key): we join, and the leader's new plan replaces it."""
+        same key): we join, and the leader's new plan replaces it; the stale record's signature goes into
+        ``stale``, so that we never adopt it (its round already ran: module docstring, "Stale plans")."""
         found = await self.dht.get(f"{key}.plan")
         if found is None or not found.entries:
             return False
@@ -269,6 +287,8 @@ class Matchmaker:
                 members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
             except DECODE_FAILURES:
                 continue
+            if me in members:
+                stale.add(record.signature)
             if (
                 subkey == record.writer.encode()
                 and me not in members
@@ -351,7 +371,12 @@ class Matchmaker:
         )
 
     async def _await_plan(
-        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        stale: Container[bytes] = frozenset(),
     ) -> GroupAssembly | None:
         leader = PeerId(leader_of(key, tickets))
         judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
@@ -362,7 +387,9 @@ class Matchmaker:
             async def poll() -> None:
                 with trio.move_on_after(self.config.plan_wait):
                     while True:  # polled: the plan arrives through the DHT, not as an event
-                        if (plan := await self._read_plan(round_, key, tickets, numel, judged)) is not None:
+                        if (
+                            plan := await self._read_plan(round_, key, tickets, numel, judged, stale)
+                        ) is not None:
                             found.append(plan)
                             break
                         await trio.sleep(0.05)
@@ -377,7 +404,7 @@ class Matchmaker:
             if addr is not None:
                 nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
         if not found and gone:  # it may have stored the plan just before it died: one last look
-            found.append(await self._read_plan(round_, key, tickets, numel, judged))
+            found.append(await self._read_plan(round_, key, tickets, numel, judged, stale))
             if found[0] is None:
                 logger.warning(
                     "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, gone[0]
@@ -413,11 +440,15 @@ class Matchmaker:
         tickets: dict[PeerId, JoinTicket],
         numel: int,
         judged: dict[tuple[str, bytes], GroupAssembly | None],
+        stale: Container[bytes] = frozenset(),
     ) -> GroupAssembly | None:
-        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts)."""
+        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts), never
+        a ``stale`` record (by signature)."""
         found = await self.dht.get(f"{key}.plan", latest=True)
         accepted: list[tuple[str, GroupAssembly]] = []
         for subkey, record in found.entries.items() if found is not None else ():
+            if record.signature in stale:
+                continue
             verdict_key = (record.writer, record.value)
             if verdict_key not in judged:
                 judged[verdict_key] = await self._judge(

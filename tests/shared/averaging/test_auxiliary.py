@@ -15,6 +15,7 @@ from protocols.averaging import JoinTicket
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, TrainingSpec
 from shared.averaging.allreduce import Averager, GroupPlan, Member
 from shared.averaging.auxiliary import AuxiliaryAggregator, AuxiliaryConfig
+from shared.averaging.groups import leader_of
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig, agreed_numel
 from shared.net.addresses import parse_multiaddr
 from shared.node import Node
@@ -258,3 +259,43 @@ async def test_computing_peers_that_vanish_after_their_tickets_cost_one_failed_r
     stats = aggregator.statistics()
     assert stats.rounds_aggregated == 0
     assert stats.no_group + stats.rounds_failed + stats.errors == 1, stats
+
+
+async def test_a_member_rejoining_a_key_never_adopts_the_plan_of_the_round_that_already_ran(
+    nursery: trio.Nursery,
+) -> None:
+    """Retries cycle back to the first attempt's key, where the plan of a round that ran is still stored;
+    a member joining again alone must not adopt it (it would average its own slice with nobody and fork
+    the step): it waits for a new plan, and none comes."""
+    nodes = await start_nodes(nursery, 2)
+    config = MatchmakingConfig(window=0.5, plan_wait=2.0)
+    matchmakers = [Matchmaker(nodes[i].dht, config=config) for i in range(2)]
+    tickets = [
+        JoinTicket(
+            addr=n.host.listen_addrs[0],
+            weight=1.0,
+            norm=1.0,
+            samples_per_second=1.0,
+            upload_bps=BPS,
+            download_bps=BPS,
+            numel=1000,
+        )
+        for n in nodes
+    ]
+    plans: list[object] = [None, None]
+
+    async def join(i: int) -> None:
+        plans[i] = await matchmakers[i].assemble(4, tickets[i], 1000, group_key="a0")
+
+    async with trio.open_nursery() as group:
+        for i in range(2):
+            group.start_soon(join, i)
+    assert plans[0] is not None and plans[0] == plans[1]
+    first = plans[0]
+    leader = next(
+        i for i in range(2) if nodes[i].peer_id == leader_of("avg.4.a0", [n.peer_id for n in nodes])
+    )
+    follower = 1 - leader
+    with trio.fail_after(30):  # the follower comes back alone (the others stepped): no plan to adopt
+        assert await matchmakers[follower].assemble(4, tickets[follower], 1000, group_key="a0") is None
+    assert first is not None
