@@ -447,14 +447,12 @@ class Matchmaker:
         found = await self.dht.get(f"{key}.plan", latest=True)
         accepted: list[tuple[str, GroupAssembly]] = []
         for subkey, record in found.entries.items() if found is not None else ():
-            if record.signature in stale:
-                continue
             verdict_key = (record.writer, record.value)
-            if verdict_key not in judged:
+            if verdict_key not in judged:  # a stale record is judged too: a forgery is counted as refused
                 judged[verdict_key] = await self._judge(
                     round_, key, subkey, record.writer, record.value, tickets, numel
                 )
-            if (assembly := judged[verdict_key]) is not None:
+            if (assembly := judged[verdict_key]) is not None and record.signature not in stale:
                 accepted.append((record.writer, assembly))
         if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
             ranked = leader_of(key, [w for w, _ in accepted])
