@@ -215,6 +215,23 @@ def start(
             "dataset…  [default: the built-in task, tiny-mlm]",
         ),
     ] = None,
+    aggregate: Annotated[
+        bool,
+        typer.Option(
+            "--aggregate/--no-aggregate",
+            help="Take slices of the volunteers' gradient averaging (no GPU needed), so that volunteers "
+            "that all run behind NAT still average; --no-aggregate leaves it to the volunteers.",
+        ),
+    ] = True,
+    aggregate_bandwidth: Annotated[
+        float,
+        typer.Option(
+            "--aggregate-bandwidth",
+            metavar="MBPS",
+            help="This server's upload and download bandwidth in MB/s (10^6 bytes/s), as stated to the "
+            "averaging plan, which gives aggregators slices in proportion to it.",
+        ),
+    ] = 100.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Start a backbone node of a run and serve it until Ctrl+C.
@@ -249,6 +266,8 @@ def start(
         for url in public_url or []:
             check_public_url(url)
         check_authority_key(authority_key)
+        if not 0 < aggregate_bandwidth <= 1e7:
+            raise ConfigError(f"--aggregate-bandwidth must be in (0, 1e7] MB/s, got {aggregate_bandwidth:g}")
         training = load_training_spec(manifest) if manifest is not None else TrainingSpec()
         with locked_data_dir(data_dir):
             check_held_run(data_dir, run_id, open_run=open_run)
@@ -266,6 +285,8 @@ def start(
                 api_listen,
                 public_url or [],
                 training,
+                aggregate,
+                aggregate_bandwidth,
             )
             await serve_backbone(options, shutdown)
 

@@ -8,6 +8,8 @@ Open runs (``--open``): no authority, no API, no admission; for local experiment
 Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve them to peers
 (:mod:`backbone.checkpointer`).
 Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves.
+Both take aggregation slices of the volunteers' averaging rounds unless started with ``--no-aggregate``
+(:mod:`backbone.aggregator`: a run whose volunteers are all behind NAT still averages).
 Both save the DHT contacts they know in ``<data dir>/dht-contacts.json`` and dial them again when restarted
 on the same data dir (:mod:`shared.dht.contacts`), so a restarted backbone finds the run's peers by itself.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import ipaddress
 import logging
 import os
@@ -45,6 +48,7 @@ from protocols.training import TrainingSpec
 from shared.auth.authority import AUTHORITY_FILE, Authority, pin_run_id
 from shared.auth.guard import RunAuthenticator
 from shared.auth.keys import Identity
+from shared.averaging.auxiliary import AuxiliaryAggregator
 from shared.data.corpus import SHARD_PATTERN, shard_name, write_shards
 from shared.data.heldout import HELDOUT_DIR, write_heldout
 from shared.data.shards import is_shard_name
@@ -58,6 +62,7 @@ from shared.node import Node, open_node
 from shared.panel import status_line
 from shared.state.transfer import StateServer
 
+from .aggregator import DEFAULT_AGGREGATE_MBPS, backbone_aggregator, write_status
 from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
@@ -92,6 +97,8 @@ class BackboneOptions:
     api_listen: str = "0.0.0.0:0"
     public_urls: Sequence[str] = ()
     training: TrainingSpec = field(default_factory=TrainingSpec)  # ``--manifest FILE``; default: built-in
+    aggregate: bool = True  # take averaging slices as an auxiliary aggregator (``--no-aggregate``: not)
+    aggregate_mbps: float = DEFAULT_AGGREGATE_MBPS  # stated in its tickets (``--aggregate-bandwidth``)
 
 
 @contextlib.asynccontextmanager
@@ -235,10 +242,22 @@ async def _serve_node(
 ) -> None:
     ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
+    aggregator = None
+    if options.aggregate:
+        aggregator = backbone_aggregator(node, options.training, options.aggregate_mbps)
+        logger.info(
+            "aggregating: this backbone takes averaging slices as an auxiliary aggregator "
+            "(stating %g MB/s; --no-aggregate opts out)",
+            options.aggregate_mbps,
+        )
+    else:
+        logger.info("not aggregating (--no-aggregate): volunteers that all run in client mode cannot average")
     async with mdns, trio.open_nursery() as nursery:
         nursery.start_soon(node.publish_presence_forever)
         nursery.start_soon(node.measure_latency_forever)
-        nursery.start_soon(_report_forever, node, options.data_dir)
+        nursery.start_soon(_report_forever, node, options.data_dir, aggregator)
+        if aggregator is not None:
+            nursery.start_soon(aggregator.serve_forever)
         checkpoints = await trio.to_thread.run_sync(
             CheckpointStore, options.data_dir / CHECKPOINTS_DIR, options.training.keep_checkpoints
         )
@@ -321,6 +340,13 @@ async def _serve_pinned(
             await trio.sleep(DEFAULT_TOKEN_LIFETIME * 2 / 3)
             auth.set_token(_own_token(authority, run_id, node.host.endpoint.identity))
 
+    if options.aggregate:  # its receipts must count for the volunteers it aggregates for (ledger)
+        identity = node.host.endpoint.identity
+        await trio.to_thread.run_sync(
+            functools.partial(
+                store.register_backbone, node.peer_id, identity.public_key_bytes, now=time.time()
+            )
+        )
     async with trio.open_nursery() as nursery:
         api_urls = await nursery.start(_serve_api, state, authority, options, api_socket)
         public_urls.extend(u for u in api_urls if u not in public_urls)
@@ -460,11 +486,13 @@ def _concrete_urls(bind: str) -> list[str]:
     return [f"{scheme}://{h}:{port}" for h in expand_unspecified(host.strip("[]"))]
 
 
-async def _report_forever(node: Node, data_dir: Path) -> None:
+async def _report_forever(node: Node, data_dir: Path, aggregator: AuxiliaryAggregator | None = None) -> None:
     last_log = trio.current_time()
     while True:
-        await trio.to_thread.run_sync(node.write_status, data_dir)
+        await trio.to_thread.run_sync(write_status, node, aggregator, data_dir)
         if trio.current_time() - last_log >= LOG_PERIOD:
             logger.info(status_line(node.status()))
+            if aggregator is not None:
+                logger.info(aggregator.status())
             last_log = trio.current_time()
         await trio.sleep(STATUS_PERIOD)

@@ -16,7 +16,10 @@ a single payload byte whether the transfer is consistent. Encoded layouts (littl
     int8-blockwise  ceil(numel / 4096) x float32 scales, then numel x int8 values
 
 ``weight`` is the sender's sample count for the round: the aggregator computes ``Σ w_i x_i / Σ w_i``.
-Auxiliary peers (no accelerator) have weight 0 and in practice send nothing, they only receive.
+Auxiliary peers (no accelerator) have weight 0 and send nothing. A member whose ticket says ``aux``
+(an auxiliary aggregator: a backbone, ``volunteer join --aux``) also *receives* nothing but its own slice's
+average: it pulls no other aggregator's parts (a weight-0 member without ``aux``, e.g. one whose fp16
+gradient overflowed, still pulls every average: it steps with the group).
 
 **Signed averaged parts.** An averaged part may reach a member through another member that relays it
 (:mod:`shared.averaging.allreduce`, "Departures"), so it must prove its origin by itself. Every
@@ -336,21 +339,31 @@ class JoinTicket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     download_bps: Annotated[float, msgspec.Meta(gt=0, le=1e13)]
     client_mode: bool = False
     overflow: bool = False
+    #: an auxiliary aggregator (weight 0, computes nothing): it takes a slice and needs no average back
+    aux: bool = False
+    #: elements of the vector the peer averages (its model's parameters); 0: not stated (an aux peer
+    #: adopts the length its group's computing members agree on, shared.averaging.auxiliary)
+    numel: Annotated[int, msgspec.Meta(ge=0, le=_MAX_OFFSET)] = 0
 
     def __post_init__(self) -> None:
         if self.overflow and (self.weight or self.norm):
             raise ValueError("a ticket claiming overflow sends nothing: weight and norm must be 0")
+        if self.aux and (self.weight or self.norm or self.overflow or self.samples_per_second):
+            raise ValueError("an auxiliary ticket computes nothing: weight, norm and samples/s must be 0")
+        if not 0 <= self.numel <= _MAX_OFFSET:
+            raise ValueError(f"numel {self.numel} is outside [0, 2**48]")
 
 
 class AssemblyMember(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """A member as the plan names it: ``addr``, ``norm`` and ``overflow`` copied from its ticket, ``weight``
-    its ticket's claim after the group's bound (:func:`shared.averaging.groups.bound_weights`)."""
+    """A member as the plan names it: ``addr``, ``norm``, ``overflow`` and ``aux`` copied from its ticket,
+    ``weight`` its ticket's claim after the group's bound (:func:`shared.averaging.groups.bound_weights`)."""
 
     peer_id: Annotated[str, msgspec.Meta(max_length=64)]
     addr: Annotated[str, msgspec.Meta(max_length=256)] | None
     weight: _Weight
     norm: _Norm
     overflow: bool = False
+    aux: bool = False  # its ticket's: an auxiliary aggregator, which pulls no other slice's average
 
 
 class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -77,7 +77,9 @@ __all__ = [
 #: 2: averaged parts carry their aggregator's signature and digest, and members relay them (``avg.relay``).
 #: 3: round tickets and plans carry a member's fp16 overflow claim (collective loss scaling).
 #: 4: connection reversal (the ``"reverse"`` lane and ``conn.dialback``, :mod:`protocols.reversal`).
-PROTOCOL_VERSION = 4
+#: 5: round tickets and plans carry the auxiliary-aggregator flag (``aux``: pulls no average) and tickets
+#:    the vector's length (``numel``), so an auxiliary aggregator learns it from the computing members.
+PROTOCOL_VERSION = 5
 #: Hard ceiling on any frame of the RPC lane; per-kind limits are lower. Bulk bytes do not use frames.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
 DEFAULT_MESSAGE_BYTES = 64 * 1024

@@ -200,6 +200,14 @@ def join(
             help="Show a live panel of the run, or log plain lines.  [default: a panel on a terminal]",
         ),
     ] = None,
+    aux: Annotated[
+        bool,
+        typer.Option(
+            "--aux",
+            help="Do not train: take slices of the others' gradient averaging (no GPU needed), so that "
+            "volunteers behind NAT average through this machine. It must be reachable from the run.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Join a training run and train with its other peers until Ctrl+C.
@@ -242,8 +250,10 @@ def join(
         from .capabilities import choose_device, choose_precision  # torch: only once the flags are usable
         from .daemon import VolunteerOptions, serve_volunteer
 
-        chosen = await trio.to_thread.run_sync(choose_device, device)
-        computes_in = await trio.to_thread.run_sync(choose_precision, precision, chosen)
+        chosen, computes_in = "auto", "auto"
+        if not aux:  # an auxiliary peer computes nothing: it needs no device
+            chosen = await trio.to_thread.run_sync(choose_device, device)
+            computes_in = await trio.to_thread.run_sync(choose_precision, precision, chosen)
         with locked_data_dir(data_dir):
             options = VolunteerOptions(
                 run,
@@ -260,6 +270,7 @@ def join(
                 micro_batch=micro_batch,
                 evaluate=evaluate or evaluate_every is not None,
                 evaluate_every=evaluate_every,
+                aux=aux,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -1,5 +1,6 @@
 """The volunteer's root nursery: find the run, get admitted, join its DHT, measure this machine, train with
 the others (see :mod:`volunteer.training`), show a live panel, report contributions, leave cleanly.
+With ``--aux``, aggregate for the others instead of training (:mod:`volunteer.auxiliary`).
 
 The training spec comes from ``--manifest FILE`` if given (open runs), else from the run's backbone API
 (pinned runs; the manifest saved at admission if no backbone answers). A run without a training spec is
@@ -29,6 +30,7 @@ from shared.panel import LivePanel, status_line, status_view
 
 from .admission import Admission, admit, keep_admitted, remember_manifest
 from .api_client import ApiClient
+from .auxiliary import serve_auxiliary
 from .session import TrainingSession
 
 __all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
@@ -54,6 +56,7 @@ class VolunteerOptions:
     micro_batch: int = 0  # samples per forward/backward; 0: fitted to the GPU, else the spec's
     evaluate: bool = False  # held-out evaluation (volunteer.evaluation)
     evaluate_every: int | None = None  # steps between evaluations; None: the manifest's dataset.eval_every
+    aux: bool = False  # aggregate only, no training (volunteer.auxiliary)
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -110,6 +113,8 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                 nursery.start_soon(_show_forever, node, options, console)
                 shutdown.ready()
                 await shutdown.requested.wait()
+            elif options.aux:
+                await serve_auxiliary(node, training, shutdown, console)
             else:
                 session = TrainingSession(node, identity, admission, training, options, initial)
                 await session.run(shutdown, console)

@@ -341,6 +341,32 @@ class LedgerStore:
 
         return self._write_retrying(body)
 
+    def register_backbone(self, peer_id: str, public_key: bytes, *, now: float) -> None:
+        """Know ``peer_id`` as one of the run's backbones: a peer of the reserved user
+        :data:`BACKBONE_USERNAME` (created here; nobody can be invited under that name). A backbone that
+        aggregates (:mod:`backbone.aggregator`) signs part receipts, and a receipt counts only when its
+        aggregator is a known peer of another user than its sender (:mod:`backbone.ledger.accounting`):
+        without this, volunteers that all run in client mode, averaging through a backbone, would be
+        credited nothing. Idempotent; ``backbone allow list`` does not show the reserved user."""
+
+        def body(conn: Connection) -> None:
+            row = conn.execute(select(User.id).where(User.username == BACKBONE_USERNAME)).one_or_none()
+            if row is None:
+                note = "the run's backbones"
+                conn.execute(insert(User).values(username=BACKBONE_USERNAME, note=note, created_at=now))
+                row = conn.execute(select(User.id).where(User.username == BACKBONE_USERNAME)).one()
+            peer = conn.execute(select(Peer.user_id).where(Peer.peer_id == peer_id)).one_or_none()
+            if peer is None:
+                conn.execute(
+                    insert(Peer).values(
+                        peer_id=peer_id, user_id=row.id, public_key=public_key, first_seen=now, last_seen=now
+                    )
+                )
+            elif peer.user_id != row.id:
+                raise ConfigError(f"peer {peer_id} is already a peer of another user in this ledger")
+
+        self._write_retrying(body)
+
     def remove_user(self, username: str, *, now: float) -> bool:
         """Revoke ``username`` and all its invites at ``now``.
 
@@ -391,9 +417,9 @@ class LedgerStore:
         """Every user (revoked ones too) by username, with its peers and when each was last seen."""
         with self._tx(write=False) as conn:
             users = conn.execute(
-                select(User.id, User.username, User.note, User.created_at, User.revoked_at).order_by(
-                    User.username
-                )
+                select(User.id, User.username, User.note, User.created_at, User.revoked_at)
+                .where(User.username.not_in(sorted(RESERVED_USERNAMES)))  # the backbones: not invited
+                .order_by(User.username)
             ).all()
             peers = conn.execute(
                 select(Peer.user_id, Peer.peer_id, Peer.last_seen).order_by(

@@ -13,6 +13,13 @@ aggregator ``j`` with a non-empty slice, concurrently:
    averaged, with an :class:`AveragedHeader` and the encoded average as the reply payload, over the
    connection the member opened (so client-mode members, which accept no connections, take part).
 
+**Auxiliary members** (``Member.aux``; seed 000 §3.2): an auxiliary aggregator (a backbone, ``volunteer
+join --aux``) computes nothing, so it pushes nothing (weight 0) and pulls nothing but its own slice's
+average, which it holds: its slices of the others are left out of its outcome ("not pulled"), it is not
+counted among the pullers of its own slice (``pulls_left``), a pull from it is refused (the LP budgets no
+upload for it), and nobody asks it to relay (it holds no other part). A weight-0 member *without* ``aux``
+(an fp16 overflow) still pulls every slice: it steps with the group.
+
 Aggregator ``j`` feeds the parts into a :class:`SliceReducer` (validation, bans, deterministic float64
 sum in sorted peer order) and finalizes when every expected sender is complete, or at the round's
 deadline after dropping the missing ones (renormalized over who delivered). A sender whose connection
@@ -213,6 +220,7 @@ class Member:
     weight: float  # samples behind its gradient this round; 0 for auxiliary peers
     norm: float = math.inf  # L2 norm of its whole vector, as its ticket claims (inf: not claimed)
     overflow: bool = False  # its fp16 gradient overflowed (it sends nothing; volunteer.precision)
+    aux: bool = False  # an auxiliary aggregator: weight 0 and it pulls no other slice (module docstring)
 
 
 @dataclass(frozen=True)
@@ -491,6 +499,12 @@ class Averager:
         duty = self._take_duty(plan, slices[me], me, step) if slices[me].numel else None
         averaged: dict[int, Float32Array] = {}
         failed: dict[int, str] = {}
+        # an auxiliary aggregator needs no average but its own (module docstring, "Auxiliary members")
+        skipped = {
+            j: "not pulled: an auxiliary member needs no other slice"
+            for j, s in enumerate(slices)
+            if plan.members[me].aux and j != me and s.numel
+        }
         expected = expected_part_seconds(plan.predicted_seconds, plan.part_numel, plan.slice_sizes)
         got = _Got(step, _Watch(PartTimes(expected, plan.deadline)))
         targets = [j for j, s in enumerate(slices) if j != me and s.numel and plan.members[me].weight > 0]
@@ -508,6 +522,8 @@ class Averager:
                         watchdog.start_soon(self._watch_senders, duty, started, started + plan.deadline)
                     async with trio.open_nursery() as nursery:
                         for j, slice_j in enumerate(slices):
+                            if j in skipped:
+                                continue
                             if slice_j.numel:
                                 nursery.start_soon(
                                     self._exchange, plan, me, j, slice_j, vector, averaged, failed, got
@@ -516,10 +532,10 @@ class Averager:
                                 averaged[j] = np.empty(0, dtype=np.float32)
                     watchdog.cancel_scope.cancel()  # every exchange ended, our own slice included
             for j, slice_j in enumerate(slices):
-                if slice_j.numel and j not in averaged:
+                if slice_j.numel and j not in averaged and j not in skipped:
                     failed.setdefault(j, "deadline passed")
             await faults.point("allreduce.before_result")
-            outcome = RoundOutcome.of(slices, failed)
+            outcome = RoundOutcome.of(slices, {**failed, **skipped})
             await trio.to_thread.run_sync(apply_outcome, vector, averaged, outcome, limiter=COMPUTE)
         finally:
             held.expires_at = trio.current_time() + RELAY_GRACE_TIMEOUTS * got.watch.times.timeout()
@@ -606,7 +622,8 @@ class Averager:
                 )
             )
         duty = _Aggregation(plan, slice_, parts, own, step, senders, last_part={p: now for p in senders})
-        duty.pulls_left = (len(plan.members) - 1) * num_parts(slice_.numel, plan.part_numel)
+        pullers = sum(1 for i, m in enumerate(plan.members) if i != me and not m.aux)  # aux: pulls nothing
+        duty.pulls_left = pullers * num_parts(slice_.numel, plan.part_numel)
         key = (plan.group_id, plan.round)
         self._duties[key] = duty
         self._started.setdefault(key, trio.Event()).set()
@@ -859,7 +876,7 @@ class Averager:
                 RelayRequest(group_id=plan.group_id, round=plan.round, aggregator=j, part_index=k)
             )
             for i, member in enumerate(plan.members):
-                if i in (j, me) or member.address is None or member.peer_id in got.not_asked:
+                if i in (j, me) or member.address is None or member.aux or member.peer_id in got.not_asked:
                     continue
                 try:
                     with trio.fail_after(limit):
@@ -1033,8 +1050,11 @@ class Averager:
     async def _on_pull(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
         request = decode_pull_request(header.meta)
         duty = await self._duty_for(request.group_id, request.round, ctx.peer_id)
-        if ctx.peer_id not in {m.peer_id for m in duty.plan.members}:
+        member = next((m for m in duty.plan.members if m.peer_id == ctx.peer_id), None)
+        if member is None:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
+        if member.aux:  # its ticket said it needs no average: the plan budgets no upload for it
+            raise RemoteError(ErrorCode.FORBIDDEN, "an auxiliary member pulls no average")
         if not 0 <= request.part_index < len(duty.parts):
             raise ProtocolError(f"part {request.part_index} out of range")
         part = duty.parts[request.part_index]

@@ -26,8 +26,8 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
 * its members are unique, sorted, and a **superset of every ticket the follower read** (a leader cannot
   leave out peers to shrink the group; the follower itself is in it); a member whose ticket the follower has
   not read is looked up again, and a member without a signed ticket refuses the plan;
-* each member's ``addr``, ``norm`` and ``overflow`` claim are its ticket's, and the weights are exactly
-  :func:`.groups.bound_weights` of the tickets' claims (the 8x-median and ``max_weight`` caps);
+* each member's ``addr``, ``norm``, ``overflow`` and ``aux`` claims are its ticket's, and the weights are
+  exactly :func:`.groups.bound_weights` of the tickets' claims (the 8x-median and ``max_weight`` caps);
 * the slices match the follower's own LP solution for the same members and tickets within
   :data:`SLICE_TOLERANCE` of the vector per member (the LP is deterministic; the tolerance covers other
   solver builds), sum to the vector's length and give nothing to a peer that cannot accept connections;
@@ -38,7 +38,24 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
 Because the plan is the leader's, members that read slightly different ticket sets still run one
 consistent plan; a late ticket (stored after the leader read the key) merely misses the round, and a
 follower that read one refuses the plan (the round fails for the group and is retried with a new key).
-A group of fewer than two peers does not average.
+A group of fewer than two computing (non-``aux``) peers does not average.
+
+**Auxiliary aggregators** (issue 14; seed 000 §3.2). A ticket with ``aux`` is a peer that computes
+nothing (weight, norm and samples/s 0) and receives no average but its own slice's: the LP sees it with no
+compute, so it only aggregates, in proportion to its bandwidth (a client-mode computing peer sends every
+part and receives every average; an aux peer takes ``k x_j`` each way, :mod:`.load_balance`). Tickets state
+the vector's length (``numel``): a ticket whose stated length is not ours is ignored (another model), so
+a follower's plan check and the leader's solve see the same members. An aux peer states none; it joins
+with :meth:`Matchmaker.assemble_auxiliary`, which adopts the length that at least two computing members'
+tickets state (never one stranger's claim) and at most ``max_numel``, before anything is sized by it.
+
+**Stale plans.** Members retry a failed round under the next attempt's key and, after the last attempt,
+start again at the first: a key's stored plan may be an earlier, finished round's. A member whose own
+earlier attempt a stored plan names joins again (rule 1) but never adopts that very record: its round
+already ran for the others (its aggregators may even still serve their averages of it), and joining it
+alone would average our own slice with nobody and fork the step (seen in the churn test when a restarted
+backbone aggregated: one member failed the backbone's slice, the others had stepped). The leader's new
+plan is a new record (a new expiry and signature), adopted as usual.
 
 **Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
 :data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
@@ -54,7 +71,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -77,7 +95,7 @@ from .groups import adaptive_deadline, bound_weights, deadline_acceptable, leade
 from .load_balance import PeerSpec, plan_averaging
 from .partition import auto_part_numel
 
-__all__ = ["SLICE_TOLERANCE", "Matchmaker", "MatchmakingConfig", "PlanRefused"]
+__all__ = ["SLICE_TOLERANCE", "Matchmaker", "MatchmakingConfig", "PlanRefused", "agreed_numel"]
 
 logger = logging.getLogger(__name__)
 _TICKET = msgspec.msgpack.Decoder(JoinTicket)
@@ -86,6 +104,8 @@ _ASSEMBLY = msgspec.msgpack.Decoder(GroupAssembly)
 SLICE_TOLERANCE = 0.05
 #: Seconds between a follower's pings of the leader while it waits for the plan.
 LEADER_PROBE_PERIOD = 0.25
+#: Seconds between an auxiliary aggregator's looks for the first other ticket of a round it joined.
+AUX_POLL_PERIOD = 0.2
 
 
 class PlanRefused(ValueError):
@@ -109,6 +129,7 @@ class Matchmaker:
     config: MatchmakingConfig = field(default_factory=MatchmakingConfig)
     observed_ratios: list[float] = field(default_factory=list)  # measured / predicted round times
     plans_refused: int = 0
+    tickets_ignored: int = 0  # tickets dropped as malformed, unusable, or for another vector length
     #: the members of the last plan we adopted and the throughput their signed tickets claim (identical on
     #: every member: the next step's shares of the target batch, shared.progress.quotas); empty if unknown
     last_rates: dict[str, float] = field(default_factory=dict)
@@ -131,16 +152,103 @@ class Matchmaker:
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        if await self._formed(key, me):
+        stale: set[bytes] = set()
+        if await self._formed(key, me, stale):
             logger.info("round %d: the group under %s already formed; not joining it", round_, key)
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         await faults.point("matchmaking.joined")
         await trio.sleep(self.config.window)
-        tickets = await self._tickets(key)
+        tickets = await self._tickets(key, numel)
         tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
-        if len(tickets) < 2:
+        return await self._form(round_, key, tickets, numel, expiry, stale)
+
+    async def assemble_auxiliary(
+        self,
+        round_: int,
+        ticket: JoinTicket,
+        group_key: str,
+        max_numel: int,
+        stop_waiting: Callable[[], Awaitable[None]] | None = None,
+        rejoin: bool = False,
+    ) -> GroupPlan | None:
+        """Join a round as an auxiliary aggregator (module docstring): store ``ticket`` (``aux``), wait
+        until a computing peer's ticket is there (or ``stop_waiting`` returns, e.g. once the collaboration
+        moved past the round; ``None``: wait as long as it takes), then, one window later, read the group
+        and its plan as :meth:`assemble` does, with the vector length its computing members agree on.
+        With ``rejoin`` (we joined this key before: the computing peers retry the step under it), only a
+        ticket stored after ours counts: the ones already there are the earlier attempt's.
+
+        Returns ``None`` without a group, an agreed length of at most ``max_numel`` elements, or a plan.
+
+        Raises:
+            ValueError: ``ticket`` is not auxiliary, or the LP has no solution (leader only).
+        """
+        if not ticket.aux:
+            raise ValueError("assemble_auxiliary takes an auxiliary ticket")
+        key = f"{self.prefix}.{round_}.{group_key}"
+        me = self.dht.host.peer_id
+        stale: set[bytes] = set()
+        if await self._formed(key, me, stale):
+            return None
+        expiry = time.time() + self.config.window + self.config.plan_wait + 600
+        earlier = {sig for _, sig in (await self._signed_tickets(key)).values()} if rejoin else set()
+        await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
+        async with trio.open_nursery() as nursery:
+
+            async def arrived() -> None:
+                while True:
+                    found = await self._signed_tickets(key)
+                    if any(p != me and not t.aux and s not in earlier for p, (t, s) in found.items()):
+                        break
+                    await trio.sleep(AUX_POLL_PERIOD)
+                nursery.cancel_scope.cancel()
+
+            async def gave_up() -> None:
+                if stop_waiting is not None:
+                    await stop_waiting()
+                else:
+                    await trio.sleep_forever()
+                found.append(False)
+                nursery.cancel_scope.cancel()
+
+            found: list[bool] = []
+            nursery.start_soon(arrived)
+            nursery.start_soon(gave_up)
+        if found:
+            return None
+        await trio.sleep(self.config.window)
+        everyone = await self._tickets(key)
+        numel = agreed_numel(everyone.values())
+        if numel is None:
+            logger.info("round %d: no vector length stated by two computing peers; not joining", round_)
+            return None
+        if numel > max_numel:
+            logger.warning(
+                "round %d: the group averages %d elements, more than the %d this aggregator takes",
+                round_,
+                numel,
+                max_numel,
+            )
+            return None
+        tickets = {p: t for p, t in everyone.items() if t.numel in (0, numel)}
+        tickets[me] = ticket
+        return await self._form(round_, key, tickets, numel, expiry, stale)
+
+    async def _form(
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        expiry: float,
+        stale: set[bytes],
+    ) -> GroupPlan | None:
+        """Steps 3 and 4 of the module docstring, from the tickets read one window after ours;
+        ``stale``: signatures of plan records that named us before we joined (never adopted)."""
+        me = self.dht.host.peer_id
+        if sum(1 for t in tickets.values() if not t.aux) < 2:
             return None
         if all(t.client_mode for t in tickets.values()):
             raise ValueError(f"all {len(tickets)} peers are in client mode: nobody can aggregate")
@@ -149,7 +257,7 @@ class Matchmaker:
             assembly = self._solve(round_, key, sorted(tickets), tickets, numel)
             await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry, subkey=me.encode())
         else:
-            found = await self._await_plan(round_, key, tickets, numel)
+            found = await self._await_plan(round_, key, tickets, numel, stale)
             if found is None:
                 logger.warning("round %d: no acceptable plan (leader %s) in time", round_, leader)
                 return None
@@ -159,16 +267,17 @@ class Matchmaker:
             return None
         known = {m.peer_id: tickets[PeerId(m.peer_id)] for m in assembly.members if m.peer_id in tickets}
         self.last_rates = (
-            {peer: t.samples_per_second for peer, t in known.items()}
+            {peer: t.samples_per_second for peer, t in known.items() if not t.aux}  # aux: no compute
             if len(known) == len(assembly.members)
             else {}
         )
         return _to_plan(assembly, self.config.averaging)
 
-    async def _formed(self, key: str, me: PeerId) -> bool:
+    async def _formed(self, key: str, me: PeerId, stale: set[bytes]) -> bool:
         """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
         ``<key>.plan``. A plan naming us is stale (a failed earlier attempt of ours at this step, under the
-        same key): we join, and the leader's new plan replaces it."""
+        same key): we join, and the leader's new plan replaces it; the stale record's signature goes into
+        ``stale``, so that we never adopt it (its round already ran: module docstring, "Stale plans")."""
         found = await self.dht.get(f"{key}.plan")
         if found is None or not found.entries:
             return False
@@ -178,6 +287,8 @@ class Matchmaker:
                 members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
             except DECODE_FAILURES:
                 continue
+            if me in members:
+                stale.add(record.signature)
             if (
                 subkey == record.writer.encode()
                 and me not in members
@@ -188,38 +299,57 @@ class Matchmaker:
                 return True
         return False
 
-    async def _tickets(self, key: str) -> dict[PeerId, JoinTicket]:
+    async def _tickets(self, key: str, numel: int | None = None) -> dict[PeerId, JoinTicket]:
+        """The signed tickets under ``key``; with ``numel``, only those stating no length or that one."""
+        return {peer: ticket for peer, (ticket, _) in (await self._signed_tickets(key, numel)).items()}
+
+    async def _signed_tickets(
+        self, key: str, numel: int | None = None
+    ) -> dict[PeerId, tuple[JoinTicket, bytes]]:
+        """:meth:`_tickets` with each record's signature (which tells two stores of one ticket apart)."""
         found = await self.dht.get(key, latest=True)
-        tickets: dict[PeerId, JoinTicket] = {}
+        tickets: dict[PeerId, tuple[JoinTicket, bytes]] = {}
         for subkey, record in found.entries.items() if found is not None else ():
             try:
                 ticket = _TICKET.decode(record.value)
             except DECODE_FAILURES:  # includes validation errors
                 logger.debug("ignoring a malformed ticket from %s", record.writer)
+                self.tickets_ignored += 1
                 continue
             if subkey != record.writer.encode():
+                continue
+            if numel is not None and ticket.numel not in (0, numel):
+                logger.info(
+                    "ignoring the ticket of %s: it averages %d elements, not %d",
+                    record.writer,
+                    ticket.numel,
+                    numel,
+                )
+                self.tickets_ignored += 1
                 continue
             try:
                 if ticket.addr is not None:
                     parse_multiaddr(ticket.addr)
             except ConfigError:
                 logger.info("ignoring the ticket of %s: unusable address %r", record.writer, ticket.addr)
+                self.tickets_ignored += 1
                 continue
-            tickets[PeerId(record.writer)] = ticket
+            tickets[PeerId(record.writer)] = (ticket, record.signature)
         return tickets
 
     def _solve(
         self, round_: int, key: str, members: Sequence[PeerId], tickets: dict[PeerId, JoinTicket], numel: int
     ) -> GroupAssembly:
         weights = bound_weights([tickets[m].weight for m in members], self.config.max_weight)
+        aux = [tickets[m].aux for m in members]
         specs = [
             PeerSpec(t.samples_per_second, t.download_bps, t.upload_bps, t.client_mode or t.addr is None)
             for t in (tickets[m] for m in members)
         ]
         if not any(s.samples_per_second > 0 for s in specs):  # nobody measured compute yet: weights say
             specs = [
-                PeerSpec(max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)
-                for w, s in zip(weights, specs, strict=True)
+                PeerSpec(0.0 if a else max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)
+                for w, a, s in zip(weights, aux, specs, strict=True)
             ]
         # no time budget: every member recomputes this plan from the same tickets and refuses one whose
         # slices differ from its own, so the search must not depend on how fast each machine is (without
@@ -230,7 +360,7 @@ class Matchmaker:
             group_id=_group_id(key),
             round=round_,
             members=[
-                AssemblyMember(m, tickets[m].addr, w, tickets[m].norm, tickets[m].overflow)
+                AssemblyMember(m, tickets[m].addr, w, tickets[m].norm, tickets[m].overflow, tickets[m].aux)
                 for m, w in zip(members, weights, strict=True)
             ],
             slice_sizes=list(plan.slices),
@@ -241,7 +371,12 @@ class Matchmaker:
         )
 
     async def _await_plan(
-        self, round_: int, key: str, tickets: dict[PeerId, JoinTicket], numel: int
+        self,
+        round_: int,
+        key: str,
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        stale: Container[bytes] = frozenset(),
     ) -> GroupAssembly | None:
         leader = PeerId(leader_of(key, tickets))
         judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
@@ -252,7 +387,9 @@ class Matchmaker:
             async def poll() -> None:
                 with trio.move_on_after(self.config.plan_wait):
                     while True:  # polled: the plan arrives through the DHT, not as an event
-                        if (plan := await self._read_plan(round_, key, tickets, numel, judged)) is not None:
+                        if (
+                            plan := await self._read_plan(round_, key, tickets, numel, judged, stale)
+                        ) is not None:
                             found.append(plan)
                             break
                         await trio.sleep(0.05)
@@ -267,7 +404,7 @@ class Matchmaker:
             if addr is not None:
                 nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
         if not found and gone:  # it may have stored the plan just before it died: one last look
-            found.append(await self._read_plan(round_, key, tickets, numel, judged))
+            found.append(await self._read_plan(round_, key, tickets, numel, judged, stale))
             if found[0] is None:
                 logger.warning(
                     "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, gone[0]
@@ -303,17 +440,19 @@ class Matchmaker:
         tickets: dict[PeerId, JoinTicket],
         numel: int,
         judged: dict[tuple[str, bytes], GroupAssembly | None],
+        stale: Container[bytes] = frozenset(),
     ) -> GroupAssembly | None:
-        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts)."""
+        """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts), never
+        a ``stale`` record (by signature)."""
         found = await self.dht.get(f"{key}.plan", latest=True)
         accepted: list[tuple[str, GroupAssembly]] = []
         for subkey, record in found.entries.items() if found is not None else ():
             verdict_key = (record.writer, record.value)
-            if verdict_key not in judged:
+            if verdict_key not in judged:  # a stale record is judged too: a forgery is counted as refused
                 judged[verdict_key] = await self._judge(
                     round_, key, subkey, record.writer, record.value, tickets, numel
                 )
-            if (assembly := judged[verdict_key]) is not None:
+            if (assembly := judged[verdict_key]) is not None and record.signature not in stale:
                 accepted.append((record.writer, assembly))
         if accepted:  # several acceptable plans: the one whose writer ``leader_of`` ranks first
             ranked = leader_of(key, [w for w, _ in accepted])
@@ -339,7 +478,7 @@ class Matchmaker:
                 raise PlanRefused(f"malformed: {exc}") from exc
             known = dict(tickets)
             if any(PeerId(m.peer_id) not in known for m in assembly.members):  # not read yet: read again
-                known = {**await self._tickets(key), **tickets}
+                known = {**await self._tickets(key, numel), **tickets}
             self.check_plan(round_, key, writer, assembly, set(tickets), known, numel)
         except PlanRefused as exc:
             self.plans_refused += 1
@@ -377,8 +516,11 @@ class Matchmaker:
             raise PlanRefused(f"names {len(unknown)} peer(s) without a ticket")
         for member in assembly.members:
             ticket = tickets[PeerId(member.peer_id)]
-            if (member.addr, member.norm, member.overflow) != (ticket.addr, ticket.norm, ticket.overflow):
-                raise PlanRefused(f"address, norm or overflow claim of {member.peer_id} is not its ticket's")
+            claims = (ticket.addr, ticket.norm, ticket.overflow, ticket.aux)
+            if (member.addr, member.norm, member.overflow, member.aux) != claims:
+                raise PlanRefused(
+                    f"address, norm, overflow or aux claim of {member.peer_id} is not its ticket's"
+                )
         try:
             own = self._solve(round_, key, names, tickets, numel)
         except ValueError as exc:
@@ -401,6 +543,17 @@ class Matchmaker:
             )
 
 
+def agreed_numel(tickets: Iterable[JoinTicket]) -> int | None:
+    """The vector length an auxiliary aggregator adopts from a group's tickets: the one most computing
+    (non-``aux``) tickets state, if at least two state it and no other length is stated as often;
+    ``None`` otherwise (module docstring, "Auxiliary aggregators")."""
+    counts = Counter(t.numel for t in tickets if not t.aux and t.numel > 0)
+    ranked = counts.most_common(2)
+    if not ranked or ranked[0][1] < 2 or (len(ranked) > 1 and ranked[1][1] == ranked[0][1]):
+        return None
+    return ranked[0][0]
+
+
 def _group_id(key: str) -> bytes:
     return key.encode()[-32:]
 
@@ -413,6 +566,7 @@ def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
             m.weight,
             m.norm,
             m.overflow,
+            m.aux,
         )
         for m in assembly.members
     )

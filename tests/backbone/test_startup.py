@@ -164,6 +164,7 @@ def start(data_dir: Path, *extra: str) -> tuple[int, list[str]]:
         (("--manifest", "/nonexistent/run.toml"), "cannot read manifest /nonexistent/run.toml"),
         (("--listen", "/dns4/example.com/tcp/0"), "give an IP address"),
         (("--public-url", "https://a:1") * 9, "give at most 8 --public-url"),
+        (("--aggregate-bandwidth", "0"), "--aggregate-bandwidth must be in (0, 1e7] MB/s"),
     ],
 )
 @pytest.mark.usefixtures("own_logging")

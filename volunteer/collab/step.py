@@ -343,6 +343,7 @@ class BatchStep:
             download_bps=self.download_bps,
             client_mode=client_mode,
             overflow=overflow,
+            numel=self.trainer.numel,  # auxiliary aggregators adopt the length computing members agree on
         )
         try:
             plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")

@@ -367,6 +367,24 @@ def test_an_honest_run_of_two_users_is_credited_what_the_receipts_back(store: Le
     assert board(store) == {"alice": (300, 5000), "bob": (250, 2000)}
 
 
+def test_receipts_of_an_aggregating_backbone_credit_client_mode_volunteers(store: LedgerStore) -> None:
+    """Issue 14: volunteers that all run in client mode average through a backbone, the only aggregator;
+    its receipts count once the backbone is registered (before: ``receipt_unknown_aggregator``)."""
+    backbone = identity(15)
+    join(store, "alice", LAPTOP)
+    steps(store, 1, 1)
+    before = record(store, LAPTOP, 0, samples=100, receipts=[receipt(backbone, LAPTOP, 1, 100)])
+    assert before.samples == 0
+    store.register_backbone(backbone.peer_id, backbone.public_key_bytes, now=T0)
+    store.register_backbone(backbone.peer_id, backbone.public_key_bytes, now=T0 + 1)  # idempotent
+    steps(store, 2, 2)
+    after = record(store, LAPTOP, 1, samples=100, receipts=[receipt(backbone, LAPTOP, 2, 100)])
+    assert after.samples == 100
+    assert [u.username for u in store.list_users()] == ["alice"]  # the reserved user is not listed
+    with pytest.raises(ConfigError, match="another user"):
+        store.register_backbone(LAPTOP.peer_id, LAPTOP.public_key_bytes, now=T0)  # alice's machine
+
+
 def test_receipts_of_the_same_user_forged_or_unknown_are_not_credited(store: LedgerStore) -> None:
     join(store, "alice", LAPTOP, DESKTOP)
     join(store, "bob", SERVER)
