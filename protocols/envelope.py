@@ -76,7 +76,8 @@ __all__ = [
 
 #: 2: averaged parts carry their aggregator's signature and digest, and members relay them (``avg.relay``).
 #: 3: round tickets and plans carry a member's fp16 overflow claim (collective loss scaling).
-#: 4: connection reversal (the ``"reverse"`` lane and ``conn.dialback``, :mod:`protocols.reversal`).
+#: 4: connection reversal (the ``"reverse"`` lane and ``conn.dialback``, :mod:`protocols.reversal`), the
+#:    circuit relay and hole punching (:mod:`protocols.relay`).
 #: 5: round tickets and plans carry the auxiliary-aggregator flag (``aux``: pulls no average) and tickets
 #:    the vector's length (``numel``), so an auxiliary aggregator learns it from the computing members.
 PROTOCOL_VERSION = 5

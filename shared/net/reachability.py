@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import trio
 
+from protocols.errors import WrongVersion
 from protocols.peer_id import PeerId
 
-from ..errors import ConfigError, ProjectError
+from ..errors import AccessDenied, ConfigError, ProjectError, WrongRun
 from .addresses import PeerAddress, parse_multiaddr
 from .host import CALL_FAILURES, Host
 from .probe import check_reachability
@@ -99,6 +100,10 @@ async def verify_reachability(host: Host, checkers: Sequence[PeerAddress | str])
     """Ask the first of ``checkers`` (backbones) that answers to dial us back; advertise what it reached.
 
     Never raises for a checker's failure: with none answering, the result is ``unchecked`` (client mode).
+
+    Raises:
+        WrongVersion, WrongRun, AccessDenied: the checker speaks another protocol, serves another run, or
+            refuses our credentials (the DHT join would fail the same way: the caller reports it as such).
     """
     errors: list[str] = []
     for checker in checkers:
@@ -110,6 +115,8 @@ async def verify_reachability(host: Host, checkers: Sequence[PeerAddress | str])
         try:
             with trio.fail_after(CHECK_DEADLINE):
                 reachable, observed = await check_reachability(host, address)
+        except (WrongVersion, WrongRun, AccessDenied):
+            raise  # this run is not for us as we are: joining would fail the same way, so say it now
         except (*CALL_FAILURES, ProjectError) as exc:
             errors.append(f"{address}: {exc}")
             logger.info("reachability check with %s failed: %s", address, exc)
