@@ -232,6 +232,15 @@ def start(
             "averaging plan, which gives aggregators slices in proportion to it.",
         ),
     ] = 100.0,
+    relay: Annotated[
+        bool,
+        typer.Option(
+            "--relay/--no-relay",
+            help="Offer relay slots to volunteers behind NAT: they become reachable through this node (the "
+            "two ends run TLS through it, so it never sees their traffic) and punch direct links between "
+            "them where their NATs allow.",
+        ),
+    ] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Start a backbone node of a run and serve it until Ctrl+C.
@@ -287,6 +296,7 @@ def start(
                 training,
                 aggregate,
                 aggregate_bandwidth,
+                relay,
             )
             await serve_backbone(options, shutdown)
 

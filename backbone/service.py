@@ -7,7 +7,8 @@ remove`` in another process — into an authority-signed revocation in the DHT w
 Open runs (``--open``): no authority, no API, no admission; for local experiments.
 Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve them to peers
 (:mod:`backbone.checkpointer`).
-Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves.
+Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves,
+and relay slots for the ones behind NAT unless started with ``--no-relay`` (:mod:`shared.net.relay`).
 Both take aggregation slices of the volunteers' averaging rounds unless started with ``--no-aggregate``
 (:mod:`backbone.aggregator`: a run whose volunteers are all behind NAT still averages).
 Both save the DHT contacts they know in ``<data dir>/dht-contacts.json`` and dial them again when restarted
@@ -57,6 +58,7 @@ from shared.errors import ConfigError, DiscoveryError, RecordRejected
 from shared.lifecycle import Shutdown
 from shared.net.addresses import expand_unspecified, parse_multiaddr
 from shared.net.probe import ProbeService
+from shared.net.relay import RelayService
 from shared.net.tls import self_signed_certificate
 from shared.node import Node, open_node
 from shared.panel import status_line
@@ -99,6 +101,7 @@ class BackboneOptions:
     training: TrainingSpec = field(default_factory=TrainingSpec)  # ``--manifest FILE``; default: built-in
     aggregate: bool = True  # take averaging slices as an auxiliary aggregator (``--no-aggregate``: not)
     aggregate_mbps: float = DEFAULT_AGGREGATE_MBPS  # stated in its tickets (``--aggregate-bandwidth``)
+    relay: bool = True  # offer relay slots to volunteers behind NAT (``--no-relay``: not)
 
 
 @contextlib.asynccontextmanager
@@ -241,6 +244,8 @@ async def _serve_node(
     node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown, authority_key: bytes | None = None
 ) -> None:
     ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
+    if options.relay:  # volunteers behind NAT become reachable through us (shared.net.relay)
+        RelayService(node.host)
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     aggregator = None
     if options.aggregate:

@@ -69,10 +69,11 @@ the plan).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -342,13 +343,10 @@ class Matchmaker:
     ) -> GroupAssembly:
         weights = bound_weights([tickets[m].weight for m in members], self.config.max_weight)
         aux = [tickets[m].aux for m in members]
-        specs = [
-            PeerSpec(t.samples_per_second, t.download_bps, t.upload_bps, t.client_mode or t.addr is None)
-            for t in (tickets[m] for m in members)
-        ]
+        specs = member_specs(members, tickets)
         if not any(s.samples_per_second > 0 for s in specs):  # nobody measured compute yet: weights say
             specs = [
-                PeerSpec(0.0 if a else max(w, 1.0), s.download_bps, s.upload_bps, s.client_mode)
+                dataclasses.replace(s, samples_per_second=0.0 if a else max(w, 1.0))
                 for w, a, s in zip(weights, aux, specs, strict=True)
             ]
         # no time budget: every member recomputes this plan from the same tickets and refuses one whose
@@ -581,3 +579,42 @@ def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:
         predicted_seconds=assembly.predicted_seconds,
         averaging=averaging,
     )
+
+
+def member_specs(members: Sequence[PeerId], tickets: Mapping[PeerId, JoinTicket]) -> list[PeerSpec]:
+    """The LP's view of each member, from its ticket alone (so every member computes the same plan).
+
+    A member whose address is relayed (``…/p2p/<relay>/p2p-circuit/p2p/<member>``) through another member
+    that is itself directly reachable is planned as relayed by it (its slice's traffic loads the relay,
+    :mod:`.load_balance`, "Relays"). Through a relay outside the group, or one that is itself relayed or
+    in client mode, it is planned as a client-mode member: no slice, since the LP cannot see what the
+    relay can carry.
+    """
+    index = {peer: i for i, peer in enumerate(members)}
+
+    def relay_of(ticket: JoinTicket) -> PeerId | None:
+        return None if ticket.client_mode or ticket.addr is None else _relay_of(ticket.addr)
+
+    def direct(peer: PeerId) -> bool:
+        ticket = tickets[peer]
+        return not ticket.client_mode and ticket.addr is not None and relay_of(ticket) is None
+
+    specs = []
+    for m in members:
+        t = tickets[m]
+        through = relay_of(t)
+        relay: int | None = None
+        if through is not None and through != m and through in index and direct(through):
+            relay = index[through]
+        client = t.client_mode or t.addr is None or (through is not None and relay is None)
+        specs.append(PeerSpec(t.samples_per_second, t.download_bps, t.upload_bps, client, relay=relay))
+    return specs
+
+
+def _relay_of(addr: str) -> PeerId | None:
+    """The relay's peer id in a relayed address; None for a direct (or unparseable) one."""
+    try:
+        relay = parse_multiaddr(addr).relay
+    except ConfigError:
+        return None
+    return None if relay is None else relay.peer_id

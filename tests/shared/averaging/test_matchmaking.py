@@ -162,3 +162,36 @@ async def test_members_of_a_failed_round_can_form_a_group_again_under_the_same_k
             for i in range(2):
                 group.start_soon(member, i)
         assert all(p is not None for p in plans), attempt
+
+
+def test_member_specs_plan_a_relayed_member_through_a_reachable_member_else_as_client_mode() -> None:
+    from shared.averaging.matchmaking import member_specs
+
+    ids = sorted(Identity.generate().peer_id for _ in range(5))
+    direct = f"/ip4/198.51.100.1/tcp/4001/p2p/{ids[0]}"
+
+    def via(relay: str, target: str) -> str:
+        return f"/ip4/198.51.100.9/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{target}"
+
+    def t(addr: str | None) -> JoinTicket:
+        return JoinTicket(
+            addr=addr, weight=1.0, norm=1.0, samples_per_second=1.0, upload_bps=1e6, download_bps=1e6,
+            client_mode=addr is None,
+        )  # fmt: skip
+
+    outsider = Identity.generate().peer_id
+    tickets = {
+        ids[0]: t(direct),
+        ids[1]: t(via(ids[0], ids[1])),  # through a reachable member: relayed by it
+        ids[2]: t(via(outsider, ids[2])),  # through a relay outside the group: planned as client mode
+        ids[3]: t(via(ids[1], ids[3])),  # through a relayed member: client mode
+        ids[4]: t(None),
+    }
+    specs = member_specs(ids, tickets)
+    assert [(s.client_mode, s.relay) for s in specs] == [
+        (False, None),
+        (False, 0),
+        (True, None),
+        (True, None),
+        (True, None),
+    ]
