@@ -35,7 +35,7 @@ def test_two_natted_volunteers_train_with_an_aggregating_public_backbone(
     require_nat()
     monkeypatch.setattr(test_nat_training, "MANIFEST", EVERY_STEP)  # why: test_aux_aggregation.EVERY_STEP
     with nat_network(public=1, homes=[Home(), Home()]) as net:
-        backbone = Backbone(tmp_path, net.public[0])
+        backbone = Backbone(tmp_path, net.public[0], "--no-relay")  # so both volunteers stay in client mode
         bob = Volunteer(tmp_path, "bob", net.homes[0].hosts[0], backbone)
         carol = Volunteer(tmp_path, "carol", net.homes[1].hosts[0], backbone)
         volunteers = [bob, carol]

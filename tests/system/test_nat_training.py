@@ -25,7 +25,7 @@ PORT, API_PORT = 4001, 8443
 
 
 class Backbone:
-    def __init__(self, root: Path, host: NetnsHost) -> None:
+    def __init__(self, root: Path, host: NetnsHost, *extra: str) -> None:
         self.host = host
         self.dir = root / "bb"
         self.dir.mkdir()
@@ -33,7 +33,7 @@ class Backbone:
         argv = cli(
             "backbone", "start", "--run-id", "nat-e2e", "--data-dir", str(self.dir),
             "--listen", f"/ip4/{host.address}/tcp/{PORT}", "--api-listen", f"{host.address}:{API_PORT}",
-            "--manifest", str(root / "manifest.toml"), "--no-mdns",
+            "--manifest", str(root / "manifest.toml"), "--no-mdns", *extra,
         )  # fmt: skip
         with (self.dir / "backbone.log").open("a") as log:
             self.proc = subprocess.Popen(
@@ -124,7 +124,7 @@ def _unreachable_dials(net: NatNetwork) -> dict[str, dict[str, int]]:
 def test_natted_volunteers_train_with_public_ones_in_client_mode_and_dial_nowhere(tmp_path: Path) -> None:
     require_nat()
     with nat_network(public=3, homes=[Home(), Home()]) as net:
-        backbone = Backbone(tmp_path, net.public[0])
+        backbone = Backbone(tmp_path, net.public[0], "--no-relay")  # client mode, not relayed: dial-backs
         alice = Volunteer(tmp_path, "alice", net.public[1], backbone)  # public
         bob = Volunteer(tmp_path, "bob", net.homes[0].hosts[0], backbone)  # behind NAT
         carol = Volunteer(tmp_path, "carol", net.homes[1].hosts[0], backbone)  # behind another NAT
