@@ -77,10 +77,6 @@ class Reachability:
             return "relayed"
         return "client" if self.checked_with else "unchecked"
 
-    @property
-    def advertised(self) -> tuple[str, ...]:
-        return self.reachable or self.relayed
-
     def describe(self) -> str:
         """One line for people: what mode we are in and why."""
         if self.reachable:
@@ -88,7 +84,8 @@ class Reachability:
         if self.relayed:
             relays = ", ".join(_short(a.split("/p2p-circuit", 1)[0]) for a in self.relayed)
             seen = f", seen as {self.observed}" if self.observed else ""
-            return f"relayed through {relays} (behind NAT or a firewall{seen}); direct links are punched"
+            why = f"behind NAT or a firewall{seen}"
+            return f"relayed through {relays} ({why}); punching direct links where the NATs allow"
         if not self.checked_with:
             return f"client mode: reachability unknown ({self.error or 'no backbone to check with'})"
         seen = f", seen as {self.observed}" if self.observed else ""
