@@ -148,8 +148,9 @@ class Matchmaker:
 
         Raises:
             ValueError: the LP has no solution for the members' capabilities (the leader; every member
-                when all the tickets it read are from client-mode peers: nobody can aggregate, and waiting
-                for a plan that cannot come would only hold the round).
+                when all the tickets it read, once more a window later for a late auxiliary aggregator, are
+                from client-mode peers: nobody can aggregate, and waiting for a plan that cannot come would
+                only hold the round).
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
@@ -252,7 +253,11 @@ class Matchmaker:
         if sum(1 for t in tickets.values() if not t.aux) < 2:
             return None
         if all(t.client_mode for t in tickets.values()):
-            raise ValueError(f"all {len(tickets)} peers are in client mode: nobody can aggregate")
+            # an auxiliary aggregator joins once it sees a computing ticket: give it one more window
+            await trio.sleep(self.config.window)
+            tickets = {**await self._tickets(key, numel), me: tickets[me]}
+            if all(t.client_mode for t in tickets.values()):
+                raise ValueError(f"all {len(tickets)} peers are in client mode: nobody can aggregate")
         leader = leader_of(key, tickets)
         if leader == me:
             assembly = self._solve(round_, key, sorted(tickets), tickets, numel)

@@ -89,7 +89,7 @@ def _stop_all(backbone: _Backbone, volunteers: list[_ClientVolunteer]) -> dict[s
 
 
 def test_two_client_mode_volunteers_train_because_the_backbone_aggregates(tmp_path: Path) -> None:
-    backbone = _Backbone(tmp_path)
+    backbone = _Backbone(tmp_path, "--no-relay")  # no relay slots: the volunteers stay in client mode
     backbone.start()
     volunteers = [_ClientVolunteer(tmp_path, name, backbone) for name in ("alice", "bob")]
     try:
@@ -140,7 +140,7 @@ def test_two_client_mode_volunteers_train_because_the_backbone_aggregates(tmp_pa
 
 
 def test_with_no_aggregate_client_mode_volunteers_cannot_average_and_say_why(tmp_path: Path) -> None:
-    backbone = _Backbone(tmp_path, "--no-aggregate")
+    backbone = _Backbone(tmp_path, "--no-aggregate", "--no-relay")
     backbone.start()
     volunteers = [_ClientVolunteer(tmp_path, name, backbone) for name in ("alice", "bob")]
     try:
@@ -181,7 +181,7 @@ class _AuxVolunteer(_ClientVolunteer):
 def test_a_reachable_aux_volunteer_aggregates_for_client_mode_volunteers(tmp_path: Path) -> None:
     """``volunteer join --aux`` does what an aggregating backbone does, with its measured bandwidth; one
     that nobody can dial exits at once, saying why."""
-    backbone = _Backbone(tmp_path, "--no-aggregate")
+    backbone = _Backbone(tmp_path, "--no-aggregate", "--no-relay")
     backbone.start()
     unreachable = _AuxVolunteer(tmp_path, "nat-aux", backbone, "127.0.0.2")
     assert unreachable.proc.wait(timeout=90) == 1

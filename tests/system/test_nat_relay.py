@@ -70,3 +70,49 @@ def test_two_natted_volunteers_relayed_through_the_backbone_train_and_punch(
         for name, (code, _, _) in results.items():
             log = (tmp_path / name / "volunteer.log").read_text()[-3000:]
             assert code == 0, f"{name} exited with {code}: {log}"
+
+
+def test_a_relay_killed_mid_run_leaves_its_clients_in_client_mode_and_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backbone relays for two NATed volunteers and a public one trains with them; the backbone is
+    SIGKILLed mid-run: the NATed ones fall back to client mode (advertising nothing) and keep stepping with
+    the public volunteer, every step with one fingerprint."""
+    require_nat()
+    monkeypatch.setattr(test_nat_training, "MANIFEST", EVERY_STEP)
+    with nat_network(public=2, homes=[Home(), Home()]) as net:
+        backbone = Backbone(tmp_path, net.public[0])
+        alice = Volunteer(tmp_path, "alice", net.public[1], backbone)
+        bob = Volunteer(tmp_path, "bob", net.homes[0].hosts[0], backbone)
+        carol = Volunteer(tmp_path, "carol", net.homes[1].hosts[0], backbone)
+        volunteers = [alice, bob, carol]
+        natted = [bob, carol]
+        try:
+            wait_for(
+                lambda: (
+                    all(v.status().get("reachability") == "relayed" for v in natted)
+                    and all(v.step() >= 3 for v in volunteers)
+                ),
+                "NATed volunteers relayed, everyone at step 3",
+                240,
+                volunteers,
+            )
+            backbone.proc.kill()
+            backbone.proc.communicate()
+            wait_for(
+                lambda: all(v.status().get("reachability") == "client" for v in natted),
+                "the NATed volunteers back in client mode",
+                60,
+                volunteers,
+            )
+            assert all(v.status()["advertised_addrs"] == [] for v in natted)
+            target = max(v.step() for v in volunteers) + 3
+            wait_for(lambda: all(v.step() >= target for v in volunteers), f"all at {target}", 180, volunteers)
+            assert assert_identical(volunteers) >= target  # type: ignore[arg-type]
+        finally:
+            results = {v.name: stop(v.proc, within=10) for v in volunteers if v.alive()}
+            if backbone.proc.poll() is None:
+                stop(backbone.proc, within=30)
+        for name, (code, _, _) in results.items():
+            log = (tmp_path / name / "volunteer.log").read_text()[-3000:]
+            assert code == 0, f"{name} exited with {code}: {log}"
