@@ -53,13 +53,18 @@ def test_two_natted_volunteers_relayed_through_the_backbone_train_and_punch(
                 assert home.router.address in status["reachability_note"]
             wait_for(lambda: all(_averaged(v) >= 4 for v in volunteers), "4 averaged steps", 300, volunteers)
             assert assert_identical(volunteers) >= 4  # type: ignore[arg-type]
-            # their link to each other was punched: direct through both NATs, no longer through the relay
-            wait_for(
-                lambda: all(v.status().get("links", {}).get("punched", 0) >= 1 for v in volunteers),
-                "a punched link on both sides",
-                60,
-                volunteers,
-            )
+
+            # wherever the plan made them connect to each other (a slice of one is pushed to by the other,
+            # through the relay), that link was punched: direct through both NATs, no longer relayed. (Whether
+            # the LP gives them slices depends on the bandwidth they measured, so it is not asserted here;
+            # tests/shared/net/test_punch_nat.py punches deterministically.)
+            def settled() -> bool:
+                links = [v.status().get("links", {}) for v in volunteers]
+                return all(link.get("relayed", 0) == 0 for link in links)
+
+            wait_for(settled, "no relayed link left unpunched", 60, volunteers)
+            punched = [v.status().get("links", {}).get("punched", 0) for v in volunteers]
+            print(f"punched links: {punched}")
             assert _unreachable_dials(net) == {
                 **{h.name: {"private": 0} for h in net.public},
                 **{h.name: {"loopback": 0} for home in net.homes for h in home.hosts},
