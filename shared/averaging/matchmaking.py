@@ -107,6 +107,8 @@ SLICE_TOLERANCE = 0.05
 LEADER_PROBE_PERIOD = 0.25
 #: Seconds between an auxiliary aggregator's looks for the first other ticket of a round it joined.
 AUX_POLL_PERIOD = 0.2
+#: An auxiliary ticket lives ``window + plan_wait`` plus this many seconds past its last renewal.
+AUX_TICKET_MARGIN = 5.0
 
 
 class PlanRefused(ValueError):
@@ -194,16 +196,25 @@ class Matchmaker:
         stale: set[bytes] = set()
         if await self._formed(key, me, stale):
             return None
-        expiry = time.time() + self.config.window + self.config.plan_wait + 600
+        # A short lease, renewed while we wait: the ticket of an aggregator that died (a backbone lost for
+        # good) must not name it in every later attempt under this key: the computing peers cycle back to
+        # it, and a plan giving a dead member a slice fails for the whole group (seen in the soak test).
+        lease = self.config.window + self.config.plan_wait + AUX_TICKET_MARGIN
+        expiry = time.time() + lease
         earlier = {sig for _, sig in (await self._signed_tickets(key)).values()} if rejoin else set()
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         async with trio.open_nursery() as nursery:
 
             async def arrived() -> None:
+                nonlocal expiry
+                renew_at = time.time() + lease / 3
                 while True:
                     found = await self._signed_tickets(key)
                     if any(p != me and not t.aux and s not in earlier for p, (t, s) in found.items()):
                         break
+                    if time.time() >= renew_at:
+                        expiry, renew_at = time.time() + lease, time.time() + lease / 3
+                        await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
                     await trio.sleep(AUX_POLL_PERIOD)
                 nursery.cancel_scope.cancel()
 
@@ -220,6 +231,8 @@ class Matchmaker:
             nursery.start_soon(gave_up)
         if found:
             return None
+        expiry = time.time() + lease  # the round forms now: a full lease for it
+        await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         await trio.sleep(self.config.window)
         everyone = await self._tickets(key)
         numel = agreed_numel(everyone.values())

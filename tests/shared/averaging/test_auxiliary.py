@@ -299,3 +299,21 @@ async def test_a_member_rejoining_a_key_never_adopts_the_plan_of_the_round_that_
     with trio.fail_after(30):  # the follower comes back alone (the others stepped): no plan to adopt
         assert await matchmakers[follower].assemble(4, tickets[follower], 1000, group_key="a0") is None
     assert first is not None
+
+
+async def test_a_dead_aggregators_ticket_expires_within_its_lease(nursery: trio.Nursery) -> None:
+    """Soak test finding: a backbone lost for good had tickets under the step's attempt keys that lived 600 s;
+    the computing peers cycle back through those keys, and every plan gave the dead member a slice. An aux
+    ticket now lives window + plan_wait + AUX_TICKET_MARGIN past its last renewal."""
+    from shared.averaging.matchmaking import AUX_TICKET_MARGIN
+
+    config = MatchmakingConfig(window=0.2, plan_wait=0.5)
+    dht_node, aggregator = await start_nodes(nursery, 2)
+    matchmaker = Matchmaker(aggregator.dht, config=config)
+    with trio.move_on_after(1.0):  # waiting for computing peers that never come; then it "dies"
+        await matchmaker.assemble_auxiliary(7, auxiliary(), "a0", 1000)
+    key = f"{matchmaker.prefix}.7.a0"
+    found = await dht_node.dht.get(key)
+    assert found is not None and aggregator.peer_id.encode() in found.entries
+    lease = config.window + config.plan_wait + AUX_TICKET_MARGIN
+    assert found.entries[aggregator.peer_id.encode()].expiration <= time.time() + lease + 0.5
