@@ -869,43 +869,67 @@ class Averager:
         """Aggregator ``j`` departed: get the parts of its slice we lack from the other members (module
         docstring, "Relayed slices"). True when every part is here, verified."""
         limit = 2 * got.watch.times.timeout()
+        # A member that answers "not held" may still be pulling the part from j (its pull fails at most
+        # 2 T after its last progress): ask again until then, or a member that gets it later steps alone
+        # (a fork, seen in the churn test when an aggregating backbone was killed mid-round).
+        deadline = trio.current_time() + limit
         for k in range(num_parts(slice_j.numel, plan.part_numel)):
-            if k in have:
-                continue
-            request = encode_header(
-                RelayRequest(group_id=plan.group_id, round=plan.round, aggregator=j, part_index=k)
-            )
-            for i, member in enumerate(plan.members):
-                if i in (j, me) or member.address is None or member.aux or member.peer_id in got.not_asked:
-                    continue
-                try:
-                    with trio.fail_after(limit):
-                        await self._fetch_part(
-                            member.address, RELAY, request, plan, j, k, slice_j, result, got
-                        )
-                except BadAverage as exc:
-                    self.stats.relays_refused += 1
-                    got.not_asked.add(member.peer_id)
-                    logger.warning(
-                        "round %d: refused part %d of %s relayed by %s: %s",
-                        plan.round,
-                        k,
-                        plan.members[j].peer_id,
-                        member.peer_id,
-                        exc,
-                    )
-                    continue
-                except CALL_FAILURES as exc:
-                    if not (isinstance(exc, RemoteError) and exc.code == ErrorCode.NOT_FOUND):
-                        got.not_asked.add(member.peer_id)  # unreachable or broken: not again this round
-                    continue
-                self.stats.relays_received += 1
-                got.relayed[j] = got.relayed.get(j, 0) + 1
-                have.add(k)
-                break
-            else:
-                return False  # nobody alive holds part k: the slice fails for us, as for the others
+            while k not in have:
+                pending = await self._relay_part(plan, me, j, k, slice_j, result, have, got, limit)
+                if k in have:
+                    break
+                if not pending or trio.current_time() >= deadline:
+                    return False  # nobody alive holds part k: the slice fails for us, as for the others
+                await trio.sleep(min(0.25, max(0.0, deadline - trio.current_time())))
         return True
+
+    async def _relay_part(
+        self,
+        plan: GroupPlan,
+        me: int,
+        j: int,
+        k: int,
+        slice_j: Slice,
+        result: Float32Array,
+        have: set[int],
+        got: _Got,
+        limit: float,
+    ) -> bool:
+        """Ask each other member once for part ``k`` of departed ``j``'s slice (added to ``have`` when one
+        relays it); True if some member answered "not held" (alive, and maybe still pulling it)."""
+        pending = False
+        request = encode_header(
+            RelayRequest(group_id=plan.group_id, round=plan.round, aggregator=j, part_index=k)
+        )
+        for i, member in enumerate(plan.members):
+            if i in (j, me) or member.address is None or member.aux or member.peer_id in got.not_asked:
+                continue
+            try:
+                with trio.fail_after(limit):
+                    await self._fetch_part(member.address, RELAY, request, plan, j, k, slice_j, result, got)
+            except BadAverage as exc:
+                self.stats.relays_refused += 1
+                got.not_asked.add(member.peer_id)
+                logger.warning(
+                    "round %d: refused part %d of %s relayed by %s: %s",
+                    plan.round,
+                    k,
+                    plan.members[j].peer_id,
+                    member.peer_id,
+                    exc,
+                )
+                continue
+            except CALL_FAILURES as exc:
+                if isinstance(exc, RemoteError) and exc.code == ErrorCode.NOT_FOUND:
+                    pending = True
+                else:
+                    got.not_asked.add(member.peer_id)  # unreachable or broken: not again this round
+                continue
+            self.stats.relays_received += 1
+            got.relayed[j] = got.relayed.get(j, 0) + 1
+            have.add(k)
+            break
+        return pending
 
     def _verify_receipt(
         self, plan: GroupPlan, me: int, j: int, step: int, signed: SignedReceipt
