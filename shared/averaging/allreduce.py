@@ -89,6 +89,11 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
   ``NOT_FOUND`` ("not held"), never waiting for anything. A separate kind, not a flag of ``avg.pull``:
   a pull waits for an average and counts towards the aggregator's duty (``pulls_left``), a relay waits for
   nothing, needs no duty and is served by members that aggregate nothing;
+* *asking again*: a member that answers ``NOT_FOUND`` is alive and may still be pulling that part from
+  ``j``, so while one does, the asker asks again (every 0.25 s) until ``2 T`` after it started asking
+  (the pull stall timeout: by then the other's pull has either completed or failed); otherwise a member
+  that got the part a moment after the others gave up would step with the full group while they retried
+  among themselves (a fork, seen in the churn test when an aggregating backbone was killed mid-round);
 * *how long*: from the round's start until its end plus a grace of ``3 T`` (``T`` the round's stall
   timeout at its end, :mod:`.deadlines`): a member that failed a pull asks once its pull failed, at the
   latest ``2 T`` after its previous pull completed (the pull stall timeout), and a relay answer takes a
