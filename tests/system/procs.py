@@ -125,3 +125,21 @@ def stop(
             f"did not exit within {within} s after {signal.Signals(sig).name}: {err}"
         ) from None
     return proc.returncode, out, err
+
+
+def invite(data_dir: Path, username: str) -> str:
+    """An invite for ``username`` from the backbone with data dir ``data_dir`` (``backbone allow add``)."""
+    result = subprocess.run(
+        cli("backbone", "allow", "add", username, "--data-dir", str(data_dir), "--json"),
+        capture_output=True, text=True, env=ENV, check=True,
+    )  # fmt: skip
+    return str(json.loads(result.stdout)["invite"])
+
+
+def step_fingerprints(data_dir: Path) -> dict[int, str]:
+    """step -> parameter fingerprint, as a volunteer writes them to ``steps.jsonl`` after each step."""
+    path = data_dir / "steps.jsonl"
+    if not path.exists():
+        return {}
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {line["step"]: line["fingerprint"] for line in lines}

@@ -16,7 +16,7 @@ import pytest
 from tests.natnet import Home, NatNetwork, nat_network, require_nat, syn_counts
 from tests.netns import NetnsHost
 
-from .procs import ENV, cli, read_line, stop
+from .procs import ENV, cli, invite, read_line, step_fingerprints, stop
 from .test_training import MANIFEST, assert_identical
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
@@ -47,11 +47,7 @@ class Backbone:
                 self.run_id = line.removeprefix("run id ")
 
     def invite(self, username: str) -> str:
-        result = subprocess.run(
-            cli("backbone", "allow", "add", username, "--data-dir", str(self.dir), "--json"),
-            capture_output=True, text=True, env=ENV, check=True,
-        )  # fmt: skip
-        return str(json.loads(result.stdout)["invite"])
+        return invite(self.dir, username)
 
     def checkpoint_steps(self) -> list[int]:
         index = self.dir / "checkpoints" / "index.json"
@@ -78,11 +74,8 @@ class Volunteer:
             )
 
     def steps(self) -> dict[int, str]:
-        path = self.dir / "steps.jsonl"
-        if not path.exists():
-            return {}
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return {line["step"]: line["fingerprint"] for line in lines}
+        """step -> parameter fingerprint, as written after each step this volunteer took."""
+        return step_fingerprints(self.dir)
 
     def step(self) -> int:
         return max(self.steps(), default=0)

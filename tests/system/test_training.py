@@ -17,7 +17,7 @@ import pytest
 
 from backbone.ledger import LedgerStore
 
-from .procs import ENV, cli, read_line, stop
+from .procs import ENV, cli, invite, read_line, step_fingerprints, stop
 
 pytestmark = pytest.mark.slow
 
@@ -75,11 +75,7 @@ class Backbone:
                 self.run_id = line.removeprefix("run id ")
 
     def invite(self, username: str) -> str:
-        result = subprocess.run(
-            cli("backbone", "allow", "add", username, "--data-dir", str(self.dir), "--json"),
-            capture_output=True, text=True, env=ENV, check=True,
-        )  # fmt: skip
-        return str(json.loads(result.stdout)["invite"])
+        return invite(self.dir, username)
 
 
 class Volunteer:
@@ -99,11 +95,7 @@ class Volunteer:
 
     def steps(self) -> dict[int, str]:
         """step -> parameter fingerprint, as written after each step this volunteer took."""
-        path = self.dir / "steps.jsonl"
-        if not path.exists():
-            return {}
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return {line["step"]: line["fingerprint"] for line in lines}
+        return step_fingerprints(self.dir)
 
     def step(self) -> int:
         return max(self.steps(), default=0)
