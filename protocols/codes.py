@@ -30,3 +30,4 @@ class ErrorCode(enum.IntEnum):
     BAD_SIGNATURE = 19  # "Your request's signature does not verify."
     REPLAYED = 20  # "I have seen this request's nonce already."
     REVOKED = 21  # "Your user has been removed from this run."
+    PENDING = 22  # "Not yet: I am still receiving it; ask again shortly."

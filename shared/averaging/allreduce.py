@@ -86,14 +86,20 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
 * *who answers*: every member keeps, for each round, the encoded averaged parts it received and
   verified (from the aggregator or through a relay) with their headers, and answers a relay request from a
   member of that round's plan at once: the part and the aggregator's header (its ``receipt`` stripped), or
-  ``NOT_FOUND`` ("not held"), never waiting for anything. A separate kind, not a flag of ``avg.pull``:
+  ``NOT_FOUND`` ("not held"; ``PENDING`` while its own pull of that slice runs), never waiting for
+  anything. A separate kind, not a flag of ``avg.pull``:
   a pull waits for an average and counts towards the aggregator's duty (``pulls_left``), a relay waits for
   nothing, needs no duty and is served by members that aggregate nothing;
-* *asking again*: a member that answers ``NOT_FOUND`` is alive and may still be pulling that part from
-  ``j``, so while one does, the asker asks again (every 0.25 s) until ``2 T`` after it started asking
-  (the pull stall timeout: by then the other's pull has either completed or failed); otherwise a member
-  that got the part a moment after the others gave up would step with the full group while they retried
-  among themselves (a fork, seen in the churn test when an aggregating backbone was killed mid-round);
+* *asking again*: a member still pulling ``j``'s slice itself (its own exchange with ``j`` not ended
+  yet) answers ``PENDING`` instead of ``NOT_FOUND``: it may hold the part a moment later. While one
+  does, the asker asks again (every 0.25 s) until ``2 T`` after it started asking (the pull stall
+  timeout: by then the other's pull has either completed or failed); otherwise a member that got the
+  part a moment after the others gave up would step with the full group while they retried among
+  themselves (a fork, seen in the churn test when an aggregating backbone was killed mid-round).
+  ``NOT_FOUND`` is final: the member's pull from ``j`` ended without the part, or it does not know the
+  round (a restarted process); asking it again would only stall the round (asking on every
+  ``NOT_FOUND`` held a soak's survivors up to ``2 T`` per departed aggregator). A member that is itself
+  asking others for ``j``'s parts answers ``NOT_FOUND``, so two askers never wait on each other;
 * *how long*: from the round's start until its end plus a grace of ``3 T`` (``T`` the round's stall
   timeout at its end, :mod:`.deadlines`): a member that failed a pull asks once its pull failed, at the
   latest ``2 T`` after its previous pull completed (the pull stall timeout), and a relay answer takes a
@@ -457,6 +463,7 @@ class _Held:
 
     members: frozenset[PeerId]
     parts: dict[tuple[int, int], tuple[bytes, memoryview]] = field(default_factory=dict)
+    pulling: set[int] = field(default_factory=set)  # aggregators whose slice we are still pulling
     expires_at: float = math.inf  # set when the local round ends
 
 
@@ -679,10 +686,15 @@ class Averager:
                     scope.cancel()
 
             async def pull_all() -> None:
-                for k in range(num_parts(slice_j.numel, plan.part_numel)):
-                    await self._pull_part(address, plan, me, j, k, slice_j, result, got)
-                    have.add(k)
-                    watch.pulled(j)
+                pulling = got.held.pulling if got.held is not None else set()
+                pulling.add(j)  # relay requests for j's parts are answered PENDING meanwhile
+                try:
+                    for k in range(num_parts(slice_j.numel, plan.part_numel)):
+                        await self._pull_part(address, plan, me, j, k, slice_j, result, got)
+                        have.add(k)
+                        watch.pulled(j)
+                finally:
+                    pulling.discard(j)
 
             async def push_all() -> None:
                 try:
@@ -874,9 +886,9 @@ class Averager:
         """Aggregator ``j`` departed: get the parts of its slice we lack from the other members (module
         docstring, "Relayed slices"). True when every part is here, verified."""
         limit = 2 * got.watch.times.timeout()
-        # A member that answers "not held" may still be pulling the part from j (its pull fails at most
-        # 2 T after its last progress): ask again until then, or a member that gets it later steps alone
-        # (a fork, seen in the churn test when an aggregating backbone was killed mid-round).
+        # A member that answers PENDING is still pulling from j (its pull fails at most 2 T after its
+        # last progress): ask again until then, or a member that gets it later steps alone (a fork, seen
+        # in the churn test when an aggregating backbone was killed mid-round). "Not held" is final.
         deadline = trio.current_time() + limit
         for k in range(num_parts(slice_j.numel, plan.part_numel)):
             while k not in have:
@@ -901,7 +913,7 @@ class Averager:
         limit: float,
     ) -> bool:
         """Ask each other member once for part ``k`` of departed ``j``'s slice (added to ``have`` when one
-        relays it); True if some member answered "not held" (alive, and maybe still pulling it)."""
+        relays it); True if some member answered ``PENDING`` (still pulling ``j``'s slice itself)."""
         pending = False
         request = encode_header(
             RelayRequest(group_id=plan.group_id, round=plan.round, aggregator=j, part_index=k)
@@ -925,9 +937,9 @@ class Averager:
                 )
                 continue
             except CALL_FAILURES as exc:
-                if isinstance(exc, RemoteError) and exc.code == ErrorCode.NOT_FOUND:
-                    pending = True
-                else:
+                if isinstance(exc, RemoteError) and exc.code == ErrorCode.PENDING:
+                    pending = True  # it is still pulling from j: it may hold the part in a moment
+                elif not (isinstance(exc, RemoteError) and exc.code == ErrorCode.NOT_FOUND):
                     got.not_asked.add(member.peer_id)  # unreachable or broken: not again this round
                 continue
             self.stats.relays_received += 1
@@ -1130,6 +1142,8 @@ class Averager:
         if ctx.peer_id not in held.members:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")
         entry = held.parts.get((request.aggregator, request.part_index))
+        if entry is None and request.aggregator in held.pulling:
+            raise RemoteError(ErrorCode.PENDING, "still pulling that slice")
         if entry is None:
             raise RemoteError(ErrorCode.NOT_FOUND, "part not held")
         self.stats.relays_served += 1

@@ -252,7 +252,14 @@ async def serve_bulk_lane(
                 answer = await handler(context, header, reader)
             except (ProtocolError, RemoteError, AuthError) as exc:
                 code = int(exc.code)
-                logger.warning("refused bulk %s from %s: %s", header.topic, conn.remote_peer, exc)
+                quiet = code in (ErrorCode.NOT_FOUND, ErrorCode.PENDING)  # an answer, not a fault
+                logger.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "refused bulk %s from %s: %s",
+                    header.topic,
+                    conn.remote_peer,
+                    exc,
+                )
                 # Drain a modest transfer so the sender reads our reason rather than a reset; a huge
                 # one is not worth receiving: close, and the sender sees the connection fail.
                 drain = not isinstance(exc, AuthError) and reader.remaining <= REFUSAL_DRAIN_LIMIT

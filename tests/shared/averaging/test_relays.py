@@ -20,14 +20,16 @@ from protocols.averaging import (
     AveragedHeader,
     averaged_payload,
     decode_averaged_header,
+    decode_relay_request,
     encode_header,
     part_digest,
     statement_of,
 )
+from protocols.codes import ErrorCode
 from protocols.peer_id import PeerId
 from shared.auth.keys import Identity, verify_by_peer_id
 from shared.averaging.allreduce import Averager, GroupPlan, RoundResult
-from shared.errors import PeerUnavailable
+from shared.errors import PeerUnavailable, RemoteError
 from shared.net.bulk import BulkReply
 from shared.net.host import Host, HostConfig
 
@@ -40,15 +42,52 @@ PART = 5_000  # 10_000-element slices of 5 members: 2 parts each
 
 class Recording(Averager):
     """An honest member that notes every averaged part it pulled and verified (so the test knows when the
-    aggregator may die)."""
+    aggregator may die), and every relay request asked again after it answered NOT_FOUND (final)."""
 
     def __init__(self, host: Host) -> None:
         super().__init__(host)
         self.verified: set[tuple[int, int]] = set()  # (aggregator index, part index)
+        self.answers: dict[tuple[PeerId, int, int], list[str]] = {}  # (asker, aggregator, part) -> codes
+        self.pending_asked = trio.Event()
 
     async def _pull_part(self, address, plan, me, j, k, *rest):  # type: ignore[no-untyped-def]
         await super()._pull_part(address, plan, me, j, k, *rest)
         self.verified.add((j, k))
+
+    async def _on_relay(self, ctx, header, reader):  # type: ignore[no-untyped-def]
+        request = decode_relay_request(header.meta)
+        answers = self.answers.setdefault((ctx.peer_id, request.aggregator, request.part_index), [])
+        try:
+            reply = await super()._on_relay(ctx, header, reader)
+        except RemoteError as exc:
+            answers.append(ErrorCode(exc.code).name)
+            if exc.code == ErrorCode.PENDING:
+                self.pending_asked.set()
+            raise
+        answers.append("part")
+        return reply
+
+    def asked_again_after_not_found(self) -> list[tuple[PeerId, int, int]]:
+        return [key for key, seq in self.answers.items() if "NOT_FOUND" in seq[:-1]]
+
+
+class Late(Recording):
+    """Receives the last part of aggregator ``late_from``'s slice but holds it back (as if still verifying
+    it) until some member asked it for a relay and was answered PENDING."""
+
+    late_from = -1
+
+    async def _fetch_part(self, address, kind, request, plan, j, k, *rest):  # type: ignore[no-untyped-def]
+        header = await super()._fetch_part(address, kind, request, plan, j, k, *rest)
+        last = -(-plan.slice_sizes[j] // plan.part_numel) - 1
+        if (kind, j, k) != ("avg.pull", self.late_from, last) or self.pending_asked.is_set():
+            return header
+        held = self._held[(plan.group_id, plan.round)]
+        entry = held.parts.pop((j, k))
+        self.verified.add((j, k))  # the aggregator may die now
+        await self.pending_asked.wait()
+        held.parts[(j, k)] = entry
+        return header
 
 
 class Dying(Recording):
@@ -235,6 +274,40 @@ async def test_nobody_got_the_slice_so_every_survivor_fails_it_together(nursery:
         assert peers[i][1].statistics().relays_received == 0
         assert np.array_equal(vectors[i][:lo], vectors[0][:lo])  # the rest averaged alike
         assert np.array_equal(vectors[i][hi:], vectors[0][hi:])
+
+
+async def test_a_member_still_pulling_answers_pending_and_is_asked_again(nursery: trio.Nursery) -> None:
+    """The churn test's fork under load: the aggregator died while member 0 was still receiving its last
+    part; member 1, asking first, is answered PENDING (not "not held"), asks again, and gets the part, so
+    both step with the same vector instead of member 1 retrying alone."""
+    peers = await start(nursery, [Late, Recording, Dying])
+    late = peers[0][1]
+    assert isinstance(late, Late)
+    late.late_from = 2
+    plan = plan_for(peers, NUMEL, part_numel=PART)  # type: ignore[arg-type]
+    results, vectors = await round_with_a_death(peers, plan, victim=2, serve={0})
+    dead = peers[2][0].peer_id
+    for i in (0, 1):
+        result = results[i]
+        assert result is not None and result.outcome.complete, result
+    parts = -(-plan.slice_sizes[2] // PART)
+    assert results[1] is not None and results[1].relayed == {dead: parts}
+    assert np.array_equal(vectors[0], vectors[1])
+    asked = late.answers[(peers[1][0].peer_id, 2, parts - 1)]
+    assert asked[0] == "PENDING" and asked[-1] == "part", asked
+
+
+async def test_not_held_is_final_so_nobody_asks_again(nursery: trio.Nursery) -> None:
+    """Nobody got the slice: each survivor's pull of it ends, and from then on it answers NOT_FOUND, which
+    the others never ask again (asking on every "not held" until 2 T stalled the soak's survivors)."""
+    peers = await start(nursery, [Recording, Recording, Dying, Recording])
+    plan = plan_for(peers, NUMEL, part_numel=PART)  # type: ignore[arg-type]
+    results, _ = await round_with_a_death(peers, plan, victim=2, serve=set())
+    for i in (0, 1, 3):
+        assert results[i] is not None and not results[i].relayed  # type: ignore[union-attr]
+        assert peers[i][1].answers, "the survivors asked each other"
+        assert peers[i][1].asked_again_after_not_found() == []
+        assert all(seq[-1] == "NOT_FOUND" for seq in peers[i][1].answers.values())
 
 
 @pytest.mark.parametrize("tamper", ["payload", "signature", "another part"])
