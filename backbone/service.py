@@ -62,6 +62,7 @@ from shared.net.relay import RelayService
 from shared.net.tls import self_signed_certificate
 from shared.node import Node, open_node
 from shared.panel import status_line
+from shared.relays import publish_relay_forever
 from shared.state.transfer import StateServer
 
 from .aggregator import DEFAULT_AGGREGATE_MBPS, backbone_aggregator, write_status
@@ -245,7 +246,7 @@ async def _serve_node(
 ) -> None:
     ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
     if options.relay:  # volunteers behind NAT become reachable through us (shared.net.relay)
-        RelayService(node.host)
+        node.relay = RelayService(node.host)
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     aggregator = None
     if options.aggregate:
@@ -260,6 +261,8 @@ async def _serve_node(
     async with mdns, trio.open_nursery() as nursery:
         nursery.start_soon(node.publish_presence_forever)
         nursery.start_soon(node.measure_latency_forever)
+        if node.relay is not None:  # volunteers whose relay died find us here (shared.relays)
+            nursery.start_soon(publish_relay_forever, node)
         nursery.start_soon(_report_forever, node, options.data_dir, aggregator)
         if aggregator is not None:
             nursery.start_soon(aggregator.serve_forever)

@@ -208,6 +208,14 @@ def join(
             "volunteers behind NAT average through this machine. It must be reachable from the run.",
         ),
     ] = False,
+    relay: Annotated[
+        bool,
+        typer.Option(
+            "--relay",
+            help="Also offer a few relay slots, so that volunteers behind NAT become reachable through this "
+            "machine. Takes effect only if a backbone can dial this machine directly (see --listen).",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Join a training run and train with its other peers until Ctrl+C.
@@ -271,6 +279,7 @@ def join(
                 evaluate=evaluate or evaluate_every is not None,
                 evaluate_every=evaluate_every,
                 aux=aux,
+                relay=relay,
             )
             await serve_volunteer(options, shutdown, console)
 
