@@ -263,7 +263,7 @@ class Node:
             ),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
             relay_slots=0 if self.relay is None else self.relay.limits.max_reservations,
-            relay_reservations=0 if self.relay is None else self.relay.statistics().reservations,
+            relay_reservations=0 if self.relay is None else self.relay.reservations_connected(),
         )
 
     def write_status(self, data_dir: Path) -> None:

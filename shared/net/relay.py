@@ -201,6 +201,11 @@ class RelayService:
             refused=dict(self._refused),
         )
 
+    def reservations_connected(self) -> int:
+        """Reservations whose holder is still connected, for status pages; unlike :meth:`statistics` this
+        needs no trio context (callable from a worker thread), so it does not check expiry."""
+        return sum(self.host.channel_for(peer) is not None for peer in list(self._reservations))
+
     def bytes_relayed(self) -> dict[tuple[PeerId, PeerId], int]:
         """Bytes spliced so far per ``(dialer, target)``, both directions together."""
         return dict(self._by_pair)
