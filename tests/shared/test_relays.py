@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import trio
 
+from protocols.peer_id import PeerId
 from protocols.relay import RELAY_RECORD_TTL, RELAYS_KEY, RelayRecord
 from shared.auth.keys import Identity
 from shared.errors import RecordRejected
@@ -48,7 +49,7 @@ async def test_relays_publish_records_that_others_find(nursery: trio.Nursery) ->
     by_peer = {a.peer_id: a for a in found}
     assert set(by_peer) == {first.peer_id, second.peer_id}  # not the plain node, which relays nothing
     for node in (first, second):
-        address = by_peer[node.peer_id]
+        address = by_peer[PeerId(node.peer_id)]
         assert address.relay is None and f"/tcp/{address.port}" in node.host.listen_addrs[0]
 
     status = await trio.to_thread.run_sync(second.status)  # status.json is written from a worker thread

@@ -6,6 +6,7 @@ with it, every step with one fingerprint."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,7 @@ def test_a_relay_killed_mid_run_makes_its_clients_fall_back_to_another_relay(
                 volunteers,
             )
             assert alice.status()["reachability"] == "direct"
+            killed = time.monotonic()
             backbone.proc.kill()
             backbone.proc.communicate()
             wait_for(
@@ -60,6 +62,7 @@ def test_a_relay_killed_mid_run_makes_its_clients_fall_back_to_another_relay(
                 60,
                 volunteers,
             )
+            print(f"relayed through alice {time.monotonic() - killed:.1f} s after the backbone was killed")
             assert all(v.status()["reachability"] == "relayed" for v in natted)
             wait_for(
                 lambda: alice.status().get("relay_reservations") == 2,
