@@ -109,9 +109,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
             console.print(node.reachability.describe(), highlight=False, soft_wrap=True)
         async with trio.open_nursery() as nursery:
             reach = node.reachability
-            if (
-                reach is not None and reach.mode == "client"
-            ):  # checked, unreachable: the checker's relay first
+            if reach is not None and reach.mode == "client":  # checked, unreachable: hold a relay slot
                 relay = parse_multiaddr(reach.checked_with)
                 others = functools.partial(find_relays, node.dht)
                 nursery.start_soon(
