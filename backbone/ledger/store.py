@@ -78,6 +78,7 @@ from .accounting import (
     check_capabilities,
     credit_due,
     reason_codes,
+    relay_evidence,
     valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
@@ -90,6 +91,7 @@ from .schema import (
     PeerSession,
     Pull,
     Receipt,
+    Relayed,
     Report,
     Step,
     User,
@@ -707,12 +709,14 @@ class LedgerStore:
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
+                relays, relay_notes = _store_relayed(conn, report, peer.user_id, report_id)
+                notes += relay_notes
                 evidenced = _record_evidenced_steps(conn, now)
                 _refresh_evidenced_samples(conn, set(receipts) | evidenced)
                 # Peers whose evidence this report made count: the aggregators of its pull records, and
                 # everyone with receipts or pulls of the steps it just recorded. Credited below, each in
                 # its own transaction (one row lock at a time: no deadlock between two backbones).
-                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled}
+                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled} | relays
                 credit = (
                     _credit(conn, report.peer_id, debit=bool(report.discarded))
                     if assessment.credited
@@ -725,6 +729,7 @@ class LedgerStore:
                         credited_samples=credit.samples,
                         credited_compute_seconds=credit.compute_seconds,
                         credited_bytes_aggregated=credit.bytes_aggregated,
+                        credited_bytes_relayed=credit.bytes_relayed,
                         notes=_format_notes(notes),
                     )
                 )
@@ -741,6 +746,7 @@ class LedgerStore:
             compute_seconds=credit.compute_seconds,
             bytes_aggregated=credit.bytes_aggregated,
             notes=_format_notes(notes),
+            bytes_relayed=credit.bytes_relayed,
         )
 
     def _settle(self, peer_ids: set[str]) -> None:
@@ -979,9 +985,11 @@ class LedgerStore:
                 total(Report.credited_samples).label("samples"),
                 total(Report.credited_compute_seconds).label("compute_seconds"),
                 total(Report.credited_bytes_aggregated).label("bytes_aggregated"),
-                func.sum(case((legacy, sql_cast(Report.bytes_relayed, Double)), else_=0.0)).label(
-                    "bytes_relayed"
-                ),
+                func.sum(
+                    case(
+                        (legacy, sql_cast(Report.bytes_relayed, Double)), else_=Report.credited_bytes_relayed
+                    )
+                ).label("bytes_relayed"),
                 func.sum(case((credited, 0), else_=1)).label("flagged"),
             )
             .group_by(Report.user_id)
@@ -1397,6 +1405,28 @@ def _store_evidence(
     return notes
 
 
+def _store_relayed(
+    conn: Connection, report: ContributionReport, user_id: int, report_id: int
+) -> tuple[set[str], Counter[str]]:
+    """Store the report's relay records that count (accounting.relay_evidence), once per
+    ``(reporter, seq, relay)``; returns the relays they name (settled at once: late evidence) and how many
+    did not count or were capped, by code."""
+    if not report.relayed_through:
+        return set(), Counter()
+    users = _users_of(conn, {r.relay for r in report.relayed_through})
+    counted, notes = relay_evidence(report, user_id, users)
+    for record in counted:
+        statement = _insert_ignore(conn, Relayed).values(
+            reporter=record.reporter,
+            seq=record.seq,
+            relay=record.relay,
+            nbytes=record.nbytes,
+            report_id=report_id,
+        )
+        conn.execute(statement)
+    return {r.relay for r in counted}, notes
+
+
 def _format_notes(notes: Counter[str]) -> str | None:
     return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
 
@@ -1413,6 +1443,8 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_samples), 0.0),
             func.coalesce(func.sum(Report.credited_compute_seconds), 0.0),
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
+            func.coalesce(func.sum(sql_cast(Report.bytes_relayed, Double)), 0.0),
+            func.coalesce(func.sum(Report.credited_bytes_relayed), 0.0),
         ).where(*mine)
     ).one()
     # A receipt's weight is capped by the larger of its step's batch and target (accounting's
@@ -1437,10 +1469,13 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
         .join(Step, Step.global_step == Pull.step)
         .where(Pull.aggregator == peer_id)
     ).scalar_one()
+    relayed = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(Relayed.nbytes, Double)), 0.0)).where(Relayed.relay == peer_id)
+    ).scalar_one()
     return credit_due(
-        Credit(float(totals[0]), float(totals[1]), float(totals[2])),
-        Credit(samples=float(weights), bytes_aggregated=float(pulled)),
-        Credit(float(totals[3]), float(totals[4]), float(totals[5])),
+        Credit(float(totals[0]), float(totals[1]), float(totals[2]), float(totals[6])),
+        Credit(samples=float(weights), bytes_aggregated=float(pulled), bytes_relayed=float(relayed)),
+        Credit(float(totals[3]), float(totals[4]), float(totals[5]), float(totals[7])),
         debit=debit,
     )
 
@@ -1480,7 +1515,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
     if latest is None:
         return
     due = _credit(conn, peer_id)
-    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0:
+    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0 and due.bytes_relayed <= 0:
         return
     conn.execute(
         update(Report)
@@ -1489,6 +1524,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
             credited_samples=Report.credited_samples + due.samples,
             credited_compute_seconds=Report.credited_compute_seconds + due.compute_seconds,
             credited_bytes_aggregated=Report.credited_bytes_aggregated + due.bytes_aggregated,
+            credited_bytes_relayed=Report.credited_bytes_relayed + due.bytes_relayed,
         )
     )
 

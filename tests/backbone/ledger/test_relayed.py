@@ -1,0 +1,73 @@
+"""Relayed bytes in the ledger (issue 14): a relay is credited min(its claim, what peers of other users
+received through it), late evidence included, on SQLite and PostgreSQL (``ledger_url``)."""
+
+from __future__ import annotations
+
+from backbone.ledger import LedgerStore
+
+from .reports import identity, make_report, sign
+from .test_store import join
+
+RELAY, RELAY_TWIN, CLIENT, OTHER_CLIENT = identity(61), identity(62), identity(63), identity(64)
+
+
+def record(store: LedgerStore, who, seq: int, **fields):  # type: ignore[no-untyped-def]
+    report = make_report(who, seq, **fields)
+    return store.assess_and_record(sign(who, report), report, now=report.interval_end + 1)
+
+
+def relayed_of(store: LedgerStore, username: str) -> int:
+    return next(r.bytes_relayed for r in store.leaderboard() if r.username == username)
+
+
+def test_a_relay_is_credited_what_peers_of_other_users_received_through_it(store: LedgerStore) -> None:
+    join(store, "rita", RELAY, RELAY_TWIN)
+    join(store, "carl", CLIENT)
+    join(store, "olga", OTHER_CLIENT)
+    # the clients report first: the relay has no report yet, so nothing is credited
+    verdict = record(store, CLIENT, 0, samples=0, relayed={RELAY.peer_id: 3000})
+    assert verdict is not None and verdict.notes is None and verdict.bytes_relayed == 0
+    # the relay claims 10 000: credited what carl received (3000)
+    verdict = record(store, RELAY, 0, samples=0, bytes_relayed=10_000)
+    assert verdict is not None and verdict.bytes_relayed == 3000
+    # its own user's machine vouches for nothing
+    verdict = record(store, RELAY_TWIN, 0, samples=0, relayed={RELAY.peer_id: 5000})
+    assert verdict is not None and verdict.notes == "relay_same_user: 1"
+    assert relayed_of(store, "rita") == 3000
+    # late evidence: olga's report arrives after the relay's and is credited to it at once
+    record(store, OTHER_CLIENT, 0, samples=0, relayed={RELAY.peer_id: 4000})
+    assert relayed_of(store, "rita") == 7000
+    # never beyond the claim: more evidence adds nothing until the relay claims more
+    record(store, CLIENT, 1, samples=0, relayed={RELAY.peer_id: 9000})
+    assert relayed_of(store, "rita") == 10_000
+    record(store, RELAY, 1, samples=0, bytes_relayed=2000)
+    assert relayed_of(store, "rita") == 12_000
+    # a replayed report (same peer id and seq) is credited once
+    report = make_report(CLIENT, 1, samples=0, relayed={RELAY.peer_id: 9000})
+    assert store.assess_and_record(sign(CLIENT, report), report, now=report.interval_end + 1) is None
+    record(store, RELAY, 2, samples=0, bytes_relayed=10**9)
+    assert relayed_of(store, "rita") == 16_000  # 3000 + 4000 + 9000, each report once
+    assert {r.username: r.bytes_relayed for r in store.leaderboard()} == {
+        "rita": 16_000,
+        "carl": 0,
+        "olga": 0,
+    }
+
+
+def test_records_naming_unknown_peers_or_the_reporter_itself_count_nothing(store: LedgerStore) -> None:
+    join(store, "rita", RELAY)
+    join(store, "carl", CLIENT)
+    stranger = identity(65)
+    verdict = record(store, CLIENT, 0, samples=0, relayed={stranger.peer_id: 10, CLIENT.peer_id: 10})
+    assert verdict is not None and verdict.notes == "relay_same_user: 1; relay_unknown: 1"
+    record(store, RELAY, 0, samples=0, bytes_relayed=100)
+    assert relayed_of(store, "rita") == 0
+
+
+def test_a_flagged_relay_report_is_credited_nothing(store: LedgerStore) -> None:
+    join(store, "rita", RELAY)
+    join(store, "carl", CLIENT)
+    record(store, CLIENT, 0, samples=0, relayed={RELAY.peer_id: 500})
+    verdict = record(store, RELAY, 0, samples=0, bytes_relayed=500, length=2 * 3600.0)  # too_long
+    assert verdict is not None and not verdict.credited and verdict.bytes_relayed == 0
+    assert relayed_of(store, "rita") == 0
