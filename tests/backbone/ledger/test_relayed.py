@@ -71,3 +71,30 @@ def test_a_flagged_relay_report_is_credited_nothing(store: LedgerStore) -> None:
     verdict = record(store, RELAY, 0, samples=0, bytes_relayed=500, length=2 * 3600.0)  # too_long
     assert verdict is not None and not verdict.credited and verdict.bytes_relayed == 0
     assert relayed_of(store, "rita") == 0
+
+
+def test_a_version_7_ledger_gains_relay_records_keeping_its_rows(ledger_url: str) -> None:
+    import sqlalchemy
+
+    from backbone.ledger.schema import SCHEMA_VERSION
+
+    with LedgerStore.open(ledger_url) as store:
+        join(store, "rita", RELAY)
+        join(store, "carl", CLIENT)
+        record(store, RELAY, 0, samples=0, bytes_relayed=700)
+    engine = sqlalchemy.create_engine(ledger_url)
+    try:
+        with engine.begin() as conn:  # what schema version 7 had: no relay records, no credited relaying
+            conn.execute(sqlalchemy.text("DROP TABLE relayed"))
+            conn.execute(sqlalchemy.text("ALTER TABLE reports DROP COLUMN credited_bytes_relayed"))
+            conn.execute(sqlalchemy.text("UPDATE schema_version SET version = 7"))
+        with LedgerStore.open(ledger_url) as store:
+            assert relayed_of(store, "rita") == 0  # the old report is kept, credited no relaying
+            assert [r.seq for r in store.peer_reports(RELAY.peer_id)] == [0]
+            record(store, CLIENT, 0, samples=0, relayed={RELAY.peer_id: 300})  # late evidence
+            assert relayed_of(store, "rita") == 300
+        with engine.connect() as conn:
+            version = conn.execute(sqlalchemy.text("SELECT version FROM schema_version")).scalar()
+            assert version == SCHEMA_VERSION == 8
+    finally:
+        engine.dispose()
