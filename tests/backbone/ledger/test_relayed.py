@@ -3,7 +3,12 @@ received through it), late evidence included, on SQLite and PostgreSQL (``ledger
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from backbone.ledger import LedgerStore
+from backbone.ledger.accounting import RelayEvidence, credited_relayed
 
 from .reports import identity, make_report, sign
 from .test_store import join
@@ -98,3 +103,48 @@ def test_a_version_7_ledger_gains_relay_records_keeping_its_rows(ledger_url: str
             assert version == SCHEMA_VERSION == 8
     finally:
         engine.dispose()
+
+
+_CLIENTS = [identity(n) for n in (70, 71, 72)]
+_event = st.one_of(
+    st.tuples(st.just("claim"), st.integers(0, 10**9)),
+    st.tuples(st.just("client"), st.integers(0, 2), st.integers(0, 10**9)),
+    st.tuples(st.just("replay"), st.integers(0, 2)),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(events=st.lists(_event, max_size=12), same_user=st.integers(0, 2))
+def test_the_store_credits_each_relay_what_the_pure_rule_says_in_any_arrival_order(
+    tmp_path_factory: pytest.TempPathFactory, events: list[tuple[int | str, ...]], same_user: int
+) -> None:
+    """Relay claims and client reports arrive interleaved (late evidence), clients resend reports
+    (replays): the relay's credited total is always credited_relayed(claims, counted records), where the
+    client ``same_user`` belongs to the relay's user (its records never count)."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('relayed') / 'ledger.sqlite3'}"
+    with LedgerStore.open(url) as store:
+        join(store, "rita", RELAY, _CLIENTS[same_user])
+        for i, client in enumerate(_CLIENTS):
+            if i != same_user:
+                join(store, f"user{i}", client)
+        seqs = {i: 0 for i in range(3)}
+        last: dict[int, tuple[int, int]] = {}  # client -> (seq, bytes) of its latest report
+        relay_seq = claimed = 0
+        evidence = []
+        for event in events:
+            if event[0] == "claim":
+                record(store, RELAY, relay_seq, samples=0, bytes_relayed=int(event[1]))
+                relay_seq += 1
+                claimed += int(event[1])
+            elif event[0] == "client":
+                i, nbytes = int(event[1]), int(event[2])
+                record(store, _CLIENTS[i], seqs[i], samples=0, relayed={RELAY.peer_id: nbytes})
+                last[i] = (seqs[i], nbytes)
+                if i != same_user:
+                    evidence.append(RelayEvidence(_CLIENTS[i].peer_id, seqs[i], RELAY.peer_id, nbytes))
+                seqs[i] += 1
+            elif int(event[1]) in last:  # the same report again: recorded before, nothing new
+                i = int(event[1])
+                seq, nbytes = last[i]
+                assert record(store, _CLIENTS[i], seq, samples=0, relayed={RELAY.peer_id: nbytes}) is None
+            assert relayed_of(store, "rita") == round(credited_relayed(claimed, evidence))
