@@ -9,11 +9,19 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocols.bulk import BulkHeader
 from protocols.ledger import MAX_RELAYED_PER_REPORT, ContributionReport
 from shared.auth.keys import Identity
+from shared.net.addresses import parse_multiaddr, relayed
+from shared.net.bulk import BulkReader
+from shared.net.host import Host, HostConfig
+from shared.net.relay import RelayClient, RelayService
+from shared.net.relaytraffic import relayed_since
+from shared.net.rpc import RequestContext
 from tests.backbone.pinned_api import member_client, serve_pinned_api
 from volunteer.collab.optimizer import StepRecord
 from volunteer.reporting import Reporter
@@ -203,3 +211,61 @@ async def test_the_ledger_credits_the_relay_what_its_client_received_through_it(
         await client.flush()  # late evidence: credited to rita at once
         assert (relay.sent, client.sent) == (1, 1)
         assert {r.username: r.bytes_relayed for r in api.store.leaderboard()} == {"carl": 0, "rita": 4000}
+
+
+async def test_end_to_end_a_real_relay_is_credited_what_its_two_ends_received_through_it(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Three admitted volunteers of three users: tess behind a relay of rita's, carl sending her 1 MiB
+    through it. Each reports what its host counted; the ledger credits rita the bytes carl and tess
+    received through her relay (a little below what she spliced: TLS's overhead)."""
+    async with serve_pinned_api(tmp_path / "bb") as api:
+        clients = {name: member_client(api, name) for name in ("rita", "tess", "carl")}
+        hosts = {}
+        for name, client in clients.items():
+            assert client.identity is not None
+            hosts[name] = Host(client.identity, api.run_id, HostConfig(dial_deadline=5))
+            await nursery.start(hosts[name].run)
+        relay_at = parse_multiaddr(hosts["rita"].listen_addrs[0])
+        service = RelayService(hosts["rita"])
+        spliced = relayed_since(service)
+        await RelayClient(hosts["tess"]).reserve(relay_at)
+
+        async def sink(ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> bytes:
+            buffer = bytearray(header.nbytes)
+            await reader.read_into(memoryview(buffer))
+            return b"ok"
+
+        hosts["tess"].bulk_handlers["sink"] = sink
+        with trio.fail_after(20):
+            ack = await hosts["carl"].send_bulk(
+                relayed(relay_at, hosts["tess"].peer_id), "sink", b"x" * (1 << 20)
+            )
+        assert ack == b"ok"
+        reporters = {}
+        for name, client in clients.items():
+            assert client.identity is not None
+            (tmp_path / name).mkdir()
+            reporters[name] = Reporter(
+                api.run_id,
+                client.identity,
+                client,
+                tmp_path / name,
+                relay_traffic=hosts[name].relay_traffic.take,
+                relayed=spliced if name == "rita" else None,
+            )
+        received = claim = 0
+        for name in ("carl", "rita", "tess"):  # the relay's report between its clients': late evidence too
+            reporters[name].close_interval()
+            [report] = queued(reporters[name])
+            assert [r.relay for r in report.relayed_through] == (
+                [] if name == "rita" else [hosts["rita"].peer_id]
+            )
+            received += sum(r.nbytes for r in report.relayed_through)
+            claim += report.bytes_relayed
+            await reporters[name].flush()
+            assert reporters[name].sent == 1
+        assert 0.97 * claim <= received <= claim  # TLS's framing and handshakes: a few percent
+        board = {r.username: r.bytes_relayed for r in api.store.leaderboard()}
+        assert board["carl"] == board["tess"] == 0
+        assert board["rita"] == received >= 1 << 20  # what both ends received, the 1 MiB among it
