@@ -21,8 +21,9 @@ spliced for that direction; at most :data:`MAX_RELAYED_PER_REPORT` relays, each 
 credits a relay no more than the peers of other users received through it (see
 :mod:`backbone.ledger.accounting`). Compatibility: the field is new and omitted when empty, so a report
 of a peer that used no relay decodes on backbones of every version; one with relayed bytes is refused by
-a backbone older than the field (the volunteer gives it up and puts its relay evidence back, so a later
-report carries it once the backbone is upgraded).
+a backbone older than the field (the volunteer gives it up: a later report carries its relayed bytes
+claim and receipts, while its relay evidence is dropped, since resending it would have every later report
+refused too).
 
 ``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
 sent twice (a retry after a lost reply, a second backbone) is credited once.

@@ -120,8 +120,10 @@ connections went through a relay's circuits (the dialer through ``R`` and the ta
 (:class:`~protocols.ledger.RelayedBytes`). Received, not sent: each direction of a circuit is then
 attested once, by the end it was delivered to, so the two ends of one circuit do not double it. A record
 counts (:func:`relay_evidence`) iff its relay is an admitted peer of *another user* than the reporter's
-(``relay_same_user``: not counted; ``relay_unknown``: not counted) and is capped at what a link carries in
-the report's interval, ``MAX_BANDWIDTH_BPS * (L + 1 s)`` bytes (``relay_capped``). Each report's records are
+(``relay_same_user``: not counted; ``relay_unknown``: not counted), the report is not flagged
+(``relay_flagged``: its interval is not believed, so neither is what it says went through it), and it is
+capped at what a link carries in the report's interval, ``MAX_BANDWIDTH_BPS * (L + 1 s)`` bytes
+(``relay_capped``). Each report's records are
 stored once, keyed ``(reporter, seq, relay)``, and the report itself once per ``(peer_id, seq)``: a
 duplicate or replayed report adds nothing. Then, per relay, over its unflagged reports and the counted
 records naming it:
@@ -131,12 +133,14 @@ records naming it:
 credited the same way as B (the increase over what its earlier reports were credited), with late
 evidence: a client's report that arrives after the relay's settles the relay at once (``_settle``).
 The evidence is TLS plaintext, a little less than the ciphertext the relay spliced (TLS's framing, under
-1% of a bulk transfer, and the handshakes): an honest relay is credited slightly less than it claims.
+1% of a bulk transfer, and the handshakes; 99.8% of the spliced bytes reach the ledger in
+``tests/volunteer/test_report_relayed.py``'s 1 MiB transfer): an honest relay is credited slightly less
+than it claims.
 What a liar gains: a relay claiming more than it relayed gets no more than others received through it; a
 client inventing relayed bytes credits nothing by itself (the relay must claim them too), and only a
 relay of another user. A colluding pair (a relay's user and a client's user) can credit the relay as many
-bytes as the client's records say, at most ``MAX_BANDWIDTH_BPS`` bytes per second of the client's reported
-intervals (which cannot overlap), as aggregation bytes are bounded only by pull records.
+bytes as the client's records say, at most ``MAX_BANDWIDTH_BPS`` bytes per second of the client's
+unflagged intervals (which do not overlap), as aggregation bytes are bounded only by pull records.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
 colluding users can credit each other at most one recorded batch per sender and step (samples), and

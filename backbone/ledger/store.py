@@ -1,12 +1,13 @@
 """The ledger's only SQL I/O: allowlist, peers and sessions, contribution reports, steps, leaderboard.
 
 Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
-assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``) and pull
-records, and credits it the increase of ``min(claims, evidence)``, all in one transaction under the
-reporting peer's row lock, so two backbones on one database cannot credit one receipt twice. A discard
-(``step_discards``) covers only the receipts of its steps that the peer's reports up to the discarding
-one (by ``seq``) carried; a receipt of a later report replaces a discarded receipt of its step (the step
-taken again after re-syncing) instead of being a duplicate.
+assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``), pull
+records and relay records (once per ``(reporter, seq, relay)``), and credits it the increase of
+``min(claims, evidence)``, all in one transaction under the reporting peer's row lock, so two backbones on
+one database cannot credit one receipt twice. A discard (``step_discards``) covers only the receipts of
+its steps that the peer's reports up to the discarding one (by ``seq``) carried; a receipt of a later
+report replaces a discarded receipt of its step (the step taken again after re-syncing) instead of being a
+duplicate.
 
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
@@ -709,7 +710,9 @@ class LedgerStore:
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
-                relays, relay_notes = _store_relayed(conn, report, peer.user_id, report_id)
+                relays, relay_notes = _store_relayed(
+                    conn, report, peer.user_id, report_id, counts=assessment.credited
+                )
                 notes += relay_notes
                 evidenced = _record_evidenced_steps(conn, now)
                 _refresh_evidenced_samples(conn, set(receipts) | evidenced)
@@ -1406,13 +1409,15 @@ def _store_evidence(
 
 
 def _store_relayed(
-    conn: Connection, report: ContributionReport, user_id: int, report_id: int
+    conn: Connection, report: ContributionReport, user_id: int, report_id: int, *, counts: bool
 ) -> tuple[set[str], Counter[str]]:
-    """Store the report's relay records that count (accounting.relay_evidence), once per
-    ``(reporter, seq, relay)``; returns the relays they name (settled at once: late evidence) and how many
-    did not count or were capped, by code."""
+    """Store the report's relay records that count (accounting.relay_evidence; none of a flagged report:
+    ``counts`` False), once per ``(reporter, seq, relay)``; returns the relays they name (settled at once:
+    late evidence) and how many did not count or were capped, by code."""
     if not report.relayed_through:
         return set(), Counter()
+    if not counts:
+        return set(), Counter({"relay_flagged": len(report.relayed_through)})
     users = _users_of(conn, {r.relay for r in report.relayed_through})
     counted, notes = relay_evidence(report, user_id, users)
     for record in counted:

@@ -78,6 +78,21 @@ def test_a_flagged_relay_report_is_credited_nothing(store: LedgerStore) -> None:
     assert relayed_of(store, "rita") == 0
 
 
+def test_a_flagged_client_report_is_no_evidence(store: LedgerStore) -> None:
+    join(store, "rita", RELAY)
+    join(store, "carl", CLIENT)
+    record(store, RELAY, 0, samples=0, bytes_relayed=10_000)
+    record(store, CLIENT, 0, samples=0, relayed={RELAY.peer_id: 1000})
+    overlapping = make_report(
+        CLIENT, 1, start=make_report(CLIENT, 0).interval_start, samples=0, relayed={RELAY.peer_id: 5000}
+    )
+    verdict = store.assess_and_record(
+        sign(CLIENT, overlapping), overlapping, now=overlapping.interval_end + 1
+    )
+    assert verdict is not None and not verdict.credited and verdict.notes == "relay_flagged: 1"
+    assert relayed_of(store, "rita") == 1000
+
+
 def test_a_version_7_ledger_gains_relay_records_keeping_its_rows(ledger_url: str) -> None:
     import sqlalchemy
 
