@@ -598,7 +598,7 @@ def ledger(
     if as_json:
         print(msgspec.json.encode(rows).decode())
         return
-    relaying = any(row.bytes_relayed for row in rows)  # no relay role yet: only legacy rows have any
+    relaying = any(row.bytes_relayed for row in rows)  # credited relaying (accounting: "Relayed bytes")
     table = Table(title="contributions", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     columns = ["user", "samples", "compute", "online", "aggregated"]
     columns += ["relayed"] if relaying else []
