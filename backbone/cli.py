@@ -241,6 +241,15 @@ def start(
             "them where their NATs allow.",
         ),
     ] = True,
+    public_leaderboard: Annotated[
+        bool,
+        typer.Option(
+            "--public-leaderboard",
+            help="Show the dashboard's per-user rows (users, their hardware and contributions) to anyone "
+            "who opens it; by default only the run-level view is public and those rows need the admin "
+            "token.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Start a backbone node of a run and serve it until Ctrl+C.
@@ -297,6 +306,7 @@ def start(
                 aggregate,
                 aggregate_bandwidth,
                 relay,
+                public_leaderboard,
             )
             await serve_backbone(options, shutdown)
 

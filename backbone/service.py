@@ -69,6 +69,7 @@ from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
+from .live import LiveSources
 from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info, write_served_spec
 from .sessions import close_silent_sessions_forever
 from .startup import bind_api
@@ -102,6 +103,7 @@ class BackboneOptions:
     aggregate: bool = True  # take averaging slices as an auxiliary aggregator (``--no-aggregate``: not)
     aggregate_mbps: float = DEFAULT_AGGREGATE_MBPS  # stated in its tickets (``--aggregate-bandwidth``)
     relay: bool = True  # offer relay slots to volunteers behind NAT (``--no-relay``: not)
+    public_leaderboard: bool = False  # the dashboard's per-user rows for everyone (backbone.dashboard)
 
 
 @contextlib.asynccontextmanager
@@ -241,15 +243,23 @@ def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedT
 
 
 async def _serve_node(
-    node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown, authority_key: bytes | None = None
+    node: Node,
+    options: BackboneOptions,
+    run_id: str,
+    shutdown: Shutdown,
+    authority_key: bytes | None = None,
+    live: LiveSources | None = None,
 ) -> None:
+    """``live``: filled in with what is started here, for the dashboard and ``/metrics``."""
+    live = live if live is not None else LiveSources()
+    live.node = node
     ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
     if options.relay:  # volunteers behind NAT become reachable through us (shared.net.relay)
-        RelayService(node.host)
+        live.relay = RelayService(node.host)
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     aggregator = None
     if options.aggregate:
-        aggregator = backbone_aggregator(node, options.training, options.aggregate_mbps)
+        aggregator = live.aggregator = backbone_aggregator(node, options.training, options.aggregate_mbps)
         logger.info(
             "aggregating: this backbone takes averaging slices as an auxiliary aggregator "
             "(stating %g MB/s; --no-aggregate opts out)",
@@ -263,7 +273,7 @@ async def _serve_node(
         nursery.start_soon(_report_forever, node, options.data_dir, aggregator)
         if aggregator is not None:
             nursery.start_soon(aggregator.serve_forever)
-        checkpoints = await trio.to_thread.run_sync(
+        checkpoints = live.checkpoints = await trio.to_thread.run_sync(
             CheckpointStore, options.data_dir / CHECKPOINTS_DIR, options.training.keep_checkpoints
         )
         server = StateServer(node.host, backbone=True)
@@ -313,6 +323,7 @@ async def _serve_pinned(
         peer_id=node.peer_id,
         shards_dir=options.data_dir / SHARDS_DIR,
         tokenizer=(options.data_dir / TOKENIZER_FILE if options.training.tokenizer.kind != "none" else None),
+        public_leaderboard=options.public_leaderboard,
     )
 
     async def sync_revocations() -> None:
@@ -368,7 +379,7 @@ async def _serve_pinned(
         nursery.start_soon(refresh_own_token)
         nursery.start_soon(record_steps_forever, node, store, options.training, 1.0, node.tolerated)
         nursery.start_soon(close_silent_sessions_forever, store, state.session_timeout)
-        await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
+        await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes, state.live)
         nursery.cancel_scope.cancel()
 
 
