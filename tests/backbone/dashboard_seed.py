@@ -50,7 +50,7 @@ def record_steps(store: LedgerStore, first: int, last: int, start: float) -> Non
 def seed(store: LedgerStore, now: float, steps: int = 12) -> Seeded:
     hostile = admit(store, HOSTILE_USER, now)
     bob = admit(store, "bob", now)
-    for peer, device, rate in ((hostile, HOSTILE_DEVICE, 12.5), (bob, "cpu (Test CPU)", 3.25)):
+    for peer, device, rate in ((hostile, HOSTILE_DEVICE, 12.5), (bob, "cpu (Test CPU)", 3.4)):
         store.session_heartbeat(peer, secrets.token_hex(16), "192.0.2.7", now=now)
         store.update_capabilities(peer, Capabilities(rate, 2e6, 8e6, device), now=now)
     record_steps(store, 1, steps, now - 2.0 * steps - 5)
