@@ -40,8 +40,11 @@ build the app alone, where the page says "unknown").
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
+import os
+import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -50,7 +53,10 @@ from typing import Any
 
 import msgspec
 import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as serve_http
 from sqlalchemy import func, select
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
@@ -58,6 +64,7 @@ from starlette.routing import Route
 from protocols.api import ApiError
 from protocols.probe import CAPABILITIES_KEY, CapabilityRecord, decode_capability_record
 from shared.errors import ProtocolError
+from shared.net.addresses import expand_unspecified
 from shared.net.host import CALL_FAILURES
 
 from .api import DB_READ, ApiState, HttpError, _check_admin
@@ -74,6 +81,7 @@ __all__ = [
     "metric_families",
     "peer_roles",
     "routes",
+    "serve_dashboard",
     "step_rates",
 ]
 
@@ -616,3 +624,36 @@ def routes(state: ApiState) -> list[Route]:
         Route("/dashboard/data.json", data, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+
+
+async def serve_dashboard(
+    state: ApiState,
+    sock: socket.socket,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the dashboard and ``/metrics`` (none of the API) over plain HTTP on the listening ``sock``
+    (``backbone start --dashboard-listen``); started with its URLs. Browsers cannot open the API's HTTPS
+    (an Ed25519 certificate, which they do not accept), so this is how a person opens the page: on
+    loopback through an SSH tunnel, or behind a TLS reverse proxy."""
+    host, port = sock.getsockname()[:2]
+    if not ipaddress.ip_address(host).is_loopback:
+        logger.warning(
+            "serving the dashboard over plain HTTP on %s:%d: an admin token typed into it crosses the "
+            "network in clear; prefer 127.0.0.1 and an SSH tunnel or a TLS reverse proxy",
+            host,
+            port,
+        )
+    config = HypercornConfig()
+    config.bind = [f"fd://{os.dup(sock.fileno())}"]  # hypercorn owns (and closes) the duplicate
+    config.accesslog = None
+    config.errorlog = logging.getLogger("backbone.http")
+    app = Starlette(routes=routes(state))
+    urls = [f"http://{f'[{h}]' if ':' in h else h}:{port}" for h in expand_unspecified(host)]
+
+    async def serve(task_status: trio.TaskStatus[None]) -> None:
+        await serve_http(app, config, task_status=task_status)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve)
+        task_status.started(urls)
