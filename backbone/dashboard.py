@@ -271,8 +271,11 @@ def _health(live: LiveSources) -> dict[str, Any]:
         "bytes_received": status.bytes_received if status else None,
         "reachability": status.reachability if status else None,
         "tolerated": dict(status.tolerated) if status else {},
+        # without ``last_error``: its text may name a peer's address (the backbone's log has it)
         "aggregator": (
-            dataclasses.asdict(live.aggregator.statistics()) if live.aggregator is not None else None
+            {k: v for k, v in dataclasses.asdict(live.aggregator.statistics()).items() if k != "last_error"}
+            if live.aggregator is not None
+            else None
         ),
         "relay": dataclasses.asdict(live.relay.statistics()) if live.relay is not None else None,
     }

@@ -164,7 +164,7 @@
       ["reports credited / flagged", fmt(s.reports.credited) + " / " + fmt(s.reports.flagged)],
       ["users / peers / open sessions", fmt(s.users) + " / " + fmt(s.peers) + " / " + fmt(s.open_sessions)],
       ["aggregator rounds aggregated / failed / no group", agg ? agg.rounds_aggregated + " / " + agg.rounds_failed + " / " + agg.no_group : "not aggregating"],
-      ["aggregator last error", agg ? agg.last_error || "—" : "—"],
+      ["aggregator errors", agg ? fmt(agg.errors) : "—"],
       ["relay reservations / circuits / relayed", relay ? relay.reservations + " / " + relay.circuits_granted + " / " + bytes(relay.bytes_relayed) : "not relaying"],
       ["backbone uptime", fmt(data.run.uptime_s / 3600, 2) + " h"],
     ], "");

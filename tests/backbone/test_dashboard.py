@@ -20,8 +20,10 @@ from backbone.api import build_app
 from backbone.dashboard import peer_roles, step_rates
 from backbone.ledger import StepRow
 from backbone.metrics import Family, Sample, render
+from backbone.startup import bind_dashboard, parse_dashboard_listen
 from protocols.ledger import Capabilities
 from protocols.probe import CapabilityRecord
+from shared.errors import ConfigError
 from tests.backbone.api_app import ADMIN, InProcessApi, in_process_api
 from tests.backbone.dashboard_seed import HOSTILE_DEVICE, HOSTILE_USER, parse_metrics, record_steps, seed
 
@@ -231,3 +233,15 @@ def test_peer_roles_from_the_capability_record() -> None:
     assert peer_roles(CapabilityRecord(caps)) == ["compute"]  # unchecked
     assert peer_roles(direct) == ["compute", "aggregate"]
     assert peer_roles(client) == ["compute", "client"]
+
+
+def test_dashboard_listen_errors_name_the_flag() -> None:
+    assert parse_dashboard_listen("127.0.0.1:8080") == ("127.0.0.1", 8080)
+    with pytest.raises(ConfigError, match="--dashboard-listen 'localhost:80'"):
+        parse_dashboard_listen("localhost:80")
+    with bind_dashboard("127.0.0.1:0") as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            ConfigError, match=f"cannot serve the dashboard on 127.0.0.1:{port}: the port is in use"
+        ):
+            bind_dashboard(f"127.0.0.1:{port}")

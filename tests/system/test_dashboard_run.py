@@ -70,6 +70,10 @@ def test_dashboard_of_a_live_run(tmp_path: Path) -> None:
             assert health["aggregator rounds aggregated / failed / no group"] != "not aggregating"
             assert health["relay reservations / circuits / relayed"] != "not relaying"
         assert httpx.get(f"{url}/v1/runs/{backbone.run_id}/health", timeout=30).status_code == 404  # no API
+        data = httpx.get(f"{url}/dashboard/data.json", timeout=30)
+        assert data.json()["peers"][0]["user"] == "alice"  # --public-leaderboard: no token needed
+        assert "last_error" not in data.json()["health"]["aggregator"]
+        assert "127.0.0.1" not in data.text  # nobody's address, not even the volunteer's
         metrics = httpx.get(f"https://127.0.0.1:{backbone.api_port}/metrics", verify=False, timeout=30)
         families = parse_metrics(metrics.text)
         for name in (
