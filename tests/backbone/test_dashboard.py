@@ -17,15 +17,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from backbone.api import build_app
-from backbone.dashboard import peer_roles, step_rates
-from backbone.ledger import StepRow
+from backbone.dashboard import active_peers, ledger_counts, peer_roles, step_rates
+from backbone.ledger import LedgerStore, StepRow
 from backbone.metrics import Family, Sample, render
 from backbone.startup import bind_dashboard, parse_dashboard_listen
 from protocols.ledger import Capabilities
 from protocols.probe import CapabilityRecord
+from shared.auth.keys import Identity
 from shared.errors import ConfigError
 from tests.backbone.api_app import ADMIN, InProcessApi, in_process_api
-from tests.backbone.dashboard_seed import HOSTILE_DEVICE, HOSTILE_USER, parse_metrics, record_steps, seed
+from tests.backbone.dashboard_seed import (
+    HOSTILE_DEVICE,
+    HOSTILE_USER,
+    admit,
+    parse_metrics,
+    record_steps,
+    seed,
+)
 
 
 async def get(api: InProcessApi, path: str, **headers: str) -> httpx.Response:
@@ -245,3 +253,29 @@ def test_dashboard_listen_errors_name_the_flag() -> None:
             ConfigError, match=f"cannot serve the dashboard on 127.0.0.1:{port}: the port is in use"
         ):
             bind_dashboard(f"127.0.0.1:{port}")
+
+
+def test_active_peers_and_counts_on_both_databases(store: LedgerStore) -> None:
+    """The dashboard's own queries (backbone.dashboard) on SQLite and PostgreSQL: one row per peer (its
+    newest open session), none for a closed, silent or removed one; the backbones are not users."""
+    now = time.time()
+    seeded = seed(store, now - 10)
+    carol = admit(store, "carol", now)
+    store.session_heartbeat(carol, "c" * 32, "192.0.2.9", now=now - 1000)  # silent since
+    dave = admit(store, "dave", now)
+    store.session_heartbeat(dave, "d" * 32, "192.0.2.9", now=now)
+    store.leave_session(dave, "d" * 32, now=now)  # left
+    erin = admit(store, "erin", now)
+    store.session_heartbeat(erin, "e" * 32, "192.0.2.9", now=now)
+    store.remove_user("erin", now=now)
+    store.session_heartbeat(seeded.bob_peer, "b" * 32, "192.0.2.8", now=now)  # bob restarted: a new session
+    active = active_peers(store, since=now - 90)
+    assert sorted((p.username, p.peer_id) for p in active) == sorted(
+        [(HOSTILE_USER, seeded.hostile_peer), ("bob", seeded.bob_peer)]
+    )
+    bob = next(p for p in active if p.username == "bob")
+    held = store.capabilities(seeded.bob_peer)
+    assert held is not None and bob.started_at == pytest.approx(now) and bob.device == held.device
+    store.register_backbone(Identity.generate().peer_id, Identity.generate().public_key_bytes, now=now)
+    counts = ledger_counts(store)
+    assert counts == {"users": 4, "peers": 5, "open_sessions": 4}  # erin removed; carol's still open
