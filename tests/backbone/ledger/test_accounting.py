@@ -6,7 +6,7 @@ import math
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backbone.ledger.accounting import (
@@ -241,13 +241,17 @@ def test_assess_always_credits_a_report_within_bounds_whatever_it_claims(
     extra_samples=st.integers(1, 2**40),
     which=st.sampled_from(["compute", "rate"]),
 )
+@example(length=1.967749996376142, extra_compute=1.01, extra_samples=1, which="rate")  # T0 + length rounds up
 def test_assess_flags_a_report_claiming_more_than_its_interval_could_hold(
     length: float, extra_compute: float, extra_samples: int, which: str
 ) -> None:
     if which == "compute":
         report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length + extra_compute)
     else:
-        samples = math.floor(MAX_SAMPLES_PER_SECOND * (length + 1)) + extra_samples
+        report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length)
+        # the limit of the interval as stored: T0 + length rounds, and may stretch it by ~1e-7 s
+        stored = report.interval_end - report.interval_start
+        samples = math.floor(MAX_SAMPLES_PER_SECOND * (max(length, stored) + 1)) + extra_samples
         report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length, samples=samples)
     verdict = assess(report, None, now=report.interval_end, joined_at=T0)
     assert reason_codes(verdict.reason) == [which]
