@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import trio
 import typer
+import typer.main
 from rich.console import Console
 
 from shared.console import (
@@ -29,6 +31,7 @@ from shared.errors import ConfigError
 from shared.extras import role_installed
 from shared.lifecycle import Shutdown
 
+from .config import CONFIG_NAME, join_defaults
 from .precision import PRECISIONS
 
 __all__ = ["app", "main"]
@@ -216,6 +219,17 @@ def join(
             "machine. Takes effect only if a backbone can dial this machine directly (see --listen).",
         ),
     ] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            metavar="FILE",
+            show_default=False,
+            help="Read flags from this TOML file (keys: the long flags without dashes, e.g. "
+            "micro-batch = 8; run-id for RUN_ID). Environment variables VOLUNTEER_<KEY> override it, the "
+            f"command line overrides both.  [default: {CONFIG_NAME} in the data dir, if there]",
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Join a training run and train with its other peers until Ctrl+C.
@@ -227,6 +241,7 @@ def join(
     Exit codes: 0 on a clean stop; 1 when the run refused this machine or the network failed; 2 on unusable
     input (flags, data dir).
     """
+    del config  # read before parsing (main): its values are the defaults of the flags above
     setup_logging(verbose)
     console = Console()
 
@@ -288,4 +303,13 @@ def join(
 
 def main() -> None:
     with role_installed("volunteer"):  # pip install dedloc without [volunteer]: one line, exit 2
-        app()
+        group = typer.main.get_command(app)
+        argv = sys.argv[1:]
+        defaults: dict[str, object] = {}
+        if "join" in argv:  # the config file and VOLUNTEER_* variables hold join's flags
+            try:
+                defaults = join_defaults(group.commands["join"], argv, os.environ)  # type: ignore[attr-defined]
+            except ConfigError as exc:
+                print(f"volunteer join: {exc}", file=sys.stderr)
+                raise SystemExit(2) from exc
+        group(args=argv, prog_name="volunteer", default_map={"join": defaults})

@@ -107,7 +107,11 @@ class TrainingSession:
             if credential is not None
             else None
         )
-        self.reporter = Reporter(options.run_id, identity, self.client, self.data_dir)
+        # relayed_through: what we received through relays (evidence of their work, issue 14); a relay
+        # service of ours plugs its claim in as reporter.relayed (shared.net.relaytraffic.relayed_since)
+        self.reporter = Reporter(
+            options.run_id, identity, self.client, self.data_dir, relay_traffic=node.host.relay_traffic.take
+        )
         self.headline = "starting"
         self._drift = DriftTracker()
         self._caps: MeasuredCapabilities | None = None
