@@ -70,7 +70,7 @@ def test_two_natted_volunteers_relayed_through_the_backbone_train_and_punch(
                 **{h.name: {"loopback": 0} for home in net.homes for h in home.hosts},
             }
         finally:
-            results = {v.name: stop(v.proc, within=10) for v in volunteers if v.alive()}
+            results = {v.name: stop(v.proc, within=30) for v in volunteers if v.alive()}
             stop(backbone.proc, within=30)
         for name, (code, _, _) in results.items():
             log = (tmp_path / name / "volunteer.log").read_text()[-3000:]
@@ -115,7 +115,7 @@ def test_a_relay_killed_mid_run_leaves_its_clients_in_client_mode_and_training(
             wait_for(lambda: all(v.step() >= target for v in volunteers), f"all at {target}", 180, volunteers)
             assert assert_identical(volunteers) >= target  # type: ignore[arg-type]
         finally:
-            results = {v.name: stop(v.proc, within=10) for v in volunteers if v.alive()}
+            results = {v.name: stop(v.proc, within=30) for v in volunteers if v.alive()}
             if backbone.proc.poll() is None:
                 stop(backbone.proc, within=30)
         for name, (code, _, _) in results.items():

@@ -75,7 +75,7 @@ def test_a_relay_killed_mid_run_makes_its_clients_fall_back_to_another_relay(
             assert assert_identical(volunteers) >= target  # type: ignore[arg-type]
             assert all(_relay_ips(v) == [net.public[1].address] for v in natted)
         finally:
-            results = {v.name: stop(v.proc, within=10) for v in volunteers if v.alive()}
+            results = {v.name: stop(v.proc, within=30) for v in volunteers if v.alive()}
             if backbone.proc.poll() is None:
                 stop(backbone.proc, within=30)
         for name, (code, _, _) in results.items():

@@ -163,7 +163,7 @@ def test_natted_volunteers_train_with_public_ones_in_client_mode_and_dial_nowher
                 **{h.name: {"loopback": 0} for home in net.homes for h in home.hosts},
             }
         finally:
-            results = {v.name: stop(v.proc, within=10) for v in everyone if v.alive()}
+            results = {v.name: stop(v.proc, within=30) for v in everyone if v.alive()}
             stop(backbone.proc, within=30)
         for name, (code, _, _) in results.items():
             assert code == 0, (
