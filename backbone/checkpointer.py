@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +70,7 @@ from shared.merge import Collaboration
 from shared.net.addresses import PeerAddress
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
+from shared.portable import free_bytes
 from shared.progress import CollabView, summarize
 from shared.progress_records import read_progress_with_users
 from shared.state.blob import read_metadata, state_step
@@ -372,8 +372,7 @@ def _first_time(seen: set[bytes], digest: bytes) -> bool:
 
 
 def _free_bytes(directory: Path) -> int:
-    stat = os.statvfs(directory)
-    return stat.f_bavail * stat.f_frsize
+    return free_bytes(directory)
 
 
 async def keep_checkpoints(

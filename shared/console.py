@@ -8,7 +8,6 @@ run, nothing discovered); 2 the user's input is unusable (flags, addresses, data
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.metadata
 import logging
 import os
@@ -26,6 +25,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 
 from .errors import ConfigError, ProjectError
+from .portable import pread, pwrite, try_lock
 
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
@@ -100,7 +100,10 @@ def same_terminal(a: IO[str], b: IO[str]) -> bool:
     """Whether ``a`` and ``b`` are the same terminal (both ttys of one device)."""
     try:
         one, other = a.fileno(), b.fileno()
-        return os.isatty(one) and os.isatty(other) and os.fstat(one).st_rdev == os.fstat(other).st_rdev
+        if not (os.isatty(one) and os.isatty(other)):
+            return False
+        # Windows has no device numbers: two ttys of one console are taken as the same terminal
+        return sys.platform == "win32" or os.fstat(one).st_rdev == os.fstat(other).st_rdev
     except (OSError, ValueError):  # no file descriptor (a test's StringIO), or closed
         return False
 
@@ -180,15 +183,11 @@ def locked_data_dir(path: Path) -> Iterator[Path]:
     except OSError as exc:
         raise ConfigError(f"cannot use data dir {path}: {exc.strerror}; give another --data-dir") from exc
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise ConfigError(
-                f"data dir {path} is in use by another process (pid {holder}); give --data-dir"
-            ) from exc
+        if not try_lock(fd):
+            holder = pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ConfigError(f"data dir {path} is in use by another process (pid {holder}); give --data-dir")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
         os.close(fd)

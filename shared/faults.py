@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -146,11 +147,12 @@ def _due(name: str) -> str | None:
         return None
     del _armed[name]
     if armed.action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))  # Windows: TerminateProcess
     if armed.action == "exit":
         os._exit(EXIT_STATUS)
     if armed.action == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
+        if sys.platform != "win32":  # Windows cannot stop a process: the fault is a no-op there
+            os.kill(os.getpid(), signal.SIGSTOP)
         return None  # resumed by SIGCONT: carry on
     return armed.action
 

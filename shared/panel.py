@@ -33,7 +33,6 @@ import logging
 import os
 import signal
 import sys
-import termios
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -219,40 +218,49 @@ def _whole_writes(console: Console) -> Iterator[None]:
         console.file = stream
 
 
-@contextlib.contextmanager
-def _no_echo(console: Console) -> Iterator[None]:
-    """Typed keys are not echoed on ``console``'s terminal, and Ctrl+C does not flush its output, while in
-    the block (module doc, 3)."""
-    try:
-        fd = sys.stdin.fileno()
-        ours = same_terminal(sys.stdin, console.file) and os.tcgetpgrp(fd) == os.getpgrp()
-    except (AttributeError, OSError, ValueError):  # no stdin, or not a terminal
-        ours = False
-    if not ours:  # not our terminal, or we run in the background: leave the terminal alone
+if sys.platform == "win32":  # no termios: the terminal is left alone
+
+    @contextlib.contextmanager
+    def _no_echo(console: Console) -> Iterator[None]:
         yield
-        return
-    try:
-        saved = termios.tcgetattr(fd)
-        quiet = termios.tcgetattr(fd)
-        quiet[3] = (quiet[3] & ~termios.ECHO) | termios.NOFLSH
-        termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    except termios.error as exc:
-        logger.warning("cannot turn off the terminal's echo (%s): typed keys may shift the panel", exc)
-        yield
-        return
-    try:
-        yield
-    finally:
-        # Moved to the background meanwhile (Ctrl+Z, bg), changing the terminal would stop us with
-        # SIGTTOU, unless that signal is blocked.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+
+else:
+    import termios
+
+    @contextlib.contextmanager
+    def _no_echo(console: Console) -> Iterator[None]:
+        """Typed keys are not echoed on ``console``'s terminal, and Ctrl+C does not flush its output, while in
+        the block (module doc, 3)."""
         try:
-            termios.tcsetattr(fd, termios.TCSANOW, saved)  # not TCSAFLUSH: it waits for a stuck terminal
-            termios.tcflush(fd, termios.TCIFLUSH)
+            fd = sys.stdin.fileno()
+            ours = same_terminal(sys.stdin, console.file) and os.tcgetpgrp(fd) == os.getpgrp()
+        except (AttributeError, OSError, ValueError):  # no stdin, or not a terminal
+            ours = False
+        if not ours:  # not our terminal, or we run in the background: leave the terminal alone
+            yield
+            return
+        try:
+            saved = termios.tcgetattr(fd)
+            quiet = termios.tcgetattr(fd)
+            quiet[3] = (quiet[3] & ~termios.ECHO) | termios.NOFLSH
+            termios.tcsetattr(fd, termios.TCSANOW, quiet)
         except termios.error as exc:
-            logger.warning("cannot turn the terminal's echo back on (%s): run `stty echo`", exc)
+            logger.warning("cannot turn off the terminal's echo (%s): typed keys may shift the panel", exc)
+            yield
+            return
+        try:
+            yield
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            # Moved to the background meanwhile (Ctrl+Z, bg), changing the terminal would stop us with
+            # SIGTTOU, unless that signal is blocked.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+            try:
+                termios.tcsetattr(fd, termios.TCSANOW, saved)  # not TCSAFLUSH: it waits for a stuck terminal
+                termios.tcflush(fd, termios.TCIFLUSH)
+            except termios.error as exc:
+                logger.warning("cannot turn the terminal's echo back on (%s): run `stty echo`", exc)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def format_bytes(n: int) -> str:

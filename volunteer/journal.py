@@ -57,6 +57,7 @@ import msgspec
 from protocols.ledger import MAX_DISCARDED_PER_REPORT, ContributionReport, SignedReport
 from protocols.receipts import PulledSlice, SignedReceipt, decode_receipt
 from shared.errors import ProtocolError
+from shared.portable import fdatasync
 
 from .receipts import ReceiptBook
 
@@ -286,7 +287,7 @@ class ReportJournal:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.write(fd, data)
-                os.fdatasync(fd)
+                fdatasync(fd)
             finally:
                 os.close(fd)
             tmp.replace(self.path)
@@ -322,7 +323,7 @@ class ReportJournal:
         fd = self._fd
         if fd is not None:
             try:
-                os.fdatasync(fd)
+                fdatasync(fd)
             except OSError as exc:
                 self._failed("sync", exc)
 

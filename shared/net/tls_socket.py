@@ -25,6 +25,7 @@ import errno
 import select
 import socket
 import ssl
+import sys
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -133,9 +134,12 @@ class TlsSocket:
         if self._closed:
             return False
         try:  # poll, not select: select cannot watch descriptors >= 1024 (busy backbones have them)
-            poller = select.poll()
-            poller.register(self._sock.fileno(), select.POLLIN | select.POLLPRI)
-            ready = poller.poll(0)
+            if sys.platform == "win32":  # no poll; Windows' select has no such limit
+                ready = select.select([self._sock], [], [], 0)[0]
+            else:
+                poller = select.poll()
+                poller.register(self._sock.fileno(), select.POLLIN | select.POLLPRI)
+                ready = poller.poll(0)
         except (OSError, ValueError):
             return True
         return bool(ready) or self._sock.pending() > 0

@@ -54,6 +54,7 @@ from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.bulk import BulkReader, BulkReply
 from ..net.host import CALL_FAILURES, Host
 from ..net.rpc import RequestContext
+from ..portable import free_bytes, pread, pwrite
 from .blob import state_digest
 from .limits import SourceBook, check_announced_size
 from .trust import Announced
@@ -419,9 +420,7 @@ class _Download:
         self.done = size
 
     def _free_bytes(self) -> int:
-        assert self._fd is not None
-        stat = os.fstatvfs(self._fd)
-        return stat.f_bavail * stat.f_frsize
+        return free_bytes(self.partial.parent if self.partial is not None else tempfile.gettempdir())
 
     async def chunk_from(self, host: Host, address: PeerAddress, chunk_bytes: int) -> None:
         digest, total, offset = self.wanted.digest, self.wanted.nbytes, self.done
@@ -471,7 +470,7 @@ class _Download:
         digest = hashlib.sha256()
         offset = 0
         while offset < self.wanted.nbytes:
-            block = os.pread(self._fd, min(_HASH_BLOCK, self.wanted.nbytes - offset), offset)
+            block = pread(self._fd, min(_HASH_BLOCK, self.wanted.nbytes - offset), offset)
             if not block:
                 return False
             digest.update(block)
@@ -484,7 +483,7 @@ class _Download:
         parts = []
         offset = 0
         while offset < self.wanted.nbytes:
-            block = os.pread(self._fd, self.wanted.nbytes - offset, offset)
+            block = pread(self._fd, self.wanted.nbytes - offset, offset)
             if not block:
                 raise StateUnavailable(f"the download of step {self.wanted.step} shrank on disk")
             parts.append(block)
@@ -510,7 +509,7 @@ class _Download:
 def _pwrite_all(fd: int, data: bytearray, offset: int) -> None:
     view = memoryview(data)
     while view:
-        written = os.pwrite(fd, view, offset)
+        written = pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
 
 
