@@ -173,6 +173,7 @@ class NodeStatus:
     links: dict[str, int] = field(
         default_factory=dict
     )  # our RPC connections by kind: direct, relayed, punched
+    activity: str = ""  # a volunteer's "training" or "paused: <why>" (volunteer.activity); "": not told
 
 
 @dataclass
@@ -185,6 +186,7 @@ class Node:
     _members: int = 0
     tolerated: Tolerated = field(default_factory=lambda: Tolerated(logger))
     reachability: Reachability | None = None  # the check's result (nodes opened with verify_reachability)
+    activity: str = ""  # what the daemon does now, for status.json (volunteer.activity)
 
     @property
     def peer_id(self) -> str:
@@ -257,6 +259,7 @@ class Node:
                 Counter(self.host.connection_kind(p) or "direct" for p in self.host.connected_peers())
             ),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
+            activity=self.activity,
         )
 
     def write_status(self, data_dir: Path) -> None:
