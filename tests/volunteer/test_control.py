@@ -49,7 +49,7 @@ def test_activity_pause_wins_over_the_rules_until_resume() -> None:
     reply = activity.handle("resume")
     assert reply["paused"] and reply["reason"] == "steam is running"  # resumed into a rule's pause
     activity.set_policy(Decision(True, "idle"))
-    assert not activity.paused
+    assert not activity.snapshot()["paused"]
     with pytest.raises(ConfigError, match="nothing to pause"):
         Activity(can_pause=False).handle("pause")
 
