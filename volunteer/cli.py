@@ -380,7 +380,9 @@ def _describe(reply: dict[str, object]) -> str:
 
 @app.command()
 def pause(data_dir: Annotated[Path, _CONTROL_DATA_DIR]) -> None:
-    """Pause the running volunteer: it leaves the current round cleanly and stops training, but stays in
+    """Pause training; stay in the run.
+
+    The running volunteer leaves the current round cleanly and stops training, but keeps its place in
     the run (same peer id, credit kept) until `volunteer resume`. Exit 1 if no volunteer runs there."""
     reply = _control(data_dir, "pause")
     print(_describe(reply).splitlines()[0])
@@ -388,8 +390,11 @@ def pause(data_dir: Annotated[Path, _CONTROL_DATA_DIR]) -> None:
 
 @app.command()
 def resume(data_dir: Annotated[Path, _CONTROL_DATA_DIR]) -> None:
-    """Resume a paused volunteer: it re-syncs the run's state from its peers and trains again (unless a
-    --idle-only-after/--pause-while/... rule still holds it; status says why)."""
+    """Train again after `volunteer pause`.
+
+    The volunteer re-syncs the run's state from its peers and trains again, unless one of its rules
+    (--idle-only-after, --pause-while, ...) still holds it: `volunteer status` says why. Exit 1 if no
+    volunteer runs there."""
     reply = _control(data_dir, "resume")
     print(_describe(reply).splitlines()[0])
 
@@ -399,7 +404,9 @@ def status(
     data_dir: Annotated[Path, _CONTROL_DATA_DIR],
     as_json: Annotated[bool, typer.Option("--json", help="Print the daemon's reply as JSON.")] = False,
 ) -> None:
-    """What the running volunteer does: training or paused (and why), its step and peers."""
+    """Show whether the volunteer trains or why not.
+
+    Training or paused (and why), its step, its peers, its peer id. Exit 1 if no volunteer runs there."""
     reply = _control(data_dir, "status")
     if as_json:
         import json

@@ -4,6 +4,10 @@ debounce's bound on flapping."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -149,3 +153,36 @@ def test_debounce_flips_at_most_once_per_hold(raw: list[bool], pause_after: int,
     for i in flips:
         needed = resume_after if applied[i] else pause_after
         assert i + 1 >= needed and all(r == applied[i] for r in raw[i + 1 - needed : i + 1])
+
+
+def test_the_policy_flags_are_config_keys(tmp_path: Path) -> None:
+    from tests.volunteer.test_config import parsed, write
+
+    write(
+        tmp_path,
+        'idle-only-after = 10\nmax-other-cpu = 25\npause-while = ["steam", "blender"]\n'
+        'active-hours = "22:00-07:00"\ngpu-memory-fraction = 0.5\n',
+    )
+    params = parsed(["--data-dir", str(tmp_path)], {"VOLUNTEER_MAX_OTHER_CPU": "40"})
+    assert params["idle_only_after"] == 10 and params["max_other_cpu"] == 40
+    assert list(params["pause_while"]) == ["steam", "blender"]
+    assert params["active_hours"] == "22:00-07:00" and params["gpu_memory_fraction"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--active-hours", "25:00-07:00"], "--active-hours '25:00-07:00': hours are 00-23"),
+        (["--max-other-cpu", "150"], "--max-other-cpu must be 0 to 100 percent"),
+        (["--gpu-memory-fraction", "0"], "--gpu-memory-fraction 0: give a share above 0"),
+    ],
+)
+def test_bad_policy_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "volunteer", "join", "my-run", "--data-dir", str(tmp_path), *flags],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
