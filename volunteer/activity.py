@@ -172,8 +172,10 @@ async def watch_policy(
     period: float = POLICY_PERIOD,
     debounce: Debounce | None = None,
     clock: Callable[[], datetime.datetime] = datetime.datetime.now,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Apply the rules' debounced decision to ``activity`` every ``period`` seconds, forever."""
+    """Apply the rules' debounced decision to ``activity`` every ``period`` seconds, forever; started
+    once the first decision is applied."""
     sources = sources or Sources()
     debounce = debounce or Debounce()
     cpu = sources.cpu
@@ -199,4 +201,6 @@ async def watch_policy(
                 warned.add(note)
                 logger.warning("policy: %s; that rule does not pause this volunteer", note)
         activity.set_policy(debounce.update(raw))
+        task_status.started()
+        task_status = trio.TASK_STATUS_IGNORED
         await trio.sleep(period)

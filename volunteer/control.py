@@ -12,7 +12,7 @@ a socket left by a daemon that was killed stays on disk: an existing ``control.s
 is a socket and nothing answers on it; a live one (another daemon, or one started outside the lock) makes
 the channel fail to start with a clear error rather than steal it. A path that is not a socket is never
 removed. Unix socket paths are short (about 107 bytes): a longer data dir is reached through
-``/proc/self/fd`` on Linux.
+``/proc/self/fd`` on Linux. A system without Unix sockets runs the daemon without the channel (a warning).
 
 **The protocol**: one request and one reply per connection, each a single JSON object on one line of at
 most :data:`MAX_LINE` bytes. A request is ``{"command": "status" | "pause" | "resume"}``; a reply is
@@ -189,6 +189,10 @@ async def serve_control(
         ConfigError: it cannot be created (module docstring).
     """
     path = data_dir / SOCKET_NAME
+    if not hasattr(socket, "AF_UNIX"):  # Windows without Unix sockets: the daemon runs, uncontrolled
+        logger.warning("no Unix sockets on this system: volunteer pause/resume/status are unavailable")
+        task_status.started(path)
+        await trio.sleep_forever()
     raw = _bind(path)
     try:
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
@@ -216,6 +220,8 @@ def request(data_dir: Path, command: str, timeout: float = 10.0) -> dict[str, An
         ControlError: no daemon answers there, it refused us, or it answered with an error.
     """
     path = data_dir / SOCKET_NAME
+    if not hasattr(socket, "AF_UNIX"):
+        raise ControlError("no Unix sockets on this system: the volunteer cannot be controlled from here")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
@@ -231,16 +237,23 @@ def request(data_dir: Path, command: str, timeout: float = 10.0) -> dict[str, An
             if exc.errno in (errno.EACCES, errno.EPERM):
                 raise ControlError(f"not allowed to open {path}: only the daemon's user may") from exc
             raise ControlError(f"cannot reach the volunteer of {data_dir}: {exc.strerror or exc}") from exc
+        failed: OSError | None = None
         try:
             sock.sendall(json.dumps({"command": command}).encode() + b"\n")
-            data = bytearray()
+        except OSError as exc:  # a daemon that refuses us answers and hangs up: read its reason
+            failed = exc
+        data = bytearray()
+        try:
             while b"\n" not in data and len(data) <= MAX_LINE:
                 chunk = sock.recv(MAX_LINE + 1)
                 if not chunk:
                     break
                 data += chunk
         except OSError as exc:
-            raise ControlError(f"the volunteer of {data_dir} did not answer: {exc.strerror or exc}") from exc
+            failed = failed or exc
+        if not data and failed is not None:
+            why = failed.strerror or failed
+            raise ControlError(f"the volunteer of {data_dir} did not answer: {why}") from failed
     try:
         reply = json.loads(bytes(data).partition(b"\n")[0])
     except ValueError as exc:

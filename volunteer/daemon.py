@@ -129,7 +129,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                 await serve_auxiliary(node, training, shutdown, console)
             else:
                 if not options.rules.empty:
-                    nursery.start_soon(watch_policy, activity, options.rules)
+                    await nursery.start(watch_policy, activity, options.rules)  # its first decision
 
                 async def run_session(stop: Shutdown) -> bool:
                     nonlocal session, last_step

@@ -185,12 +185,12 @@ def decide(readings: Readings, rules: Rules) -> Decision:
 @dataclass
 class Debounce:
     """The applied decision, changed only after ``pause_after`` / ``resume_after`` raw decisions in a row
-    disagree with it (module docstring). Starts running (a volunteer who just joined trains unless the
-    first readings say otherwise)."""
+    disagree with it (module docstring). The first reading applies at once: a volunteer started outside
+    its active hours does not start training first."""
 
     pause_after: int = 2
     resume_after: int = 3
-    applied: Decision = field(default_factory=lambda: Decision(True, "starting"))
+    applied: Decision | None = None
     _against: int = 0
 
     def __post_init__(self) -> None:
@@ -198,7 +198,7 @@ class Debounce:
             raise ValueError("pause_after and resume_after must be at least 1")
 
     def update(self, raw: Decision) -> Decision:
-        if raw.run == self.applied.run:
+        if self.applied is None or raw.run == self.applied.run:
             self._against = 0
             self.applied = raw  # same direction: take the fresher reason
             return self.applied

@@ -109,15 +109,17 @@ async def test_active_hours_follow_the_clock(tmp_path: Path) -> None:
     rules = Rules(active_hours=parse_window("22:00-07:00"))
     sources = Sources(dev=tmp_path, proc=tmp_path)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: watch_policy(
-                activity, rules, sources, period=0.02, debounce=Debounce(1, 1), clock=lambda: now[0]
+
+        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            await watch_policy(
+                activity, rules, sources, period=0.02, clock=lambda: now[0], task_status=task_status
             )
-        )
-        await wait_until(lambda: activity.paused)
+
+        await nursery.start(watch)
+        assert activity.paused  # the first decision applies before the daemon trains at all
         assert activity.reason == "outside the active hours 22:00-07:00"
         now[0] = datetime.datetime(2026, 11, 27, 23, 30)
-        await wait_until(lambda: not activity.paused)
+        await wait_until(lambda: not activity.paused)  # after the debounce's 3 readings
         nursery.cancel_scope.cancel()
 
 

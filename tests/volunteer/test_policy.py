@@ -132,6 +132,7 @@ def test_rules_from_flags_and_their_errors() -> None:
 def test_debounce_waits_for_agreeing_readings() -> None:
     debounce = Debounce(pause_after=2, resume_after=3)
     run, stop = Decision(True, "idle"), Decision(False, "busy")
+    assert debounce.update(run) == run  # the first reading applies at once
     assert debounce.update(stop).run  # one reading is a spike
     assert debounce.update(run).run
     assert debounce.update(stop).run
@@ -146,6 +147,7 @@ def test_debounce_waits_for_agreeing_readings() -> None:
 def test_debounce_flips_at_most_once_per_hold(raw: list[bool], pause_after: int, resume_after: int) -> None:
     debounce = Debounce(pause_after, resume_after)
     applied = [debounce.update(Decision(r, "r" if r else "p")).run for r in raw]
+    assert not raw or applied[0] == raw[0]  # the first reading applies at once
     flips = [i for i in range(1, len(applied)) if applied[i] != applied[i - 1]]
     hold = min(pause_after, resume_after)
     assert all(b - a >= hold for a, b in itertools.pairwise(flips))
