@@ -122,7 +122,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
             nursery.start_soon(node.measure_latency_forever)
             if training is None:
                 logger.warning("run %s has no training spec: joining as a plain member", options.run_id)
-                nursery.start_soon(_show_forever, node, options, console, lambda: "training run member")
+                nursery.start_soon(_show_forever, node, options, console)
                 shutdown.ready()
                 await shutdown.requested.wait()
             elif options.aux:
@@ -208,7 +208,10 @@ def _details(
 
 
 async def _show_forever(
-    node: Node, options: VolunteerOptions, console: Console, headline: Callable[[], str]
+    node: Node,
+    options: VolunteerOptions,
+    console: Console,
+    headline: Callable[[], str] = lambda: "training run member",
 ) -> None:
     if options.panel:
         with LivePanel(console, lambda: status_view(node.status(), headline())) as panel:
