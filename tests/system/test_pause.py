@@ -5,6 +5,7 @@ resume`` re-syncs and trains again; the credit earned before the pause stays in 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,9 @@ def test_pause_keeps_the_peer_and_its_credit_and_resume_trains_again(tmp_path: P
         )
         during = status(alice)
         assert during["paused"] and during["manual"], during
+        shown = control(alice, "status")
+        assert shown.returncode == 0 and shown.stdout.startswith("paused: paused by `volunteer pause`")
+        assert f"peer {before['peer_id']}" in shown.stdout, shown.stdout
         assert during["peer_id"] == before["peer_id"] and during["pid"] == alice.proc.pid
         # no step while paused: watch the live process write several status updates
         stepped = alice.step()
@@ -110,3 +114,37 @@ def test_pause_keeps_the_peer_and_its_credit_and_resume_trains_again(tmp_path: P
         sessions = store.sessions(before["peer_id"])
         assert sessions and all(s.end_reason == "leave" for s in sessions), sessions
     assert credited(backbone)["alice"] >= credit > 0  # the pause lost no credit
+
+
+def test_a_rule_pauses_while_a_named_program_runs_and_resumes_after(tmp_path: Path) -> None:
+    """``--pause-while``: the watcher sees the program in /proc, pauses (debounced), and resumes once it
+    exits; the process and its peer id stay."""
+    game = tmp_path / "dedloc-game"  # a program of our own name: /proc/PID/comm is "dedloc-game"
+    shutil.copy("/bin/sleep", game)
+    backbone = Backbone(tmp_path)
+    backbone.start()
+    alice = Volunteer(tmp_path, "alice", backbone, "--pause-while", "dedloc-game")
+    running: subprocess.Popen[str] | None = None
+    try:
+        wait_for(lambda: alice.step() >= 2, "alice at step 2", 120, [alice])
+        before = status(alice)
+        assert not before["paused"] and before["policy"]["run"], before
+        running = subprocess.Popen([str(game), "300"], text=True)
+        wait_for(lambda: status(alice)["state"] == "paused", "alice paused by the rule", 60, [alice])
+        during = status(alice)
+        assert during["reason"] == "dedloc-game is running" and not during["manual"], during
+        assert during["peer_id"] == before["peer_id"] and during["pid"] == alice.proc.pid
+        stepped = alice.step()
+        running.kill()
+        running.wait()
+        wait_for(lambda: alice.step() > stepped, "a step after the program exited", 120, [alice])
+        assert status(alice)["state"] == "training"
+    finally:
+        if running is not None and running.poll() is None:
+            running.kill()
+            running.wait()
+        code = stop(alice.proc, within=40)[0] if alice.alive() else alice.proc.returncode
+        if backbone.proc is not None and backbone.proc.poll() is None:
+            stop(backbone.proc, within=30)
+    assert code == 0, alice.log.read_text()[-3000:]
+    assert "policy: pause (dedloc-game is running)" in alice.log.read_text()
