@@ -121,11 +121,13 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
             if training is None:
+                activity.state = "member (the run has no training spec)"
                 logger.warning("run %s has no training spec: joining as a plain member", options.run_id)
                 nursery.start_soon(_show_forever, node, options, console)
                 shutdown.ready()
                 await shutdown.requested.wait()
             elif options.aux:
+                activity.state = "aggregating"
                 await serve_auxiliary(node, training, shutdown, console)
             else:
                 if not options.rules.empty:
@@ -211,10 +213,12 @@ async def _show_forever(
     node: Node,
     options: VolunteerOptions,
     console: Console,
-    headline: Callable[[], str] = lambda: "training run member",
+    headline: Callable[[], str] | None = None,
 ) -> None:
+    """The plain member's panel (or log lines), under ``headline()`` (the paused volunteer's too)."""
+    title = headline or (lambda: "training run member")
     if options.panel:
-        with LivePanel(console, lambda: status_view(node.status(), headline())) as panel:
+        with LivePanel(console, lambda: status_view(node.status(), title())) as panel:
             while True:
                 await trio.to_thread.run_sync(node.write_status, options.data_dir)
                 panel.refresh()
@@ -223,7 +227,8 @@ async def _show_forever(
     while True:
         await trio.to_thread.run_sync(node.write_status, options.data_dir)
         if trio.current_time() - last >= options.log_period:
-            logger.info(status_line(node.status()))
+            line = status_line(node.status())
+            logger.info(line if headline is None else f"{headline()} · {line}")
             last = trio.current_time()
         await trio.sleep(REFRESH)
 

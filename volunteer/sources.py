@@ -1,11 +1,12 @@
 """Where the resource policy's readings come from (:mod:`volunteer.policy`), each reading a directory tree
 that tests replace with a fake one.
 
-* **Idleness** (:func:`idle_seconds`): the newest access time of the input devices (``/dev/input/event*``,
-  ``/dev/input/mice``) and terminals (``/dev/tty*``, ``/dev/pts/*``): reading a key press or a mouse move
-  touches them. None (cannot tell) when none of them is visible, e.g. in a container, on macOS or Windows.
-  A graphical session that reads input through a display server still reads these devices, so the rule
-  holds there too; what it cannot see is input that never reaches this machine's devices (remote desktops).
+* **Idleness** (:func:`idle_seconds`): the newest access time of the terminals (``/dev/tty*``,
+  ``/dev/pts/*``: Linux's tty layer stamps a terminal's access time when a program reads what was typed,
+  ssh sessions included) and of the input devices (``/dev/input/event*``, ``/dev/input/mice``: where the
+  kernel stamps those; a desktop whose input never touches them counts as idle unless a terminal is used).
+  None (cannot tell) when none of them is visible, e.g. in a container without /dev/pts, on macOS or
+  Windows. What it cannot see is input that never reaches this machine's devices (remote desktops).
 * **Other programs' CPU** (:class:`CpuMeter`): between two readings, the share of all CPUs' time spent busy
   (``/proc/stat``'s first line: everything but idle and iowait) minus the time this process used
   (``/proc/PID/stat``'s utime and stime, every thread of it), as a percent of all CPUs. None before the
