@@ -76,6 +76,7 @@ from .ledger import (
     verify_report,
 )
 from .ledger.evaluations import check_evaluation, open_evaluation
+from .live import LiveSources
 from .ratelimit import RateLimiter
 
 __all__ = ["DB_READ", "DB_WRITE", "SESSION_TIMEOUT", "ApiState", "build_app"]
@@ -138,6 +139,9 @@ class ApiState:
     session_timeout: float = SESSION_TIMEOUT
     shards_dir: Path | None = None  # dataset shards served under ``shards`` (None: none)
     tokenizer: Path | None = None  # the run's tokenizer.json, served under ``tokenizer/<sha256>``
+    #: the dashboard's per-user rows for everyone, not only the admin (``--public-leaderboard``)
+    public_leaderboard: bool = False
+    live: LiveSources = field(default_factory=LiveSources)  # node, aggregator, relay (backbone.dashboard)
 
 
 def _json(value: Any, status: int = 200) -> Response:
@@ -169,6 +173,8 @@ def _limit(limiter: RateLimiter, key: str, now: float, what: str) -> None:
 
 
 def build_app(state: ApiState) -> Starlette:
+    from .dashboard import routes as dashboard_routes  # here: backbone.dashboard builds on this module
+
     def route(
         path: str, methods: list[str], admin: bool = False, access: bool = False
     ) -> Callable[[Callable[[Request], Awaitable[Response]]], Route]:
@@ -592,6 +598,7 @@ def build_app(state: ApiState) -> Starlette:
             list_heldout,
             get_heldout,
             evaluations,
+            *dashboard_routes(state),
         ],
     )
 

@@ -45,6 +45,7 @@ from .startup import (
     check_listen,
     check_public_url,
     parse_api_listen,
+    parse_dashboard_listen,
 )
 
 if TYPE_CHECKING:  # the ledger (SQLAlchemy) and the service (Hypercorn) load in the commands that use them
@@ -241,6 +242,26 @@ def start(
             "them where their NATs allow.",
         ),
     ] = True,
+    dashboard_listen: Annotated[
+        str | None,
+        typer.Option(
+            "--dashboard-listen",
+            metavar="HOST:PORT",
+            help="Also serve the dashboard and /metrics over plain HTTP here (browsers cannot open the "
+            "API's HTTPS: its certificate is the run's Ed25519 key). Keep it on 127.0.0.1 and reach it "
+            "through an SSH tunnel or a TLS reverse proxy: the admin token would cross the network in "
+            "clear.",
+        ),
+    ] = None,
+    public_leaderboard: Annotated[
+        bool,
+        typer.Option(
+            "--public-leaderboard",
+            help="Show the dashboard's per-user rows (users, their hardware and contributions) to anyone "
+            "who opens it; by default only the run-level view is public and those rows need the admin "
+            "token.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log debug messages too.")] = False,
 ) -> None:
     """Start a backbone node of a run and serve it until Ctrl+C.
@@ -270,6 +291,10 @@ def start(
         for text in listen_addrs:
             check_listen(parse_multiaddr(text), text)
         parse_api_listen(api_listen)
+        if dashboard_listen is not None:
+            if open_run:
+                raise ConfigError("--dashboard-listen needs a pinned run: the dashboard reads the ledger")
+            parse_dashboard_listen(dashboard_listen)
         if len(public_url or []) > MAX_PUBLIC_URLS:
             raise ConfigError(f"give at most {MAX_PUBLIC_URLS} --public-url: an invite carries that many")
         for url in public_url or []:
@@ -297,6 +322,8 @@ def start(
                 aggregate,
                 aggregate_bandwidth,
                 relay,
+                public_leaderboard,
+                dashboard_listen,
             )
             await serve_backbone(options, shutdown)
 
@@ -598,7 +625,7 @@ def ledger(
     if as_json:
         print(msgspec.json.encode(rows).decode())
         return
-    relaying = any(row.bytes_relayed for row in rows)  # no relay role yet: only legacy rows have any
+    relaying = any(row.bytes_relayed for row in rows)  # credited relaying (accounting: "Relayed bytes")
     table = Table(title="contributions", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     columns = ["user", "samples", "compute", "online", "aggregated"]
     columns += ["relayed"] if relaying else []

@@ -62,16 +62,19 @@ from shared.net.relay import RelayService
 from shared.net.tls import self_signed_certificate
 from shared.node import Node, open_node
 from shared.panel import status_line
+from shared.relays import publish_relay_forever
 from shared.state.transfer import StateServer
 
 from .aggregator import DEFAULT_AGGREGATE_MBPS, backbone_aggregator, write_status
 from .api import DB_READ, ApiState, build_app
 from .checkpointer import keep_checkpoints
 from .checkpoints import CheckpointStore
+from .dashboard import serve_dashboard
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
+from .live import LiveSources
 from .runinfo import RUN_INFO, RunInfo, check_held_run, read_run_info, write_run_info, write_served_spec
 from .sessions import close_silent_sessions_forever
-from .startup import bind_api
+from .startup import bind_api, bind_dashboard
 from .steps import record_steps_forever
 from .tokenizer import TOKENIZER_FILE, prepare_tokenizer
 
@@ -102,6 +105,8 @@ class BackboneOptions:
     aggregate: bool = True  # take averaging slices as an auxiliary aggregator (``--no-aggregate``: not)
     aggregate_mbps: float = DEFAULT_AGGREGATE_MBPS  # stated in its tickets (``--aggregate-bandwidth``)
     relay: bool = True  # offer relay slots to volunteers behind NAT (``--no-relay``: not)
+    public_leaderboard: bool = False  # the dashboard's per-user rows for everyone (backbone.dashboard)
+    dashboard_listen: str | None = None  # also serve the dashboard over plain HTTP here (None: not)
 
 
 @contextlib.asynccontextmanager
@@ -150,7 +155,12 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
     if not options.open_run:
         api_socket = bind_api(options.api_listen)  # first: a taken port fails before anything is written
         try:
-            await _serve_pinned_node(options, api_socket, shutdown)
+            dashboard = bind_dashboard(options.dashboard_listen) if options.dashboard_listen else None
+            try:
+                await _serve_pinned_node(options, api_socket, shutdown, dashboard)
+            finally:
+                if dashboard is not None:
+                    dashboard.close()
         finally:
             api_socket.close()
         return
@@ -176,7 +186,12 @@ async def serve_backbone(options: BackboneOptions, shutdown: Shutdown) -> None:
         await _serve_node(node, options, options.run_id, shutdown)
 
 
-async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket, shutdown: Shutdown) -> None:
+async def _serve_pinned_node(
+    options: BackboneOptions,
+    api_socket: socket.socket,
+    shutdown: Shutdown,
+    dashboard_socket: socket.socket | None = None,
+) -> None:
     await trio.to_thread.run_sync(make_private, options.data_dir)
     store = await _open_ledger(options)  # before the keys: a bad --database-url leaves no new key behind
     try:
@@ -209,7 +224,9 @@ async def _serve_pinned_node(options: BackboneOptions, api_socket: socket.socket
             options = dataclasses.replace(options, training=training)
             await trio.to_thread.run_sync(write_served_spec, options.data_dir, training)
             _print_listening(node)
-            await _serve_pinned(node, options, run_id, authority, auth, store, shutdown, api_socket)
+            await _serve_pinned(
+                node, options, run_id, authority, auth, store, shutdown, api_socket, dashboard_socket
+            )
     finally:
         await trio.to_thread.run_sync(store.close)
 
@@ -241,15 +258,23 @@ def _own_token(authority: Authority, run_id: str, identity: Identity) -> SignedT
 
 
 async def _serve_node(
-    node: Node, options: BackboneOptions, run_id: str, shutdown: Shutdown, authority_key: bytes | None = None
+    node: Node,
+    options: BackboneOptions,
+    run_id: str,
+    shutdown: Shutdown,
+    authority_key: bytes | None = None,
+    live: LiveSources | None = None,
 ) -> None:
+    """``live``: filled in with what is started here, for the dashboard and ``/metrics``."""
+    live = live if live is not None else LiveSources()
+    live.node = node
     ProbeService(node.host)  # volunteers measure their bandwidth and reachability against us
     if options.relay:  # volunteers behind NAT become reachable through us (shared.net.relay)
-        RelayService(node.host)
+        node.relay = live.relay = RelayService(node.host)
     mdns = _advertised(node, run_id, authority_key) if options.mdns else contextlib.nullcontext()
     aggregator = None
     if options.aggregate:
-        aggregator = backbone_aggregator(node, options.training, options.aggregate_mbps)
+        aggregator = live.aggregator = backbone_aggregator(node, options.training, options.aggregate_mbps)
         logger.info(
             "aggregating: this backbone takes averaging slices as an auxiliary aggregator "
             "(stating %g MB/s; --no-aggregate opts out)",
@@ -260,10 +285,12 @@ async def _serve_node(
     async with mdns, trio.open_nursery() as nursery:
         nursery.start_soon(node.publish_presence_forever)
         nursery.start_soon(node.measure_latency_forever)
+        if node.relay is not None:  # volunteers whose relay died find us here (shared.relays)
+            nursery.start_soon(publish_relay_forever, node)
         nursery.start_soon(_report_forever, node, options.data_dir, aggregator)
         if aggregator is not None:
             nursery.start_soon(aggregator.serve_forever)
-        checkpoints = await trio.to_thread.run_sync(
+        checkpoints = live.checkpoints = await trio.to_thread.run_sync(
             CheckpointStore, options.data_dir / CHECKPOINTS_DIR, options.training.keep_checkpoints
         )
         server = StateServer(node.host, backbone=True)
@@ -283,6 +310,7 @@ async def _serve_pinned(
     store: LedgerStore,
     shutdown: Shutdown,
     api_socket: socket.socket,
+    dashboard_socket: socket.socket | None = None,
 ) -> None:
     revocations: dict[str, SignedRevocation] = {}
     changed = trio.Event()
@@ -313,6 +341,7 @@ async def _serve_pinned(
         peer_id=node.peer_id,
         shards_dir=options.data_dir / SHARDS_DIR,
         tokenizer=(options.data_dir / TOKENIZER_FILE if options.training.tokenizer.kind != "none" else None),
+        public_leaderboard=options.public_leaderboard,
     )
 
     async def sync_revocations() -> None:
@@ -364,11 +393,14 @@ async def _serve_pinned(
         print(f"run id {run_id}", flush=True)
         for url in public_urls:
             print(f"api on {url}", flush=True)
+        if dashboard_socket is not None:
+            for url in await nursery.start(serve_dashboard, state, dashboard_socket):
+                print(f"dashboard on {url}/dashboard", flush=True)
         nursery.start_soon(sync_revocations)
         nursery.start_soon(refresh_own_token)
         nursery.start_soon(record_steps_forever, node, store, options.training, 1.0, node.tolerated)
         nursery.start_soon(close_silent_sessions_forever, store, state.session_timeout)
-        await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes)
+        await _serve_node(node, options, run_id, shutdown, authority.identity.public_key_bytes, state.live)
         nursery.cancel_scope.cancel()
 
 

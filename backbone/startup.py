@@ -24,10 +24,12 @@ from shared.net.addresses import PeerAddress
 __all__ = [
     "MAX_PUBLIC_URLS",
     "bind_api",
+    "bind_dashboard",
     "check_authority_key",
     "check_listen",
     "check_public_url",
     "parse_api_listen",
+    "parse_dashboard_listen",
 ]
 
 #: An invite carries at most 8 API URLs (``protocols.api.Invite``).
@@ -95,6 +97,31 @@ def bind_api(text: str) -> socket.socket:
             reason = exc.strerror or str(exc)
         raise ConfigError(f"cannot serve the API on {text}: {reason}") from exc
     return sock
+
+
+def parse_dashboard_listen(text: str) -> tuple[str, int]:
+    """``--dashboard-listen HOST:PORT``, as :func:`parse_api_listen` reads ``--api-listen``.
+
+    Raises:
+        ConfigError: not of that form, the host not an IP address, or the port out of range.
+    """
+    try:
+        return parse_api_listen(text)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("--api-listen", "--dashboard-listen")) from None
+
+
+def bind_dashboard(text: str) -> socket.socket:
+    """A TCP socket listening on ``--dashboard-listen``, bound with the API's port (module docstring).
+
+    Raises:
+        ConfigError: the address is malformed, the port is taken, or the address is not this machine's.
+    """
+    parse_dashboard_listen(text)
+    try:
+        return bind_api(text)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("serve the API", "serve the dashboard")) from None
 
 
 def check_public_url(url: str) -> str:

@@ -13,6 +13,18 @@ survive, e.g. a partition's minority) lists its own steps the loaded state repla
 backbones of every version; one with discards is refused by a backbone older than the field (and given
 up by the volunteer, its receipts carried by a later report).
 
+**Relayed bytes.** ``bytes_relayed`` is what this peer's relay service spliced for others in the
+interval (a claim, like ``bytes_aggregated``); ``relayed_through`` is the evidence of *other* peers'
+relaying: per relay peer id, the bytes this peer *received* in the interval over connections that went
+through that relay's circuits (:class:`RelayedBytes`; TLS plaintext, so a little less than the relay
+spliced for that direction; at most :data:`MAX_RELAYED_PER_REPORT` relays, each listed once). The ledger
+credits a relay no more than the peers of other users received through it (see
+:mod:`backbone.ledger.accounting`). Compatibility: the field is new and omitted when empty, so a report
+of a peer that used no relay decodes on backbones of every version; one with relayed bytes is refused by
+a backbone older than the field (the volunteer gives it up: a later report carries its relayed bytes
+claim and receipts, while its relay evidence is dropped, since resending it would have every later report
+refused too).
+
 ``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
 sent twice (a retry after a lost reply, a second backbone) is credited once.
 
@@ -48,10 +60,12 @@ __all__ = [
     "MAX_DISCARDED_PER_REPORT",
     "MAX_INTERVAL_S",
     "MAX_REPORT_AGE_S",
+    "MAX_RELAYED_PER_REPORT",
     "MAX_REPORT_BYTES",
     "Capabilities",
     "CapabilitiesReceipt",
     "ContributionReport",
+    "RelayedBytes",
     "SignedCapabilities",
     "SignedReport",
     "StepRange",
@@ -70,6 +84,8 @@ MAX_REPORT_AGE_S = 24 * 3600.0
 MAX_COUNT = 2**53
 #: Ranges of discarded steps one report lists (a volunteer re-syncs rarely; ranges are merged).
 MAX_DISCARDED_PER_REPORT = 16
+#: Relays one report names (a peer behind NAT holds a reservation at a few; reachable peers need none).
+MAX_RELAYED_PER_REPORT = 16
 #: Unix times beyond this (year ~33658) are garbage, not clocks.
 _MAX_TIME = 1e12
 #: Capability ceilings, far above any real device or link (1e13 B/s = 80 Tbit/s).
@@ -102,6 +118,16 @@ class StepRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
         _check("last", self.last, self.first, MAX_COUNT)
 
 
+class RelayedBytes(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """In a peer's report: it received ``nbytes`` through circuits of relay ``relay`` in the interval."""
+
+    relay: PeerIdStr
+    nbytes: Count
+
+    def __post_init__(self) -> None:
+        _check("nbytes", self.nbytes, 0, MAX_COUNT)
+
+
 class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One peer's work over ``[interval_start, interval_end]`` (unix seconds), report number ``seq``."""
 
@@ -121,6 +147,8 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     pulled: Annotated[list[PulledSlice], msgspec.Meta(max_length=MAX_PULLED_PER_REPORT)] = []
     #: our own steps that a state we loaded replaced: not run progress (module docstring)
     discarded: Annotated[list[StepRange], msgspec.Meta(max_length=MAX_DISCARDED_PER_REPORT)] = []
+    #: bytes this peer received through each relay (evidence of *their* relaying; module docstring)
+    relayed_through: Annotated[list[RelayedBytes], msgspec.Meta(max_length=MAX_RELAYED_PER_REPORT)] = []
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed"):
@@ -135,6 +163,11 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
                 f"a report carries at most {MAX_RECEIPTS_PER_REPORT} receipts and "
                 f"{MAX_PULLED_PER_REPORT} pull records"
             )
+        if len(self.relayed_through) > MAX_RELAYED_PER_REPORT:
+            raise ValueError(f"a report names at most {MAX_RELAYED_PER_REPORT} relays")
+        relays = [r.relay for r in self.relayed_through]
+        if len(set(relays)) != len(relays):
+            raise ValueError("a report names each relay at most once")
         if self.interval_end < self.interval_start:
             raise ValueError(
                 f"interval_end {self.interval_end!r} is before interval_start {self.interval_start!r}"

@@ -60,6 +60,12 @@ client side, the other the server; for a bulk connection (``lane="bulk"``, only 
 connection is already punched) ``A`` is the client, since a bulk lane carries transfers from its dialer.
 Behind a NAT that picks a new port per destination (symmetric) the observed address is wrong for any other
 destination, the connects time out, and the peers stay relayed.
+
+**Relay records** (DHT, for relay discovery): key :data:`RELAYS_KEY`, subkey = the writer's peer id (ASCII,
+enforced like presence), value = msgpack :class:`RelayRecord`: the direct addresses where the writer
+serves relay slots. Entries expire after :data:`RELAY_RECORD_TTL` seconds and are refreshed every third of
+that. A record is a signed *claim*, only a hint: a client trusts a relay when a reservation there succeeds
+over the ordinary authenticated handshake (the relay proves the peer id the record names).
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ import msgspec
 
 from .envelope import Message, Request, register
 from .handshake import Lane
-from .types import PeerIdStr
+from .types import MultiaddrStr, PeerIdStr
 
 __all__ = [
     "CIRCUIT_SETUP_SECONDS",
@@ -85,6 +91,9 @@ __all__ = [
     "PunchConnect",
     "PunchReply",
     "PunchSync",
+    "RELAYS_KEY",
+    "RELAY_RECORD_TTL",
+    "RelayRecord",
     "RelayReservation",
     "RelayReserve",
     "parse_preamble",
@@ -192,3 +201,13 @@ class PunchConnect(Request, frozen=True, kw_only=True):
 class PunchSync(Message, frozen=True, kw_only=True):
     kind: ClassVar[str] = "punch.sync"
     max_bytes: ClassVar[int] = 64
+
+
+RELAYS_KEY = "run.relays"
+RELAY_RECORD_TTL = 120.0
+
+
+class RelayRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the writer serves relay slots (its direct addresses; no relayed ones)."""
+
+    addrs: Annotated[list[MultiaddrStr], msgspec.Meta(max_length=8)] = []

@@ -24,6 +24,7 @@ from protocols.auth import REVOCATIONS_KEY, SignedRevocation
 from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
 from protocols.probe import CAPABILITIES_KEY
+from protocols.relay import RELAYS_KEY
 from protocols.training import CHECKPOINT_KEY, PROGRESS_KEY
 
 from .auth.guard import Authenticator, RunAuthenticator
@@ -45,6 +46,7 @@ from .net.addresses import PeerAddress, parse_multiaddr
 from .net.host import CALL_FAILURES, Host, HostConfig
 from .net.reachability import Reachability
 from .net.reachability import verify_reachability as check_and_advertise
+from .net.relay import RelayService
 from .tolerated import Tolerated
 
 __all__ = [
@@ -63,15 +65,15 @@ REVOCATION_TTL = 23 * 3600.0  # revocation records are re-published well before 
 logger = logging.getLogger(__name__)
 
 
-PER_PEER_KEYS = (PRESENCE_KEY, PROGRESS_KEY, CHECKPOINT_KEY, CAPABILITIES_KEY)
+PER_PEER_KEYS = (PRESENCE_KEY, PROGRESS_KEY, CHECKPOINT_KEY, CAPABILITIES_KEY, RELAYS_KEY)
 
 
 def run_validator(authenticator: Authenticator | None = None) -> CompositeValidator:
     """Record validation for a run (the rules of :mod:`shared.dht.admission`), cheapest checks first.
 
     Every run: sane expiry, subkeys only the writer's own (per-peer keys: presence, progress, state,
-    capabilities take no plain record), the writer's signature. Pinned runs: the writer is admitted and
-    unrevoked (its token, carried in the record), and the revocations key holds authority revocations only
+    capabilities, relays take no plain record), the writer's signature. Pinned runs: the writer is admitted
+    and unrevoked (its token, carried in the record), and the revocations key holds authority revocations only
     (from any carrier). Open runs: records carry no token.
     """
     per_peer = [key_id(key) for key in PER_PEER_KEYS]
@@ -174,6 +176,8 @@ class NodeStatus:
         default_factory=dict
     )  # our RPC connections by kind: direct, relayed, punched
     activity: str = ""  # a volunteer's "training" or "paused: <why>" (volunteer.activity); "": not told
+    relay_slots: int = 0  # reservations we offer others as a relay (0: not relaying; shared.relays)
+    relay_reservations: int = 0  # of which held now
 
 
 @dataclass
@@ -187,6 +191,7 @@ class Node:
     tolerated: Tolerated = field(default_factory=lambda: Tolerated(logger))
     reachability: Reachability | None = None  # the check's result (nodes opened with verify_reachability)
     activity: str = ""  # what the daemon does now, for status.json (volunteer.activity)
+    relay: RelayService | None = None  # the relay slots we serve others, if we do (shared.relays)
 
     @property
     def peer_id(self) -> str:
@@ -260,6 +265,8 @@ class Node:
             ),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
             activity=self.activity,
+            relay_slots=0 if self.relay is None else self.relay.limits.max_reservations,
+            relay_reservations=0 if self.relay is None else self.relay.reservations_connected(),
         )
 
     def write_status(self, data_dir: Path) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "draw",
     "fit",
     "format_bytes",
+    "relay_text",
     "render_status",
     "status_line",
     "status_view",
@@ -285,7 +286,14 @@ def status_view(status: NodeStatus, headline: str) -> PanelView:
         rows.append(Row("network", status.reachability_note, 1))
     if status.links:
         rows.append(Row("links", links_text(status.links), 2))
+    if status.relay_slots:
+        rows.append(Row("relaying", relay_text(status), 2))
     return PanelView(f"[bold]{status.role}[/] · {headline}", rows, status_line(status), hint=HINT)
+
+
+def relay_text(status: NodeStatus) -> str:
+    """Our relay slots for the panel: how many others hold one of ours."""
+    return f"{status.relay_reservations} of {status.relay_slots} relay slots held by peers behind NAT"
 
 
 def render_status(status: NodeStatus, headline: str) -> RenderableType:

@@ -253,6 +253,14 @@ def join(
             help="Use at most this share (0 to 1) of the GPU's memory; the micro-batch is fitted to it.",
         ),
     ] = None,
+    relay: Annotated[
+        bool,
+        typer.Option(
+            "--relay",
+            help="Also offer a few relay slots, so that volunteers behind NAT become reachable through this "
+            "machine. Takes effect only if a backbone can dial this machine directly (see --listen).",
+        ),
+    ] = False,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -339,6 +347,7 @@ def join(
                 aux=aux,
                 rules=rules,
                 gpu_memory_fraction=gpu_memory_fraction,
+                relay=relay,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -1,6 +1,9 @@
 """The volunteer's root nursery: find the run, get admitted, join its DHT, measure this machine, train with
 the others (see :mod:`volunteer.training`), show a live panel, report contributions, leave cleanly.
-With ``--aux``, aggregate for the others instead of training (:mod:`volunteer.auxiliary`).
+With ``--aux``, aggregate for the others instead of training (:mod:`volunteer.auxiliary`). With ``--relay``,
+also serve a few relay slots to volunteers behind NAT, if a backbone proved this machine directly reachable
+(:mod:`shared.relays`); a volunteer in client mode holds a slot at its checker, else at another relay found
+in the DHT (:func:`shared.net.reachability.keep_relayed`).
 
 The training spec comes from ``--manifest FILE`` if given (open runs), else from the run's backbone API
 (pinned runs; the manifest saved at admission if no backbone answers). A run without a training spec is
@@ -9,6 +12,7 @@ joined as a plain member (presence only)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +29,10 @@ from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
 from shared.net.reachability import keep_relayed
+from shared.net.relay import RelayService
 from shared.node import Node, open_node
 from shared.panel import LivePanel, status_line, status_view
+from shared.relays import VOLUNTEER_RELAY_LIMITS, find_relays, publish_relay_forever
 
 from .activity import Activity, train_with_pauses, watch_policy
 from .admission import Admission, admit, keep_admitted, remember_manifest
@@ -64,6 +70,7 @@ class VolunteerOptions:
         default_factory=Rules
     )  # when to pause by itself (volunteer.policy); none: always train
     gpu_memory_fraction: float | None = None  # the share of the GPU's memory torch may use; None: all
+    relay: bool = False  # serve relay slots to volunteers behind NAT when directly reachable (shared.relays)
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -114,9 +121,14 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, options.data_dir, activity.handle)
             reach = node.reachability
-            if reach is not None and reach.mode == "client":  # checked, unreachable: try the checker's relay
+            if reach is not None and reach.mode == "client":  # checked, unreachable: hold a relay slot
                 relay = parse_multiaddr(reach.checked_with)
-                nursery.start_soon(keep_relayed, node.host, relay, _on_relay(node))
+                others = functools.partial(find_relays, node.dht)
+                nursery.start_soon(
+                    functools.partial(keep_relayed, candidates=others), node.host, relay, _on_relay(node)
+                )
+            if options.relay:
+                _start_relaying(node, nursery)
             nursery.start_soon(keep_admitted, admission, identity, options.data_dir)
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
@@ -231,6 +243,21 @@ async def _show_forever(
             logger.info(line if headline is None else f"{headline()} · {line}")
             last = trio.current_time()
         await trio.sleep(REFRESH)
+
+
+def _start_relaying(node: Node, nursery: trio.Nursery) -> None:
+    """``--relay``: serve relay slots and publish our relay record, if a backbone dialed us back."""
+    reach = node.reachability
+    if reach is None or reach.mode != "direct":
+        why = "no reachability check" if reach is None else reach.describe()
+        logger.warning("--relay: not relaying, this machine is not directly reachable (%s)", why)
+        return
+    node.relay = RelayService(node.host, VOLUNTEER_RELAY_LIMITS)
+    nursery.start_soon(publish_relay_forever, node)
+    logger.info(
+        "relaying: up to %d volunteers behind NAT may hold a slot here",
+        VOLUNTEER_RELAY_LIMITS.max_reservations,
+    )
 
 
 def _on_relay(node: Node) -> Callable[[tuple[str, ...]], None]:

@@ -15,8 +15,11 @@ the steps that were never reported, and carries on. What is journaled:
 ``queued``     a report was closed: its signed bytes and signature (it took the open steps and one
                report's worth of the book, exactly as replaying ``take()`` on the replayed book does)
 ``done``       a queued report was acknowledged (recorded or a duplicate) or given up (``put_back``: its
-               receipts went back into the book)
+               receipts and relayed bytes claim went back into the book; ``evidence_back``: its relay
+               evidence too)
 ``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive)
+``relayed``    bytes our relay service spliced (``claim``) and bytes we received through each relay
+               (``through``) since the previous such entry: what the next report claims and evidences
 ``state``      written by compaction: the next seq and where the next interval begins
 =============  ============================================================================================
 
@@ -45,7 +48,7 @@ import contextlib
 import logging
 import os
 import zlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +68,7 @@ __all__ = [
     "Replayed",
     "ReportJournal",
     "merge_ranges",
+    "take_relayed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,12 @@ class _Queued(msgspec.Struct, frozen=True, tag="queued", tag_field="k"):
 class _Done(msgspec.Struct, frozen=True, tag="done", tag_field="k"):
     seq: int
     put_back: bool = False
+    evidence_back: bool = False
+
+
+class _Relayed(msgspec.Struct, frozen=True, tag="relayed", tag_field="k"):
+    claim: int = 0
+    through: dict[str, int] = {}
 
 
 class _Discarded(msgspec.Struct, frozen=True, tag="discarded", tag_field="k"):
@@ -115,7 +125,7 @@ class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k"):
     last_step: int
 
 
-Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _State
+Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _State | _Relayed
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Entry)
 
@@ -132,6 +142,9 @@ class Replayed:
     #: queued reports not acknowledged, oldest first: (signed, decoded)
     unsent: deque[tuple[SignedReport, ContributionReport]] = field(default_factory=deque)
     discarded: list[tuple[int, int]] = field(default_factory=list)
+    #: bytes our relay spliced, and bytes received through each relay, not in a report yet
+    relay_claim: int = 0
+    relay_through: Counter[str] = field(default_factory=Counter)
     damaged: int = 0  # lines skipped
 
 
@@ -146,6 +159,9 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.open_steps.append(entry)
         elif isinstance(entry, _Booked):
             book.add(entry.step, entry.receipts, entry.pulled)
+        elif isinstance(entry, _Relayed):
+            state.relay_claim += entry.claim
+            state.relay_through.update(entry.through)
         elif isinstance(entry, _Discarded):  # as Reporter.discard does
             first, last = entry.first, entry.last
             state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
@@ -163,6 +179,8 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             book.take()  # what close_interval took from the live book
             state.open_steps.clear()
             state.discarded.clear()  # close_interval takes them all
+            take_relayed(state.relay_through, report)  # and what the report carried of these
+            state.relay_claim = max(0, state.relay_claim - report.bytes_relayed)
             state.seq = max(state.seq, report.seq + 1)
             state.last_end = report.interval_end
             state.last_step = report.global_step
@@ -173,8 +191,22 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                     del state.unsent[i]
                     if entry.put_back and (report.receipts or report.pulled):
                         book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+                    if entry.put_back:
+                        state.relay_claim += report.bytes_relayed
+                    if entry.evidence_back:
+                        state.relay_through.update({r.relay: r.nbytes for r in report.relayed_through})
                     break
     return state
+
+
+def take_relayed(through: Counter[str], report: ContributionReport) -> None:
+    """Remove what ``report`` carried of the relay evidence ``through`` (as the reporter took it)."""
+    for record in report.relayed_through:
+        left = through[record.relay] - record.nbytes
+        if left > 0:
+            through[record.relay] = left
+        else:
+            del through[record.relay]
 
 
 def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
@@ -314,6 +346,8 @@ def compacted(
     unsent: list[tuple[SignedReport, ContributionReport]],
     open_steps: list[JournaledStep],
     discarded: list[tuple[int, int]],
+    relay_claim: int = 0,
+    relay_through: dict[str, int] | None = None,
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
     held: list[Entry] = []
@@ -343,6 +377,7 @@ def compacted(
         *held,
         *open_steps,
         *(_Discarded(a, b) for a, b in discarded),
+        *([_Relayed(relay_claim, dict(relay_through or {}))] if relay_claim or relay_through else []),
     ]
 
 
@@ -354,8 +389,12 @@ def queued(signed: SignedReport) -> Entry:
     return _Queued(signed.report, signed.signature)
 
 
-def done(seq: int, put_back: bool = False) -> Entry:
-    return _Done(seq, put_back)
+def done(seq: int, put_back: bool = False, evidence_back: bool = False) -> Entry:
+    return _Done(seq, put_back, evidence_back)
+
+
+def relayed(claim: int, through: dict[str, int]) -> Entry:
+    return _Relayed(claim, through)
 
 
 def booked(step: int, receipts: list[tuple[str, SignedReceipt]], pulled: list[PulledSlice]) -> Entry:

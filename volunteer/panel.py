@@ -11,7 +11,7 @@ from rich.progress_bar import ProgressBar
 from rich.text import Text
 
 from shared.node import NodeStatus
-from shared.panel import HINT, PanelView, Row, draw, format_bytes, links_text
+from shared.panel import HINT, PanelView, Row, draw, format_bytes, links_text, relay_text
 
 if TYPE_CHECKING:  # the optimizer imports torch: the panel's code and its tests need not
     from .collab.optimizer import CollaborativeOptimizer
@@ -94,6 +94,8 @@ def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> Pa
         rows.append(Row("network", node.reachability_note, 1))
     if node.links:
         rows.append(Row("links", links_text(node.links), 2))
+    if node.relay_slots:
+        rows.append(Row("relaying", relay_text(node), 2))
     if status.last_round_s is not None:
         rows.append(Row("last averaging", f"{status.last_round_s:.2f} s", 2))
     rows.append(Row("reports", f"{status.reports_sent} sent · {status.reports_pending} pending", 2))

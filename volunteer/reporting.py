@@ -15,6 +15,21 @@ in the data dir): a process killed without warning loses no step whose round com
 process in the same data dir reports it. The reporter also owns this process's *session* in the ledger:
 a heartbeat every quarter of the backbone's session timeout (the first opens it) and a leave notice
 after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`).
+
+**Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
+delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
+bytes we received through each relay (``host.relay_traffic.take``, :mod:`shared.net.relaytraffic`: the
+evidence of *their* relaying, ``relayed_through``), and ``relayed``, the bytes our own relay service
+spliced (``relayed_since(service)``: our claim, ``bytes_relayed``; None: we relay nothing). Both can be set
+after construction (:attr:`Reporter.relay_traffic`, :attr:`Reporter.relayed`). They are read when a step
+is recorded, when an interval closes and every :data:`REPORT_RETRY` seconds, and what they return is
+journaled at once (``relayed`` entries), so a SIGKILL loses only bytes since the last read. A report
+carries everything read so far (the evidence of at most ``MAX_RELAYED_PER_REPORT`` relays, the busiest;
+the rest waits for the next report). A relay that takes no steps still reports: with relayed bytes and
+no step, an interval closes after ``interval`` seconds. A report given up because the queue overflowed
+puts its claim and evidence back; one the backbone *refused* puts back the claim only, since its
+evidence may be what an older backbone refuses (``relayed_through`` is newer), and resending it would
+have every later report refused as well.
 """
 
 from __future__ import annotations
@@ -24,7 +39,8 @@ import logging
 import math
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -32,9 +48,12 @@ import msgspec
 import trio
 
 from protocols.ledger import (
+    MAX_COUNT,
     MAX_DISCARDED_PER_REPORT,
     MAX_INTERVAL_S,
+    MAX_RELAYED_PER_REPORT,
     ContributionReport,
+    RelayedBytes,
     SignedReport,
     StepRange,
     report_payload,
@@ -94,11 +113,18 @@ class Reporter:
         client: ApiClient | None,
         data_dir: Path,
         interval: float = 10.0,
+        *,
+        relay_traffic: Callable[[], Mapping[str, int]] | None = None,
+        relayed: Callable[[], int] | None = None,
     ) -> None:
         self.run_id = run_id
         self.identity = identity
         self.client = client
         self.interval = interval
+        #: bytes received through each relay since the previous call (module docstring), or None
+        self.relay_traffic = relay_traffic
+        #: bytes our relay service spliced since the previous call, or None (we relay nothing)
+        self.relayed = relayed
         self._seq_path = data_dir / "report.seq"
         self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
         self._open: list[JournaledStep] = []  # steps not in a report yet
@@ -123,11 +149,13 @@ class Reporter:
         self._pending.extend(state.unsent)
         self._discarded = list(state.discarded)
         self._open = list(state.open_steps)
+        self._relay_claim = state.relay_claim  # read from the sources, not in a report yet
+        self._relay_through: Counter[str] = Counter(state.relay_through)
         self._last_end = state.last_end if state.last_end is not None else time.time()
         self.recovered = len(state.unsent), len(state.open_steps)
         self._compact()
-        if self._open or self._discarded:
-            self.close_interval()  # the steps a killed process never reported
+        if self._open or self._discarded or self._relay_claim or self._relay_through:
+            self.close_interval()  # the steps (and relayed bytes) a killed process never reported
         if any(self.recovered):
             logger.info(
                 "resuming from the report journal: %d unsent reports, %d unreported steps",
@@ -162,8 +190,20 @@ class Reporter:
                 list(self._pending),
                 self._open,
                 self._discarded,
+                self._relay_claim,
+                dict(self._relay_through),
             )
         )
+
+    def poll_relays(self) -> None:
+        """Read the relay sources (module docstring) and journal what they returned."""
+        claim = self.relayed() if self.relayed is not None else 0
+        through = {r: n for r, n in (self.relay_traffic() if self.relay_traffic else {}).items() if n > 0}
+        if claim <= 0 and not through:
+            return
+        self.journal.append(journal.relayed(max(0, claim), through))
+        self._relay_claim += max(0, claim)
+        self._relay_through.update(through)
 
     def record(self, step: FinishedStep) -> None:
         """Note one step we took part in (called from the optimizer after the step is applied: its round
@@ -171,6 +211,7 @@ class Reporter:
         entry = JournaledStep(
             step.step, step.samples, step.compute_seconds, step.bytes_aggregated, step.finished_at
         )
+        self.poll_relays()
         self.journal.append(entry)
         self._open.append(entry)
         if step.finished_at - self._last_end >= self.interval or self._book_full():
@@ -195,7 +236,8 @@ class Reporter:
         """Turn the steps noted so far, and one report's worth of the receipt book, into one signed
         report, queued for sending. With no step but receipts (the last round's, arriving after its
         step was noted), the report claims nothing and carries them."""
-        if not self._open and not len(self.book) and not self._discarded:
+        self.poll_relays()
+        if not self._open and not len(self.book) and not self._discarded and not self._has_relayed():
             return
         steps, self._open = self._open, []
         end = max([s.finished_at for s in steps] or [time.time()])
@@ -205,6 +247,11 @@ class Reporter:
         self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
         receipts, pulled = self.book.take()
         discarded, self._discarded = self._discarded, []
+        claim = min(self._relay_claim, MAX_COUNT)
+        through = [
+            RelayedBytes(relay, min(n, MAX_COUNT))
+            for relay, n in self._relay_through.most_common(MAX_RELAYED_PER_REPORT)
+        ]
         report = ContributionReport(
             run_id=self.run_id,
             peer_id=self.identity.peer_id,
@@ -213,13 +260,16 @@ class Reporter:
             samples=sum(s.samples for s in steps),
             compute_seconds=min(sum(s.compute_seconds for s in steps), end - self._last_end),
             bytes_aggregated=sum(s.bytes_aggregated for s in steps),
-            bytes_relayed=0,
+            bytes_relayed=claim,
             interval_start=self._last_end,
             interval_end=end,
             receipts=receipts,
             pulled=pulled,
             discarded=[StepRange(a, b) for a, b in discarded],
+            relayed_through=through,
         )
+        self._relay_claim -= claim
+        journal.take_relayed(self._relay_through, report)
         self._last_end = end
         self._last_step = report.global_step
         self._seq += 1
@@ -236,11 +286,21 @@ class Reporter:
             self._compact()
         self._wakeup.set()
 
-    def _give_up(self, report: ContributionReport) -> None:
-        """A report that will never be credited: its receipts and pull records go out with a later one."""
-        self.journal.append(journal.done(report.seq, put_back=True))
+    def _has_relayed(self) -> bool:
+        return self._relay_claim > 0 or bool(self._relay_through)
+
+    def _give_up(self, report: ContributionReport, *, refused: bool = False) -> None:
+        """A report that will never be credited: its receipts and pull records go out with a later one,
+        and so does its relayed bytes claim; its relay evidence too unless the backbone ``refused`` it
+        (module docstring)."""
+        self.journal.append(journal.done(report.seq, put_back=True, evidence_back=not refused))
         if report.receipts or report.pulled:
             self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+        self._relay_claim += report.bytes_relayed
+        if not refused:
+            self._relay_through.update({r.relay: r.nbytes for r in report.relayed_through})
+        elif report.relayed_through:
+            logger.info("report %s refused: its relay evidence is not sent again", report.seq)
 
     def close_all(self) -> None:
         """Before leaving: report the open steps and everything the receipt book holds; the flush that
@@ -257,6 +317,9 @@ class Reporter:
 
     async def send_forever(self) -> None:
         while True:
+            self.poll_relays()
+            if not self._open and self._has_relayed() and time.time() - self._last_end >= self.interval:
+                self.close_interval()  # a relay that takes no steps reports its relaying too
             await self.heartbeat()
             await self.flush()
             await trio.to_thread.run_sync(self.journal.sync)
@@ -293,7 +356,7 @@ class Reporter:
                     return
                 except AdmissionError as exc:
                     logger.warning("contribution report refused: %s", exc)
-                    self._give_up(report)
+                    self._give_up(report, refused=True)
                 else:
                     self.journal.append(journal.done(report.seq))
                     self.sent += 1

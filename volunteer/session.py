@@ -40,6 +40,7 @@ from shared.errors import ConfigError, ProjectError
 from shared.lifecycle import Shutdown
 from shared.net.addresses import parse_multiaddr
 from shared.net.host import CALL_FAILURES
+from shared.net.relaytraffic import relayed_since
 from shared.node import Node
 from shared.panel import LivePanel, PanelView
 
@@ -107,7 +108,16 @@ class TrainingSession:
             if credential is not None
             else None
         )
-        self.reporter = Reporter(options.run_id, identity, self.client, self.data_dir)
+        # relayed_through: what we received through relays (evidence of their work, issue 14); with --relay
+        # (volunteer.daemon, node.relay) our relay service's claim is reporter.relayed
+        self.reporter = Reporter(
+            options.run_id,
+            identity,
+            self.client,
+            self.data_dir,
+            relay_traffic=node.host.relay_traffic.take,
+            relayed=None if node.relay is None else relayed_since(node.relay),
+        )
         self.headline = "starting"
         self._drift = DriftTracker()
         self._caps: MeasuredCapabilities | None = None

@@ -111,11 +111,41 @@ each peer whose evidence grew the same increase of (S, C, B), added to its lates
 as it leaves, carries receipts of steps the tracker records a second later, and its aggregation is
 pulled by peers that report after it: version 4 waited for a next report that never came, so a
 volunteer that left showed "aggregated 0.0 MB" and lost its last steps (issue 11).
-``bytes_relayed`` has no evidence yet (relays sign nothing) and is credited 0.
+
+**Relayed bytes** (issue 14). A relay ``R`` (a reachable volunteer running a relay service,
+:mod:`shared.net.relay`) claims in ``bytes_relayed`` what it spliced for others in its report's interval.
+Relays sign nothing, so the evidence is, as for aggregation, what the *other* ends saw: each peer whose
+connections went through a relay's circuits (the dialer through ``R`` and the target behind ``R``) lists in
+``relayed_through`` the bytes it *received* over them in its own report's interval, per relay peer id
+(:class:`~protocols.ledger.RelayedBytes`). Received, not sent: each direction of a circuit is then
+attested once, by the end it was delivered to, so the two ends of one circuit do not double it. A record
+counts (:func:`relay_evidence`) iff its relay is an admitted peer of *another user* than the reporter's
+(``relay_same_user``: not counted; ``relay_unknown``: not counted), the report is not flagged
+(``relay_flagged``: its interval is not believed, so neither is what it says went through it), and it is
+capped at what a link carries in the report's interval, ``MAX_BANDWIDTH_BPS * (L + 1 s)`` bytes
+(``relay_capped``). Each report's records are
+stored once, keyed ``(reporter, seq, relay)``, and the report itself once per ``(peer_id, seq)``: a
+duplicate or replayed report adds nothing. Then, per relay, over its unflagged reports and the counted
+records naming it:
+
+    credited relayed  Y = min(claimed bytes_relayed, bytes peers of other users received through it)
+
+credited the same way as B (the increase over what its earlier reports were credited), with late
+evidence: a client's report that arrives after the relay's settles the relay at once (``_settle``).
+The evidence is TLS plaintext, a little less than the ciphertext the relay spliced (TLS's framing, under
+1% of a bulk transfer, and the handshakes; 99.8% of the spliced bytes reach the ledger in
+``tests/volunteer/test_report_relayed.py``'s 1 MiB transfer): an honest relay is credited slightly less
+than it claims.
+What a liar gains: a relay claiming more than it relayed gets no more than others received through it; a
+client inventing relayed bytes credits nothing by itself (the relay must claim them too), and only a
+relay of another user. A colluding pair (a relay's user and a client's user) can credit the relay as many
+bytes as the client's records say, at most ``MAX_BANDWIDTH_BPS`` bytes per second of the client's
+unflagged intervals (which do not overlap), as aggregation bytes are bounded only by pull records.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
 colluding users can credit each other at most one recorded batch per sender and step (samples), and
-aggregation bytes as large as their pull records say (the ledger does not know the model's size).
+aggregation bytes as large as their pull records say (the ledger does not know the model's size), and
+relayed bytes as large as their relay records say (within a link's ceiling per second of interval).
 Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
 
 **A lone volunteer** (no peer of another user in its rounds) gets no receipts it can use, so its work is
@@ -135,6 +165,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -168,12 +199,16 @@ __all__ = [
     "Assessment",
     "CapabilitiesRejected",
     "Credit",
+    "RelayEvidence",
     "ReceiptRejected",
     "ReportRejected",
     "assess",
     "cap_capabilities",
     "check_capabilities",
     "credit_due",
+    "credited_relayed",
+    "relay_cap",
+    "relay_evidence",
     "reason_codes",
     "valid_receipts",
     "verify_receipt",
@@ -225,11 +260,22 @@ CREDITED = Assessment(credited=True)
 
 @dataclass(frozen=True)
 class Credit:
-    """Samples, compute seconds and bytes aggregated (claimed, evidence, or credited)."""
+    """Samples, compute seconds, bytes aggregated and bytes relayed (claimed, evidence, or credited)."""
 
     samples: float = 0.0
     compute_seconds: float = 0.0
     bytes_aggregated: float = 0.0
+    bytes_relayed: float = 0.0
+
+
+@dataclass(frozen=True)
+class RelayEvidence:
+    """One counted record: ``reporter`` received ``nbytes`` through ``relay`` in its report ``seq``."""
+
+    reporter: str
+    seq: int
+    relay: str
+    nbytes: int
 
 
 def verify_report(signed: SignedReport, run_id: str) -> ContributionReport:
@@ -349,12 +395,55 @@ def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bo
     samples = min(claimed.samples, evidence.samples)
     compute = claimed.compute_seconds * samples / claimed.samples if claimed.samples > 0 else 0.0
     aggregated = min(claimed.bytes_aggregated, evidence.bytes_aggregated)
+    relayed = min(claimed.bytes_relayed, evidence.bytes_relayed)
     floor = -math.inf if debit else 0.0
     return Credit(
         samples=max(floor, samples - credited.samples),
         compute_seconds=max(floor, compute - credited.compute_seconds),
         bytes_aggregated=max(0.0, aggregated - credited.bytes_aggregated),
+        bytes_relayed=max(0.0, relayed - credited.bytes_relayed),
     )
+
+
+def relay_cap(interval_seconds: float) -> int:
+    """The most bytes one record of a report covering ``interval_seconds`` may count: a link's ceiling
+    (:data:`MAX_BANDWIDTH_BPS`, bytes per second) over the interval plus the tolerance."""
+    return int(MAX_BANDWIDTH_BPS * (max(0.0, interval_seconds) + INTERVAL_TOLERANCE_S))
+
+
+def relay_evidence(
+    report: ContributionReport, reporter_user: int, users: Mapping[str, int]
+) -> tuple[list[RelayEvidence], Counter[str]]:
+    """The report's ``relayed_through`` records that count (module docstring: the relay is an admitted
+    peer of another user; capped by :func:`relay_cap`), and how many did not or were capped, by code.
+
+    Args:
+        reporter_user: the user of the reporting peer.
+        users: the user of each admitted peer the records name (unknown peers are absent).
+    """
+    counted: list[RelayEvidence] = []
+    notes: Counter[str] = Counter()
+    cap = relay_cap(report.interval_end - report.interval_start)
+    for record in report.relayed_through:
+        relay_user = users.get(record.relay)
+        if record.relay == report.peer_id or relay_user == reporter_user:
+            notes["relay_same_user"] += 1
+        elif relay_user is None:
+            notes["relay_unknown"] += 1
+        elif record.nbytes > 0:
+            if record.nbytes > cap:
+                notes["relay_capped"] += 1
+            counted.append(RelayEvidence(report.peer_id, report.seq, record.relay, min(record.nbytes, cap)))
+    return counted, notes
+
+
+def credited_relayed(claimed: float, evidence: Iterable[RelayEvidence]) -> float:
+    """Y of the module docstring for one relay: ``min(claimed, evidence)``, each ``(reporter, seq,
+    relay)`` counted once however often it is seen (``evidence``: counted records naming this relay)."""
+    once: dict[tuple[str, int, str], int] = {}
+    for record in evidence:
+        once.setdefault((record.reporter, record.seq, record.relay), record.nbytes)
+    return min(claimed, float(sum(once.values())))
 
 
 def check_capabilities(capabilities: Capabilities) -> None:

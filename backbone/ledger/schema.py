@@ -16,6 +16,9 @@ Tables::
     receipts       part receipts that count, one per (sender, step) ever; ``discarded`` once its
                    sender reported the step discarded (a fork it left)
     pulls          pull records about aggregators, one per (puller, aggregator, step)
+    relayed        relay records (schema 8): ``reporter``'s report ``seq`` says it received ``nbytes``
+                   through relay ``relay`` (a peer of another user), one per (reporter, seq, relay);
+                   the evidence of that relay's ``bytes_relayed`` (``reports.credited_bytes_relayed``)
     step_discards  step ranges a peer reported discarded (it re-synced to another state), each bounded
                    by the ``seq`` of the report that listed it: it covers only that peer's receipts
                    carried by reports with a seq up to it (schema 3 had ``discards``, unbounded)
@@ -90,6 +93,7 @@ __all__ = [
     "Discard",
     "EvaluationRecord",
     "Receipt",
+    "Relayed",
     "Report",
     "SchemaVersion",
     "Step",
@@ -97,7 +101,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -209,6 +213,8 @@ class Report(Base):
     credited_samples: Mapped[float] = mapped_column(default=0.0)
     credited_compute_seconds: Mapped[float] = mapped_column(default=0.0)
     credited_bytes_aggregated: Mapped[float] = mapped_column(default=0.0)
+    #: relayed bytes its relay records backed (schema 8; 0 in older rows: relaying was not credited)
+    credited_bytes_relayed: Mapped[float] = mapped_column(default=0.0)
     #: 1: credited by the claims-based rules of schema version 1 (kept as history); 2: by receipts
     scheme: Mapped[int] = mapped_column(Integer, default=2)
     #: receipts and pull records that did not count, ``"code: count; ..."``
@@ -259,6 +265,20 @@ class Pull(Base):
     puller: Mapped[str] = mapped_column(String(64), primary_key=True)
     aggregator: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+
+
+class Relayed(Base):
+    """``reporter`` received ``nbytes`` through relay ``relay`` (a peer of another user) in its report
+    ``seq`` (schema 8; see backbone.ledger.accounting, "Relayed bytes")."""
+
+    __tablename__ = "relayed"
+    __table_args__ = (Index(None, "relay"),)
+
+    reporter: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    relay: Mapped[str] = mapped_column(String(64), primary_key=True)
     nbytes: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
 
@@ -406,6 +426,13 @@ def _migrate_6_to_7(conn: Connection) -> None:
     changes. Nothing else to do: the function marks the version step (and is where a change would go)."""
 
 
+def _migrate_7_to_8(conn: Connection) -> None:
+    """Version 8 (issue 14): relayed bytes are credited from relay records (table ``relayed``, made by
+    ``create_all``) into ``reports.credited_bytes_relayed``; old reports were credited none by receipts
+    (schema 1's claims-based credit stays in ``bytes_relayed``, shown for scheme 1 rows)."""
+    _add_column(conn, "reports", "credited_bytes_relayed", "DOUBLE PRECISION NOT NULL DEFAULT 0")
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -421,6 +448,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     4: _migrate_4_to_5,
     5: _migrate_5_to_6,
     6: _migrate_6_to_7,
+    7: _migrate_7_to_8,
 }
 
 

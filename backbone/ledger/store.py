@@ -1,12 +1,13 @@
 """The ledger's only SQL I/O: allowlist, peers and sessions, contribution reports, steps, leaderboard.
 
 Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
-assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``) and pull
-records, and credits it the increase of ``min(claims, evidence)``, all in one transaction under the
-reporting peer's row lock, so two backbones on one database cannot credit one receipt twice. A discard
-(``step_discards``) covers only the receipts of its steps that the peer's reports up to the discarding
-one (by ``seq``) carried; a receipt of a later report replaces a discarded receipt of its step (the step
-taken again after re-syncing) instead of being a duplicate.
+assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``), pull
+records and relay records (once per ``(reporter, seq, relay)``), and credits it the increase of
+``min(claims, evidence)``, all in one transaction under the reporting peer's row lock, so two backbones on
+one database cannot credit one receipt twice. A discard (``step_discards``) covers only the receipts of
+its steps that the peer's reports up to the discarding one (by ``seq``) carried; a receipt of a later
+report replaces a discarded receipt of its step (the step taken again after re-syncing) instead of being a
+duplicate.
 
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
@@ -78,6 +79,7 @@ from .accounting import (
     check_capabilities,
     credit_due,
     reason_codes,
+    relay_evidence,
     valid_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
@@ -90,6 +92,7 @@ from .schema import (
     PeerSession,
     Pull,
     Receipt,
+    Relayed,
     Report,
     Step,
     User,
@@ -707,12 +710,16 @@ class LedgerStore:
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
+                relays, relay_notes = _store_relayed(
+                    conn, report, peer.user_id, report_id, counts=assessment.credited
+                )
+                notes += relay_notes
                 evidenced = _record_evidenced_steps(conn, now)
                 _refresh_evidenced_samples(conn, set(receipts) | evidenced)
                 # Peers whose evidence this report made count: the aggregators of its pull records, and
                 # everyone with receipts or pulls of the steps it just recorded. Credited below, each in
                 # its own transaction (one row lock at a time: no deadlock between two backbones).
-                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled}
+                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled} | relays
                 credit = (
                     _credit(conn, report.peer_id, debit=bool(report.discarded))
                     if assessment.credited
@@ -725,6 +732,7 @@ class LedgerStore:
                         credited_samples=credit.samples,
                         credited_compute_seconds=credit.compute_seconds,
                         credited_bytes_aggregated=credit.bytes_aggregated,
+                        credited_bytes_relayed=credit.bytes_relayed,
                         notes=_format_notes(notes),
                     )
                 )
@@ -741,6 +749,7 @@ class LedgerStore:
             compute_seconds=credit.compute_seconds,
             bytes_aggregated=credit.bytes_aggregated,
             notes=_format_notes(notes),
+            bytes_relayed=credit.bytes_relayed,
         )
 
     def _settle(self, peer_ids: set[str]) -> None:
@@ -979,9 +988,11 @@ class LedgerStore:
                 total(Report.credited_samples).label("samples"),
                 total(Report.credited_compute_seconds).label("compute_seconds"),
                 total(Report.credited_bytes_aggregated).label("bytes_aggregated"),
-                func.sum(case((legacy, sql_cast(Report.bytes_relayed, Double)), else_=0.0)).label(
-                    "bytes_relayed"
-                ),
+                func.sum(
+                    case(
+                        (legacy, sql_cast(Report.bytes_relayed, Double)), else_=Report.credited_bytes_relayed
+                    )
+                ).label("bytes_relayed"),
                 func.sum(case((credited, 0), else_=1)).label("flagged"),
             )
             .group_by(Report.user_id)
@@ -1397,6 +1408,30 @@ def _store_evidence(
     return notes
 
 
+def _store_relayed(
+    conn: Connection, report: ContributionReport, user_id: int, report_id: int, *, counts: bool
+) -> tuple[set[str], Counter[str]]:
+    """Store the report's relay records that count (accounting.relay_evidence; none of a flagged report:
+    ``counts`` False), once per ``(reporter, seq, relay)``; returns the relays they name (settled at once:
+    late evidence) and how many did not count or were capped, by code."""
+    if not report.relayed_through:
+        return set(), Counter()
+    if not counts:
+        return set(), Counter({"relay_flagged": len(report.relayed_through)})
+    users = _users_of(conn, {r.relay for r in report.relayed_through})
+    counted, notes = relay_evidence(report, user_id, users)
+    for record in counted:
+        statement = _insert_ignore(conn, Relayed).values(
+            reporter=record.reporter,
+            seq=record.seq,
+            relay=record.relay,
+            nbytes=record.nbytes,
+            report_id=report_id,
+        )
+        conn.execute(statement)
+    return {r.relay for r in counted}, notes
+
+
 def _format_notes(notes: Counter[str]) -> str | None:
     return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
 
@@ -1413,6 +1448,8 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_samples), 0.0),
             func.coalesce(func.sum(Report.credited_compute_seconds), 0.0),
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
+            func.coalesce(func.sum(sql_cast(Report.bytes_relayed, Double)), 0.0),
+            func.coalesce(func.sum(Report.credited_bytes_relayed), 0.0),
         ).where(*mine)
     ).one()
     # A receipt's weight is capped by the larger of its step's batch and target (accounting's
@@ -1437,10 +1474,13 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
         .join(Step, Step.global_step == Pull.step)
         .where(Pull.aggregator == peer_id)
     ).scalar_one()
+    relayed = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(Relayed.nbytes, Double)), 0.0)).where(Relayed.relay == peer_id)
+    ).scalar_one()
     return credit_due(
-        Credit(float(totals[0]), float(totals[1]), float(totals[2])),
-        Credit(samples=float(weights), bytes_aggregated=float(pulled)),
-        Credit(float(totals[3]), float(totals[4]), float(totals[5])),
+        Credit(float(totals[0]), float(totals[1]), float(totals[2]), float(totals[6])),
+        Credit(samples=float(weights), bytes_aggregated=float(pulled), bytes_relayed=float(relayed)),
+        Credit(float(totals[3]), float(totals[4]), float(totals[5]), float(totals[7])),
         debit=debit,
     )
 
@@ -1480,7 +1520,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
     if latest is None:
         return
     due = _credit(conn, peer_id)
-    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0:
+    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0 and due.bytes_relayed <= 0:
         return
     conn.execute(
         update(Report)
@@ -1489,6 +1529,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
             credited_samples=Report.credited_samples + due.samples,
             credited_compute_seconds=Report.credited_compute_seconds + due.compute_seconds,
             credited_bytes_aggregated=Report.credited_bytes_aggregated + due.bytes_aggregated,
+            credited_bytes_relayed=Report.credited_bytes_relayed + due.bytes_relayed,
         )
     )
 

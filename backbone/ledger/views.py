@@ -58,9 +58,10 @@ class SessionRow:
 
 @dataclass(frozen=True)
 class LeaderboardRow:
-    """One user's credited contribution: what receipts and pull records backed (see
-    :mod:`backbone.ledger.accounting`); flagged reports only counted in ``flagged_reports``, and why in
-    ``flag_reasons`` (rule code -> reports)."""
+    """One user's credited contribution: what receipts, pull records and relay records backed (see
+    :mod:`backbone.ledger.accounting`; ``bytes_relayed``: schema 1's claims in its old rows, and since
+    schema 8 what peers of other users received through the user's relays); flagged reports only
+    counted in ``flagged_reports``, and why in ``flag_reasons`` (rule code -> reports)."""
 
     username: str
     samples: int
@@ -124,6 +125,7 @@ class Verdict:
     compute_seconds: float
     bytes_aggregated: float
     notes: str | None
+    bytes_relayed: float = 0.0
 
 
 @dataclass(frozen=True)

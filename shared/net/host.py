@@ -73,6 +73,7 @@ from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .dialing import DialGuard, DialPolicy
 from .relay import PREAMBLE_FIRST_BYTE, PreambleHandler, relay_dial
+from .relaytraffic import RelayTraffic
 from .rpc import HandlerRegistry, RequestContext, RpcChannel, RpcStatistics
 
 __all__ = ["CALL_FAILURES", "Host", "HostConfig", "HostStatistics"]
@@ -158,6 +159,8 @@ class Host:
         #: set by :class:`shared.net.punch.HolePuncher`: a direct bulk connection to a peer we would
         #: otherwise reach through a relay, or ``None`` (then the relay is used)
         self.bulk_upgrader: Callable[[PeerId], Awaitable[SecureConnection | None]] | None = None
+        #: bytes received through relays' circuits, per relay (the ledger's evidence of their relaying)
+        self.relay_traffic = RelayTraffic()
         self._channels: dict[PeerId, RpcChannel] = {}
         self._all_channels: set[RpcChannel] = set()
         self._by_address: dict[tuple[str, int], PeerId] = {}
@@ -337,10 +340,13 @@ class Host:
         self._pending -= 1
         _decrement(self._pending_by_address, ip)
 
-    async def serve_socket(self, raw: socket.socket, peer: str, via: str) -> None:
+    async def serve_socket(
+        self, raw: socket.socket, peer: str, via: str, relay: PeerId | None = None
+    ) -> None:
         """Serve ``raw``, a TCP socket this host connected itself (a relay circuit's target end, a punched
         connection), as if it had been accepted: TLS server side, identity proof, then RPC or bulk as the
-        dialer chose. Counted in the incoming budgets under ``peer``'s host; returns when it closes."""
+        dialer chose. Counted in the incoming budgets under ``peer``'s host; returns when it closes. What
+        it receives is counted in :attr:`relay_traffic` under ``relay`` (the circuit's relay), if given."""
         ip = _budget_key(peer.rpartition(":")[0].strip("[]"))
         refusal = self._over_budget(ip)
         if refusal is not None:
@@ -351,12 +357,14 @@ class Host:
         self._pending += 1
         self._incoming_by_address[ip] = self._incoming_by_address.get(ip, 0) + 1
         self._pending_by_address[ip] = self._pending_by_address.get(ip, 0) + 1
-        await self._serve_incoming(raw, ip, peer, via)
+        await self._serve_incoming(raw, ip, peer, via, relay)
 
-    async def _serve_incoming(self, raw: socket.socket, ip: str, peer: str, via: str = "direct") -> None:
+    async def _serve_incoming(
+        self, raw: socket.socket, ip: str, peer: str, via: str = "direct", relay: PeerId | None = None
+    ) -> None:
         pending = [True]
         try:
-            await self._serve_incoming_counted(raw, ip, peer, pending, via)
+            await self._serve_incoming_counted(raw, ip, peer, pending, via, relay)
         except ProtocolError as exc:
             self._protocol_errors += 1
             logger.warning("closed connection from %s: %s", peer, exc)
@@ -393,7 +401,13 @@ class Host:
                     del self._idle_bulk[peer]
 
     async def _serve_incoming_counted(
-        self, raw: socket.socket, ip: str, peer: str, pending: list[bool], via: str = "direct"
+        self,
+        raw: socket.socket,
+        ip: str,
+        peer: str,
+        pending: list[bool],
+        via: str = "direct",
+        relay: PeerId | None = None,
     ) -> None:
         handler = self.preamble_handler
         if handler is not None and via == "direct":
@@ -441,6 +455,8 @@ class Host:
             self._reverse_arrived(conn)
             return
         conn.via = via
+        if relay is not None:
+            self.relay_traffic.track(relay, conn.tls)
         await self.serve_connection(conn)
 
     async def serve_connection(self, conn: SecureConnection) -> None:

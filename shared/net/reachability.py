@@ -25,15 +25,25 @@ slot there (:class:`~shared.net.relay.RelayClient`) and advertises its relayed a
 LP bounds its links by its relay's, :mod:`shared.averaging.load_balance`). While it holds the slot, every
 new relayed connection to a peer is upgraded to a direct one by hole punching when our peer id is the
 lower of the two (one side starts, so two punches never cross; :class:`~shared.net.punch.HolePuncher`);
-a punch that fails (a symmetric NAT) leaves the connection relayed. When the relay fails us, we advertise
-nothing again (client mode) and try again after :data:`RELAY_RETRY` seconds.
+a punch that fails (a symmetric NAT) leaves the connection relayed.
+
+**Fallback** (:func:`relay_candidates`). The checker is not the only relay: backbones that relay and
+volunteers started with ``--relay`` publish relay records in the DHT (:mod:`shared.relays`). When the relay
+we hold a slot at fails us (or refuses us), we try the next candidate at once: the checker first, then the
+others found in the DHT, never ourselves, never one that failed us less than :data:`RELAY_RETRY` seconds
+ago. The others are ordered by a hash of (our id, their id) (rendezvous hashing), so that the clients of a
+dead relay spread over the remaining ones instead of all taking the first. A record is only a hint: a
+relay counts once a reservation there succeeded over the authenticated handshake, which proves its peer
+id. Only when no candidate is left do we advertise nothing (client mode), and look again after
+:data:`RELAY_RETRY` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -46,7 +56,7 @@ from .addresses import PeerAddress, parse_multiaddr
 from .host import CALL_FAILURES, Host
 from .probe import check_reachability
 
-__all__ = ["RELAY_RETRY", "Reachability", "keep_relayed", "verify_reachability"]
+__all__ = ["RELAY_RETRY", "Reachability", "keep_relayed", "relay_candidates", "verify_reachability"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,24 +146,60 @@ def _short(text: str) -> str:
 RELAY_RETRY = 30.0
 
 
+def relay_candidates(
+    first: PeerAddress | None,
+    found: Sequence[PeerAddress],
+    own: str,
+    failed_at: Mapping[str, float],
+    now: float,
+    retry: float = RELAY_RETRY,
+) -> list[PeerAddress]:
+    """The relays to try, in order: ``first`` (the checker), then ``found`` ordered by
+    ``sha256(own | relay)``; one address per peer id (the first seen), none without a peer id, not ``own``,
+    none that failed us less than ``retry`` seconds before ``now`` (``failed_at``: peer id -> time)."""
+
+    def usable(address: PeerAddress) -> bool:
+        peer = address.peer_id
+        if peer is None or peer == own:
+            return False
+        failed = failed_at.get(peer)
+        return failed is None or now - failed >= retry
+
+    def rank(address: PeerAddress) -> bytes:
+        return hashlib.sha256(f"{own}|{address.peer_id}".encode()).digest()
+
+    out: list[PeerAddress] = []
+    seen: set[str] = set()
+    head = [first] if first is not None else []
+    for address in [*head, *sorted(found, key=rank)]:
+        if usable(address) and address.peer_id not in seen:
+            seen.add(str(address.peer_id))
+            out.append(address)
+    return out
+
+
 async def keep_relayed(
     host: Host,
-    relay: PeerAddress,
+    relay: PeerAddress | None,
     on_change: Callable[[tuple[str, ...]], None],
     *,
+    candidates: Callable[[], Awaitable[Sequence[PeerAddress]]] | None = None,
     punch_timeout: float = 5.0,
 ) -> None:
-    """Hold a slot at ``relay`` and advertise our relayed address while we do; punch direct connections to
-    the peers we reach through it (module docstring). ``on_change(relayed_addresses)`` is called whenever
-    they change (empty: back to client mode). Runs until cancelled; never raises for the relay's failures."""
+    """Hold a slot at ``relay`` (else at the next of :func:`relay_candidates`, with ``candidates()``
+    listing the relays found in the DHT) and advertise our relayed address while we do; punch direct
+    connections to the peers we reach through it (module docstring). ``on_change(relayed_addresses)`` is
+    called whenever they change (empty: client mode). Runs until cancelled; never raises for the relays'
+    failures."""
     from .addresses import relayed
     from .punch import HolePuncher
     from .relay import RelayClient
 
     client = RelayClient(host)
-    puncher = HolePuncher(host, relay, timeout=punch_timeout)
+    puncher: HolePuncher | None = None
     wanted: trio.MemorySendChannel[PeerId]
     wanted, pending = trio.open_memory_channel[PeerId](64)
+    failed_at: dict[str, float] = {}
 
     def observe(peer: PeerId) -> None:
         if host.connection_kind(peer) == "relayed" and host.peer_id < peer:
@@ -163,25 +209,59 @@ async def keep_relayed(
     async def punch_forever() -> None:
         async for peer in pending:
             with contextlib.suppress(*CALL_FAILURES, ProjectError, OSError):
-                if host.connection_kind(peer) == "relayed" and await puncher.punch(peer):
+                if (
+                    puncher is not None
+                    and host.connection_kind(peer) == "relayed"
+                    and await puncher.punch(peer)
+                ):
                     logger.info("punched a direct connection to %s", peer)
+
+    async def next_candidate() -> PeerAddress | None:
+        found: Sequence[PeerAddress] = ()
+        if candidates is not None:
+            try:
+                found = await candidates()
+            except (*CALL_FAILURES, ProjectError, OSError) as exc:
+                logger.info("could not look up relays in the DHT: %s", exc)
+        order = relay_candidates(relay, found, host.peer_id, failed_at, trio.current_time())
+        return order[0] if order else None
 
     host.connection_observers.append(observe)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(punch_forever)
+            relayed_now, idle = False, False
             while True:
+                candidate = await next_candidate()
+                if candidate is None:
+                    if not idle:
+                        logger.info(
+                            "no relay holds a slot for us: client mode; looking again in %g s", RELAY_RETRY
+                        )
+                    host.advertise([])
+                    on_change(())
+                    relayed_now, idle = False, True
+                    await trio.sleep(RELAY_RETRY)
+                    continue
+                assert candidate.peer_id is not None  # relay_candidates guarantees it
+                idle = False
                 try:
-                    await client.reserve(relay)
-                    addresses = (str(relayed(relay, host.peer_id)),)
+                    await client.reserve(candidate)
+                    if puncher is None:
+                        puncher = HolePuncher(host, candidate, timeout=punch_timeout)
+                    puncher.relay = candidate
+                    addresses = (str(relayed(candidate, host.peer_id)),)
                     host.advertise(addresses)
                     on_change(addresses)
-                    logger.info("reachable through relay %s", relay)
-                    await client.keep(relay)  # renews; returns only by raising when the relay fails us
+                    relayed_now = True
+                    logger.info("reachable through relay %s", candidate)
+                    await client.keep(candidate)  # renews; returns only by raising when the relay fails us
                 except (*CALL_FAILURES, ProjectError, OSError) as exc:
-                    logger.info("relay %s: %s; client mode for now", relay, exc)
-                host.advertise([])
-                on_change(())
-                await trio.sleep(RELAY_RETRY)
+                    logger.info("relay %s: %s; trying the next one", candidate, exc)
+                failed_at[candidate.peer_id] = trio.current_time()
+                if relayed_now:  # our relayed address is dead: advertise nothing until another relay holds us
+                    host.advertise([])
+                    on_change(())
+                    relayed_now = False
     finally:
         host.connection_observers.remove(observe)

@@ -20,8 +20,10 @@ first byte is a preamble's; the service reads exactly :data:`~protocols.relay.PR
   passed (``refused["seconds"]``). Both sockets are then shut down.
 
 Bytes spliced are counted per ``(dialer, target)`` (:meth:`RelayService.bytes_relayed`) for the ledger's
-credit. ``tap`` (optional) sees every chunk forwarded, as the relay sees it: the relayed-encryption test
-checks that no plaintext is in it. The relay never holds more than two buffers per circuit.
+credit (the relay's claim); both ends count what they receive through the circuit per relay
+(:mod:`shared.net.relaytraffic`: the evidence). ``tap`` (optional) sees every chunk forwarded, as the
+relay sees it: the relayed-encryption test checks that no plaintext is in it. The relay never holds
+more than two buffers per circuit.
 
 **Target** (:class:`RelayClient` on a host that accepts no inbound connections). ``reserve`` asks a relay
 for a reservation; :meth:`RelayClient.keep` renews it at half its ``ttl``, or at a third of the host's
@@ -200,6 +202,11 @@ class RelayService:
             observed=self._observed,
             refused=dict(self._refused),
         )
+
+    def reservations_connected(self) -> int:
+        """Reservations whose holder is still connected, for status pages; unlike :meth:`statistics` this
+        needs no trio context (callable from a worker thread), so it does not check expiry."""
+        return sum(self.host.channel_for(peer) is not None for peer in list(self._reservations))
 
     def bytes_relayed(self) -> dict[tuple[PeerId, PeerId], int]:
         """Bytes spliced so far per ``(dialer, target)``, both directions together."""
@@ -477,6 +484,8 @@ async def relay_dial(host: Host, address: PeerAddress, lane: Lane) -> SecureConn
             raw.close()
         raise PeerUnavailable(f"circuit to {target} through {relay} broke: {exc}") from exc
     conn.via = "relayed"
+    assert relay.peer_id is not None  # relayed() requires it, and channel_to proved it
+    host.relay_traffic.track(relay.peer_id, conn.tls)  # evidence of the relay's work (relaytraffic)
     return conn
 
 
@@ -568,6 +577,6 @@ class RelayClient:
             return
         self.circuits_served += 1
         try:
-            await self.host.serve_socket(raw, f"{relay.host}:{relay.port}", "relayed")
+            await self.host.serve_socket(raw, f"{relay.host}:{relay.port}", "relayed", relay.peer_id)
         except (PeerUnavailable, HandshakeError) as exc:
             logger.info("relayed connection through %s ended: %s", relay, exc)

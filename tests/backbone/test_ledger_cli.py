@@ -198,6 +198,31 @@ def test_ledger_shows_why_reports_were_flagged_in_text_and_json(tmp_path: Path) 
     assert "overlaps the previous report" in output and "before the peer joined" in output
 
 
+def test_ledger_shows_a_relayed_column_once_a_relay_is_credited(tmp_path: Path) -> None:
+    """Issue 14: relaying is credited (what other users' peers received through the relay), and shown."""
+    from .ledger.reports import identity, make_report, sign
+
+    relay, client = identity(33), identity(34)
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for name, machine in (("rita", relay), ("carl", client)):
+            store.add_user(name, now=T0)
+            secret = store.create_invite(name, now=T0)
+            store.redeem_invite(secret, machine.peer_id, machine.public_key_bytes, now=T0)
+        claim = make_report(relay, 0, start=T0, length=60, samples=0, bytes_relayed=9_000_000)
+        evidence = make_report(client, 0, start=T0, length=60, samples=0, relayed={relay.peer_id: 2_500_000})
+        for who, report in ((relay, claim), (client, evidence)):
+            assert store.assess_and_record(sign(who, report), report, now=T0 + 100) is not None
+
+    code, output = ledger(tmp_path)
+
+    assert code == 0, output
+    assert "relayed" in output
+    [rita] = [line for line in output.splitlines() if line.strip().startswith("rita")]
+    assert "2.5 MB" in rita  # min(claimed 9 MB, 2.5 MB received by carl)
+    code, output = ledger(tmp_path, "--json")
+    assert {r["username"]: r["bytes_relayed"] for r in json.loads(output)} == {"carl": 0, "rita": 2_500_000}
+
+
 def test_allow_add_refuses_the_backbones_username(tmp_path: Path) -> None:
     # finding 11: adding then removing 'backbone' revoked every backbone's own token
     (tmp_path / "run.json").write_text(
@@ -212,7 +237,7 @@ def test_allow_add_refuses_the_backbones_username(tmp_path: Path) -> None:
 
 def test_ledger_shows_compute_and_online_time_and_aggregation_in_readable_units(tmp_path: Path) -> None:
     """Issue 11: "compute h 0.00" for volunteers that trained minutes, "aggregated 0.0 MB" for kilobytes,
-    and "relayed 0.0 MB" columns for a role that does not exist yet."""
+    and a "relayed 0.0 MB" column while nobody's relaying is credited."""
     from protocols.receipts import PulledSlice
 
     from .ledger.reports import identity, make_report, receipt, sign

@@ -87,3 +87,64 @@ def test_a_cpu_peers_capabilities_decode_on_the_previous_version_and_an_accelera
         msgspec.msgpack.decode(data, type=OldCapabilities)
     with pytest.raises(ValueError, match="memory_bytes"):
         msgspec.structs.replace(cpu, memory_bytes=-1)
+
+
+def test_a_report_without_relayed_bytes_decodes_on_the_previous_version_and_one_with_them_is_refused() -> (
+    None
+):
+    from protocols.ledger import RelayedBytes
+
+    plain = msgspec.msgpack.encode(report())
+    assert msgspec.msgpack.decode(plain, type=OldReport).seq == 3  # omitted when empty
+    new = report(relayed_through=[RelayedBytes(Identity.generate().peer_id, 12345)])
+    data = msgspec.msgpack.encode(new)
+    with pytest.raises(msgspec.ValidationError, match="relayed_through"):
+        msgspec.msgpack.decode(data, type=OldReport)
+    assert msgspec.msgpack.decode(data, type=ContributionReport) == new
+
+
+def _raw_report(relayed: object) -> bytes:
+    fields = msgspec.structs.asdict(report())
+    fields["relayed_through"] = relayed
+    return msgspec.msgpack.encode(fields)
+
+
+@pytest.mark.parametrize(
+    ("relayed", "match"),
+    [
+        ([["not-a-peer-id", 1]], "relayed_through"),
+        ([[None, 1]], "relayed_through"),
+        ([["R", -1]], "relayed_through"),
+        ([["R", 2**53 + 1]], "relayed_through"),
+        ([["R", 1.5]], "relayed_through"),
+        ([["R", 1, 2]], "relayed_through"),
+        ([["R"]], "relayed_through"),
+        ([["R", 1]] * 17, "relayed_through"),
+        ([["R", 1], ["R", 2]], "at most once"),
+        ("R", "relayed_through"),
+    ],
+)
+def test_malformed_relayed_bytes_are_refused_when_decoding(relayed: object, match: str) -> None:
+    relay = Identity.generate().peer_id
+
+    def fill(value: object) -> object:
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return relay if value == "R" else value
+
+    with pytest.raises(msgspec.ValidationError, match=match):
+        msgspec.msgpack.decode(_raw_report(fill(relayed)), type=ContributionReport)
+
+
+def test_relayed_bytes_are_bounded_on_construction_too() -> None:
+    from protocols.ledger import MAX_RELAYED_PER_REPORT, RelayedBytes
+
+    relays = [Identity.generate().peer_id for _ in range(MAX_RELAYED_PER_REPORT + 1)]
+    with pytest.raises(ValueError, match="nbytes"):
+        RelayedBytes(relays[0], 2**53 + 1)
+    with pytest.raises(ValueError, match="at most"):
+        report(relayed_through=[RelayedBytes(r, 1) for r in relays])
+    with pytest.raises(ValueError, match="at most once"):
+        report(relayed_through=[RelayedBytes(relays[0], 1), RelayedBytes(relays[0], 2)])
+    full = report(relayed_through=[RelayedBytes(r, 2**53) for r in relays[:-1]])
+    assert len(msgspec.msgpack.encode(full)) < 2048  # 16 relays: well inside MAX_REPORT_BYTES' room

@@ -58,14 +58,14 @@ class Backbone:
 
 
 class Volunteer:
-    def __init__(self, root: Path, name: str, host: NetnsHost, backbone: Backbone) -> None:
+    def __init__(self, root: Path, name: str, host: NetnsHost, backbone: Backbone, *extra: str) -> None:
         self.name, self.host = name, host
         self.dir = root / name
         self.dir.mkdir()
         argv = cli(
             "volunteer", "join", backbone.run_id, "--data-dir", str(self.dir),
             "--initial-peer", backbone.address, "--no-panel", "--threads", "1",
-            "--invite", backbone.invite(name),
+            "--invite", backbone.invite(name), *extra,
         )  # fmt: skip
         self.log = self.dir / "volunteer.log"
         with self.log.open("w") as log:

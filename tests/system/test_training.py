@@ -60,11 +60,11 @@ class Backbone:
         self.proc: subprocess.Popen[str] | None = None
         self.run_id = self.address = ""
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> None:
         argv = cli(
             "backbone", "start", "--run-id", "train-e2e", "--data-dir", str(self.dir),
             "--listen", f"/ip4/127.0.0.1/tcp/{self.port}", "--api-listen", f"127.0.0.1:{self.api_port}",
-            "--manifest", str(self.manifest), "--no-mdns",
+            "--manifest", str(self.manifest), "--no-mdns", *extra,
         )  # fmt: skip
         with (self.dir / "backbone.log").open("a") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)

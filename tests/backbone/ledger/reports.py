@@ -5,7 +5,14 @@ from __future__ import annotations
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from protocols.ledger import Capabilities, ContributionReport, SignedReport, StepRange, report_payload
+from protocols.ledger import (
+    Capabilities,
+    ContributionReport,
+    RelayedBytes,
+    SignedReport,
+    StepRange,
+    report_payload,
+)
 from protocols.receipts import (
     PartReceipt,
     PulledSlice,
@@ -39,6 +46,7 @@ def make_report(
     receipts: list[SignedReceipt] | None = None,
     pulled: list[PulledSlice] | None = None,
     discarded: list[tuple[int, int]] | None = None,
+    relayed: dict[str, int] | None = None,
 ) -> ContributionReport:
     """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
     begin = T0 + seq * length if start is None else start
@@ -56,6 +64,7 @@ def make_report(
         receipts=receipts or [],
         pulled=pulled or [],
         discarded=[StepRange(a, b) for a, b in discarded or []],
+        relayed_through=[RelayedBytes(relay, n) for relay, n in (relayed or {}).items()],
     )
 
 

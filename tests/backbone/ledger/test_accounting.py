@@ -6,7 +6,7 @@ import math
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from backbone.ledger.accounting import (
@@ -241,13 +241,17 @@ def test_assess_always_credits_a_report_within_bounds_whatever_it_claims(
     extra_samples=st.integers(1, 2**40),
     which=st.sampled_from(["compute", "rate"]),
 )
+@example(length=1.967749996376142, extra_compute=1.01, extra_samples=1, which="rate")  # T0 + length rounds up
 def test_assess_flags_a_report_claiming_more_than_its_interval_could_hold(
     length: float, extra_compute: float, extra_samples: int, which: str
 ) -> None:
     if which == "compute":
         report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length + extra_compute)
     else:
-        samples = math.floor(MAX_SAMPLES_PER_SECOND * (length + 1)) + extra_samples
+        report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length)
+        # the limit of the interval as stored: T0 + length rounds, and may stretch it by ~1e-7 s
+        stored = report.interval_end - report.interval_start
+        samples = math.floor(MAX_SAMPLES_PER_SECOND * (max(length, stored) + 1)) + extra_samples
         report = make_report(ALICE, 0, start=T0, length=length, compute_seconds=length, samples=samples)
     verdict = assess(report, None, now=report.interval_end, joined_at=T0)
     assert reason_codes(verdict.reason) == [which]
@@ -314,3 +318,68 @@ def test_cap_capabilities_only_once_there_is_a_history() -> None:
     assert capped.samples_per_second == pytest.approx(200.0)
     modest = Capabilities(150.0, 1e6, 1e6, "gpu")  # sped up 1.5x: a co-located job ended
     assert cap_capabilities(modest, credited_samples=6000, compute_seconds=60) == modest
+
+
+# ------------------------------------------------------------------------------------ relayed bytes
+
+_RELAYS = [identity(n).peer_id for n in (40, 41, 42)]
+_CLIENTS = [identity(n) for n in (43, 44, 45)]
+
+
+def test_relay_evidence_counts_only_relays_of_other_users_and_caps_by_the_interval() -> None:
+    from backbone.ledger.accounting import relay_cap, relay_evidence
+
+    mine, theirs, unknown = _RELAYS
+    users = {ALICE.peer_id: 1, mine: 1, theirs: 2}
+    report = make_report(ALICE, 4, length=10.0, relayed={mine: 5, theirs: 7, unknown: 9, ALICE.peer_id: 3})
+    counted, notes = relay_evidence(report, 1, users)
+    assert [(e.reporter, e.seq, e.relay, e.nbytes) for e in counted] == [(ALICE.peer_id, 4, theirs, 7)]
+    assert notes == {"relay_same_user": 2, "relay_unknown": 1}
+    huge = make_report(ALICE, 5, length=10.0, relayed={theirs: 2**53})
+    [capped], notes = relay_evidence(huge, 1, users)
+    assert capped.nbytes == relay_cap(10.0) < 2**53 and notes == {"relay_capped": 1}
+
+
+_record = st.tuples(
+    st.integers(0, 2), st.integers(0, 5), st.integers(0, 2), st.integers(0, 10**12), st.integers(1, 3)
+)
+
+
+@given(claim=st.integers(0, 10**13), records=st.lists(_record, max_size=30), relay_user=st.integers(1, 3))
+def test_a_relay_is_never_credited_beyond_its_claim_nor_what_peers_of_other_users_received(
+    claim: int, records: list[tuple[int, int, int, int, int]], relay_user: int
+) -> None:
+    """Each record: (client, seq, relay, bytes, the client's user). Reports are idempotent by
+    (peer_id, seq): the first one seen of a (client, seq) is the report, later ones are replays."""
+    from backbone.ledger.accounting import credited_relayed, relay_evidence
+
+    relay = _RELAYS[0]
+    reports: dict[tuple[int, int], tuple[int, int, int]] = {}
+    evidence = []
+    for client, seq, which, nbytes, user in records:
+        first = reports.setdefault((client, seq), (which, nbytes, user))
+        which, nbytes, user = first  # a replay is the same report
+        report = make_report(_CLIENTS[client], seq, relayed={_RELAYS[which]: nbytes})
+        users = {relay: relay_user, _RELAYS[1]: 9, _CLIENTS[client].peer_id: user}
+        counted, _ = relay_evidence(report, user, users)
+        evidence += [e for e in counted if e.relay == relay]
+    others = sum(n for (w, n, u) in reports.values() if w == 0 and u != relay_user)
+    credited = credited_relayed(claim, evidence)
+    assert credited == min(claim, others)
+    assert credited_relayed(claim, evidence + evidence) == credited  # duplicates add nothing
+    index = {c.peer_id: i for i, c in enumerate(_CLIENTS)}
+    assert all(reports[(index[e.reporter], e.seq)][2] != relay_user for e in evidence)  # same user: never
+
+
+@given(claimed=_amount, evidence=_amount, first=st.floats(0, 1))
+def test_credit_due_of_relayed_bytes_in_two_reports_is_min_of_claim_and_evidence(
+    claimed: float, evidence: float, first: float
+) -> None:
+    early = credit_due(
+        Credit(bytes_relayed=first * claimed), Credit(bytes_relayed=first * evidence), Credit()
+    )
+    late = credit_due(Credit(bytes_relayed=claimed), Credit(bytes_relayed=evidence), early)
+    assert early.bytes_relayed >= 0 and late.bytes_relayed >= 0
+    total = early.bytes_relayed + late.bytes_relayed
+    assert total <= min(claimed, evidence) * (1 + 1e-9) + 1e-6
+    assert total == pytest.approx(min(claimed, evidence), rel=1e-9, abs=1e-6)

@@ -74,6 +74,13 @@ def check_upgraded(url: str) -> None:
         report = make_report(ALICE, 1, receipts=[receipt(BOB, ALICE, 4, 50)])
         verdict = store.assess_and_record(sign(ALICE, report), report, now=T0 + 3600)
         assert verdict is not None and verdict.samples == 50
+        # schema 8: bob's machine received bytes through alice's (a relay): credited to alice
+        relayed = make_report(BOB, 7, samples=0, relayed={ALICE.peer_id: 400})
+        assert store.assess_and_record(sign(BOB, relayed), relayed, now=T0 + 3600) is not None
+        claim = make_report(ALICE, 2, samples=0, bytes_relayed=1000)
+        verdict = store.assess_and_record(sign(ALICE, claim), claim, now=T0 + 3600)
+        assert verdict is not None and verdict.bytes_relayed == 400
+        assert {r.username: r.bytes_relayed for r in store.leaderboard()}["alice"] == 400
         assert store.session_heartbeat(ALICE.peer_id, "c" * 32, "127.0.0.1", now=T0 + 3600)
         # schema 5: invites count their uses; a new one with a maximum admits that many machines
         secret = store.create_invite("bob", now=T0 + 3600, max_uses=1)
@@ -94,6 +101,9 @@ def check_upgraded(url: str) -> None:
             }
             assert {"ix_receipts_step", "ix_pulls_step"} <= indexes  # version 6
             assert "evaluations" in sqlalchemy.inspect(conn).get_table_names()  # version 7
+            assert "relayed" in sqlalchemy.inspect(conn).get_table_names()  # version 8
+            columns = {c["name"] for c in sqlalchemy.inspect(conn).get_columns("reports")}
+            assert "credited_bytes_relayed" in columns
     finally:
         engine.dispose()
 

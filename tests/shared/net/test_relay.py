@@ -177,6 +177,37 @@ async def test_rpc_and_bulk_through_the_relay_are_end_to_end_encrypted(start_hos
     assert stats.refused == {}
 
 
+async def test_both_ends_count_what_they_received_through_the_relay_a_little_below_its_claim(
+    start_host: StartHost,
+) -> None:
+    """The ledger's evidence of relaying (shared.net.relaytraffic): the dialer and the target each count
+    the plaintext bytes they received through R; together they are what R spliced, less TLS's overhead."""
+    from shared.net.relaytraffic import relayed_since
+
+    relay, target, dialer, service, _, _ = await _setup(start_host)
+    claim = relayed_since(service)
+    address = relayed(address_of(relay), target.peer_id)
+    data = bytes(range(256)) * (2 * MiB // 256)
+    with trio.fail_after(HANG_GUARD_S):
+        await dialer.call(address, RelayEcho(text="hi"))
+        await dialer.send_bulk(address, "sink", data)
+        while target.relay_traffic.connections < 2:  # the bulk lane's reader registers as it is served
+            await trio.sleep(0.01)
+    at_target, at_dialer = target.relay_traffic.take(), dialer.relay_traffic.take()
+    assert set(at_target) == set(at_dialer) == {relay.peer_id}
+    received = at_target[relay.peer_id] + at_dialer[relay.peer_id]
+    spliced = claim()
+    assert at_target[relay.peer_id] >= len(data)  # the transfer reached the target through R
+    assert 0.97 * spliced <= received <= spliced  # TLS's framing and handshakes: a few percent at most
+    assert relay.relay_traffic.take() == {}  # the relay itself received nothing *through* a relay
+    # delta-readable: nothing new since the last read; a second call adds only its own bytes
+    assert target.relay_traffic.take() == {} and claim() == 0
+    with trio.fail_after(HANG_GUARD_S):
+        await dialer.call(address, RelayEcho(text="again"))
+    again = target.relay_traffic.take()[relay.peer_id] + dialer.relay_traffic.take()[relay.peer_id]
+    assert 0 < again <= claim() < 4096
+
+
 async def test_the_relay_itself_reaches_its_target_over_the_targets_own_connection(
     start_host: StartHost,
 ) -> None:
