@@ -175,6 +175,7 @@ class NodeStatus:
     links: dict[str, int] = field(
         default_factory=dict
     )  # our RPC connections by kind: direct, relayed, punched
+    activity: str = ""  # a volunteer's "training" or "paused: <why>" (volunteer.activity); "": not told
     relay_slots: int = 0  # reservations we offer others as a relay (0: not relaying; shared.relays)
     relay_reservations: int = 0  # of which held now
 
@@ -189,6 +190,7 @@ class Node:
     _members: int = 0
     tolerated: Tolerated = field(default_factory=lambda: Tolerated(logger))
     reachability: Reachability | None = None  # the check's result (nodes opened with verify_reachability)
+    activity: str = ""  # what the daemon does now, for status.json (volunteer.activity)
     relay: RelayService | None = None  # the relay slots we serve others, if we do (shared.relays)
 
     @property
@@ -262,6 +264,7 @@ class Node:
                 Counter(self.host.connection_kind(p) or "direct" for p in self.host.connected_peers())
             ),
             tolerated=dict(Counter(self.tolerated.snapshot()) + Counter(dht_stats.tolerated)),
+            activity=self.activity,
             relay_slots=0 if self.relay is None else self.relay.limits.max_reservations,
             relay_reservations=0 if self.relay is None else self.relay.reservations_connected(),
         )

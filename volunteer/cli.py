@@ -20,6 +20,7 @@ from rich.console import Console
 
 from shared.console import (
     default_data_dir,
+    fail,
     locked_data_dir,
     project_version,
     run_service,
@@ -211,6 +212,47 @@ def join(
             "volunteers behind NAT average through this machine. It must be reachable from the run.",
         ),
     ] = False,
+    idle_only_after: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-only-after",
+            metavar="MINUTES",
+            help="Train only after nobody used the keyboard, mouse or a terminal for MINUTES (where this "
+            "system tells; elsewhere the rule is reported and ignored).",
+        ),
+    ] = None,
+    max_other_cpu: Annotated[
+        float | None,
+        typer.Option(
+            "--max-other-cpu",
+            metavar="PERCENT",
+            help="Pause while other programs use more than PERCENT of all CPUs.",
+        ),
+    ] = None,
+    pause_while: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--pause-while",
+            metavar="NAME",
+            help="Pause while a program of this name runs, e.g. steam (repeatable).",
+        ),
+    ] = None,
+    active_hours: Annotated[
+        str | None,
+        typer.Option(
+            "--active-hours",
+            metavar="HH:MM-HH:MM",
+            help="Train only in this daily window of local time, e.g. 22:00-07:00 (wraps midnight).",
+        ),
+    ] = None,
+    gpu_memory_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory-fraction",
+            metavar="F",
+            help="Use at most this share (0 to 1) of the GPU's memory; the micro-batch is fitted to it.",
+        ),
+    ] = None,
     relay: Annotated[
         bool,
         typer.Option(
@@ -236,7 +278,9 @@ def join(
 
     Finds the run, gets admitted (with --invite the first time), downloads the model's current state and
     trains it together with the run's other peers, showing a live panel. Ctrl+C or SIGTERM leaves cleanly;
-    at the run's step limit it hands its final state to a backbone and exits.
+    at the run's step limit it hands its final state to a backbone and exits. `volunteer pause`, `resume`
+    and `status` control it while it runs; the --idle-only-after, --max-other-cpu, --pause-while and
+    --active-hours rules pause and resume it by themselves.
 
     Exit codes: 0 on a clean stop; 1 when the run refused this machine or the network failed; 2 on unusable
     input (flags, data dir).
@@ -264,6 +308,13 @@ def join(
         if not 0 <= threads <= cpus:
             raise ConfigError(
                 f"--threads {threads}: give 1 to {cpus} (this machine's CPUs), or 0 for torch's default"
+            )
+        from .policy import rules_from_flags
+
+        rules = rules_from_flags(idle_only_after, max_other_cpu, pause_while, active_hours)
+        if gpu_memory_fraction is not None and not 0 < gpu_memory_fraction <= 1:
+            raise ConfigError(
+                f"--gpu-memory-fraction {gpu_memory_fraction:g}: give a share above 0, at most 1"
             )
         if manifest is not None:
             from shared.manifest import load_training_spec
@@ -294,11 +345,84 @@ def join(
                 evaluate=evaluate or evaluate_every is not None,
                 evaluate_every=evaluate_every,
                 aux=aux,
+                rules=rules,
+                gpu_memory_fraction=gpu_memory_fraction,
                 relay=relay,
             )
             await serve_volunteer(options, shutdown, console)
 
     run_service(body)
+
+
+_CONTROL_DATA_DIR = typer.Option(
+    "--data-dir",
+    metavar="DIR",
+    envvar="VOLUNTEER_DATA_DIR",
+    default_factory=lambda: default_data_dir("volunteer"),
+    show_default=False,
+    help=f"The data dir of the running volunteer.  [default: {shown_path(_DATA_DIR)}]",
+)
+
+
+def _control(data_dir: Path, command: str) -> dict[str, object]:
+    from .control import ControlError, request
+
+    try:
+        return request(data_dir, command)
+    except ControlError as exc:
+        fail(str(exc), 1)
+        raise  # not reached: fail exits
+
+
+def _describe(reply: dict[str, object]) -> str:
+    state = "paused" if reply.get("paused") else str(reply.get("state", "?"))
+    why = f": {reply.get('reason')}" if reply.get("paused") else ""
+    doing = f" ({reply['doing']})" if reply.get("doing") and not reply.get("paused") else ""
+    step = reply.get("step")
+    return (
+        f"{state}{why}{doing}\n"
+        f"step {'-' if step is None else step}, {reply.get('peers_online', 0)} peers online, "
+        f"{reply.get('connected', 0)} connected\n"
+        f"peer {reply.get('peer_id', '?')} in run {reply.get('run_id', '?')} (pid {reply.get('pid', '?')})"
+    )
+
+
+@app.command()
+def pause(data_dir: Annotated[Path, _CONTROL_DATA_DIR]) -> None:
+    """Pause training; stay in the run.
+
+    The running volunteer leaves the current round cleanly and stops training, but keeps its place in
+    the run (same peer id, credit kept) until `volunteer resume`. Exit 1 if no volunteer runs there."""
+    reply = _control(data_dir, "pause")
+    print(_describe(reply).splitlines()[0])
+
+
+@app.command()
+def resume(data_dir: Annotated[Path, _CONTROL_DATA_DIR]) -> None:
+    """Train again after `volunteer pause`.
+
+    The volunteer re-syncs the run's state from its peers and trains again, unless one of its rules
+    (--idle-only-after, --pause-while, ...) still holds it: `volunteer status` says why. Exit 1 if no
+    volunteer runs there."""
+    reply = _control(data_dir, "resume")
+    print(_describe(reply).splitlines()[0])
+
+
+@app.command()
+def status(
+    data_dir: Annotated[Path, _CONTROL_DATA_DIR],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the daemon's reply as JSON.")] = False,
+) -> None:
+    """Show whether the volunteer trains or why not.
+
+    Training or paused (and why), its step, its peers, its peer id. Exit 1 if no volunteer runs there."""
+    reply = _control(data_dir, "status")
+    if as_json:
+        import json
+
+        print(json.dumps(reply, indent=2))
+    else:
+        print(_describe(reply))
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -34,9 +34,12 @@ from shared.node import Node, open_node
 from shared.panel import LivePanel, status_line, status_view
 from shared.relays import VOLUNTEER_RELAY_LIMITS, find_relays, publish_relay_forever
 
+from .activity import Activity, train_with_pauses, watch_policy
 from .admission import Admission, admit, keep_admitted, remember_manifest
 from .api_client import ApiClient
 from .auxiliary import serve_auxiliary
+from .control import serve_control
+from .policy import Rules
 from .session import TrainingSession
 
 __all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
@@ -63,6 +66,10 @@ class VolunteerOptions:
     evaluate: bool = False  # held-out evaluation (volunteer.evaluation)
     evaluate_every: int | None = None  # steps between evaluations; None: the manifest's dataset.eval_every
     aux: bool = False  # aggregate only, no training (volunteer.auxiliary)
+    rules: Rules = field(
+        default_factory=Rules
+    )  # when to pause by itself (volunteer.policy); none: always train
+    gpu_memory_fraction: float | None = None  # the share of the GPU's memory torch may use; None: all
     relay: bool = False  # serve relay slots to volunteers behind NAT when directly reachable (shared.relays)
 
 
@@ -107,7 +114,12 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         )
         if node.reachability is not None:
             console.print(node.reachability.describe(), highlight=False, soft_wrap=True)
+        activity = Activity(can_pause=training is not None and not options.aux)
+        session: TrainingSession | None = None
+        last_step: int | None = None
+        activity.details = lambda: _details(node, options, session, last_step)
         async with trio.open_nursery() as nursery:
+            await nursery.start(serve_control, options.data_dir, activity.handle)
             reach = node.reachability
             if reach is not None and reach.mode == "client":  # checked, unreachable: hold a relay slot
                 relay = parse_multiaddr(reach.checked_with)
@@ -121,15 +133,43 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
             nursery.start_soon(node.publish_presence_forever)
             nursery.start_soon(node.measure_latency_forever)
             if training is None:
+                activity.state = "member (the run has no training spec)"
                 logger.warning("run %s has no training spec: joining as a plain member", options.run_id)
                 nursery.start_soon(_show_forever, node, options, console)
                 shutdown.ready()
                 await shutdown.requested.wait()
             elif options.aux:
+                activity.state = "aggregating"
                 await serve_auxiliary(node, training, shutdown, console)
             else:
-                session = TrainingSession(node, identity, admission, training, options, initial)
-                await session.run(shutdown, console)
+                if not options.rules.empty:
+                    await nursery.start(watch_policy, activity, options.rules)  # its first decision
+
+                async def run_session(stop: Shutdown) -> bool:
+                    nonlocal session, last_step
+                    assert training is not None
+                    node.activity = "training"
+                    handlers = dict(node.host.bulk_handlers)  # the node's own, without a session's
+                    session = TrainingSession(node, identity, admission, training, options, initial)
+                    try:
+                        await session.run(stop, console)
+                    finally:  # a paused peer holds no model (GPU memory) and serves no stale state
+                        collab = getattr(session, "collab", None)
+                        last_step = last_step if collab is None else collab.trainer.step
+                        session = None
+                        node.host.bulk_handlers.clear()
+                        node.host.bulk_handlers.update(handlers)
+                        await trio.to_thread.run_sync(_release_memory)
+                    return stop.requested.is_set()
+
+                async def show_paused() -> None:
+                    async with trio.open_nursery() as showing:
+                        showing.start_soon(_show_forever, node, options, console, lambda: node.activity)
+                        while True:  # the reason may change while paused (the rules' readings)
+                            node.activity = f"paused: {activity.reason}"
+                            await trio.sleep(REFRESH / 2)
+
+                await train_with_pauses(activity, run_session, show_paused, shutdown)
             nursery.cancel_scope.cancel()
         console.print("leaving the run…", highlight=False)
     console.print("left the run cleanly", highlight=False)
@@ -152,10 +192,45 @@ async def _training_spec(options: VolunteerOptions, admission: Admission) -> Tra
     return manifest.training
 
 
-async def _show_forever(node: Node, options: VolunteerOptions, console: Console) -> None:
-    headline = "training run member"
+def _release_memory() -> None:
+    """Give a finished session's memory back (its model, optimizer state and batches): a paused volunteer
+    leaves the GPU to the programs it paused for."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _details(
+    node: Node, options: VolunteerOptions, session: TrainingSession | None, last_step: int | None
+) -> dict[str, object]:
+    """``volunteer status``'s facts beside the activity: who, where in the run, with how many peers."""
+    status = node.status()
+    collab = getattr(session, "collab", None)
+    return {
+        "run_id": options.run_id,
+        "peer_id": node.peer_id,
+        "step": last_step if collab is None else collab.trainer.step,
+        "peers_online": status.members_online,
+        "connected": status.connected_peers,
+        "role": "aggregator" if options.aux else "trainer",
+        "doing": session.headline if session is not None and node.activity == "training" else "",
+    }
+
+
+async def _show_forever(
+    node: Node,
+    options: VolunteerOptions,
+    console: Console,
+    headline: Callable[[], str] | None = None,
+) -> None:
+    """The plain member's panel (or log lines), under ``headline()`` (the paused volunteer's too)."""
+    title = headline or (lambda: "training run member")
     if options.panel:
-        with LivePanel(console, lambda: status_view(node.status(), headline)) as panel:
+        with LivePanel(console, lambda: status_view(node.status(), title())) as panel:
             while True:
                 await trio.to_thread.run_sync(node.write_status, options.data_dir)
                 panel.refresh()
@@ -164,7 +239,8 @@ async def _show_forever(node: Node, options: VolunteerOptions, console: Console)
     while True:
         await trio.to_thread.run_sync(node.write_status, options.data_dir)
         if trio.current_time() - last >= options.log_period:
-            logger.info(status_line(node.status()))
+            line = status_line(node.status())
+            logger.info(line if headline is None else f"{headline()} · {line}")
             last = trio.current_time()
         await trio.sleep(REFRESH)
 

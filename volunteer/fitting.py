@@ -101,14 +101,19 @@ def fit_micro_batch(
     *,
     dpu: bool = False,
     headroom: float = HEADROOM,
+    memory_fraction: float = 1.0,
 ) -> int:
     """The largest micro-batch (at most ``cap``) whose forward/backward fits the trainer's device beside
     the memory training needs besides (module docstring), starting from ``trainer.micro_batch``; 0 if not
-    even one sample fits. Blocking: run it on the torch thread."""
+    even one sample fits. ``memory_fraction``: the share of the device's memory this process may use
+    (``--gpu-memory-fraction``, set with ``torch.cuda.set_per_process_memory_fraction``, beyond which
+    allocations fail as out of memory); the headroom is taken from that share. Blocking: run it on the
+    torch thread."""
     device = trainer.device
     param_bytes = sum(p.numel() * p.element_size() for p in trainer.params)
     copies = OPTIMIZER_COPIES.get(trainer.spec.optimizer.name, 2) + (1 if dpu else 0)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    total = int(total * min(1.0, max(0.0, memory_fraction)))
     reserve = copies * param_bytes + int(headroom * total)
     tried: dict[int, bool] = {}
 

@@ -139,6 +139,12 @@ class TrainingSession:
         device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
         self.device = device
         self.precision = choose_precision(self.options.precision, device)
+        fraction = getattr(self.options, "gpu_memory_fraction", None)
+        if fraction is not None and device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+            logger.info("using at most %.0f%% of %s's memory", 100 * fraction, device)
         trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device, self.precision)
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
@@ -220,7 +226,12 @@ class TrainingSession:
         if not taken:
             raise ProjectError("the example stream ended before training began")
         sample = trainer.task.collate(taken)
-        size = await run_torch(fit_micro_batch, trainer, sample, self.spec.target_batch, self.spec.dpu)
+        fraction = getattr(self.options, "gpu_memory_fraction", None) or 1.0
+        size = await run_torch(
+            lambda: fit_micro_batch(
+                trainer, sample, self.spec.target_batch, dpu=self.spec.dpu, memory_fraction=fraction
+            )
+        )
         if size == 0:
             raise ConfigError(
                 f"the run's model does not fit {self.device}'s free memory even one sample at a time; "
