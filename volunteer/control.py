@@ -86,6 +86,15 @@ def handle_line(line: bytes, handle: Handler) -> dict[str, Any]:
         return {"ok": False, "error": str(exc)}
 
 
+#: Unix sockets (every platform but older Windows; serve_control and the client check before using them)
+_AF_UNIX: int = getattr(socket, "AF_UNIX", -1)
+
+
+def _euid() -> int:
+    geteuid = getattr(os, "geteuid", None)  # POSIX only; SO_PEERCRED (Linux) is what asks for it
+    return int(geteuid()) if geteuid is not None else -1
+
+
 @contextlib.contextmanager
 def _reachable(path: Path) -> Iterator[str]:
     """A name for ``path`` short enough for a Unix socket address."""
@@ -95,7 +104,7 @@ def _reachable(path: Path) -> Iterator[str]:
         return
     if not os.path.isdir("/proc/self/fd"):
         raise ConfigError(f"the data dir's path is too long for a control socket: {path.parent}")
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         yield f"/proc/self/fd/{fd}/{path.name}"
     finally:
@@ -104,7 +113,7 @@ def _reachable(path: Path) -> Iterator[str]:
 
 def _answers(path: Path) -> bool:
     """Something listens on the socket at ``path``."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe, _reachable(path) as name:
+    with socket.socket(_AF_UNIX, socket.SOCK_STREAM) as probe, _reachable(path) as name:
         probe.settimeout(2.0)
         try:
             probe.connect(name)
@@ -127,7 +136,7 @@ def _bind(path: Path) -> socket.socket:
         if _answers(path):
             raise ConfigError(f"another process answers on {path}; is another volunteer using this data dir?")
         path.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = socket.socket(_AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
         with _reachable(path) as name:
@@ -155,7 +164,7 @@ def peer_uid(sock: socket.socket) -> int | None:
 async def _serve_one(stream: trio.SocketStream, handle: Handler) -> None:
     async with stream:
         uid = peer_uid(stream.socket)  # type: ignore[arg-type]  # trio's socket wraps a stdlib one
-        if uid is not None and uid != os.geteuid():
+        if uid is not None and uid != _euid():
             logger.warning("control socket: refused a connection from uid %d", uid)
             await _reply(stream, {"ok": False, "error": "only the daemon's user may control it"})
             return
@@ -222,7 +231,7 @@ def request(data_dir: Path, command: str, timeout: float = 10.0) -> dict[str, An
     path = data_dir / SOCKET_NAME
     if not hasattr(socket, "AF_UNIX"):
         raise ControlError("no Unix sockets on this system: the volunteer cannot be controlled from here")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    with socket.socket(_AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
             with _reachable(path) as name:
