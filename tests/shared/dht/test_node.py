@@ -158,9 +158,14 @@ async def test_dht_graceful_leave_hands_records_to_remaining_nodes() -> None:
         with trio.fail_after(5):
             while not held <= {r.key for n in survivors for r in n.dht.storage.records()}:
                 await trio.sleep(0.01)
-        for i in range(30):
-            found = await survivors[-1].dht.get(f"h-{i}")
-            assert found is not None, i
+        # Every key is found through the survivors. A lookup may still try the leaver from a routing
+        # table and, on a loaded machine, run out of its 2 s RPC deadline: ask again (bounded), as a
+        # caller would; the handoff itself was proven above.
+        missing = set(range(30))
+        with trio.move_on_after(30):
+            while missing:
+                missing = {i for i in missing if await survivors[-1].dht.get(f"h-{i}") is None}
+        assert not missing, sorted(missing)
 
 
 async def test_dht_bootstrap_reports_unreachable_initial_peers() -> None:
