@@ -126,7 +126,8 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
   then the usual checks (finite, norm bound). A relayed part is thus exactly a part ``j`` produced for
   this round, so a forgery is refused (``statistics().relays_refused``), and the relaying member is not
   asked again this round; the next member is asked. A liar can only withhold (answer "not held"), which
-  costs what ``j``'s death cost before;
+  costs what ``j``'s death cost before, or answer ``PENDING`` for ever, which holds the askers until
+  ``2 T`` after they started asking (what a hung aggregator costs them) and no longer;
 * *outcome*: if any live member holds all parts of ``j``'s slice, every member that asks gets them, and
   every survivor ends with the same vector (bit-identical, as from ``j`` itself). If a part reached
   nobody alive, every survivor fails slice ``j`` and the round, as before, and they retry together.
