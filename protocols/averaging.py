@@ -377,3 +377,6 @@ class GroupAssembly(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     part_numel: Annotated[int, msgspec.Meta(ge=1, le=MAX_PART_NUMEL)]
     deadline: Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE)]
     predicted_seconds: Annotated[float, msgspec.Meta(ge=0)]
+    #: per member, in order: the first 16 bytes of SHA-256 of the signature of the ticket record the leader
+    #: read (matchmaking, "Stale tickets"); ``group_id`` is derived from them, so no two plans share it
+    tickets: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=256)] = []

@@ -22,7 +22,8 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
 **Acceptance rules** (issue 9 finding 5). A plan stored under subkey ``W`` is adopted only if:
 
 * its record's writer is ``W`` and ``W`` is ``leader_of(key, plan members)``;
-* ``group_id``, ``round`` and ``codec`` are this key's, this round's and the run's;
+* ``group_id`` is :func:`group_id` of the key and the plan's ``tickets`` (one per member), and ``round``
+  and ``codec`` are this round's and the run's;
 * its members are unique, sorted, and a **superset of every ticket the follower read** (a leader cannot
   leave out peers to shrink the group; the follower itself is in it); a member whose ticket the follower has
   not read is looked up again, and a member without a signed ticket refuses the plan;
@@ -57,6 +58,28 @@ alone would average our own slice with nobody and fork the step (seen in the chu
 backbone aggregated: one member failed the backbone's slice, the others had stepped). The leader's new
 plan is a new record (a new expiry and signature), adopted as usual.
 
+**Stale tickets and group ids.** Wrapping around also finds the earlier round's *tickets* under the key,
+alive for minutes: members that finished that round stepped and moved on, but their tickets still name
+them. Counted as members, they made a group of one live peer and several absent ones; with no slices of
+their own (client mode) the absent members only "left", the round completed with the live peer's gradient
+alone, and it stepped a fork (seen in the churn test: a member failed the restarting backbone's slice at
+once, cycled back to the first key and joined the others' finished tickets). And because the group id was
+the key's, the backbone, a member of both rounds, could serve the earlier round's averages to the later
+one. So:
+
+* a plan lists, per member, a digest of the ticket record it was made from (``tickets``: 16 bytes of
+  SHA-256 of the record's signature), and its ``group_id`` is SHA-256 of the key and those digests: two
+  plans under one key never share a group id, so nothing of one round (duties, held averages, relays,
+  receipts, all keyed by group id and round) is ever served to another;
+* a ticket is *consumed* once a plausible plan under the key (stored under its writer's subkey, the writer
+  ``leader_of`` its members) lists its digest at its writer's position, unless that plan also lists *our*
+  current ticket (then it is the plan of the round we are forming, not an earlier one). Consumed tickets
+  are not members: a peer that wants to average again under the key stores a new ticket (a new signature),
+  which no earlier plan lists. Every reader applies the rule to the records it read, so readers of the
+  same records agree; one that missed the earlier plan counts the stale ticket, refuses a plan without it
+  (rule 3) and the group retries: a lost attempt, never a fork. A leader that lies in ``tickets`` can only
+  drop peers from its own round, which it could always refuse to plan for.
+
 **Departures before the plan** (issue 10). A follower waiting for the plan pings the leader every
 :data:`LEADER_PROBE_PERIOD`; a leader that cannot be reached (a refused dial or reset connection: it died)
 or does not answer within :data:`.deadlines.FLOOR` (it hangs) ends the wait after one last read of the
@@ -70,6 +93,7 @@ the plan).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -96,7 +120,15 @@ from .groups import adaptive_deadline, bound_weights, deadline_acceptable, leade
 from .load_balance import PeerSpec, plan_averaging
 from .partition import auto_part_numel
 
-__all__ = ["SLICE_TOLERANCE", "Matchmaker", "MatchmakingConfig", "PlanRefused", "agreed_numel"]
+__all__ = [
+    "SLICE_TOLERANCE",
+    "Matchmaker",
+    "MatchmakingConfig",
+    "PlanRefused",
+    "agreed_numel",
+    "group_id",
+    "ticket_digest",
+]
 
 logger = logging.getLogger(__name__)
 _TICKET = msgspec.msgpack.Decoder(JoinTicket)
@@ -162,11 +194,14 @@ class Matchmaker:
             return None
         expiry = time.time() + self.config.window + self.config.plan_wait + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
+        mine = self._own_signature(key)
         await faults.point("matchmaking.joined")
         await trio.sleep(self.config.window)
-        tickets = await self._tickets(key, numel)
-        tickets[me] = ticket  # our own store may not be readable yet; we certainly joined
-        return await self._form(round_, key, tickets, numel, expiry, stale)
+        signed = await self._signed_tickets(key, numel)
+        signed[me] = (ticket, mine)  # our own store may not be readable yet; we certainly joined
+        return await self._form(
+            round_, key, await self._unconsumed(round_, key, signed), numel, expiry, stale
+        )
 
     async def assemble_auxiliary(
         self,
@@ -233,8 +268,11 @@ class Matchmaker:
             return None
         expiry = time.time() + lease  # the round forms now: a full lease for it
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
+        mine = self._own_signature(key)
         await trio.sleep(self.config.window)
-        everyone = await self._tickets(key)
+        signed = await self._signed_tickets(key)
+        signed[me] = (ticket, mine)
+        everyone = {p: t for p, (t, _) in (await self._unconsumed(round_, key, signed)).items()}
         numel = agreed_numel(everyone.values())
         if numel is None:
             logger.info("round %d: no vector length stated by two computing peers; not joining", round_)
@@ -247,33 +285,39 @@ class Matchmaker:
                 max_numel,
             )
             return None
-        tickets = {p: t for p, t in everyone.items() if t.numel in (0, numel)}
-        tickets[me] = ticket
-        return await self._form(round_, key, tickets, numel, expiry, stale)
+        kept = {p: signed[p] for p, t in everyone.items() if t.numel in (0, numel)}
+        return await self._form(round_, key, kept, numel, expiry, stale)
 
     async def _form(
         self,
         round_: int,
         key: str,
-        tickets: dict[PeerId, JoinTicket],
+        signed: dict[PeerId, tuple[JoinTicket, bytes]],
         numel: int,
         expiry: float,
         stale: set[bytes],
     ) -> GroupPlan | None:
-        """Steps 3 and 4 of the module docstring, from the tickets read one window after ours;
-        ``stale``: signatures of plan records that named us before we joined (never adopted)."""
+        """Steps 3 and 4 of the module docstring, from the unconsumed tickets (with their records'
+        signatures) read one window after ours; ``stale``: signatures of plan records that named us before
+        we joined (never adopted)."""
         me = self.dht.host.peer_id
+        tickets = {p: t for p, (t, _) in signed.items()}
         if sum(1 for t in tickets.values() if not t.aux) < 2:
             return None
         if all(t.client_mode for t in tickets.values()):
             # an auxiliary aggregator joins once it sees a computing ticket: give it one more window
             await trio.sleep(self.config.window)
-            tickets = {**await self._tickets(key, numel), me: tickets[me]}
+            again = await self._unconsumed(
+                round_, key, {**await self._signed_tickets(key, numel), me: signed[me]}
+            )
+            signed, tickets = again, {p: t for p, (t, _) in again.items()}
             if all(t.client_mode for t in tickets.values()):
                 raise ValueError(f"all {len(tickets)} peers are in client mode: nobody can aggregate")
         leader = leader_of(key, tickets)
         if leader == me:
-            assembly = self._solve(round_, key, sorted(tickets), tickets, numel)
+            members = sorted(tickets)
+            digests = [ticket_digest(signed[m][1]) for m in members]
+            assembly = self._solve(round_, key, members, tickets, numel, digests)
             await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry, subkey=me.encode())
         else:
             found = await self._await_plan(round_, key, tickets, numel, stale)
@@ -318,6 +362,50 @@ class Matchmaker:
                 return True
         return False
 
+    def _own_signature(self, key: str) -> bytes:
+        """The signature of the ticket we just stored under ``key``."""
+        record = self.dht.own_record(key, self.dht.host.peer_id.encode())
+        assert record is not None, "a ticket we stored is ours until it expires"
+        return record.signature
+
+    async def _unconsumed(
+        self, round_: int, key: str, signed: dict[PeerId, tuple[JoinTicket, bytes]]
+    ) -> dict[PeerId, tuple[JoinTicket, bytes]]:
+        """``signed`` without the tickets an earlier plan under ``key`` was made from (module docstring,
+        "Stale tickets and group ids"); ours is never dropped (we just stored it)."""
+        me = self.dht.host.peer_id
+        mine = ticket_digest(signed[me][1])
+        found = await self.dht.get(f"{key}.plan", latest=True)
+        used: dict[PeerId, set[bytes]] = {}
+        for subkey, record in found.entries.items() if found is not None else ():
+            try:
+                assembly = _ASSEMBLY.decode(record.value)
+            except DECODE_FAILURES:
+                continue
+            names = [m.peer_id for m in assembly.members]
+            if (
+                subkey != record.writer.encode()
+                or record.writer != leader_of(key, names)
+                or len(assembly.tickets) != len(names)
+                or mine in assembly.tickets  # the plan of the round we are forming
+            ):
+                continue
+            for name, digest in zip(names, assembly.tickets, strict=True):
+                used.setdefault(PeerId(name), set()).add(digest)
+        kept = {
+            p: (t, sig)
+            for p, (t, sig) in signed.items()
+            if p == me or ticket_digest(sig) not in used.get(p, ())
+        }
+        if len(kept) < len(signed):
+            logger.info(
+                "round %d: %d ticket(s) under %s were an earlier plan's; not counting them",
+                round_,
+                len(signed) - len(kept),
+                key,
+            )
+        return kept
+
     async def _tickets(self, key: str, numel: int | None = None) -> dict[PeerId, JoinTicket]:
         """The signed tickets under ``key``; with ``numel``, only those stating no length or that one."""
         return {peer: ticket for peer, (ticket, _) in (await self._signed_tickets(key, numel)).items()}
@@ -357,8 +445,15 @@ class Matchmaker:
         return tickets
 
     def _solve(
-        self, round_: int, key: str, members: Sequence[PeerId], tickets: dict[PeerId, JoinTicket], numel: int
+        self,
+        round_: int,
+        key: str,
+        members: Sequence[PeerId],
+        tickets: dict[PeerId, JoinTicket],
+        numel: int,
+        digests: Sequence[bytes] = (),
     ) -> GroupAssembly:
+        """The leader's plan for ``members`` (``digests``: of the ticket records read, one per member)."""
         weights = bound_weights([tickets[m].weight for m in members], self.config.max_weight)
         aux = [tickets[m].aux for m in members]
         specs = member_specs(members, tickets)
@@ -373,7 +468,7 @@ class Matchmaker:
         plan = plan_averaging(specs, max(1.0, sum(weights)), 4.0 * numel, numel=numel, time_limit=None)
         deadline = adaptive_deadline(plan.averaging_seconds, self.observed_ratios)
         return GroupAssembly(
-            group_id=_group_id(key),
+            group_id=group_id(key, digests),
             round=round_,
             members=[
                 AssemblyMember(m, tickets[m].addr, w, tickets[m].norm, tickets[m].overflow, tickets[m].aux)
@@ -384,6 +479,7 @@ class Matchmaker:
             part_numel=self.config.part_numel or auto_part_numel(plan.slices),
             deadline=deadline,
             predicted_seconds=plan.averaging_seconds,
+            tickets=list(digests),
         )
 
     async def _await_plan(
@@ -522,8 +618,10 @@ class Matchmaker:
         names = [PeerId(m.peer_id) for m in assembly.members]
         if writer != leader_of(key, names):
             raise PlanRefused(f"{writer} is not the leader of the members it lists")
-        if (assembly.group_id, assembly.round, assembly.codec) != (_group_id(key), round_, self.config.codec):
-            raise PlanRefused("group id, round or codec is not this group's")
+        if len(assembly.tickets) != len(names) or assembly.group_id != group_id(key, assembly.tickets):
+            raise PlanRefused("group id is not derived from the key and one ticket digest per member")
+        if (assembly.round, assembly.codec) != (round_, self.config.codec):
+            raise PlanRefused("round or codec is not this group's")
         if names != sorted(set(names)):
             raise PlanRefused("members are not unique and sorted")
         if missing := seen - set(names):
@@ -570,8 +668,18 @@ def agreed_numel(tickets: Iterable[JoinTicket]) -> int | None:
     return ranked[0][0]
 
 
-def _group_id(key: str) -> bytes:
-    return key.encode()[-32:]
+def ticket_digest(signature: bytes) -> bytes:
+    """What a plan lists of a member's ticket record (module docstring, "Stale tickets and group ids")."""
+    return hashlib.sha256(signature).digest()[:16]
+
+
+def group_id(key: str, digests: Iterable[bytes]) -> bytes:
+    """A plan's group id: SHA-256 of its key and its members' ticket digests (32 bytes; never shared by
+    two plans, since a later plan under a key is made from at least one new ticket)."""
+    h = hashlib.sha256(key.encode())
+    for digest in digests:
+        h.update(len(digest).to_bytes(1, "big") + digest)
+    return h.digest()
 
 
 def _to_plan(assembly: GroupAssembly, averaging: AveragingSpec) -> GroupPlan:

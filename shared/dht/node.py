@@ -640,6 +640,10 @@ class DHTNode:
         self._own[(record.key, record.subkey)] = record
         return await self._store_record(record)
 
+    def own_record(self, key: str | bytes, subkey: bytes | None = None) -> SignedRecord | None:
+        """The record we last stored under ``key`` (and ``subkey``) and still republish, if any."""
+        return self._own.get((key_id(key), subkey))
+
     async def _store_record(self, record: SignedRecord) -> int:
         target = key_int(record.key)
         replicas = self.config.num_replicas

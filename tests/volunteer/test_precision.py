@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from protocols.training import OptimizerSpec, ScheduleSpec, TrainingSpec
 from shared.averaging.groups import leader_of
-from shared.averaging.matchmaking import Matchmaker, PlanRefused
+from shared.averaging.matchmaking import Matchmaker, PlanRefused, ticket_digest
 from shared.errors import ConfigError
 from volunteer.collab.trainer import LocalTrainer
 from volunteer.precision import (
@@ -196,7 +196,7 @@ def test_a_leader_can_neither_forge_nor_hide_a_members_overflow_claim() -> None:
     mm = Matchmaker(None)  # type: ignore[arg-type]  # check_plan and _solve touch no DHT
     key, numel = "avg.7.x", 1000
     leader = leader_of(key, ids)
-    honest = mm._solve(7, key, ids, tickets, numel)
+    honest = mm._solve(7, key, ids, tickets, numel, [ticket_digest(p.encode()) for p in ids])
     assert [m.overflow for m in honest.members] == [False, False, True]
     mm.check_plan(7, key, leader, honest, set(ids), tickets, numel)
     for flipped in range(3):

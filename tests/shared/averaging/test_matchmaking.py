@@ -10,7 +10,8 @@ import trio
 
 from protocols.averaging import JoinTicket
 from shared.auth.keys import Identity
-from shared.averaging.allreduce import Averager
+from shared.averaging.allreduce import Averager, GroupPlan
+from shared.averaging.groups import leader_of
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.node import Node, open_node
 
@@ -162,6 +163,41 @@ async def test_members_of_a_failed_round_can_form_a_group_again_under_the_same_k
             for i in range(2):
                 group.start_soon(member, i)
         assert all(p is not None for p in plans), attempt
+
+
+async def test_a_finished_rounds_tickets_are_no_members_when_a_member_comes_back_to_its_key(
+    nursery: trio.Nursery,
+) -> None:
+    """The churn test's fork: one member of a round failed it and cycled back to the first key, where the
+    others' tickets of the round they had finished were still stored. Counted as members, they made a
+    group of one live peer (and, with no slices of their own, a round that "completed" with its gradient
+    alone). Now they are consumed by the plan made from them; a member that comes back with a new ticket
+    counts, and every plan gets a group id of its own."""
+    nodes = await start_nodes(nursery, 4, client={2, 3})  # 2 and 3: client mode, so no slices
+    config = MatchmakingConfig(window=0.5, plan_wait=3.0)
+    ids = [n.peer_id for n in nodes]
+    key = next(f"a{i}" for i in range(1000) if leader_of(f"avg.3.a{i}", ids[:4]) == ids[0])
+    first: list[GroupPlan | None] = [None] * 4
+
+    async def member(i: int, plans: list[GroupPlan | None]) -> None:
+        plans[i] = await Matchmaker(nodes[i].dht, config=config).assemble(3, ticket(nodes[i], 1.0), 1000, key)
+
+    async with trio.open_nursery() as group:
+        for i in range(4):
+            group.start_soon(member, i, first)
+    assert all(p is not None and len(p.members) == 4 for p in first)
+    # 0 comes back alone (1, 2 and 3 stepped): it leads any group it is in, so a plan naming the others'
+    # finished tickets would be its own
+    again: list[GroupPlan | None] = [None] * 4
+    await member(0, again)
+    assert again[0] is None
+    # 0 and 2 come back: 2's new ticket counts, 1's and 3's old ones do not
+    async with trio.open_nursery() as group:
+        for i in (0, 2):
+            group.start_soon(member, i, again)
+    plans = [again[0], again[2]]
+    assert all(p is not None and {m.peer_id for m in p.members} == {ids[0], ids[2]} for p in plans)
+    assert plans[0].group_id == plans[1].group_id != first[0].group_id  # type: ignore[union-attr]
 
 
 def test_member_specs_plan_a_relayed_member_through_a_reachable_member_else_as_client_mode() -> None:

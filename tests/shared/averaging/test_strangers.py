@@ -26,7 +26,7 @@ from protocols.receipts import decode_receipt, receipt_payload
 from shared.auth.keys import Identity, verify_by_peer_id
 from shared.averaging.allreduce import Averager, GroupPlan, Member, RoundResult
 from shared.averaging.groups import WeightHistory, bound_weights, leader_of
-from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig, PlanRefused
+from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig, PlanRefused, group_id, ticket_digest
 from shared.dht.node import DHTNode
 from shared.errors import ProjectError, RemoteError
 from shared.net.addresses import parse_multiaddr
@@ -80,7 +80,7 @@ def test_check_plan_refuses_every_forgery_of_the_leaders_plan() -> None:
     mm = Matchmaker(None)  # type: ignore[arg-type]  # check_plan and _solve touch no DHT
     key, numel = "avg.7.x", 100_000
     leader = leader_of(key, ids)
-    honest = mm._solve(7, key, ids, tickets, numel)
+    honest = mm._solve(7, key, ids, tickets, numel, [ticket_digest(p.encode()) for p in ids])
     mm.check_plan(7, key, leader, honest, set(ids), tickets, numel)  # the real plan passes
     assert [m.weight for m in honest.members] == [16.0, 16.0, 64.0, 128.0]  # 2**53 capped at 8 x 16
 
@@ -116,6 +116,17 @@ def test_check_plan_refuses_every_forgery_of_the_leaders_plan() -> None:
         ),
         "tiny parts": (leader, msgspec.structs.replace(honest, part_numel=1)),
         "another round": (leader, msgspec.structs.replace(honest, round=8)),
+        "the key's old group id": (leader, msgspec.structs.replace(honest, group_id=key.encode()[-32:])),
+        "another plan's group id": (
+            leader,
+            msgspec.structs.replace(honest, tickets=[bytes(16)] * 4, group_id=honest.group_id),
+        ),
+        "a digest too few": (
+            leader,
+            msgspec.structs.replace(
+                honest, tickets=honest.tickets[:3], group_id=group_id(key, honest.tickets[:3])
+            ),
+        ),
     }
     for name, (writer, forged) in forgeries.items():
         with pytest.raises(PlanRefused):  # noqa: PT012  # the fail() names the forgery that got through
