@@ -5,7 +5,7 @@ Routes (mounted by :func:`backbone.api.build_app` from :func:`routes`):
 ``GET /dashboard``            the page (``backbone/static/dashboard.html``); its script and style are
                               ``GET /dashboard/static/{dashboard.js,dashboard.css}``: no CDN, no build step
 ``GET /dashboard/data.json``  everything the page shows (:func:`dashboard_data`); the page polls it
-``GET /metrics``              Prometheus text format 0.0.4 (:mod:`backbone.metrics`, :func:`metric_families`)
+``GET /metrics``              Prometheus text format 0.0.4 (:mod:`shared.prometheus`, :func:`metric_families`)
 
 **What is public.** The run-level view needs no credential: the loss curve and samples/s over global
 steps, the newest checkpoints, the counts of active peers, users and sessions by role and reachability,
@@ -66,12 +66,12 @@ from protocols.probe import CAPABILITIES_KEY, CapabilityRecord, decode_capabilit
 from shared.errors import ProtocolError
 from shared.net.addresses import expand_unspecified
 from shared.net.host import CALL_FAILURES
+from shared.prometheus import CONTENT_TYPE, Family, Sample, render
 
 from .api import DB_READ, ApiState, HttpError, _check_admin
 from .ledger import BACKBONE_USERNAME, LedgerStore, StepRow
 from .ledger.schema import Peer, PeerSession, User
 from .live import LiveSources
-from .metrics import CONTENT_TYPE, Family, Sample, render
 
 __all__ = [
     "LIVE_TTL_S",
@@ -395,7 +395,7 @@ def _leader(row: Any) -> dict[str, Any]:
 
 
 async def metric_families(state: ApiState, live: LiveSources) -> list[Family]:
-    """The run-level metrics (:mod:`backbone.metrics`): the ledger's counts and newest step, this
+    """The run-level metrics (:mod:`shared.prometheus`): the ledger's counts and newest step, this
     backbone's node, aggregator, relay and checkpoints."""
     now = state.clock()
     snap: _Snapshot = await trio.to_thread.run_sync(

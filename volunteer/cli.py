@@ -261,6 +261,16 @@ def join(
             "machine. Takes effect only if a backbone can dial this machine directly (see --listen).",
         ),
     ] = False,
+    metrics_listen: Annotated[
+        str | None,
+        typer.Option(
+            "--metrics-listen",
+            metavar="HOST:PORT",
+            help="Serve Prometheus metrics (step, samples, averaging rounds, traffic, peers, reachability, "
+            "paused) at http://HOST:PORT/metrics. A bare PORT means 127.0.0.1:PORT; a host other than "
+            "loopback is served only when given, and lets other machines read them.  [default: off]",
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -316,6 +326,9 @@ def join(
             raise ConfigError(
                 f"--gpu-memory-fraction {gpu_memory_fraction:g}: give a share above 0, at most 1"
             )
+        from shared.metrics_server import parse_listen
+
+        metrics_at = None if metrics_listen is None else parse_listen(metrics_listen)
         if manifest is not None:
             from shared.manifest import load_training_spec
 
@@ -348,6 +361,7 @@ def join(
                 rules=rules,
                 gpu_memory_fraction=gpu_memory_fraction,
                 relay=relay,
+                metrics_listen=metrics_at,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -3,7 +3,8 @@ the others (see :mod:`volunteer.training`), show a live panel, report contributi
 With ``--aux``, aggregate for the others instead of training (:mod:`volunteer.auxiliary`). With ``--relay``,
 also serve a few relay slots to volunteers behind NAT, if a backbone proved this machine directly reachable
 (:mod:`shared.relays`); a volunteer in client mode holds a slot at its checker, else at another relay found
-in the DHT (:func:`shared.net.reachability.keep_relayed`).
+in the DHT (:func:`shared.net.reachability.keep_relayed`). With ``--metrics-listen``, also serve its
+Prometheus metrics (:mod:`volunteer.metrics`) from this nursery.
 
 The training spec comes from ``--manifest FILE`` if given (open runs), else from the run's backbone API
 (pinned runs; the manifest saved at admission if no backbone answers). A run without a training spec is
@@ -23,15 +24,18 @@ from rich.console import Console
 
 from protocols.training import TrainingSpec
 from shared.auth.keys import Identity
+from shared.console import project_version
 from shared.discovery import discover_run
 from shared.errors import AdmissionError, DiscoveryError, PeerUnavailable
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
+from shared.metrics_server import is_loopback, serve_metrics
 from shared.net.addresses import parse_multiaddr
 from shared.net.reachability import keep_relayed
 from shared.net.relay import RelayService
 from shared.node import Node, open_node
 from shared.panel import LivePanel, status_line, status_view
+from shared.prometheus import render
 from shared.relays import VOLUNTEER_RELAY_LIMITS, find_relays, publish_relay_forever
 
 from .activity import Activity, train_with_pauses, watch_policy
@@ -39,6 +43,7 @@ from .admission import Admission, admit, keep_admitted, remember_manifest
 from .api_client import ApiClient
 from .auxiliary import serve_auxiliary
 from .control import serve_control
+from .metrics import TrainingNumbers, session_numbers, volunteer_families
 from .policy import Rules
 from .session import TrainingSession
 
@@ -71,6 +76,7 @@ class VolunteerOptions:
     )  # when to pause by itself (volunteer.policy); none: always train
     gpu_memory_fraction: float | None = None  # the share of the GPU's memory torch may use; None: all
     relay: bool = False  # serve relay slots to volunteers behind NAT when directly reachable (shared.relays)
+    metrics_listen: tuple[str, int] | None = None  # serve Prometheus metrics there (volunteer.metrics)
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -117,9 +123,28 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         activity = Activity(can_pause=training is not None and not options.aux)
         session: TrainingSession | None = None
         last_step: int | None = None
+        finished = TrainingNumbers()  # what the sessions before this one counted (volunteer.metrics)
         activity.details = lambda: _details(node, options, session, last_step)
+
+        version = project_version()
+
+        def metrics_page() -> str:
+            role = "aggregator" if options.aux else ("trainer" if training is not None else "member")
+            numbers = finished.then(session_numbers(session) if session is not None else None)
+            families = volunteer_families(
+                node.status(),
+                numbers,
+                role=role,
+                state=activity.state,
+                paused=activity.paused,
+                version=version,
+            )
+            return render(families)
+
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_control, options.data_dir, activity.handle)
+            if options.metrics_listen is not None:
+                await _start_metrics(nursery, options.metrics_listen, metrics_page, console)
             reach = node.reachability
             if reach is not None and reach.mode == "client":  # checked, unreachable: hold a relay slot
                 relay = parse_multiaddr(reach.checked_with)
@@ -146,7 +171,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                     await nursery.start(watch_policy, activity, options.rules)  # its first decision
 
                 async def run_session(stop: Shutdown) -> bool:
-                    nonlocal session, last_step
+                    nonlocal session, last_step, finished
                     assert training is not None
                     node.activity = "training"
                     handlers = dict(node.host.bulk_handlers)  # the node's own, without a session's
@@ -156,6 +181,7 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                     finally:  # a paused peer holds no model (GPU memory) and serves no stale state
                         collab = getattr(session, "collab", None)
                         last_step = last_step if collab is None else collab.trainer.step
+                        finished = finished.then(session_numbers(session))
                         session = None
                         node.host.bulk_handlers.clear()
                         node.host.bulk_handlers.update(handlers)
@@ -243,6 +269,23 @@ async def _show_forever(
             logger.info(line if headline is None else f"{headline()} · {line}")
             last = trio.current_time()
         await trio.sleep(REFRESH)
+
+
+async def _start_metrics(
+    nursery: trio.Nursery, where: tuple[str, int], page: Callable[[], str], console: Console
+) -> None:
+    """``--metrics-listen``: serve ``page`` at ``/metrics`` in ``nursery``; say where (and warn when the
+    address is reachable from other machines)."""
+    host, port = where
+    bound = await nursery.start(serve_metrics, host, port, page)
+    shown = f"[{host}]" if ":" in host else host
+    console.print(f"metrics at http://{shown}:{bound}/metrics", highlight=False, soft_wrap=True)
+    if not is_loopback(host):
+        logger.warning(
+            "--metrics-listen %s: other machines can read this volunteer's metrics (its peer id, run and "
+            "traffic); use 127.0.0.1 to keep them local",
+            host,
+        )
 
 
 def _start_relaying(node: Node, nursery: trio.Nursery) -> None:

@@ -124,6 +124,7 @@ class TrainingSession:
         self.device = "cpu"  # the torch device training runs on, set by run()
         self.precision: Precision = "fp32"  # what it computes in (volunteer.precision), set by run()
         self.evaluator: Evaluator | None = None  # with --evaluate (volunteer.evaluation), set by run()
+        self.steps_taken = 0  # lines this session wrote to steps.jsonl (volunteer.metrics)
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
@@ -365,6 +366,7 @@ class TrainingSession:
         }
         with (self.data_dir / "steps.jsonl").open("a") as out:
             out.write(json.dumps(line) + "\n")
+        self.steps_taken += 1
 
     async def _show_forever(self, console: Console) -> None:
         def view() -> PanelView:

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from backbone.api import build_app
 from backbone.dashboard import active_peers, ledger_counts, peer_roles, step_rates
 from backbone.ledger import LedgerStore, StepRow
-from backbone.metrics import Family, Sample, render
 from backbone.startup import bind_dashboard, parse_dashboard_listen
 from protocols.ledger import Capabilities
 from protocols.probe import CapabilityRecord
 from shared.auth.keys import Identity
 from shared.errors import ConfigError
+from shared.prometheus import Family, Sample, render
 from tests.backbone.api_app import ADMIN, InProcessApi, in_process_api
 from tests.backbone.dashboard_seed import (
     HOSTILE_DEVICE,

@@ -1,4 +1,5 @@
-"""Prometheus text exposition (format 0.0.4) of the backbone's own statistics, served at ``GET /metrics``.
+"""Prometheus text exposition (format 0.0.4): the pure rendering both daemons' ``GET /metrics`` use (the
+backbone's :mod:`backbone.dashboard`, the volunteer's :mod:`volunteer.metrics`).
 
 **Pure rendering.** :func:`render` turns :class:`Family` values into the text format: a ``# HELP`` and a
 ``# TYPE`` line per family, then one sample line per label set, ``name{label="value",...} number``. Names
@@ -7,12 +8,9 @@ follow Prometheus conventions: the ``dedloc_`` prefix, base units as suffixes (`
 feed become ``\\\\``, ``\\"`` and ``\\n``); HELP text escapes backslash and line feed. Numbers are written
 with ``repr`` (shortest round-trip), ``+Inf``/``-Inf``/``NaN`` for the non-finite ones.
 
-**Run-level only, so public.** Every family here describes the run or this backbone (steps, counts of
-users, peers and sessions, reports by status, DHT size, aggregator and relay counters, checkpoints),
-never one user: no username, peer id or address is ever a label. ``/metrics`` therefore needs no
-credential, like the dashboard's run-level view (:mod:`backbone.dashboard`), so a Prometheus server can
-scrape it without holding the admin token. What the families are and where each number comes from is
-:func:`backbone.dashboard.metric_families`.
+What each daemon exposes, and why it is safe to, is said where its families are built:
+:func:`backbone.dashboard.metric_families` (run-level only, public) and :mod:`volunteer.metrics` (this
+machine's own numbers, served on loopback unless asked otherwise).
 """
 
 from __future__ import annotations
