@@ -213,24 +213,28 @@ async def test_two_connections_share_one_cap_for_framed_messages(way: str) -> No
     capped = _endpoint(
         Throttle.from_rates(2 * MB, None) if way == "upload" else Throttle.from_rates(None, 2 * MB)
     )
-    with trio.fail_after(HANG_GUARD_S):
-        pairs = [await _pair(capped, _endpoint()) for _ in range(2)]
-        started = time.monotonic()
-        async with trio.open_nursery() as nursery:
-            for ours, theirs in pairs:
-                if way == "upload":
-                    nursery.start_soon(_move_frames, ours, theirs, 3 * MB)
-                else:
-                    nursery.start_soon(_move_frames, theirs, ours, 3 * MB)
-        elapsed = time.monotonic() - started
+    pairs: list[tuple[SecureConnection, SecureConnection]] = []
+    try:
+        with trio.fail_after(HANG_GUARD_S):
+            for _ in range(2):
+                pairs.append(await _pair(capped, _endpoint()))
+            started = time.monotonic()
+            async with trio.open_nursery() as nursery:
+                for ours, theirs in pairs:
+                    if way == "upload":
+                        nursery.start_soon(_move_frames, ours, theirs, 3 * MB)
+                    else:
+                        nursery.start_soon(_move_frames, theirs, ours, 3 * MB)
+            elapsed = time.monotonic() - started
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
     moved = 2 * (3 * MB // (256 * 1024)) * 256 * 1024
     limit = 2 * MB
     floor = (moved - burst_for(limit) - 2 * quantum_for(limit)) / limit  # one burst, a quantum per reader
     assert elapsed >= 0.95 * floor, f"{moved} bytes in {elapsed:.2f} s: faster than the cap allows"
     assert elapsed < 4 * floor + 5, f"{moved} bytes in {elapsed:.2f} s: far slower than the cap"
-    for ours, theirs in pairs:
-        ours.close()
-        theirs.close()
 
 
 @pytest.mark.parametrize("way", ["upload", "download"])
