@@ -28,6 +28,7 @@ from shared.errors import AdmissionError, DiscoveryError, PeerUnavailable
 from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.net.addresses import parse_multiaddr
+from shared.net.host import HostConfig
 from shared.net.reachability import keep_relayed
 from shared.net.relay import RelayService
 from shared.node import Node, open_node
@@ -71,6 +72,8 @@ class VolunteerOptions:
     )  # when to pause by itself (volunteer.policy); none: always train
     gpu_memory_fraction: float | None = None  # the share of the GPU's memory torch may use; None: all
     relay: bool = False  # serve relay slots to volunteers behind NAT when directly reachable (shared.relays)
+    max_upload_bps: float | None = None  # cap on all sending, bytes/s (shared.net.ratelimit); None: none
+    max_download_bps: float | None = None  # ... and on all receiving
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -107,6 +110,9 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         authenticator=admission.authenticator,
         data_dir=options.data_dir,  # its saved DHT contacts: a restart re-dials them (shared.dht.contacts)
         verify_reachability=True,  # advertise only addresses a backbone dialed back (else: client mode)
+        host_config=HostConfig(
+            max_upload_bps=options.max_upload_bps, max_download_bps=options.max_download_bps
+        ),
     ) as node:
         # one line whatever the width: scripts read the peer id from it (scripts/soak.py)
         console.print(
