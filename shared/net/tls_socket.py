@@ -10,6 +10,11 @@ directly, so encryption, framing and the syscall all happen in one C call that r
   takes the socket *exclusively*, switches it to blocking mode with a stall deadline, and moves the
   bytes with no Python per record on the trio side.
 
+With a host's caps (:attr:`TlsSocket.throttle`, :mod:`shared.net.ratelimit`) :meth:`TlsSocket.send_all`
+sends in pieces its upload bucket grants first, and :meth:`TlsSocket.receive_into` waits out the download
+bucket's debt before each read and charges what it read; bulk transfers are paced by
+:mod:`shared.net.bulk` around the blocking methods. Without caps nothing changes.
+
 An ``SSL`` object must never be used by two threads at once; callers guarantee that (the RPC lane
 never leaves the trio thread, a bulk lane is checked out by one transfer at a time).
 
