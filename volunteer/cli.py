@@ -253,6 +253,21 @@ def join(
             help="Use at most this share (0 to 1) of the GPU's memory; the micro-batch is fitted to it.",
         ),
     ] = None,
+    max_upload: Annotated[
+        float | None,
+        typer.Option(
+            "--max-upload",
+            metavar="MBPS",
+            help="Send at most MBPS MB/s (10^6 bytes/s), all of this volunteer's traffic together; the run "
+            "is told, and gives it a share it can carry.",
+        ),
+    ] = None,
+    max_download: Annotated[
+        float | None,
+        typer.Option(
+            "--max-download", metavar="MBPS", help="Receive at most MBPS MB/s (10^6 bytes/s), likewise."
+        ),
+    ] = None,
     relay: Annotated[
         bool,
         typer.Option(
@@ -290,7 +305,8 @@ def join(
     trains it together with the run's other peers, showing a live panel. Ctrl+C or SIGTERM leaves cleanly;
     at the run's step limit it hands its final state to a backbone and exits. `volunteer pause`, `resume`
     and `status` control it while it runs; the --idle-only-after, --max-other-cpu, --pause-while and
-    --active-hours rules pause and resume it by themselves.
+    --active-hours rules pause and resume it by themselves; --max-upload and --max-download cap its
+    bandwidth at all times.
 
     Exit codes: 0 on a clean stop; 1 when the run refused this machine or the network failed; 2 on unusable
     input (flags, data dir).
@@ -319,9 +335,10 @@ def join(
             raise ConfigError(
                 f"--threads {threads}: give 1 to {cpus} (this machine's CPUs), or 0 for torch's default"
             )
-        from .policy import rules_from_flags
+        from .policy import bandwidth_caps, rules_from_flags
 
         rules = rules_from_flags(idle_only_after, max_other_cpu, pause_while, active_hours)
+        max_upload_bps, max_download_bps = bandwidth_caps(max_upload, max_download)
         if gpu_memory_fraction is not None and not 0 < gpu_memory_fraction <= 1:
             raise ConfigError(
                 f"--gpu-memory-fraction {gpu_memory_fraction:g}: give a share above 0, at most 1"
@@ -362,6 +379,8 @@ def join(
                 gpu_memory_fraction=gpu_memory_fraction,
                 relay=relay,
                 metrics_listen=metrics_at,
+                max_upload_bps=max_upload_bps,
+                max_download_bps=max_download_bps,
             )
             await serve_volunteer(options, shutdown, console)
 

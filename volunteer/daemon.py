@@ -31,6 +31,7 @@ from shared.lifecycle import Shutdown
 from shared.manifest import load_training_spec
 from shared.metrics_server import is_loopback, serve_metrics
 from shared.net.addresses import parse_multiaddr
+from shared.net.host import HostConfig
 from shared.net.reachability import keep_relayed
 from shared.net.relay import RelayService
 from shared.node import Node, open_node
@@ -77,6 +78,8 @@ class VolunteerOptions:
     gpu_memory_fraction: float | None = None  # the share of the GPU's memory torch may use; None: all
     relay: bool = False  # serve relay slots to volunteers behind NAT when directly reachable (shared.relays)
     metrics_listen: tuple[str, int] | None = None  # serve Prometheus metrics there (volunteer.metrics)
+    max_upload_bps: float | None = None  # cap on all sending, bytes/s (shared.net.ratelimit); None: none
+    max_download_bps: float | None = None  # ... and on all receiving
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -113,6 +116,9 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
         authenticator=admission.authenticator,
         data_dir=options.data_dir,  # its saved DHT contacts: a restart re-dials them (shared.dht.contacts)
         verify_reachability=True,  # advertise only addresses a backbone dialed back (else: client mode)
+        host_config=HostConfig(
+            max_upload_bps=options.max_upload_bps, max_download_bps=options.max_download_bps
+        ),
     ) as node:
         # one line whatever the width: scripts read the peer id from it (scripts/soak.py)
         console.print(

@@ -26,12 +26,19 @@ disagreed with it for ``pause_after`` readings in a row (to pause) or ``resume_a
 longer: resuming is the expensive direction). The applied state therefore flips at most once per
 ``min(pause_after, resume_after)`` readings, whatever the readings do.
 
+**Bandwidth caps** (``--max-upload MBPS``, ``--max-download MBPS``, in MB/s = 10^6 bytes/s like the
+backbone's ``--aggregate-bandwidth``; :func:`bandwidth_caps`) are not rules that pause: they hold all of
+the daemon's traffic to a rate at all times (one token bucket each way, shared by every connection:
+:mod:`shared.net.ratelimit`), and the bandwidth the volunteer publishes at join is at most its caps, so the
+load balancer gives it a share it can carry.
+
 A manual ``volunteer pause`` is not a rule: it wins over every rule until ``volunteer resume``
 (:mod:`volunteer.activity`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,16 +47,20 @@ from shared.errors import ConfigError
 
 __all__ = [
     "COMM_LENGTH",
+    "MAX_RATE_MBPS",
     "Debounce",
     "Decision",
     "Readings",
     "Rules",
     "Window",
+    "bandwidth_caps",
     "decide",
     "parse_window",
     "rules_from_flags",
 ]
 
+#: The largest bandwidth cap taken, MB/s (as the backbone's --aggregate-bandwidth).
+MAX_RATE_MBPS = 1e7
 #: The kernel keeps a program's name (``/proc/PID/comm``) to 15 characters.
 COMM_LENGTH = 15
 _WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
@@ -222,3 +233,19 @@ def rules_from_flags(
         pause_while=tuple(pause_while or ()),
         active_hours=None if active_hours is None else parse_window(active_hours),
     )
+
+
+def bandwidth_caps(max_upload: float | None, max_download: float | None) -> tuple[float | None, float | None]:
+    """``--max-upload`` / ``--max-download`` (MB/s, None: no cap) as ``(upload, download)`` bytes/s.
+
+    Raises:
+        ConfigError: a cap that is not a number in (0, :data:`MAX_RATE_MBPS`] (0, negative, NaN, infinite).
+    """
+    caps: list[float | None] = []
+    for flag, value in (("--max-upload", max_upload), ("--max-download", max_download)):
+        if value is not None and not (math.isfinite(value) and 0 < value <= MAX_RATE_MBPS):
+            raise ConfigError(
+                f"{flag} {value:g}: give a rate above 0 in MB/s (10^6 bytes/s), at most {MAX_RATE_MBPS:g}"
+            )
+        caps.append(None if value is None else value * 1e6)
+    return caps[0], caps[1]

@@ -306,11 +306,13 @@ class TrainingSession:
                 logger.warning("bandwidth could not be measured against %s: %s", backbone, exc)
         if caps is not None and reach is not None:
             caps = dataclasses.replace(caps, observed=reach.observed, connectivity=reach.mode)
-        if caps is not None:
+        if caps is not None:  # measure_bandwidth states at most --max-upload/--max-download
             collab.measured_bandwidth(
                 max(caps.capabilities.upload_bps, 1.0), max(caps.capabilities.download_bps, 1.0)
             )
             await self._publish(caps)
+        elif (throttle := self.node.host.endpoint.throttle) is not None:  # unmeasured: at most the caps
+            collab.measured_bandwidth(*throttle.cap(collab.batch.upload_bps, collab.batch.download_bps))
         logger.info(
             "measured %.0f samples/s on %s in %s, micro-batch %d%s",
             sps,

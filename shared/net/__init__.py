@@ -3,6 +3,7 @@
 Modules (lowest first):
     addresses    multiaddr parsing and formatting (PeerAddress)
     tls          TLS contexts; certificates carry the identity key; peer id from a certificate
+    ratelimit    upload/download caps: a pure token bucket and its trio wrapper, shared by a host's sockets
     tls_socket   TlsSocket: the stdlib's C-level SSLSocket driven by trio, or by a bulk thread
     connection   dial/accept: TLS + in-band identity proof -> SecureConnection; framed messages, frame
                  limits by stage, large frames decoded in a thread

@@ -101,6 +101,34 @@ async def _in_thread(conn: SecureConnection, fn: Callable[..., None], *args: Any
         raise
 
 
+async def _paced(
+    conn: SecureConnection,
+    fn: Callable[[memoryview, float], None],
+    data: memoryview,
+    stall: float,
+    upload: bool,
+) -> None:
+    """Move all of ``data`` with ``fn`` (the socket's blocking send or receive) in a bulk thread, in pieces
+    that the host's cap (:mod:`shared.net.ratelimit`) grants first, when it has one that way.
+
+    A cancel while waiting for a grant closes the connection, as a cancel inside the thread does: the
+    transfer is cut off mid-way, so the connection cannot be used again.
+    """
+    throttle = conn.tls.throttle
+    limit = None if throttle is None else throttle.upload if upload else throttle.download
+    if limit is None:
+        await _in_thread(conn, fn, data, stall)
+        return
+    for start in range(0, data.nbytes, limit.quantum):
+        piece = data[start : start + limit.quantum]
+        try:
+            await limit.acquire(piece.nbytes)
+        except trio.Cancelled:
+            conn.tls.close()
+            raise
+        await _in_thread(conn, fn, piece, stall)
+
+
 async def send_bulk(
     conn: SecureConnection,
     topic: str,
@@ -125,7 +153,7 @@ async def send_bulk(
     credentials, nonce = auth.sign_request(conn.remote_peer, BulkHeader.kind, 0, header)
     await conn.send_frame(frame_payload(BulkHeader.kind, header, 0, Flags.REQUEST, credentials))
     if flat.nbytes:
-        await _in_thread(conn, conn.tls.send_all_blocking, flat, stall)
+        await _paced(conn, conn.tls.send_all_blocking, flat, stall, upload=True)
     envelope = await _receive_envelope(conn)
     # an ack and a refusal alike must be the receiver's signed answer to this header
     auth.check_response(conn.remote_peer, nonce, envelope.kind, bytes(envelope.payload), envelope.auth)
@@ -169,7 +197,7 @@ class BulkReader:
         view[: len(head)] = head
         rest = view[len(head) :]
         if rest.nbytes:
-            await _in_thread(self._conn, self._conn.tls.recv_into_blocking, rest, self._stall)
+            await _paced(self._conn, self._conn.tls.recv_into_blocking, rest, self._stall, upload=False)
         self.remaining -= view.nbytes
 
     async def peer_closed(self) -> None:
@@ -283,7 +311,7 @@ async def serve_bulk_lane(
                 credentials = auth.sign_response(nonce, BulkAck.kind, ack)
                 await conn.send_frame(frame_payload(BulkAck.kind, ack, 0, Flags.RESPONSE, credentials))
                 if payload.nbytes:
-                    await _in_thread(conn, conn.tls.send_all_blocking, payload, stall)
+                    await _paced(conn, conn.tls.send_all_blocking, payload, stall, upload=True)
             finally:
                 if reply.on_sent is not None:
                     reply.on_sent()

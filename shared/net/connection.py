@@ -48,6 +48,7 @@ from ..auth.keys import Identity, verify
 from ..errors import BadIdentityProof, PeerIdMismatch, PeerUnavailable, WrongRun, remote_error
 from .addresses import PeerAddress, local_hosts
 from .dialing import vouched_addresses
+from .ratelimit import Throttle
 from .tls import client_context, peer_id_from_certificate, server_context
 from .tls_socket import BufferedReceiver, TlsSocket, connect_tcp
 
@@ -98,6 +99,8 @@ class LocalEndpoint:
     run_id: str
     listen_addrs: list[str] = field(default_factory=list)
     agent: str = AGENT
+    #: upload/download caps every connection of this node shares (shared.net.ratelimit); None: none
+    throttle: Throttle | None = None
 
     def __post_init__(self) -> None:
         self.server_ctx, self.cert_der = server_context(self.identity)
@@ -200,6 +203,7 @@ async def dial(
     if raw is None:
         raw = await connect_tcp(address.host, address.port)
     tls = await TlsSocket.handshake(raw, endpoint.client_ctx, server_side=False, peer=peer)
+    tls.throttle = endpoint.throttle
     try:
         cert = tls.peer_certificate()
         remote = peer_id_from_certificate(cert)
@@ -244,6 +248,7 @@ async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> Secu
         WrongRun: the dialer belongs to another run (it was told ``WRONG_RUN``).
     """
     tls = await TlsSocket.handshake(raw, endpoint.server_ctx, server_side=True, peer=peer)
+    tls.throttle = endpoint.throttle
     try:
         receiver = BufferedReceiver(tls)
         nonce = secrets.token_bytes(32)

@@ -72,6 +72,7 @@ from .addresses import PeerAddress, expand_unspecified, format_multiaddr, parse_
 from .bulk import BulkHandler, ReplySink, send_bulk, serve_bulk_lane
 from .connection import LocalEndpoint, SecureConnection, accept, dial
 from .dialing import DialGuard, DialPolicy
+from .ratelimit import Throttle
 from .relay import PREAMBLE_FIRST_BYTE, PreambleHandler, relay_dial
 from .relaytraffic import RelayTraffic
 from .rpc import HandlerRegistry, RequestContext, RpcChannel, RpcStatistics
@@ -109,6 +110,8 @@ class HostConfig:
     redial_after_failure: float = 0.5  # back-off after a failed dial of a target, doubling per failure
     max_redial_backoff: float = 8.0
     identity_block: float = 600.0  # a target that failed the identity check is not redialed this long
+    max_upload_bps: float | None = None  # cap on all this node's sending, bytes/s (shared.net.ratelimit)
+    max_download_bps: float | None = None  # ... and on its receiving; None: not capped
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class Host:
     ) -> None:
         self.endpoint = LocalEndpoint(identity, run_id)
         self.config = config or HostConfig()
+        self.endpoint.throttle = Throttle.from_rates(self.config.max_upload_bps, self.config.max_download_bps)
         self.authenticator: Authenticator = authenticator or OpenAuthenticator()
         self.registry = HandlerRegistry()
         self.bulk_handlers: dict[str, BulkHandler] = {}

@@ -235,7 +235,9 @@ async def measure_bandwidth(host: Host, address: PeerAddress | str, nbytes: int)
             transfer takes much longer than a round trip (8 MiB suits home links).
 
     Returns:
-        ``(upload_bps, download_bps)`` in bytes per second.
+        ``(upload_bps, download_bps)`` in bytes per second, each at most the host's cap that way
+        (``HostConfig.max_upload_bps`` / ``max_download_bps``, :mod:`shared.net.ratelimit`): what it states
+        to the load balancer is what it will actually move.
 
     Raises:
         ValueError: ``nbytes`` out of range.
@@ -273,7 +275,9 @@ async def measure_bandwidth(host: Host, address: PeerAddress | str, nbytes: int)
     rtt = await _retry_overloaded(lambda: upload(empty))
     up = await _retry_overloaded(lambda: upload(memoryview(bytes(nbytes))))
     down = await _retry_overloaded(download)
-    return nbytes / _transfer_seconds(up, rtt), nbytes / _transfer_seconds(down, rtt)
+    upload_bps, download_bps = nbytes / _transfer_seconds(up, rtt), nbytes / _transfer_seconds(down, rtt)
+    throttle = host.endpoint.throttle  # the node's own caps: it will never move more, whatever the link does
+    return (upload_bps, download_bps) if throttle is None else throttle.cap(upload_bps, download_bps)
 
 
 def _transfer_seconds(elapsed: float, rtt: float) -> float:

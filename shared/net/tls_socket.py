@@ -10,6 +10,11 @@ directly, so encryption, framing and the syscall all happen in one C call that r
   takes the socket *exclusively*, switches it to blocking mode with a stall deadline, and moves the
   bytes with no Python per record on the trio side.
 
+With a host's caps (:attr:`TlsSocket.throttle`, :mod:`shared.net.ratelimit`) :meth:`TlsSocket.send_all`
+sends in pieces its upload bucket grants first, and :meth:`TlsSocket.receive_into` waits out the download
+bucket's debt before each read and charges what it read; bulk transfers are paced by
+:mod:`shared.net.bulk` around the blocking methods. Without caps nothing changes.
+
 An ``SSL`` object must never be used by two threads at once; callers guarantee that (the RPC lane
 never leaves the trio thread, a bulk lane is checked out by one transfer at a time).
 
@@ -31,6 +36,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from ..errors import PeerUnavailable
+from .ratelimit import Throttle
 
 __all__ = ["TlsSocket", "connect_tcp"]
 
@@ -88,6 +94,8 @@ class TlsSocket:
         self._worker_closes = False  # set by shutdown(): the worker thread closes the fd when it lets go
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: the host's upload/download caps (shared.net.ratelimit); None: not capped
+        self.throttle: Throttle | None = None
 
     @classmethod
     async def handshake(
@@ -173,9 +181,19 @@ class TlsSocket:
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``. A cancelled send closes the socket."""
         view = memoryview(data)
+        limit = None if self.throttle is None else self.throttle.upload
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             while view:
+                if limit is not None:  # reserve the piece before it goes (shared.net.ratelimit)
+                    piece = view[: limit.quantum]
+                    await limit.acquire(len(piece))
+                    while piece:
+                        n = await self._retry(self._sock.send, piece)
+                        piece = piece[n:]
+                        view = view[n:]
+                        self.bytes_sent += n
+                    continue
                 n = await self._retry(self._sock.send, view)
                 view = view[n:]
                 self.bytes_sent += n
@@ -185,8 +203,15 @@ class TlsSocket:
 
     async def receive_into(self, buffer: memoryview) -> int:
         """Receive up to ``len(buffer)`` bytes; 0 means the peer closed the connection."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        n = await self._retry(self._sock.recv_into, buffer, len(buffer))
+        limit = None if self.throttle is None else self.throttle.download
+        if limit is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            n = await self._retry(self._sock.recv_into, buffer, len(buffer))
+        else:  # wait out the debt, read at most a quantum, charge it (shared.net.ratelimit)
+            await limit.wait_ready()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            n = await self._retry(self._sock.recv_into, buffer, min(len(buffer), limit.quantum))
+            limit.charge(n)
         self.bytes_received += n
         return n
 

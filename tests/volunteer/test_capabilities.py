@@ -21,6 +21,7 @@ from protocols.ledger import Capabilities
 from protocols.probe import CAPABILITIES_KEY, decode_capability_record
 from shared.auth.keys import Identity
 from shared.errors import ConfigError, RecordRejected
+from shared.net.host import HostConfig
 from shared.net.probe import ProbeService
 from shared.node import Node, open_node
 from volunteer.capabilities import (
@@ -33,6 +34,7 @@ from volunteer.capabilities import (
     publish_capabilities,
     resolve_device,
 )
+from volunteer.policy import bandwidth_caps
 
 RUN_ID = "caps-test"
 HANG_GUARD_S = 20
@@ -310,18 +312,25 @@ def test_drift_tracker_rejects_impossible_rates(rate: float) -> None:
 # ---------------------------------------------------------------- measuring and publishing
 
 
-async def _nodes(nursery: trio.Nursery, client_mode: bool = False) -> tuple[Node, Node, ProbeService]:
-    async def run(listen: list[str], initial: list[str], task_status: trio.TaskStatus[Node]) -> None:
+async def _nodes(
+    nursery: trio.Nursery, client_mode: bool = False, volunteer_config: HostConfig | None = None
+) -> tuple[Node, Node, ProbeService]:
+    async def run(
+        listen: list[str],
+        initial: list[str],
+        config: HostConfig | None,
+        task_status: trio.TaskStatus[Node],
+    ) -> None:
         async with open_node(
-            Identity.generate(), RUN_ID, "volunteer", listen=listen, initial_peers=initial
+            Identity.generate(), RUN_ID, "volunteer", listen=listen, initial_peers=initial, host_config=config
         ) as n:
             task_status.started(n)
             await trio.sleep_forever()
 
-    backbone: Node = await nursery.start(run, ["/ip4/127.0.0.1/tcp/0"], [])
+    backbone: Node = await nursery.start(run, ["/ip4/127.0.0.1/tcp/0"], [], None)
     probes = ProbeService(backbone.host)
     listen = [] if client_mode else ["/ip4/127.0.0.1/tcp/0"]
-    volunteer: Node = await nursery.start(run, listen, [backbone.host.listen_addrs[0]])
+    volunteer: Node = await nursery.start(run, listen, [backbone.host.listen_addrs[0]], volunteer_config)
     return backbone, volunteer, probes
 
 
@@ -347,6 +356,30 @@ async def test_measure_capabilities_against_a_probe_server_and_publish_them_in_t
     record = decode_capability_record(found.entries[volunteer.peer_id.encode()].value)
     assert record == measured.record()
     assert record.reachable == list(measured.reachable) and record.client_mode is False
+
+
+async def test_published_capabilities_state_at_most_the_volunteers_bandwidth_caps(
+    nursery: trio.Nursery,
+) -> None:
+    """``--max-upload 3 --max-download 5`` (volunteer.policy.bandwidth_caps): loopback measures far more,
+    and a burst would inflate a short probe; what the load balancer reads is the cap."""
+    up_cap, down_cap = bandwidth_caps(3.0, 5.0)
+    config = HostConfig(max_upload_bps=up_cap, max_download_bps=down_cap)
+    backbone, volunteer, _ = await _nodes(nursery, volunteer_config=config)
+    with trio.fail_after(HANG_GUARD_S):
+        measured = await measure_capabilities(
+            volunteer.host, backbone.host.listen_addrs[0], 10.0, probe_bytes=MiB
+        )
+        await publish_capabilities(volunteer.dht, measured)
+        found = await backbone.dht.get(CAPABILITIES_KEY, latest=True)
+
+    assert up_cap is not None and down_cap is not None
+    assert 0 < measured.capabilities.upload_bps <= up_cap
+    assert 0 < measured.capabilities.download_bps <= down_cap
+    assert found is not None
+    record = decode_capability_record(found.entries[volunteer.peer_id.encode()].value)
+    assert record == measured.record()
+    assert 0 < record.capabilities.upload_bps <= up_cap and 0 < record.capabilities.download_bps <= down_cap
 
 
 async def test_measure_capabilities_of_a_client_mode_peer(nursery: trio.Nursery) -> None:

@@ -20,6 +20,7 @@ from volunteer.policy import (
     Readings,
     Rules,
     Window,
+    bandwidth_caps,
     decide,
     parse_window,
     rules_from_flags,
@@ -157,6 +158,25 @@ def test_debounce_flips_at_most_once_per_hold(raw: list[bool], pause_after: int,
         assert i + 1 >= needed and all(r == applied[i] for r in raw[i + 1 - needed : i + 1])
 
 
+def test_bandwidth_caps_are_mb_per_second_and_refuse_what_is_no_rate() -> None:
+    assert bandwidth_caps(None, None) == (None, None)
+    assert bandwidth_caps(2.5, None) == (2.5e6, None)
+    assert bandwidth_caps(None, 0.125) == (None, 125_000.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e8):
+        with pytest.raises(ConfigError, match="--max-upload"):
+            bandwidth_caps(bad, 1.0)
+        with pytest.raises(ConfigError, match="--max-download"):
+            bandwidth_caps(1.0, bad)
+
+
+def test_the_bandwidth_caps_are_config_keys_and_environment_variables(tmp_path: Path) -> None:
+    from tests.volunteer.test_config import parsed, write
+
+    write(tmp_path, "max-upload = 2\nmax-download = 8.5\n")
+    params = parsed(["--data-dir", str(tmp_path)], {"VOLUNTEER_MAX_UPLOAD": "1.5"})
+    assert params["max_upload"] == 1.5 and params["max_download"] == 8.5
+
+
 def test_the_policy_flags_are_config_keys(tmp_path: Path) -> None:
     from tests.volunteer.test_config import parsed, write
 
@@ -177,6 +197,10 @@ def test_the_policy_flags_are_config_keys(tmp_path: Path) -> None:
         (["--active-hours", "25:00-07:00"], "--active-hours '25:00-07:00': hours are 00-23"),
         (["--max-other-cpu", "150"], "--max-other-cpu must be 0 to 100 percent"),
         (["--gpu-memory-fraction", "0"], "--gpu-memory-fraction 0: give a share above 0"),
+        (["--max-upload", "0"], "--max-upload 0: give a rate above 0 in MB/s"),
+        (["--max-download", "-2"], "--max-download -2: give a rate above 0 in MB/s"),
+        (["--max-upload", "nan"], "--max-upload nan: give a rate above 0"),
+        (["--max-download", "inf"], "--max-download inf: give a rate above 0"),
     ],
 )
 def test_bad_policy_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], message: str) -> None:
