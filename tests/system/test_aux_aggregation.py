@@ -102,6 +102,10 @@ def test_two_client_mode_volunteers_train_because_the_backbone_aggregates(tmp_pa
         )
         compared = assert_identical(volunteers)  # type: ignore[arg-type]
         assert compared >= 4
+        for v in volunteers:  # (CI once saw a step recorded twice: a fork reverted by the merge rule)
+            taken = [int(r["step"]) for r in v.records()]  # type: ignore[call-overload]
+            twice = sorted({s for s in taken if taken.count(s) > 1})
+            assert not twice, f"{v.name} took steps {twice} twice: it stepped a fork and went back"
         # every step both took was averaged by the three of them
         shared_steps = set(volunteers[0].steps()) & set(volunteers[1].steps())
         assert len(shared_steps) >= 4
