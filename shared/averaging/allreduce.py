@@ -86,16 +86,21 @@ before it fails the slice (``avg.relay``, a :class:`~protocols.averaging.RelayRe
 * *who answers*: every member keeps, for each round, the encoded averaged parts it received and
   verified (from the aggregator or through a relay) with their headers, and answers a relay request from a
   member of that round's plan at once: the part and the aggregator's header (its ``receipt`` stripped), or
-  ``NOT_FOUND`` ("not held"; ``PENDING`` while its own pull of that slice runs), never waiting for
-  anything. A separate kind, not a flag of ``avg.pull``:
-  a pull waits for an average and counts towards the aggregator's duty (``pulls_left``), a relay waits for
-  nothing, needs no duty and is served by members that aggregate nothing;
+  ``NOT_FOUND`` ("not held"; ``PENDING`` while its own pull of that slice runs, or while it is still
+  matchmaking for a round of that number, :meth:`Averager.joining`), never waiting for anything. A
+  separate kind, not a flag of ``avg.pull``: a pull waits for an average and counts towards the
+  aggregator's duty (``pulls_left``), a relay waits for nothing, needs no duty and is served by members
+  that aggregate nothing;
 * *asking again*: a member still pulling ``j``'s slice itself (its own exchange with ``j`` not ended
   yet) answers ``PENDING`` instead of ``NOT_FOUND``: it may hold the part a moment later. While one
   does, the asker asks again (every 0.25 s) until ``2 T`` after it started asking (the pull stall
   timeout: by then the other's pull has either completed or failed); otherwise a member that got the
   part a moment after the others gave up would step with the full group while they retried among
   themselves (a fork, seen in the churn test when an aggregating backbone was killed mid-round).
+  Likewise a member that has not started the round yet (it adopted the plan later than the asker, whose
+  pull of a restarted backbone failed at once in its own dial back-off) answers ``PENDING`` while it is
+  still matchmaking for that round number: it is about to pull the slice itself (seen in the churn
+  test: the late member completed the round with the backbone's slice while the asker retried without it).
   ``NOT_FOUND`` is final: the member's pull from ``j`` ended without the part, or it does not know the
   round (a restarted process); asking it again would only stall the round (asking on every
   ``NOT_FOUND`` held a soak's survivors up to ``2 T`` per departed aggregator). A member that is itself
@@ -157,7 +162,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -479,12 +485,26 @@ class Averager:
         self._started: dict[tuple[bytes, int], trio.Event] = {}
         self._early: dict[str, int] = {}  # peer -> its requests waiting for a round to start
         self._held: dict[tuple[bytes, int], _Held] = {}
+        self._joining: Counter[int] = Counter()  # rounds we are matchmaking for, not started yet
         host.bulk_handlers[PUSH] = self._on_push
         host.bulk_handlers[PULL] = self._on_pull
         host.bulk_handlers[RELAY] = self._on_relay
 
     def statistics(self) -> AveragerStatistics:
         return AveragerStatistics(**vars(self.stats))
+
+    @contextlib.contextmanager
+    def joining(self, round_: int) -> Iterator[None]:
+        """While this is open we are matchmaking for ``round_`` (or about to start it): a relay request for
+        a round of that number we have not started is answered ``PENDING``, not ``NOT_FOUND`` (module
+        docstring, "Relayed slices": a member that adopted the plan later than the asker)."""
+        self._joining[round_] += 1
+        try:
+            yield
+        finally:
+            self._joining[round_] -= 1
+            if self._joining[round_] <= 0:
+                del self._joining[round_]
 
     # ---------------------------------------------------------------- member side
 
@@ -526,6 +546,9 @@ class Averager:
         if duty is not None:
             duty.watch = got.watch
         held = got.held = self._hold_round(plan, started)
+        # every slice we will pull counts as being pulled from now on (relays answer PENDING), not only
+        # once its exchange task runs: under load that can be a while after a member asks
+        held.pulling.update(j for j, s in enumerate(slices) if s.numel and j != me and j not in skipped)
         try:
             if not got.pushes_left:
                 await faults.point("allreduce.after_push")
@@ -724,10 +747,14 @@ class Averager:
                 raise errors[0]
             averaged[j] = result
         except BadAverage as exc:
+            if got.held is not None:
+                got.held.pulling.discard(j)
             self.stats.averages_refused += 1
             got.refused[j] = failed[j] = f"refused its average: {exc}"
             got.receipts.pop(j, None)
         except (*CALL_FAILURES, NothingToAverage, PartRejected, _Stalled) as exc:
+            if got.held is not None:  # from now on a final "not held" for anyone asking us (docstring)
+                got.held.pulling.discard(j)
             reason = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, PeerUnavailable | _Stalled):
                 await self._departed(plan, j, reason, got)
@@ -1139,6 +1166,8 @@ class Averager:
         self._forget_expired(trio.current_time())
         held = self._held.get((request.group_id, request.round))
         if held is None:
+            if request.round in self._joining:  # we may be about to start it: ask again
+                raise RemoteError(ErrorCode.PENDING, f"round {request.round} not started here yet")
             raise RemoteError(ErrorCode.NOT_FOUND, f"no parts of round {request.round} held here")
         if ctx.peer_id not in held.members:
             raise RemoteError(ErrorCode.FORBIDDEN, "not a member of this group")

@@ -346,7 +346,10 @@ class BatchStep:
             numel=self.trainer.numel,  # auxiliary aggregators adopt the length computing members agree on
         )
         try:
-            plan = await self.matchmaker.assemble(step, ticket, self.trainer.numel, group_key=f"a{attempt}")
+            with self.averager.joining(step):  # a member that started before us gets PENDING, not NOT_FOUND
+                plan = await self.matchmaker.assemble(
+                    step, ticket, self.trainer.numel, group_key=f"a{attempt}"
+                )
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
             self.waiting(_round_failure(str(exc)))

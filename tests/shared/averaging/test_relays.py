@@ -18,6 +18,7 @@ import trio
 
 from protocols.averaging import (
     AveragedHeader,
+    RelayRequest,
     averaged_payload,
     decode_averaged_header,
     decode_relay_request,
@@ -28,8 +29,9 @@ from protocols.averaging import (
 from protocols.codes import ErrorCode
 from protocols.peer_id import PeerId
 from shared.auth.keys import Identity, verify_by_peer_id
-from shared.averaging.allreduce import Averager, GroupPlan, RoundResult
+from shared.averaging.allreduce import RELAY, Averager, GroupPlan, RoundResult
 from shared.errors import PeerUnavailable, RemoteError
+from shared.net.addresses import parse_multiaddr
 from shared.net.bulk import BulkReply
 from shared.net.host import Host, HostConfig
 
@@ -372,3 +374,31 @@ def test_the_aggregators_signature_binds_run_step_round_group_part_and_payload()
         {"signature": stranger.sign(averaged_payload(statement_of(header, **where)))},
     ):
         assert not verifies(msgspec.structs.replace(signed, **change)), change  # type: ignore[arg-type]
+
+
+async def test_a_member_still_matchmaking_for_the_round_answers_pending(nursery: trio.Nursery) -> None:
+    """The churn test's second fork: a member whose pull of a restarted backbone failed at once (its own
+    dial back-off) asked the others before one of them had even adopted the plan; that one answered "not
+    held", final, then completed the round with the backbone's slice while the asker retried without it.
+    A member still matchmaking for a round of that number answers PENDING (ask again), and NOT_FOUND
+    only once it is not."""
+    (asker, _), (late, averager) = await start(nursery, [Recording, Recording])
+    request = encode_header(RelayRequest(group_id=b"g" * 32, round=7, aggregator=2, part_index=0))
+    address = parse_multiaddr(late.listen_addrs[0]).with_peer(late.peer_id)
+
+    async def ask() -> ErrorCode:
+        def sink(meta: bytes, nbytes: int) -> memoryview:
+            raise AssertionError("nothing is held, so nothing may be sent")
+
+        with pytest.raises(RemoteError) as refused:
+            await asker.send_bulk(address, RELAY, b"", request, sink=sink)
+        return refused.value.code
+
+    with averager.joining(7):
+        assert await ask() == ErrorCode.PENDING
+        with averager.joining(7):  # nested (a retry while the first attempt still runs): still joining
+            pass
+        assert await ask() == ErrorCode.PENDING
+    assert await ask() == ErrorCode.NOT_FOUND
+    with averager.joining(8):  # another round number is no reason to wait
+        assert await ask() == ErrorCode.NOT_FOUND
