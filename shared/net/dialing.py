@@ -29,6 +29,14 @@ expected peer id for a mismatch (a restarted node keeps its address but not nece
 so the address stays usable for the id it proves now), at all for the other failures. A success
 clears the target's back-off. Memory is bounded (oldest entries go first).
 
+A bulk dial of a known peer id may *wait out* a back-off that ends within ``bulk_backoff_wait`` seconds
+instead of failing at once (:meth:`shared.net.host.Host._dial`): the members of an averaging round are
+peers whose fresh signed tickets named them, and a peer that restarted on its address (a backbone) is
+back within seconds; failing its round at once made the members that had tried it during its restart
+leave a round the others completed (a fork, seen in the churn test). The waiters of one target dial one
+at a time, each after checking the back-off again, so a target still down costs one dial per back-off
+period, as before, and the next, doubled back-off (beyond the wait) refuses the rest.
+
 Pure: the caller passes ``now``.
 """
 
@@ -118,6 +126,12 @@ class DialGuard:
             self.refused += 1
             return f"{host}:{port} failed {entry[1]} time(s) in a row; next dial in {entry[0] - now:.1f} s"
         return None
+
+    def backoff_left(self, host: str, port: int, now: float) -> float:
+        """Seconds until ``host:port`` may be dialed again after failed dials (0: now); identity blocks
+        are not counted (see :meth:`refusal`)."""
+        entry = self._backoff.get((host, port))
+        return max(0.0, entry[0] - now) if entry is not None else 0.0
 
     def failed(self, host: str, port: int, now: float) -> None:
         """A dial of ``host:port`` failed before the identity check (unreachable, reset, timeout)."""

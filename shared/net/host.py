@@ -110,6 +110,7 @@ class HostConfig:
     redial_after_failure: float = 0.5  # back-off after a failed dial of a target, doubling per failure
     max_redial_backoff: float = 8.0
     identity_block: float = 600.0  # a target that failed the identity check is not redialed this long
+    bulk_backoff_wait: float = 1.0  # a bulk dial of a known peer waits out a back-off this short (dialing)
     max_upload_bps: float | None = None  # cap on all this node's sending, bytes/s (shared.net.ratelimit)
     max_download_bps: float | None = None  # ... and on its receiving; None: not capped
 
@@ -191,6 +192,7 @@ class Host:
         )
         #: our outstanding dial-back requests, per peer: the channels their reverse lanes go to, oldest first
         self._reverse_waiters: dict[PeerId, list[trio.MemorySendChannel[SecureConnection]]] = {}
+        self._backoff_waits: dict[tuple[str, int], trio.Lock] = {}  # bulk dials waiting out a back-off
         self._dial_backs_running: dict[str, int] = {}
         self._reversal_counts = [0, 0, 0]  # dial_backs, reverse_lanes, reverse_refused
         self.registry.add(DialBackRequest, self._on_dial_back)
@@ -590,9 +592,33 @@ class Host:
                 raise
             self._dial_guard.succeeded(key, 0)
             return conn
-        refusal = self._dial_guard.refusal(address.host, address.port, address.peer_id, trio.current_time())
+        guard, target = self._dial_guard, (address.host, address.port)
+        refusal = guard.refusal(*target, address.peer_id, trio.current_time())
+        left = guard.backoff_left(*target, trio.current_time())
+        if (
+            refusal is not None
+            and lane == "bulk"
+            and address.peer_id
+            and 0 < left <= self.config.bulk_backoff_wait
+        ):
+            # a known peer in a short back-off: wait for its end, the waiters of a target dialing one at a
+            # time, each after checking again (module docstring of .dialing)
+            lock = self._backoff_waits.setdefault(target, trio.Lock())
+            try:
+                async with lock:
+                    await trio.sleep(guard.backoff_left(*target, trio.current_time()))
+                    refusal = guard.refusal(*target, address.peer_id, trio.current_time())
+                    if refusal is None:
+                        return await self._dial_direct(address, lane)
+            finally:
+                if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                    self._backoff_waits.pop(target, None)
         if refusal is not None:
             raise PeerUnavailable(f"not dialing {address}: {refusal}")
+        return await self._dial_direct(address, lane)
+
+    async def _dial_direct(self, address: PeerAddress, lane: Lane) -> SecureConnection:
+        """Dial ``address`` (no relay) now, recording the outcome in the :class:`DialGuard`."""
         try:
             with trio.fail_after(self.config.dial_deadline):
                 conn = await dial(self.endpoint, address, lane)

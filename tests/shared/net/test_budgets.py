@@ -180,6 +180,44 @@ async def test_host_backs_off_redialing_an_unreachable_target(start_host: StartH
     assert client.statistics().dials_refused == 1
 
 
+async def test_a_bulk_dial_of_a_peer_back_from_a_restart_waits_out_a_short_backoff(
+    nursery: trio.Nursery, start_host: StartHost
+) -> None:
+    """The churn test's fork: members that had dialed a restarting backbone in vain failed its round at once
+    in their own back-off, although it was back. A bulk dial of a known peer waits out a back-off of at most
+    ``bulk_backoff_wait``; an RPC, and a longer back-off, are refused at once as before."""
+    client = await start_host(HostConfig(redial_after_failure=0.5, bulk_backoff_wait=1.0, dial_deadline=5))
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    server = Host(Identity.generate(), RUN_ID, HostConfig(dial_deadline=5))
+    server.bulk_handlers["sink"] = _sink
+    back = PeerAddress("127.0.0.1", port, server.peer_id)
+    with trio.fail_after(HANG_GUARD_S):
+        with pytest.raises(PeerUnavailable, match="cannot connect"):  # it is down (restarting)
+            await client.send_bulk(back, "sink", b"x" * 10)
+        with pytest.raises(PeerUnavailable, match="in a row"):  # an RPC is refused at once, as before
+            await client.call(back, PingRequest())
+        await nursery.start(server.run, [f"/ip4/127.0.0.1/tcp/{port}"])  # it is back on its address
+        await client.send_bulk(back, "sink", b"x" * 10)  # within the back-off: waited, then dialed
+        assert client._dial_guard.backoff_left("127.0.0.1", port, trio.current_time()) == 0
+
+
+async def test_a_long_backoff_still_refuses_a_bulk_dial_at_once(start_host: StartHost) -> None:
+    client = await start_host(
+        HostConfig(redial_after_failure=PATIENT, bulk_backoff_wait=1.0, dial_deadline=5)
+    )
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        port = placeholder.getsockname()[1]
+    nobody = PeerAddress("127.0.0.1", port, PeerId(Identity.generate().peer_id))
+    with trio.fail_after(HANG_GUARD_S):
+        with pytest.raises(PeerUnavailable, match="cannot connect"):
+            await client.send_bulk(nobody, "sink", b"x")
+        with pytest.raises(PeerUnavailable, match="in a row"):
+            await client.send_bulk(nobody, "sink", b"x")
+
+
 def test_host_config_budgets_have_sane_defaults() -> None:
     config = HostConfig()
     assert config.max_pending_per_address < config.max_pending < config.max_incoming
