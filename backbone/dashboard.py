@@ -35,6 +35,10 @@ aggregation slices; one in client mode dials out only; this backbone aggregates 
 started with ``--no-aggregate`` / ``--no-relay``. Health comes from the running node, aggregator and
 relay (:class:`LiveSources`, filled in by :mod:`backbone.service` as it starts them; absent in tests that
 build the app alone, where the page says "unknown").
+
+**Cost.** ``data.json`` is public, so anyone may ask it as often as they like: each view's answer is
+computed at most once per :data:`ANSWER_TTL_S` and shared by every request meanwhile
+(:class:`_SharedAnswer`; concurrent requests wait for the one computation under way).
 """
 
 from __future__ import annotations
@@ -90,6 +94,10 @@ logger = logging.getLogger("backbone.dashboard")
 STEPS_SHOWN = 500
 #: the DHT's capability records are read at most this often (every browser's poll shares one read)
 LIVE_TTL_S = 5.0
+#: a view's answer (public, or with per-user rows) is computed at most once per this many seconds, however
+#: many browsers poll or strangers ask: a flood of requests costs one ledger read a second, never the
+#: API's read slots (DB_READ) that admission and reports need
+ANSWER_TTL_S = 1.0
 #: a DHT read that takes longer is given up (the page shows the last one)
 DHT_READ_TIMEOUT_S = 3.0
 ROLES = ("compute", "aggregate", "relay", "client")
@@ -229,6 +237,26 @@ def _snapshot(store: LedgerStore, *, since: float, leaderboard: bool, steps: int
         reports=store.report_counts(),
         leaderboard=store.leaderboard() if leaderboard else None,
     )
+
+
+class _SharedAnswer:
+    """The newest answer per key, recomputed at most once per ``ttl`` seconds (module docstring, "Cost")."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.computed = 0  # how many answers were computed (the rest were shared)
+        self._answers: dict[bool, tuple[float, bytes]] = {}
+        self._locks: dict[bool, trio.Lock] = {}
+
+    async def get(self, key: bool, compute: Callable[[], Awaitable[bytes]]) -> bytes:
+        async with self._locks.setdefault(key, trio.Lock()):
+            cached = self._answers.get(key)
+            if cached is not None and trio.current_time() - cached[0] < self.ttl:
+                return cached[1]
+            answer = await compute()
+            self.computed += 1
+            self._answers[key] = (trio.current_time(), answer)
+            return answer
 
 
 # ---------------------------------------------------------------------------------------- live sources
@@ -575,6 +603,7 @@ def routes(state: ApiState) -> list[Route]:
     """The dashboard's and ``/metrics``' routes, for :func:`backbone.api.build_app`."""
     live = state.live
     page = resources.files("backbone") / "static"
+    shared = _SharedAnswer(ANSWER_TTL_S)  # one per app: every request of a view shares its answer
 
     def answer(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
@@ -608,10 +637,11 @@ def routes(state: ApiState) -> list[Route]:
         if admin:
             _check_admin(request, state.admin_token)  # a wrong token is a 401, never a downgrade
         per_user = admin or state.public_leaderboard
-        return Response(
-            msgspec.json.encode(await dashboard_data(state, live, per_user=per_user)),
-            media_type="application/json",
-        )
+
+        async def compute() -> bytes:
+            return msgspec.json.encode(await dashboard_data(state, live, per_user=per_user))
+
+        return Response(await shared.get(per_user, compute), media_type="application/json")
 
     @answer
     async def metrics(request: Request) -> Response:

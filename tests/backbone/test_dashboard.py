@@ -279,3 +279,45 @@ def test_active_peers_and_counts_on_both_databases(store: LedgerStore) -> None:
     store.register_backbone(Identity.generate().peer_id, Identity.generate().public_key_bytes, now=now)
     counts = ledger_counts(store)
     assert counts == {"users": 4, "peers": 5, "open_sessions": 4}  # erin removed; carol's still open
+
+
+async def test_a_flood_of_requests_costs_one_ledger_read_per_view_and_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """data.json is public: 20 requests at once (and more within a second) are answered from one
+    computation per view, so strangers cannot take the API's ledger read slots; a second later the
+    answer is computed again, so updates still arrive."""
+    import trio
+
+    import backbone.dashboard as dashboard
+
+    computed: list[bool] = []
+    real = dashboard.dashboard_data
+
+    async def counting(*args: Any, per_user: bool, **kwargs: Any) -> dict[str, Any]:
+        computed.append(per_user)
+        await trio.sleep(0.05)  # the others arrive while it runs: they wait for it, not compute again
+        return await real(*args, per_user=per_user, **kwargs)
+
+    monkeypatch.setattr(dashboard, "dashboard_data", counting)
+    with in_process_api(tmp_path) as api:
+        seed(api.state.store, time.time())
+        transport = httpx.ASGITransport(app=build_app(api.state), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://backbone") as client:
+            answers: list[httpx.Response] = []
+
+            async def ask(**headers: str) -> None:
+                answers.append(await client.get("/dashboard/data.json", headers=headers))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(
+                        lambda i=i: ask(**({"authorization": f"Bearer {ADMIN}"} if i % 2 else {}))
+                    )
+            assert all(a.status_code == 200 for a in answers)
+            assert sorted(computed) == [False, True]  # one computation per view
+            public = [a.json() for a in answers if a.json()["access"]["per_user"] is False]
+            assert len(public) == 10 and all(p == public[0] for p in public)
+            await trio.sleep(dashboard.ANSWER_TTL_S)
+            await ask()
+            assert sorted(computed) == [False, False, True]
