@@ -78,7 +78,9 @@ def test_round_length_example_and_its_bounds() -> None:
 
 def test_round_length_from_an_lp_plan() -> None:
     """The averaging time comes from the LP: 4 peers on 20 Mbit/s links, a 10M-parameter vector in 8 bit."""
-    peers = [PeerSpec(samples_per_second=s, download_bps=2.5e6, upload_bps=2.5e6) for s in (40.0, 20.0, 10.0, 10.0)]
+    peers = [
+        PeerSpec(samples_per_second=s, download_bps=2.5e6, upload_bps=2.5e6) for s in (40.0, 20.0, 10.0, 10.0)
+    ]
     vector_bytes = 10_000_000 + 4 * -(-10_000_000 // 4096)
     plan = plan_averaging(peers, target_batch=4096, gradient_bytes=vector_bytes)
     r = round_length([p.samples_per_second for p in peers], plan.averaging_seconds, max_samples=10**7)
