@@ -26,6 +26,14 @@ hold:
     (:data:`HIGH_WATER_FILE`, written atomically, any damage read as "no mark"), so a restart remembers
     it. While ``H`` is *binding*, a state of a step below ``H.step`` is not trained on alone.
 
+(c) *Nobody is joining from its state*: no peer downloaded a chunk of our state in the last
+    :data:`JOINING_GRACE` seconds. Such a peer is joining the run from the state we hold and publishes
+    its record only once it has loaded it; a lone step meanwhile puts us a step ahead of the state it
+    loads, and two lone steps make our claim not credible to it (:mod:`shared.progress`, rule 2): we
+    are sent back to the step it holds, which nobody announces while its high-water mark still shows
+    our later step (seen in the churn test under load: a newcomer loaded step 13 while we stepped to 15
+    alone, and the run stood still for two minutes).
+
 **When truly everyone left.** ``H`` binds for :data:`HIGH_WATER_TTL` seconds after ``seen`` (wall-clock,
 persisted: a restart does not reset the wait, and a mark dated more than the allowed clock skew in the
 future -- a clock set back, a damaged file -- binds nothing). After that the collaboration has not been
@@ -61,6 +69,7 @@ __all__ = [
     "EVIDENCE_MAX_AGE",
     "HIGH_WATER_FILE",
     "HIGH_WATER_TTL",
+    "JOINING_GRACE",
     "SAVE_PERIOD",
     "HighWater",
     "LoneStep",
@@ -79,6 +88,8 @@ logger = logging.getLogger(__name__)
 HIGH_WATER_TTL = 4 * PROGRESS_TTL
 #: Reads of the progress records older than this are no evidence of anything.
 EVIDENCE_MAX_AGE = 5.0
+#: Seconds after a peer downloaded our state during which we do not step alone (rule (c)).
+JOINING_GRACE = 30.0
 #: The mark's file in the volunteer's data dir.
 HIGH_WATER_FILE = "high-water.json"
 #: A confirmation of an unchanged mark is written at most this often.
@@ -142,6 +153,7 @@ def lone_step(
     now: float,
     read_at: float,
     target_batch: int,
+    joining: str | None = None,
 ) -> LoneStep:
     """May we step alone now, at ``step``? (the rule of the module docstring)
 
@@ -153,7 +165,10 @@ def lone_step(
         now: unix time.
         read_at: unix time of the oldest of ``readings``.
         target_batch: the run's target batch (for plausibility).
+        joining: a peer that downloaded our state within :data:`JOINING_GRACE` seconds, if any.
     """
+    if joining is not None:
+        return LoneStep(False, f"{joining} is joining from our state (it downloaded it)")
     answered = [r for r in readings if r.answered]
     if not answered:
         return LoneStep(False, "no read of the progress records answered")

@@ -49,6 +49,14 @@ def verdict(readings: list[Reading], step: int = 10, mark: HighWater | None = No
     return lone_step(readings, "me", step, mark, now=NOW, read_at=read_at, target_batch=TARGET)
 
 
+def test_a_peer_joining_from_our_state_forbids_the_lone_step() -> None:
+    """Rule (c): it loads the state we hold now; a lone step would leave it behind a step it cannot follow."""
+    alone = [read({"me": rec(10)})]
+    assert verdict(alone).allowed
+    joining = lone_step(alone, "me", 10, None, now=NOW, read_at=NOW, target_batch=TARGET, joining="newcomer")
+    assert not joining.allowed and "newcomer is joining from our state" in joining.why
+
+
 def test_a_peer_seen_only_through_a_backbone_forbids_the_lone_step() -> None:
     assert verdict([read({"me": rec(10)})]).allowed
     through_backbone = [read({"me": rec(10)}), read({"other": rec(124)}, source="/ip4/1.2.3.4/tcp/1")]

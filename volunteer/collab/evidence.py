@@ -61,6 +61,8 @@ class Evidence:
     readings: list[Reading] = field(default_factory=list)
     read_at: float = 0.0  # unix time the latest readings started
     mark: HighWater | None = None
+    #: a peer that downloaded our state within JOINING_GRACE seconds (shared.alone, rule (c)), if any
+    joining: Callable[[], str | None] = lambda: None
 
     def __post_init__(self) -> None:
         if self.data_dir is not None:
@@ -116,6 +118,7 @@ class Evidence:
             now=time.time(),
             read_at=self.read_at,
             target_batch=self.target_batch,
+            joining=self.joining(),
         )
 
     async def observe(self, view: CollabView) -> None:

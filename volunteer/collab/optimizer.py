@@ -29,6 +29,7 @@ import torch
 import trio
 
 from protocols.training import Progress, TrainingSpec
+from shared.alone import JOINING_GRACE
 from shared.averaging.matchmaking import Matchmaker
 from shared.node import Node
 from shared.progress import CollabView
@@ -121,6 +122,7 @@ class CollaborativeOptimizer:
             on_discard=self._discard,
             previous_life=self.previous_life,
         )
+        self.evidence.joining = lambda: self.sync.server.recent_downloader(JOINING_GRACE)
         self.mode: StepMode = self._batch_step()
 
     def _batch_step(self) -> BatchStep:

@@ -12,6 +12,7 @@ import trio
 
 from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
+from protocols.peer_id import PeerId
 from protocols.state import (
     MAX_CHUNK_BYTES,
     STATE_TOPIC,
@@ -470,3 +471,35 @@ async def test_a_download_broken_at_the_mid_download_fault_point_resumes_from_it
     assert got == blob
     chunks = -(-len(blob) // CHUNK)
     assert faults.hits("state.mid_download") == chunks - 3  # resumed after chunk 2; none after the last
+
+
+async def test_the_server_remembers_which_volunteer_downloaded_its_state_lately() -> None:
+    """A lone volunteer does not step while a peer joins from its state (shared.alone, rule (c)): the
+    server names the newest volunteer that downloaded a chunk, never a backbone storing a checkpoint nor
+    a peer whose request was refused."""
+    host = Host(Identity.generate(), "joining-test", HostConfig())
+    server = StateServer(host)
+    blob = make_blob(3, numel=16)
+    digest = server.offer(3, blob).digest
+    ask = BulkHeader(
+        topic=STATE_TOPIC,
+        nbytes=0,
+        meta=msgspec.msgpack.encode(StateRequest(digest=digest, offset=0, length=8)),
+    )
+    reader = None  # a state request carries no payload: the server reads nothing
+
+    def ctx(peer: str, user: str | None) -> RequestContext:
+        return RequestContext(PeerId(peer), (), username=user)
+
+    assert server.recent_downloader(30.0) is None
+    await server._on_get(ctx("B", "backbone"), ask, reader)  # type: ignore[arg-type]
+    assert server.recent_downloader(30.0) is None  # a checkpoint, not a newcomer
+    unknown = msgspec.msgpack.encode(StateRequest(digest=bytes(32), offset=0, length=8))
+    refused = BulkHeader(topic=STATE_TOPIC, nbytes=0, meta=unknown)
+    with pytest.raises(RemoteError):
+        await server._on_get(ctx("X", "mallory"), refused, reader)  # type: ignore[arg-type]
+    assert server.recent_downloader(30.0) is None  # refused: it downloaded nothing
+    await server._on_get(ctx("V", "alice"), ask, reader)  # type: ignore[arg-type]
+    assert server.recent_downloader(30.0) == "V"
+    await trio.sleep(0.05)
+    assert server.recent_downloader(0.01) is None  # not lately
