@@ -11,7 +11,8 @@
 are at most ``rate * (b - a) + burst``. Why: with ``V(s)`` the bucket as it would be at time ``s`` had no
 later request come (tokens refilled to ``s``), every grant at ``g`` leaves ``V(g) >= 0`` after its
 deduction (the delay is exactly what refills the debt), grants happen in request order (a queued request
-is granted ``n / rate`` after the one before it), and between grants ``V`` grows by at most
+is granted ``n / rate`` after the one before it; the bucket never returns a grant before the previous
+one, which float rounding alone could do by an ulp), and between grants ``V`` grows by at most
 ``rate * (b - a)`` and never exceeds ``burst``; so what the grants in ``[a, b]`` took is at most
 ``V(a) + rate * (b - a) - V(b) <= burst + rate * (b - a)``. Over a long busy stretch the rate is therefore
 ``rate``, and it is also reached: a request that finds ``tokens >= n`` waits 0, and queued ones are
@@ -91,6 +92,7 @@ class TokenBucket:
         self.burst = float(burst)
         self._tokens = self.burst  # full at first: a fresh node may send its first burst at once
         self._last: float | None = None
+        self._granted = -math.inf  # the latest grant time so far
 
     def tokens(self, now: float) -> float:
         """The tokens at ``now`` (negative: reservations are queued); ``now`` never goes back."""
@@ -108,7 +110,9 @@ class TokenBucket:
             raise ValueError(f"a reservation is 0 to {self.burst:.0f} bytes (the burst), got {n!r}")
         self._refill(now)
         self._tokens -= n
-        return max(0.0, -self._tokens / self.rate)
+        # in request order exactly: the delay's rounding alone may put a grant an ulp before the last one
+        self._granted = max(now + max(0.0, -self._tokens / self.rate), self._granted)
+        return self._granted - now
 
     def charge(self, n: float, now: float) -> None:
         """Take ``n >= 0`` bytes that already moved (a read: its size is known only afterwards)."""
