@@ -24,7 +24,6 @@ import logging
 import os
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +82,6 @@ STATE_IO = trio.CapacityLimiter(4)
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 #: Blobs a server keeps in memory; older offers are dropped (files are not counted: they cost no memory).
 MAX_BLOBS_IN_MEMORY = 2
-#: how many recent downloaders a state server remembers (StateServer.recent_downloader)
-MAX_DOWNLOADERS = 64
 #: A state announcement lives this long in the DHT and is re-published every ``ANNOUNCE_PERIOD`` seconds.
 ANNOUNCE_TTL = 60.0
 ANNOUNCE_PERIOD = 20.0
@@ -129,8 +126,8 @@ class StateServer:
         self._blobs: dict[bytes, _Offer] = {}  # oldest offer first
         self._files: dict[bytes, _Offer] = {}
         self._chunks = self._bytes = self._refused = 0
-        #: who downloaded a chunk from us lately, and when (trio time), oldest first, at most MAX_DOWNLOADERS
-        self._downloaders: OrderedDict[str, float] = OrderedDict()
+        #: the volunteer that downloaded a chunk from us last, and when (trio time)
+        self._last_download: tuple[str, float] | None = None
         host.bulk_handlers[STATE_TOPIC] = self._on_get
 
     def offer(self, step: int, blob: bytes, *, digest: bytes | None = None) -> StateAnnouncement:
@@ -171,9 +168,9 @@ class StateServer:
         """A volunteer (an admitted user other than a backbone, which only stores checkpoints) that
         downloaded a chunk of our state in the last ``within`` seconds, if any (the newest): it is joining
         the run from our state, and not yet visible in the progress records."""
-        if not self._downloaders:
+        if self._last_download is None:
             return None
-        peer, at = next(reversed(self._downloaders.items()))
+        peer, at = self._last_download
         return peer if trio.current_time() - at <= within else None
 
     def statistics(self) -> StateServerStatistics:
@@ -198,10 +195,7 @@ class StateServer:
             self._refused += 1
             raise
         if ctx.username is not None and ctx.username != BACKBONE_USER:  # a backbone stores checkpoints
-            self._downloaders.pop(ctx.peer_id, None)
-            self._downloaders[ctx.peer_id] = trio.current_time()
-            while len(self._downloaders) > MAX_DOWNLOADERS:
-                self._downloaders.popitem(last=False)
+            self._last_download = (ctx.peer_id, trio.current_time())
         return reply
 
     async def _serve(self, header: BulkHeader) -> BulkReply:
