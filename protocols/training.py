@@ -46,6 +46,8 @@ __all__ = [
     "Progress",
     "ScheduleSpec",
     "StateAnnouncement",
+    "SyncMode",
+    "SyncSpec",
     "TokenizerSpec",
     "TrainingSpec",
 ]
@@ -200,6 +202,26 @@ class AveragingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trim_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)] = 0.25
 
 
+SyncMode = Literal["batch", "diloco"]
+
+
+class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """How the peers synchronize (the ``[sync]`` table).
+
+    * ``mode``: ``batch`` (DeDLOC: average the gradients of every global batch of ``target_batch``
+      samples and take one optimizer step together) or ``diloco`` (each peer takes inner optimizer steps
+      of ``local_batch`` samples at its own pace; when the collaboration has processed ``target_batch``
+      samples -- one *round*, one global step -- the peers average their pseudo-gradients weighted by
+      their samples and apply the outer optimizer; :mod:`volunteer.collab.diloco`).
+    * ``outer_lr``, ``outer_momentum``: the outer optimizer, SGD with Nesterov momentum (DiLoCo: 0.7, 0.9;
+      diloco mode only).
+    """
+
+    mode: SyncMode = "batch"
+    outer_lr: Annotated[float, msgspec.Meta(gt=0, le=10.0)] = 0.7
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0, lt=1.0)] = 0.9
+
+
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What the run trains: see the module docstring. Fields left at their defaults are not encoded, so a
     run that uses none of a newer release's fields is still read by volunteers of the older one."""
@@ -225,6 +247,7 @@ class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
     #: activation checkpointing: recompute activations in backward to fit bigger micro-batches (tasks that
     #: expose ``gradient_checkpointing(enabled)``; same gradients, less memory, more compute)
     gradient_checkpointing: bool = False
+    sync: SyncSpec = SyncSpec()
 
     def __post_init__(self) -> None:
         for key, value in self.task_options.items():

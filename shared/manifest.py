@@ -1,7 +1,8 @@
 """Reading a run's training spec from a manifest file (TOML or JSON), with errors that say what is wrong.
 
 A manifest file holds the fields of :class:`protocols.training.TrainingSpec` at its top level, or under a
-``[training]`` table (then the file may carry other tables, which are ignored)::
+``[training]`` table (then the file may carry other tables, which are ignored, except ``[sync]``, which is
+read beside it)::
 
     task = "tiny-mlm"
     target_batch = 256
@@ -11,6 +12,8 @@ A manifest file holds the fields of :class:`protocols.training.TrainingSpec` at 
     [dataset]
     source = "backbone"
     generate = 8
+    [sync]
+    mode = "batch"         # or "diloco": local inner steps, pseudo-gradients averaged per round
 
 Beyond each field's own bounds, a spec is refused unless every volunteer could train it
 (:func:`shared.tasks.check_trainable`: a known task with valid options, an optimizer volunteers have, a local
@@ -57,7 +60,13 @@ def parse_training_spec(data: bytes, name: str = "manifest") -> TrainingSpec:
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{name} is neither valid TOML nor JSON: {exc}") from exc
     if isinstance(raw, dict) and isinstance(raw.get("training"), dict):
+        # [sync] is the run's, not only training's: read beside a [training] table too
+        sync = raw.get("sync")
         raw = raw["training"]
+        if sync is not None:
+            if "sync" in raw:
+                raise ConfigError(f"{name}: [sync] is given twice, at the top level and under [training]")
+            raw = {**raw, "sync": sync}
     try:
         spec = msgspec.convert(raw, TrainingSpec)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:

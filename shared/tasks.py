@@ -212,6 +212,11 @@ def check_trainable(spec: TrainingSpec) -> None:
             f"local_batch ({spec.local_batch}) is larger than target_batch ({spec.target_batch}): "
             "one volunteer's micro-batch would overshoot the global batch; lower local_batch"
         )
+    if spec.sync.mode == "diloco" and spec.dpu:
+        raise ConfigError(
+            'dpu (delayed parameter updates) is a batch-mode option; in [sync] mode = "diloco" remove it '
+            "(the inner steps already overlap nothing with averaging)"
+        )
     schedule = spec.schedule
     if schedule.warmup_steps > schedule.total_steps:
         raise ConfigError(

@@ -56,6 +56,7 @@ from .capabilities import (
     measure_samples_per_second,
     publish_capabilities,
 )
+from .collab.diloco_trainer import make_trainer
 from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from .collab.torch_thread import run_torch
 from .collab.trainer import LocalTrainer
@@ -146,7 +147,9 @@ class TrainingSession:
 
             torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
             logger.info("using at most %.0f%% of %s's memory", 100 * fraction, device)
-        trainer = await run_torch(LocalTrainer, task, self.spec, self.options.run_id, device, self.precision)
+        if self.spec.sync.mode == "diloco" and self.precision == "fp16" and self.options.precision == "auto":
+            self.precision = "fp32"  # no bf16 on this GPU; fp16 inner steps need a loss scale of their own
+        trainer = await run_torch(make_trainer, task, self.spec, self.options.run_id, device, self.precision)
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
         examples = open_examples(

@@ -1,7 +1,8 @@
 """The pure cores of the low-communication (DiLoCo) synchronization mode (issue 16; torch, no trio).
 
-Not wired yet: nothing in the running volunteer calls this module. It holds the arithmetic that every peer
-must perform identically, so that the wiring (step loop, averaging, state transfer) only moves vectors.
+It holds the arithmetic that every peer must perform identically, so that the wiring only moves vectors.
+The wiring is :class:`~.diloco_trainer.DilocoTrainer` (``[sync] mode = "diloco"``, "The running mode"
+below); overlap is not wired yet.
 
 **The algorithm** (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
 Models"). The collaboration holds global parameters ``θ_t`` (``t``: outer rounds done) and the outer
@@ -65,6 +66,23 @@ start point). Staleness: phase ``t + 1``'s gradients are computed near ``θ_t - 
 of ``θ_{t+1}`` whose error is ``Δ_{i,t}`` against the outer step's ``η (Δ̄_t + μ b_{t+1})``.
 :class:`Overlap` holds this bookkeeping; the inner optimizer state carries across the re-base.
 
+**The running mode** (:class:`~.diloco_trainer.DilocoTrainer`). A round is one global step of the run:
+step ``t`` holds ``θ_t``, and the machinery of the batch mode (:mod:`.step`) runs unchanged on top, with
+``target_batch`` read as the round's samples and ``local_batch`` as the inner batch:
+
+* ``accumulate`` runs forward/backward and takes an inner step whenever ``local_batch`` samples have
+  accumulated (a device that fits smaller micro-batches accumulates several);
+* ``take_gradients`` flushes a partial inner batch (one more inner step) and hands out ``Δ_i`` (plus the
+  error-feedback residual) with weight ``n_i``; the parameters are not touched, so a failed round simply
+  hands the samples back and inner training goes on from ``θ_i`` (the next attempt sends a longer ``Δ_i``);
+* the averaging (LP roles, groups, codecs, robust rules, failure handling) averages ``Δ_i`` weighted by
+  ``n_i`` like a gradient; ``apply(Δ̄)`` is the outer step, loads ``θ_{t+1}`` into the model and keeps the
+  inner optimizer state; a lone step applies our own ``Δ``;
+* the state a peer serves (``state_blob``) is ``θ_t`` (never its local parameters) and the outer momentum,
+  no inner optimizer state; loading one starts a fresh inner optimizer and a zero residual
+  (``discard_gradients``, the warm-up's and fitting's reset, does the same from our own ``θ_t``);
+* the fingerprint hashes ``θ_t``, so peers in the middle of an inner phase still agree.
+
 *Rejected: restarting phase ``t + 1`` from ``θ_t`` itself* (the literal delayed update, which drops the
 peer's own change in flight). Measured on the test task (4 workers of unequal speed, 10 rounds; worst
 held-out loss after round 3, synchronous / this rule / literal): inner lr 1e-3, 0.15 / 0.16 / 0.15 (both
@@ -86,6 +104,7 @@ import numpy.typing as npt
 import torch
 
 from shared.averaging.compression import Codec
+from shared.averaging.partition import num_parts, part_bounds
 
 __all__ = [
     "OUTER_LR",
@@ -97,6 +116,7 @@ __all__ = [
     "load_flat",
     "pseudo_gradient",
     "weighted_average",
+    "wire_layout",
 ]
 
 OUTER_LR = 0.7
@@ -281,24 +301,53 @@ class ErrorFeedback:
         Raises:
             ValueError: wrong size, parts that do not sum to ``numel``, or NaN/Inf in ``Δ + e``.
         """
+        sizes = [self.numel] if parts is None else list(parts)
+        corrected = self.corrected(delta)
+        encoded = self._wire(corrected, [(n, True) for n in sizes])
+        return encoded, self.residual.copy()
+
+    def corrected(self, delta: torch.Tensor) -> Float32Array:
+        """``x = Δ + e``, what is sent this round (the residual is not changed until :meth:`commit`).
+
+        Raises:
+            ValueError: wrong size, or NaN/Inf in ``Δ + e``.
+        """
         x = _flat32(delta, "delta").numpy()
         if x.size != self.numel:
             raise ValueError(f"delta has {x.size} elements, expected {self.numel}")
-        sizes = [self.numel] if parts is None else list(parts)
+        corrected: Float32Array = np.add(x, self.residual)
+        if not np.isfinite(corrected).all():
+            raise ValueError("the corrected pseudo-gradient holds NaN or Inf")
+        return corrected
+
+    def commit(self, corrected: Float32Array, layout: Sequence[tuple[int, bool]]) -> None:
+        """The round that sent ``corrected`` completed: ``e' = x - sent``, part by part as the wire carried
+        it (``layout``: ``(size, lossy)`` per consecutive part, :func:`wire_layout`; a part that is not
+        lossy reached its aggregator exactly, e.g. our own slice, and leaves no residual)."""
+        if corrected.shape != (self.numel,):
+            raise ValueError(f"corrected has shape {corrected.shape}, expected ({self.numel},)")
+        self._wire(corrected, layout)
+
+    def _wire(self, corrected: Float32Array, layout: Sequence[tuple[int, bool]]) -> list[bytes]:
+        sizes = [n for n, _ in layout]
         if any(n < 0 for n in sizes) or sum(sizes) != self.numel:
             raise ValueError(f"parts must be >= 0 and sum to {self.numel}, got {sizes}")
-        corrected = np.add(x, self.residual)
         encoded: list[bytes] = []
-        sent = np.empty_like(corrected)
+        sent = corrected.copy()
         offset = 0
-        for n in sizes:
-            piece = np.ascontiguousarray(corrected[offset : offset + n])
-            data = self.codec.encode(piece)
-            self.codec.decode(data, n, out=sent[offset : offset + n])
-            encoded.append(data)
+        for n, lossy in layout:
+            if lossy:
+                piece = np.ascontiguousarray(corrected[offset : offset + n])
+                data = self.codec.encode(piece)
+                self.codec.decode(data, n, out=sent[offset : offset + n])
+                encoded.append(data)
             offset += n
         self.residual = np.subtract(corrected, sent)
-        return encoded, self.residual.copy()
+        return encoded
+
+    def reset(self) -> None:
+        """Forget the residual (a loaded state, a discarded inner phase: ``e = 0``)."""
+        self.residual = np.zeros(self.numel, dtype=np.float32)
 
     def decode(self, encoded: Sequence[bytes], parts: Sequence[int] | None = None) -> Float32Array:
         """What the wire carries once decoded: the inverse of :meth:`compress`'s encoding."""
@@ -311,6 +360,20 @@ class ErrorFeedback:
             self.codec.decode(data, n, out=out[offset : offset + n])
             offset += n
         return out
+
+
+def wire_layout(slice_sizes: Sequence[int], part_numel: int, me: int) -> list[tuple[int, bool]]:
+    """How the averaging carries member ``me``'s vector: ``(size, lossy)`` per part, in vector order.
+
+    Slice ``j`` goes to aggregator ``j`` in parts of ``part_numel`` elements, each encoded separately
+    (:func:`shared.averaging.partition.part_bounds`); our own slice is added to our aggregation as it is,
+    never encoded (:mod:`shared.averaging.allreduce`)."""
+    layout: list[tuple[int, bool]] = []
+    for j, size in enumerate(slice_sizes):
+        for k in range(num_parts(size, part_numel)):
+            lo, hi = part_bounds(size, part_numel, k)
+            layout.append((hi - lo, j != me))
+    return layout
 
 
 @dataclass

@@ -397,6 +397,7 @@ class BatchStep:
                 else "",
             )
             return None
+        await run_torch(self.trainer.sent, plan.slice_sizes, plan.part_numel, me)  # error feedback
         # the LP's predicted time against what the round took: the next rounds' deadlines adapt
         self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
@@ -415,6 +416,7 @@ class BatchStep:
                 return None
         vector = taken.mean()
         if _norm(vector) <= MAX_NORM:
+            await run_torch(self.trainer.sent, None, 1, 0)
             return _Outcome(vector, 1, 0, taken.samples)
         logger.warning("step %d: our gradient is not finite; it cannot be applied", step + 1)
         return _Outcome(None, 1, 0, taken.samples, overflow=self.trainer.scales_loss)

@@ -192,6 +192,10 @@ class LocalTrainer:
                 self._loss_sum += taken.loss * taken.samples
             self._compute_seconds += taken.compute_seconds
 
+    def sent(self, slice_sizes: tuple[int, ...] | None, part_numel: int, me: int) -> None:
+        """The round that carried the last taken vector completed (``slice_sizes`` None: a lone step).
+        Nothing to keep in the batch mode (a synchronization mode with error feedback keeps its residual)."""
+
     def discard_gradients(self) -> None:
         with self._lock:
             self._clear()
@@ -327,12 +331,17 @@ class LocalTrainer:
                 }
             self.step = step
             self.loss_scale = loss_scale
+            self._loaded(tensors)
             lineage = decode_lineage(metadata.get("lineage", ""))  # absent or malformed: {}
             self.lineage = extend_lineage(lineage, step, self._fingerprint())
             self._clear()
             return step
 
     # ---------------------------------------------------------------------- helpers
+
+    def _loaded(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Called under the lock once a state's model and optimizer are loaded (before its fingerprint):
+        a synchronization mode restores state of its own from the blob's other tensors."""
 
     def _accumulation_scale(self) -> float:
         """The S of the accumulation under way (fixed at its first micro-batch); 1 without fp16."""

@@ -1,0 +1,284 @@
+"""The DiLoCo mode through real nodes on loopback (``[sync] mode = "diloco"``): equivalence with a plain
+simulation of N DiLoCo workers, bit-identical peers, a newcomer's download of θ and the outer state, error
+feedback with the 8-bit codec, and the trainer's own rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import trio
+
+from protocols.training import OptimizerSpec, ScheduleSpec, SyncSpec, TrainingSpec
+from shared.errors import ConfigError
+from shared.manifest import parse_training_spec
+from shared.node import Node
+from volunteer.collab.diloco_trainer import DilocoTrainer, make_trainer
+from volunteer.collab.optimizer import CollaborativeOptimizer, StepRecord
+from volunteer.collab.trainer import LocalTrainer
+
+from .test_collab import CONFIG, LinearTask, examples, see_each_other, start_nodes
+
+LOCAL = 4  # the inner batch
+INNER_LR = 0.05
+
+
+def diloco_spec(target: int, codec: str = "none") -> TrainingSpec:
+    return TrainingSpec(
+        task="linear-test",
+        target_batch=target,
+        local_batch=LOCAL,
+        optimizer=OptimizerSpec(name="adamw", lr=INNER_LR),
+        schedule=ScheduleSpec(kind="constant"),
+        codec=codec,  # type: ignore[arg-type]
+        checkpoint_every=1000,
+        sync=SyncSpec(mode="diloco"),
+    )
+
+
+async def start_diloco(
+    nursery: trio.Nursery, node: Node, training: TrainingSpec, records: list[StepRecord] | None = None
+) -> CollaborativeOptimizer:
+    trainer = make_trainer(LinearTask(), training, "collab-test")  # type: ignore[arg-type]
+    assert isinstance(trainer, DilocoTrainer)
+    on_step = records.append if records is not None else None
+    collab = CollaborativeOptimizer(node, trainer, training, config=CONFIG, on_step=on_step)
+    await nursery.start(collab.run)
+    return collab
+
+
+class Simulation:
+    """N DiLoCo workers in one process, written from the algorithm (Douillard et al. 2023), not from the
+    trainer: inner AdamW per worker, kept across rounds; outer torch.optim.SGD(nesterov) on θ."""
+
+    def __init__(self, workers: int, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
+        self.task = LinearTask()
+        self.theta = [p.detach().clone() for p in self.task.build_model().parameters()]
+        self.models = [self.task.build_model() for _ in range(workers)]
+        self.inner = [torch.optim.AdamW(m.parameters(), lr=INNER_LR, weight_decay=0.0) for m in self.models]
+        self.global_params = [torch.nn.Parameter(t.clone()) for t in self.theta]
+        self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+
+    def round(self, batches: Sequence[Sequence[list[dict[str, Any]]]]) -> None:
+        deltas, weights = [], []
+        for model, inner, own in zip(self.models, self.inner, batches, strict=True):
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), self.global_params, strict=True):
+                    p.copy_(g)
+            for batch in own:
+                inner.zero_grad()
+                self.task.loss(model, self.task.collate(batch)).backward()  # type: ignore[no-untyped-call]
+                inner.step()
+            deltas.append(
+                [g.detach() - p.detach() for g, p in zip(self.global_params, model.parameters(), strict=True)]
+            )
+            weights.append(sum(len(b) for b in own))
+        total = float(sum(weights))
+        self.outer.zero_grad()
+        for k, g in enumerate(self.global_params):
+            mean = torch.zeros_like(g, dtype=torch.float64)
+            for w, d in zip(weights, deltas, strict=True):
+                mean += w / total * d[k].double()
+            g.grad = mean.float()
+        self.outer.step()
+
+    def vector(self) -> np.ndarray:
+        return torch.cat([g.detach().reshape(-1) for g in self.global_params]).numpy()
+
+
+@pytest.mark.parametrize("inner_batches", [(2, 2, 2), (1, 2, 3)], ids=["equal-speeds", "unequal-speeds"])
+async def test_peers_in_diloco_mode_equal_a_simulation_of_n_workers(
+    nursery: trio.Nursery, inner_batches: tuple[int, ...]
+) -> None:
+    n, rounds = len(inner_batches), 3
+    training = diloco_spec(LOCAL * sum(inner_batches))
+    nodes = await start_nodes(nursery, n)
+    records: list[list[StepRecord]] = [[] for _ in range(n)]
+    peers = [await start_diloco(nursery, node, training, r) for node, r in zip(nodes, records, strict=True)]
+    await see_each_other(peers)
+    simulation = Simulation(n)
+    streams = [iter(examples(10 + i, 200)) for i in range(n)]
+    for step in range(rounds):
+        batches = [
+            [[next(streams[i]) for _ in range(LOCAL)] for _ in range(k)] for i, k in enumerate(inner_batches)
+        ]
+        simulation.round(batches)
+
+        async def peer_round(i: int, own: list[list[dict[str, Any]]]) -> None:
+            for batch in own:
+                await peers[i].accumulate(LinearTask().collate(batch))
+            await peers[i].refresh_view()
+            assert await peers[i].average_and_step()
+
+        async with trio.open_nursery() as group:
+            for i in range(n):
+                group.start_soon(peer_round, i, batches[i])
+        vectors = [p.trainer.parameter_vector() for p in peers]
+        assert all(np.array_equal(vectors[0], v) for v in vectors[1:]), f"round {step + 1}: peers differ"
+        np.testing.assert_allclose(vectors[0], simulation.vector(), rtol=1e-5, atol=1e-6)
+        assert [p.trainer.step for p in peers] == [step + 1] * n
+    # the outer state is identical too, the inner steps were each peer's own, and every round credits
+    # each peer with its own samples
+    buffers = [p.trainer.outer.state_dict()["momentum_buffer"].numpy() for p in peers]  # type: ignore[attr-defined]
+    assert all(np.array_equal(buffers[0], b) for b in buffers[1:])
+    assert [p.trainer.inner_steps for p in peers] == [k * rounds for k in inner_batches]  # type: ignore[attr-defined]
+    for i, own in enumerate(records):
+        assert [(r.step, r.samples, r.peers, r.batch) for r in own] == [
+            (s, LOCAL * inner_batches[i], n, training.target_batch) for s in range(1, rounds + 1)
+        ]
+    assert not np.allclose(vectors[0], LocalTrainer(LinearTask(), training, "x").parameter_vector())  # type: ignore[arg-type]
+
+
+async def test_a_newcomer_downloads_theta_and_the_outer_momentum_and_starts_a_fresh_inner_optimizer(
+    nursery: trio.Nursery,
+) -> None:
+    training = diloco_spec(4 * LOCAL)
+    nodes = await start_nodes(nursery, 3)
+    first, second = [await start_diloco(nursery, node, training) for node in nodes[:2]]
+    data = examples(3, 400)
+    task = LinearTask()
+    await see_each_other([first, second])
+
+    async def peer_round(peer: CollaborativeOptimizer, offset: int) -> None:
+        for k in range(2):
+            await peer.accumulate(task.collate(data[offset + k * LOCAL : offset + (k + 1) * LOCAL]))
+        await peer.refresh_view()
+        assert await peer.average_and_step()
+
+    for step in range(2):
+        async with trio.open_nursery() as group:
+            group.start_soon(peer_round, first, 40 * step)
+            group.start_soon(peer_round, second, 40 * step + 20)
+    # mid-round: the first peer's model holds its inner work, yet the state it serves is θ_2
+    await first.accumulate(task.collate(data[200 : 200 + LOCAL]))
+    newcomer = await start_diloco(nursery, nodes[2], training)
+    await newcomer.refresh_view()
+    assert newcomer.behind()
+    with trio.fail_after(20):
+        assert await newcomer.sync_state() == 2
+    theirs, mine = first.trainer, newcomer.trainer
+    assert isinstance(theirs, DilocoTrainer) and isinstance(mine, DilocoTrainer)
+    assert np.array_equal(mine.parameter_vector(), theirs.parameter_vector())
+    assert np.array_equal(
+        mine.outer.state_dict()["momentum_buffer"], theirs.outer.state_dict()["momentum_buffer"]
+    )
+    assert mine.outer.rounds == 2 and not mine.optimizer.state  # a fresh inner optimizer
+    assert mine.fingerprint() == theirs.fingerprint()  # fingerprints are of θ, not of the inner work
+    assert not np.array_equal(
+        torch.cat([p.detach().reshape(-1) for p in theirs.params]).numpy(), theirs.base.numpy()
+    )
+    # one more round with all three keeps them identical
+    await second.accumulate(task.collate(data[220 : 220 + LOCAL]))
+    await newcomer.accumulate(task.collate(data[240 : 240 + LOCAL]))
+
+    async def together(peer: CollaborativeOptimizer) -> None:
+        await peer.refresh_view()
+        assert await peer.average_and_step()
+
+    async with trio.open_nursery() as group:
+        for peer in (first, second, newcomer):
+            group.start_soon(together, peer)
+    vectors = [p.trainer.parameter_vector() for p in (first, second, newcomer)]
+    assert all(np.array_equal(vectors[0], v) for v in vectors[1:])
+    assert {p.trainer.step for p in (first, second, newcomer)} == {3}
+
+
+async def test_error_feedback_carries_what_the_8_bit_wire_dropped_and_peers_stay_identical(
+    nursery: trio.Nursery,
+) -> None:
+    training = diloco_spec(4 * LOCAL, codec="int8-blockwise")
+    nodes = await start_nodes(nursery, 2)
+    peers = [await start_diloco(nursery, node, training) for node in nodes]
+    await see_each_other(peers)
+    task = LinearTask()
+    data = examples(4, 400)
+    exact = Simulation(2)
+    for step in range(4):
+        own = [
+            [data[80 * step + 40 * i + k * LOCAL : 80 * step + 40 * i + (k + 1) * LOCAL] for k in range(2)]
+            for i in range(2)
+        ]
+        exact.round(own)
+
+        async def peer_round(i: int, own: list[list[list[dict[str, Any]]]] = own) -> None:
+            for batch in own[i]:
+                await peers[i].accumulate(task.collate(batch))
+            await peers[i].refresh_view()
+            assert await peers[i].average_and_step()
+
+        async with trio.open_nursery() as group:
+            for i in range(2):
+                group.start_soon(peer_round, i)
+        vectors = [p.trainer.parameter_vector() for p in peers]
+        assert np.array_equal(vectors[0], vectors[1]), f"round {step + 1}"
+        for peer in peers:
+            trainer = peer.trainer
+            assert isinstance(trainer, DilocoTrainer) and trainer.feedback is not None
+            residual = trainer.feedback.residual
+            # the residual is what the 8-bit blocks rounded away: small, and carried to the next round
+            assert np.isfinite(residual).all() and np.abs(residual).max() < 0.05
+        # lossy, yet close to the exact run
+        np.testing.assert_allclose(vectors[0], exact.vector(), atol=0.05)
+    assert any(np.abs(p.trainer.feedback.residual).max() > 0 for p in peers)  # type: ignore[attr-defined]
+
+
+def test_the_diloco_trainer_serves_theta_not_its_inner_work_and_discard_drops_the_inner_phase() -> None:
+    training = diloco_spec(4 * LOCAL)
+    trainer = make_trainer(LinearTask(), training, "t")  # type: ignore[arg-type]
+    assert isinstance(trainer, DilocoTrainer)
+    theta0 = trainer.parameter_vector()
+    blob0 = trainer.state_blob()
+    batch = LinearTask().collate(examples(5, LOCAL))
+    trainer.accumulate(batch)
+    assert trainer.inner_steps == 1 and trainer.samples == LOCAL
+    assert np.array_equal(trainer.parameter_vector(), theta0)  # θ did not move: only the inner model did
+    assert trainer.state_blob() == blob0
+    trainer.discard_gradients()
+    assert trainer.samples == 0 and not trainer.optimizer.state
+    assert np.array_equal(torch.cat([p.detach().reshape(-1) for p in trainer.params]).numpy(), theta0)
+    # a partial inner batch is flushed by the round: two samples, one inner step, Δ with weight 2
+    trainer.accumulate(LinearTask().collate(examples(6, 2)))
+    assert trainer.inner_steps == 1
+    taken = trainer.take_gradients()
+    assert trainer.inner_steps == 2 and taken.samples == 2 and np.abs(taken.mean()).max() > 0
+    # a failed round hands the samples back without touching the inner work
+    trainer.restore_gradients(taken)
+    assert trainer.samples == 2
+    again = trainer.take_gradients()
+    assert np.array_equal(again.mean(), taken.mean())
+    assert trainer.apply(again.mean()) == 1
+    assert not np.array_equal(trainer.parameter_vector(), theta0)
+    # the blob carries θ_1 and the outer momentum; a second trainer loads both
+    other = make_trainer(LinearTask(), training, "t")  # type: ignore[arg-type]
+    assert isinstance(other, DilocoTrainer)
+    assert other.load_state_blob(trainer.state_blob()) == 1
+    assert np.array_equal(other.parameter_vector(), trainer.parameter_vector())
+    assert np.array_equal(
+        other.outer.state_dict()["momentum_buffer"], trainer.outer.state_dict()["momentum_buffer"]
+    )
+    assert other.fingerprint() == trainer.fingerprint()
+
+
+def test_diloco_refuses_fp16_and_dpu_and_the_manifest_reads_a_sync_table() -> None:
+    training = diloco_spec(16)
+    with pytest.raises(ConfigError, match="fp32 or bf16"):
+        DilocoTrainer(LinearTask(), training, "t", precision="fp16")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="dpu"):
+        parse_training_spec(b'task = "tiny-mlm"\ndpu = true\n[sync]\nmode = "diloco"\n')
+    spec = parse_training_spec(b'[training]\ntask = "tiny-mlm"\n[sync]\nmode = "diloco"\nouter_lr = 0.5\n')
+    assert spec.sync == SyncSpec(mode="diloco", outer_lr=0.5)
+    with pytest.raises(ConfigError, match="twice"):
+        parse_training_spec(
+            b'[training]\ntask = "tiny-mlm"\n[training.sync]\nmode = "batch"\n[sync]\nmode = "diloco"\n'
+        )
+    with pytest.raises(ConfigError, match="mode"):
+        parse_training_spec(b'task = "tiny-mlm"\n[sync]\nmode = "async"\n')
+    # the default stays the batch mode, and a batch-mode spec encodes no sync table (older peers read it)
+    batch = parse_training_spec(b'task = "tiny-mlm"\n')
+    assert batch.sync.mode == "batch" and b"sync" not in msgspec.msgpack.encode(batch)
+    batch_trainer = make_trainer(LinearTask(), msgspec.structs.replace(training, sync=SyncSpec()), "t")  # type: ignore[arg-type]
+    assert type(batch_trainer) is LocalTrainer
