@@ -18,6 +18,11 @@ Every node is a real process started with the real CLIs, exactly as organizers a
 5. for a Hugging Face recipe, ``backbone export --format hf`` writes the last checkpoint as a folder, and
    a fresh interpreter loads it with ``transformers``' ``from_pretrained`` and fills in a masked word.
 
+With ``--sync diloco`` the run uses the low-communication mode instead (``[sync] mode = "diloco"``):
+every volunteer takes inner optimizer steps of ``local_batch`` samples at its own pace, and a global step
+is a round of :data:`DILOCO_ROUND` times the recipe's target batch, after which the volunteers average
+their pseudo-gradients, 8-bit compressed with error feedback, and take the outer step together.
+
 Each process writes its stdout and stderr to ``<name>.log`` in the work dir (a fresh temporary directory
 unless ``--work-dir`` is given); the demo prints where they are.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +56,7 @@ VOLUNTEER_EXIT_S = 120.0  # SIGTERM -> finish the round, send the last reports, 
 BACKBONE_EXIT_S = 30.0
 SPS_WINDOW = 10  # steps over which a volunteer's samples/s is measured
 
+DILOCO_ROUND = 8  # --sync diloco: a round is this many of the recipe's target batches
 RECIPES = Path(__file__).resolve().parents[1] / "deploy" / "recipes"  # the manifests --recipe names
 
 console = Console()
@@ -310,6 +317,20 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
     raise Stop(signal.Signals(signum).name)
 
 
+def diloco_manifest(recipe: str) -> str:
+    """The recipe in the DiLoCo mode: rounds of ``DILOCO_ROUND`` target batches, 8-bit pseudo-gradients."""
+    match = re.search(r"^target_batch = (\d+)$", recipe, flags=re.MULTILINE)
+    if match is None or re.search(r"^(codec|\[sync\])", recipe, flags=re.MULTILINE):
+        raise SystemExit("this recipe cannot be switched to --sync diloco (no top-level target_batch)")
+    round_samples = DILOCO_ROUND * int(match.group(1))
+    switched = recipe.replace(
+        match.group(0),
+        f"target_batch = {round_samples}  # diloco: samples per round, all volunteers' inner steps\n"
+        'codec = "int8-blockwise"  # pseudo-gradients 8-bit, with error feedback',
+    )
+    return switched + '\n[sync]\nmode = "diloco"\n'
+
+
 def prepare_work_dir(given: Path | None) -> Path:
     if given is None:
         return Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
@@ -334,6 +355,13 @@ def main() -> int:
     )
     parser.add_argument("--volunteers", type=int, default=3, help="how many volunteers (default 3)")
     parser.add_argument(
+        "--sync",
+        choices=("batch", "diloco"),
+        default="batch",
+        help="batch: one optimizer step per global batch (default); diloco: local inner steps, "
+        f"pseudo-gradients averaged every {DILOCO_ROUND} target batches",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, help="an empty dir for data and logs (default: a fresh temp dir)"
     )
     args = parser.parse_args()
@@ -342,7 +370,8 @@ def main() -> int:
     began = time.monotonic()
     work = prepare_work_dir(args.work_dir)
     manifest = work / "manifest.toml"
-    manifest.write_text((RECIPES / f"{args.recipe}.toml").read_text())
+    recipe = (RECIPES / f"{args.recipe}.toml").read_text()
+    manifest.write_text(diloco_manifest(recipe) if args.sync == "diloco" else recipe)
     console.print(f"work dir (data dirs, manifest, one log per process): {work}")
     signal.signal(signal.SIGTERM, _raise_stop)
 

@@ -150,6 +150,17 @@ class TrainingSession:
         if self.spec.sync.mode == "diloco" and self.precision == "fp16" and self.options.precision == "auto":
             self.precision = "fp32"  # no bf16 on this GPU; fp16 inner steps need a loss scale of their own
         trainer = await run_torch(make_trainer, task, self.spec, self.options.run_id, device, self.precision)
+        sync = self.spec.sync
+        if sync.mode == "diloco":
+            logger.info(
+                "sync mode diloco: inner steps of %d samples at our pace; the collaboration averages "
+                "pseudo-gradients (%s) every %d samples, then an outer step (Nesterov, lr %g, momentum %g)",
+                self.spec.local_batch,
+                self.spec.codec if self.spec.codec != "none" else "uncompressed",
+                self.spec.target_batch,
+                sync.outer_lr,
+                sync.outer_momentum,
+            )
         seed = zlib.crc32(self.node.peer_id.encode())
         shards = BackboneShards(self.client) if self.client is not None else None
         examples = open_examples(
