@@ -4,7 +4,8 @@ feedback with the 8-bit codec, and the trainer's own rules."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -14,15 +15,18 @@ import torch
 import trio
 
 from protocols.training import OptimizerSpec, ScheduleSpec, SyncSpec, TrainingSpec
+from shared import faults
+from shared.auth.keys import Identity
 from shared.errors import ConfigError
 from shared.manifest import parse_training_spec
-from shared.node import Node
+from shared.node import Node, open_node
 from volunteer.collab.diloco_trainer import DilocoTrainer, make_trainer
 from volunteer.collab.optimizer import CollaborativeOptimizer, StepRecord
 from volunteer.collab.trainer import LocalTrainer
 
 from .test_collab import CONFIG, LinearTask, examples, see_each_other, start_nodes
 
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 LOCAL = 4  # the inner batch
 INNER_LR = 0.05
 
@@ -63,9 +67,15 @@ class Simulation:
         self.global_params = [torch.nn.Parameter(t.clone()) for t in self.theta]
         self.outer = torch.optim.SGD(self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=True)
 
-    def round(self, batches: Sequence[Sequence[list[dict[str, Any]]]]) -> None:
+    def round(
+        self, batches: Sequence[Sequence[list[dict[str, Any]]]], only: Sequence[int] | None = None
+    ) -> None:
+        """One round: worker ``i`` trains on ``batches[i]``; with ``only``, the others' work is lost (they
+        died) and their inner state is left as it was."""
         deltas, weights = [], []
-        for model, inner, own in zip(self.models, self.inner, batches, strict=True):
+        present = range(len(self.models)) if only is None else only
+        for i in present:
+            model, inner, own = self.models[i], self.inner[i], batches[i]
             with torch.no_grad():
                 for p, g in zip(model.parameters(), self.global_params, strict=True):
                     p.copy_(g)
@@ -282,3 +292,125 @@ def test_diloco_refuses_fp16_and_dpu_and_the_manifest_reads_a_sync_table() -> No
     assert batch.sync.mode == "batch" and b"sync" not in msgspec.msgpack.encode(batch)
     batch_trainer = make_trainer(LinearTask(), msgspec.structs.replace(training, sync=SyncSpec()), "t")  # type: ignore[arg-type]
     assert type(batch_trainer) is LocalTrainer
+
+
+@dataclass
+class Peer:
+    collab: CollaborativeOptimizer
+    scope: trio.CancelScope
+    records: list[StepRecord] = field(default_factory=list)
+
+    def kill(self) -> None:
+        """What a SIGKILL does to the others: every connection ends at once, nothing answers."""
+        self.collab.node.host.abort()
+        self.scope.cancel()
+
+
+async def start_killable(nursery: trio.Nursery, n: int, training: TrainingSpec) -> list[Peer]:
+    peers: list[Peer] = []
+    for _ in range(n):
+
+        async def run(task_status: trio.TaskStatus[Peer]) -> None:
+            initial = [peers[0].collab.node.host.listen_addrs[0]] if peers else []
+            with trio.CancelScope() as scope:
+                async with (
+                    open_node(
+                        Identity.generate(),
+                        "collab-test",
+                        "volunteer",
+                        listen=[LOOPBACK],
+                        initial_peers=initial,
+                    ) as node,
+                    trio.open_nursery() as own,
+                ):
+                    own.start_soon(node.publish_presence_forever)
+                    records: list[StepRecord] = []
+                    collab = await start_diloco(own, node, training, records)
+                    task_status.started(Peer(collab, scope, records))
+                    await trio.sleep_forever()
+
+        peers.append(await nursery.start(run))
+    return peers
+
+
+@pytest.fixture
+def _disarmed() -> Iterator[None]:
+    faults.disarm()
+    yield
+    faults.disarm()
+
+
+def _injected(exc: BaseException) -> bool:
+    inner = getattr(exc, "exceptions", None)
+    return isinstance(exc, faults.FaultInjected) or (inner is not None and all(map(_injected, inner)))
+
+
+@pytest.mark.usefixtures("_disarmed")
+@pytest.mark.parametrize(
+    ("point", "action"),
+    [("train.after_micro_batch", "raise"), ("matchmaking.joined", "hang")],
+    ids=["killed-mid-inner-phase", "hung-mid-averaging"],
+)
+async def test_a_peer_that_dies_mid_round_loses_only_its_own_inner_work(
+    nursery: trio.Nursery, point: str, action: str
+) -> None:
+    """The victim dies at a named fault point: half-way through its inner phase (SIGKILL: its connections
+    close), or with its ticket in the round's group and nothing answered after (hung, connections open).
+    The survivors' rounds hold exactly their own samples and equal a simulation without the victim."""
+    inner_batches = (2, 2, 3)  # the victim (last) is the fastest: its loss is the largest
+    n, victim = len(inner_batches), len(inner_batches) - 1
+    training = diloco_spec(LOCAL * sum(inner_batches))
+    peers = await start_killable(nursery, n, training)
+    await see_each_other([p.collab for p in peers])
+    simulation = Simulation(n)
+    streams = [iter(examples(20 + i, 200)) for i in range(n)]
+    task = LinearTask()
+
+    async def peer_round(i: int, batches: list[list[dict[str, Any]]]) -> None:
+        collab = peers[i].collab
+        with faults.scope("victim" if i == victim else f"p{i}"):
+            for batch in batches:
+                await collab.accumulate(task.collate(batch))
+            await collab.refresh_view()
+            assert await collab.average_and_step()
+
+    async def victim_round(batches: list[list[dict[str, Any]]]) -> None:
+        """Raises at its fault (then killed here) or hangs there (then killed and cancelled below)."""
+        try:
+            await peer_round(victim, batches)
+        except Exception as exc:
+            if not _injected(exc):
+                raise
+            peers[victim].kill()
+            return
+        raise AssertionError("the victim's round ended without its fault")
+
+    async def one_round(step: int, fault: bool, victim_present: bool = True) -> None:
+        batches = [
+            [[next(streams[i]) for _ in range(LOCAL)] for _ in range(k)] for i, k in enumerate(inner_batches)
+        ]
+        survivors = [i for i in range(n) if not (fault and i == victim)]
+        simulation.round(batches, only=survivors)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as group:
+                if fault and victim_present:  # it dies this round: a hung one is killed once we are done
+                    group.start_soon(victim_round, batches[victim])
+                async with trio.open_nursery() as them:
+                    for i in survivors if fault else range(n):
+                        them.start_soon(peer_round, i, batches[i])
+                if fault and victim_present:
+                    peers[victim].kill()
+                    group.cancel_scope.cancel()
+        vectors = [peers[i].collab.trainer.parameter_vector() for i in survivors]
+        assert all(np.array_equal(vectors[0], v) for v in vectors[1:]), f"round {step + 1}: survivors differ"
+        np.testing.assert_allclose(vectors[0], simulation.vector(), rtol=1e-5, atol=1e-6)
+        for i in survivors:  # every sample a survivor computed went into the round: none lost
+            record = peers[i].records[-1]
+            assert (record.step, record.samples) == (step + 1, LOCAL * inner_batches[i])
+            assert record.batch == sum(LOCAL * inner_batches[j] for j in survivors)
+
+    await one_round(0, fault=False)
+    faults.arm(point, action, where="victim")
+    await one_round(1, fault=True)
+    assert peers[victim].collab.trainer.step == 1  # it died in round 2
+    await one_round(2, fault=True, victim_present=False)  # the survivors go on without it

@@ -29,6 +29,7 @@ import torch
 import trio
 
 from protocols.training import Progress, TrainingSpec
+from shared import faults
 from shared.alone import JOINING_GRACE
 from shared.averaging.matchmaking import Matchmaker
 from shared.node import Node
@@ -272,6 +273,7 @@ class CollaborativeOptimizer:
         computed = await run_torch(self._take_and_accumulate, take)
         if computed is None:
             return None
+        await faults.point("train.after_micro_batch")  # mid-way through a step's (or a round's) compute
         samples, loss = computed
         elapsed = trio.current_time() - started
         if elapsed > 0:
