@@ -215,11 +215,17 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
       their samples and apply the outer optimizer; :mod:`volunteer.collab.diloco`).
     * ``outer_lr``, ``outer_momentum``: the outer optimizer, SGD with Nesterov momentum (DiLoCo: 0.7, 0.9;
       diloco mode only).
+    * ``min_round``: 0 (the default) fixes every round at ``target_batch`` samples; above 0 (diloco mode),
+      the round length is planned from the members' measured throughput and the plan's predicted averaging
+      time, between ``min_round`` and ``target_batch`` samples, so that averaging takes at most
+      ``round_fraction`` of a round's compute (:mod:`shared.averaging.round_length`).
     """
 
     mode: SyncMode = "batch"
     outer_lr: Annotated[float, msgspec.Meta(gt=0, le=10.0)] = 0.7
     outer_momentum: Annotated[float, msgspec.Meta(ge=0, lt=1.0)] = 0.9
+    min_round: Annotated[int, msgspec.Meta(ge=0, le=2**30)] = 0
+    round_fraction: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -273,6 +279,9 @@ class Progress(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
     #: the global batch of the step that took it to ``step``: its group's total weight (its own samples for
     #: a lone step); 0 if unknown (a loaded state, step 0). What the backbones record as the step's samples.
     batch: Samples = 0
+    #: the samples of the round toward ``step + 1`` as this peer planned it (diloco rounds whose length is
+    #: planned, :mod:`shared.averaging.round_length`); 0 otherwise
+    target: Samples = 0
 
     def __post_init__(self) -> None:
         _finite("time", self.time)

@@ -141,6 +141,9 @@ class CollabView:
     #: (feeds the high-water mark of :mod:`shared.alone`); None when only our own user is there
     shown: int | None = None
     survivor: Collaboration | None = None  # the surviving collaboration (None: nobody holds a state)
+    #: the round's planned samples as most users at ``step`` publish them (``Progress.target``; planned
+    #: diloco rounds, :mod:`shared.averaging.round_length`), None when nobody at ``step`` publishes one
+    target: int | None = None
 
     def eta(self, target_batch: int) -> float | None:
         """Seconds until the target batch is reached at the current rate, or None if nobody computes."""
@@ -170,6 +173,7 @@ def summarize(
     target_batch: int,
     anchored: bool = True,
     users: Mapping[str, str] | None = None,
+    min_target: int = 1,
 ) -> CollabView:
     """The collaboration as seen by ``me`` (see the module docstring).
 
@@ -179,6 +183,8 @@ def summarize(
         anchored: our own step is real (we trained or downloaded state); False for a fresh newcomer, whose
             step 0 supports nobody.
         users: the user of each peer id (see "Users" above); by default every peer is its own user.
+        min_target: the shortest planned round; ``Progress.target`` claims outside
+            ``[min_target, target_batch]`` are not counted.
     """
     user_of = users or {}
 
@@ -256,7 +262,20 @@ def summarize(
         collaborations=len(found),
         shown=best.top if best is not None and best.users - {user(me)} else None,
         survivor=best,
+        target=_voted_target(at_step, user, max(1, min_target), target_batch),
     )
+
+
+def _voted_target(
+    at_step: Mapping[str, Progress], user: Callable[[str], str], low: int, high: int
+) -> int | None:
+    """The planned round most users at the step publish (one vote per user and value), ties to the larger
+    (a longer round never cuts the others' short), claims outside ``[low, high]`` not counted."""
+    claims = {(p.target, user(peer)) for peer, p in at_step.items() if low <= p.target <= high}
+    votes = Counter(target for target, _ in claims)
+    if not votes:
+        return None
+    return max(votes, key=lambda target: (votes[target], target))
 
 
 def held_for(

@@ -217,6 +217,13 @@ def check_trainable(spec: TrainingSpec) -> None:
             'dpu (delayed parameter updates) is a batch-mode option; in [sync] mode = "diloco" remove it '
             "(the inner steps already overlap nothing with averaging)"
         )
+    if spec.sync.min_round and spec.sync.mode != "diloco":
+        raise ConfigError('[sync] min_round plans the rounds of mode = "diloco"; remove it in the batch mode')
+    if spec.sync.min_round > spec.target_batch:
+        raise ConfigError(
+            f"[sync] min_round ({spec.sync.min_round}) is larger than target_batch ({spec.target_batch}), "
+            "the longest round: lower min_round or raise target_batch"
+        )
     schedule = spec.schedule
     if schedule.warmup_steps > schedule.total_steps:
         raise ConfigError(

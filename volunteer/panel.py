@@ -38,6 +38,9 @@ class TrainingStatus:
     reports_sent: int
     reports_pending: int
     network: str = ""  # how peers reach us: "direct", "client" or "unchecked" (shared.net.reachability)
+    #: diloco mode: our inner steps so far (a step is a round of them); None in the batch mode
+    inner_steps: int | None = None
+    planned: bool = False  # the round's length was planned (diloco with min_round)
 
 
 def training_status(
@@ -58,9 +61,9 @@ def training_status(
         local_sps=stats.local_sps,
         collab_sps=view.samples_per_second if view is not None else stats.local_sps,
         samples=view.samples if view is not None else float(collab.trainer.samples),
-        target_batch=collab.spec.target_batch,
+        target_batch=collab.target,
         peers=view.peers if view is not None else 1,
-        eta_s=view.eta(collab.spec.target_batch) if view is not None else None,
+        eta_s=view.eta(collab.target) if view is not None else None,
         loss=view.loss if view is not None and view.loss is not None else None,
         last_round_s=collab.mode.stats.last_round_seconds,
         waiting=waiting,
@@ -68,6 +71,8 @@ def training_status(
         reports_sent=reports_sent,
         reports_pending=reports_pending,
         network=network,
+        inner_steps=getattr(collab.trainer, "inner_steps", None),
+        planned=collab.mode.planned() > 0,
     )
 
 
@@ -81,9 +86,11 @@ def training_view(node: NodeStatus, status: TrainingStatus, headline: str) -> Pa
         Row("global step", f"{status.step}{limit}" + _behind(status)),
         Row("samples/s", f"{status.local_sps:.0f} here · {status.collab_sps:.0f} collaboration", 1),
         Row(
-            "next step",
-            f"{min(status.samples, status.target_batch):.0f} / {status.target_batch} samples · "
-            f"ETA {_eta_text(status.eta_s)}",
+            "next step" if status.inner_steps is None else "next round",
+            f"{min(status.samples, status.target_batch):.0f} / {status.target_batch} samples"
+            + (" (planned)" if status.planned else "")
+            + ("" if status.inner_steps is None else f" · {status.inner_steps} inner steps here")
+            + f" · ETA {_eta_text(status.eta_s)}",
             1,
         ),
         Row("loss", "—" if status.loss is None else f"{status.loss:.4f}"),

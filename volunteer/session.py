@@ -375,6 +375,7 @@ class TrainingSession:
             "loss": record.loss,
             "samples": record.samples,  # ours
             "batch": record.batch,  # the step's global batch (every member's samples)
+            "target": record.target,  # what it aimed at: the target batch, or the planned round (diloco)
             "peers": record.peers,
             "skipped": record.skipped,  # a collective loss-scale overflow: parameters unchanged
             "averaging_s": round(record.seconds, 4),

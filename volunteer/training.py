@@ -108,7 +108,7 @@ async def _train(
                 else:
                     await collab.average_and_step()
                 continue
-            elif collab.trainer.samples >= collab.spec.target_batch and collab.holding():
+            elif collab.trainer.samples >= collab.target and collab.holding():
                 await trio.sleep(0.05)  # our share is done; more would exceed what peers find plausible
                 continue
             budget = collab.budget()

@@ -24,6 +24,25 @@ the smallest such whole number is::
 ``None``: ``N = N*``). Properties (tested): ``N`` is non-decreasing in ``A`` and in ``S`` and non-increasing
 in ``f``; ``n_min <= N <= n_max``; ``φ(N) <= f`` whenever ``N* <= n_max``.
 
+**In the running system** (``[sync] min_round > 0`` in a ``diloco`` run; :class:`~volunteer.collab.step
+.BatchStep`). The manifest's ``target_batch`` is then ``n_max`` (also what every plausibility cap on
+progress claims uses), ``min_round`` is ``n_min`` and ``round_fraction`` is ``f``. Every peer must end a
+round at the same number of samples, so ``N`` is computed only from what every member of a round holds
+identically, the group's plan:
+
+* ``S`` = the sum of the members' ticket throughputs (the rates the quotas use), ``A`` = the plan's
+  ``predicted_seconds`` plus the matchmaking window (the round's fixed cost, which the LP does not see; on
+  loopback it is most of the round). Every member computes ``N_{t+1}`` when it adopts round ``t``'s plan
+  and publishes it in its progress record (``Progress.target``) once it steps.
+* A peer that was not in the round (a newcomer, a peer back from a download) takes the value most users
+  at its step publish (ties: the larger; a larger target never cuts the others' round short, they enter
+  and it follows); with no such record, ``n_min`` (the start of a run: the shortest round measures first,
+  and every peer at step 0 uses the same rule).
+* Disagreement (members of different groups, a different matchmaking window, a liar) cannot fork the
+  run: the first peer to reach its target enters the round, and the others follow a peer that entered
+  (:mod:`shared.progress`); it only changes how long that one round is. A claim outside ``[n_min, n_max]``
+  is not counted.
+
 **What it does not model.** With overlap (:mod:`volunteer.collab.diloco`) the averaging runs during the
 next inner phase, so ``φ`` is the share of *bandwidth time* per compute time rather than idle time; the
 same rule keeps the averaging hidden when ``φ <= 1``. ``A`` comes from the plan for the round's group, whose

@@ -245,3 +245,29 @@ def test_the_batch_of_a_step_is_what_most_users_at_it_claim() -> None:
     stale = {"x": progress(5, batch=50, age=10_000.0)}
     assert claimed_batch(stale, 5, TARGET) == 50
     assert claimed_batch(stale, 5, TARGET, now=NOW) is None
+
+
+def test_the_planned_round_is_what_most_users_at_the_step_publish() -> None:
+    users = {"a1": "alice", "a2": "alice", "a3": "alice", "b": "bob", "c": "carol"}
+
+    def voted(records: dict[str, Progress], mine: Progress | None = None) -> int | None:
+        ours = mine or progress(5)
+        return summarize(records, "me", ours, now=NOW, target_batch=TARGET, users=users, min_target=10).target
+
+    records = {
+        "a1": progress(5, target=99),  # one user's many peers vote once
+        "a2": progress(5, target=99),
+        "a3": progress(5, target=99),
+        "b": progress(5, target=40),
+        "c": progress(5, target=40),
+        "late": progress(4, target=77),  # another step's plan
+        "long": progress(5, target=TARGET + 1),  # above the longest round: not counted
+        "short": progress(5, target=9),  # below the shortest: not counted
+    }
+    assert voted(records) == 40
+    # a tie goes to the longer round (a longer target never cuts the others' round short); our own vote
+    # counts like anyone's; nobody at the step planning anything: None
+    assert voted({"b": progress(5, target=40), "c": progress(5, target=60)}) == 60
+    assert voted({"b": progress(5, target=40)}, progress(5, target=60)) == 60
+    assert voted({"b": progress(5), "late": progress(4, target=50)}) is None
+    assert voted({"b": progress(5, target=50, left=True)}) is None

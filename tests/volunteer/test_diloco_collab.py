@@ -4,6 +4,7 @@ feedback with the 8-bit codec, and the trainer's own rules."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -287,6 +288,12 @@ def test_diloco_refuses_fp16_and_dpu_and_the_manifest_reads_a_sync_table() -> No
         )
     with pytest.raises(ConfigError, match="mode"):
         parse_training_spec(b'task = "tiny-mlm"\n[sync]\nmode = "async"\n')
+    with pytest.raises(ConfigError, match="min_round plans the rounds"):
+        parse_training_spec(b'task = "tiny-mlm"\n[sync]\nmin_round = 16\n')
+    with pytest.raises(ConfigError, match="larger than target_batch"):
+        parse_training_spec(
+            b'task = "tiny-mlm"\ntarget_batch = 64\n[sync]\nmode = "diloco"\nmin_round = 65\n'
+        )
     # the default stays the batch mode, and a batch-mode spec encodes no sync table (older peers read it)
     batch = parse_training_spec(b'task = "tiny-mlm"\n')
     assert batch.sync.mode == "batch" and b"sync" not in msgspec.msgpack.encode(batch)
@@ -414,3 +421,48 @@ async def test_a_peer_that_dies_mid_round_loses_only_its_own_inner_work(
     await one_round(1, fault=True)
     assert peers[victim].collab.trainer.step == 1  # it died in round 2
     await one_round(2, fault=True, victim_present=False)  # the survivors go on without it
+
+
+async def test_planned_rounds_agree_on_every_member_and_a_newcomer_adopts_them(nursery: trio.Nursery) -> None:
+    """``[sync] min_round``: the first round is the shortest; every member plans the next from the round's
+    plan alike (round_length of the members' ticket rates and the plan's predicted seconds plus the
+    matchmaking window); a newcomer takes what the members publish; the step record says what it aimed at."""
+    rate, fraction = 100.0, 0.5
+    training = msgspec.structs.replace(
+        diloco_spec(64 * LOCAL),
+        sync=SyncSpec(mode="diloco", min_round=2 * LOCAL, round_fraction=fraction),
+    )
+    nodes = await start_nodes(nursery, 3)
+    records: list[list[StepRecord]] = [[], []]
+    first, second = [
+        await start_diloco(nursery, node, training, r) for node, r in zip(nodes[:2], records, strict=True)
+    ]
+    for peer in (first, second):
+        peer.samples_per_second = rate  # what the warm-up would have measured: the tickets carry it
+    await see_each_other([first, second])
+    assert first.target == second.target == 2 * LOCAL  # nothing planned yet: the shortest round
+    data = iter(examples(7, 400))
+    task = LinearTask()
+
+    async def peer_round(peer: CollaborativeOptimizer) -> None:
+        await peer.accumulate(task.collate([next(data) for _ in range(LOCAL)]))
+        await peer.refresh_view()
+        assert await peer.average_and_step()
+
+    async with trio.open_nursery() as group:
+        for peer in (first, second):
+            group.start_soon(peer_round, peer)
+    # N = ceil((predicted + window) * S / f) with S = 2 * rate: the window alone gives 2 * rate * window / f
+    floor = math.ceil(2 * rate * CONFIG.matchmaking_window / fraction)
+    planned = first.target
+    assert planned == second.target and floor <= planned <= floor + 2, (planned, floor)
+    assert [r[-1].target for r in records] == [2 * LOCAL, 2 * LOCAL]  # round 1 aimed at the shortest
+    # the members publish it; a newcomer downloads the state and aims at the same round
+    newcomer = await start_diloco(nursery, nodes[2], training)
+    await newcomer.refresh_view()
+    with trio.fail_after(20):
+        assert await newcomer.sync_state() == 1
+    with trio.fail_after(10):
+        while (await newcomer.refresh_view()).target != planned:
+            await trio.sleep(0.05)
+    assert newcomer.target == planned

@@ -217,6 +217,7 @@ class CollaborativeOptimizer:
             client_mode=self.client_mode,
             left=peer.left,
             batch=peer.batch[1] if peer.batch[0] == self.trainer.step else 0,
+            target=self.mode.planned(),
         )
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -304,6 +305,11 @@ class CollaborativeOptimizer:
     def budget(self) -> int:
         """Samples our next micro-batch may hold; 0: our share of the step is done (the step mode's rule)."""
         return self.mode.budget()
+
+    @property
+    def target(self) -> int:
+        """The samples the next step aims at: the target batch, or the planned round (diloco)."""
+        return self.mode.target()
 
     def behind(self) -> bool:
         """Our state is not the collaboration's: a credible peer is ahead, we diverged or are outside

@@ -80,6 +80,7 @@ class ProgressBoard:
             target_batch=self.spec.target_batch,
             anchored=self.anchored(),
             users=users,
+            min_target=self.spec.sync.min_round,
         )
         return self.view
 

@@ -62,8 +62,9 @@ from protocols.receipts import PulledSlice
 from protocols.training import TrainingSpec
 from shared import faults
 from shared.alone import LoneStep
-from shared.averaging.allreduce import Averager
+from shared.averaging.allreduce import Averager, GroupPlan
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
+from shared.averaging.round_length import round_length
 from shared.errors import ProjectError
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
@@ -98,6 +99,7 @@ class StepRecord:
     fingerprint: bytes  # of the parameters after the step (identical on every peer of the round)
     batch: int = 0  # the step's global batch: the group's total weight (ours alone for a lone step)
     skipped: bool = False  # a collective loss-scale overflow: the step advanced, the parameters did not
+    target: int = 0  # the samples the step aimed at: the target batch, or the planned round (diloco)
 
 
 @dataclass
@@ -121,6 +123,12 @@ class StepMode(Protocol):
 
     def budget(self) -> int:
         """How many samples our next micro-batch may hold (0: add nothing to this step, wait)."""
+
+    def target(self) -> int:
+        """The samples the step toward ``trainer.step + 1`` aims at."""
+
+    def planned(self) -> int:
+        """The round we planned for our step (published in our progress record); 0: none."""
 
     async def average_and_step(self, taken: Accumulated | None = None) -> bool:
         """Take one step with the others; False if none was taken (the samples stay ours)."""
@@ -172,9 +180,47 @@ class BatchStep:
         )
         self._held_since: dict[str, float] = {}  # users we held a round for (shared.progress.held_for)
         self._quota: tuple[int, int] | None = None  # (step, our share of the samples toward step + 1)
+        self._planned: tuple[int, int] | None = None  # (step, the round's samples toward step + 1)
         self._done_at: float | None = None  # when our share of this step was done (time.monotonic())
 
     # ------------------------------------------------------------------ when
+
+    @property
+    def plans_rounds(self) -> bool:
+        """The round length is planned (diloco with ``min_round``), not fixed at the target batch."""
+        return self.spec.sync.mode == "diloco" and self.spec.sync.min_round > 0
+
+    def target(self) -> int:
+        """The samples of the step toward ``trainer.step + 1``: the target batch, or the planned round
+        (:mod:`shared.averaging.round_length`, "In the running system": ours if we were in the round
+        that planned it, else what most users at our step publish, else the shortest round)."""
+        if not self.plans_rounds:
+            return self.spec.target_batch
+        step = self.trainer.step
+        if self._planned is not None and self._planned[0] == step:
+            return self._planned[1]
+        view = self.board.view
+        if view is not None and view.step == step and view.target is not None:
+            return view.target
+        return self.spec.sync.min_round
+
+    def planned(self) -> int:
+        planned = self._planned
+        return planned[1] if planned is not None and planned[0] == self.trainer.step else 0
+
+    def _plan_next_round(self, plan: GroupPlan, rates: dict[str, float]) -> int:
+        """``N`` for the round after this one, from what every member of ``plan`` holds alike."""
+        computing = [rate for rate in rates.values() if rate > 0]
+        if not computing:
+            return self.target()
+        chosen = round_length(
+            computing,
+            plan.predicted_seconds + self.matchmaking_window,
+            fraction=self.spec.sync.round_fraction,
+            min_samples=self.spec.sync.min_round,
+            max_samples=self.spec.target_batch,
+        )
+        return chosen.target_samples
 
     def holding(self) -> bool:
         """We hold our round for peers that are downloading the state of our step (they join it next)."""
@@ -200,7 +246,8 @@ class BatchStep:
         self.averager.release_expired()  # polled while we wait: past rounds' relay parts are not kept idle
         if self.peer.phase is not Phase.TRAINING or self.holding():
             return False
-        if self.trainer.samples >= self.spec.target_batch:
+        target = self.target()
+        if self.trainer.samples >= target:
             return True
         view = self.board.view
         if view is None or view.step != self.trainer.step:
@@ -210,12 +257,12 @@ class BatchStep:
             return self._quota_ready(view, quota)
         if view.ready:
             return True
-        return self._estimate() >= self.spec.target_batch
+        return self._estimate() >= target
 
     def budget(self) -> int:
         """How many samples our next micro-batch may hold (0: our share is done, wait for the round)."""
         quota = self._quota_now(self.board.view)
-        limit = self.spec.target_batch if quota is None or self.peer.averaging else quota
+        limit = self.target() if quota is None or self.peer.averaging else quota
         return micro_batch_budget(self.trainer.samples, limit, self.trainer.micro_batch)
 
     def _estimate(self) -> float:
@@ -252,7 +299,7 @@ class BatchStep:
             self._done_at = now
             self.board.publish_soon()  # the others see our share done (and stop extrapolating us) sooner
             self.waiting("our share of the step is done: waiting for the others")
-        if view.ready or self._estimate() >= self.spec.target_batch:
+        if view.ready or self._estimate() >= self.target():
             return True
         if now - self._done_at > self.hold_patience:  # a member died or stalls: back to the estimate
             held = now - self._done_at
@@ -370,8 +417,12 @@ class BatchStep:
             return None
         me = next(i for i, m in enumerate(plan.members) if m.peer_id == self.node.peer_id)
         rates = self.matchmaker.last_rates
+        target = self.spec.target_batch
+        if self.plans_rounds:  # the next round's length, the same on every member (round_length)
+            target = self._plan_next_round(plan, rates)
+            self._planned = (step + 1, target)
         if self.node.peer_id in rates and len(rates) > 1:  # our share of the next step, if this one is taken
-            self._quota = (step + 1, quotas(rates, self.spec.target_batch)[self.node.peer_id])
+            self._quota = (step + 1, quotas(rates, target)[self.node.peer_id])
         result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
         if self.receipts is not None:
             self.receipts.add(
@@ -423,6 +474,7 @@ class BatchStep:
 
     async def _apply(self, step: int, taken: Accumulated, outcome: _Outcome, seconds: float) -> None:
         peers, aggregated, batch = outcome.peers, outcome.aggregated, outcome.batch
+        aimed = self.target()  # before the step moves on
         self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)
         new_step = await run_torch(self.trainer.apply, outcome.vector, outcome.overflow)
         skipped = outcome.vector is None  # a believed claim never brings a vector (_average)
@@ -456,6 +508,7 @@ class BatchStep:
                     self.peer.fingerprint,
                     batch,
                     skipped,
+                    aimed,
                 )
             )
         if self.after_step is not None:
