@@ -219,6 +219,8 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
       the round length is planned from the members' measured throughput and the plan's predicted averaging
       time, between ``min_round`` and ``target_batch`` samples, so that averaging takes at most
       ``round_fraction`` of a round's compute (:mod:`shared.averaging.round_length`).
+    * ``overlap``: diloco mode; the next inner phase starts while the round's averaging runs (one round of
+      staleness; the update rule is in :mod:`volunteer.collab.diloco`, "Overlap").
     """
 
     mode: SyncMode = "batch"
@@ -226,6 +228,7 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     outer_momentum: Annotated[float, msgspec.Meta(ge=0, lt=1.0)] = 0.9
     min_round: Annotated[int, msgspec.Meta(ge=0, le=2**30)] = 0
     round_fraction: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
+    overlap: bool = False
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

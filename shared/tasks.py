@@ -217,6 +217,8 @@ def check_trainable(spec: TrainingSpec) -> None:
             'dpu (delayed parameter updates) is a batch-mode option; in [sync] mode = "diloco" remove it '
             "(the inner steps already overlap nothing with averaging)"
         )
+    if spec.sync.overlap and spec.sync.mode != "diloco":
+        raise ConfigError('[sync] overlap is of mode = "diloco"; the batch mode overlaps with dpu = true')
     if spec.sync.min_round and spec.sync.mode != "diloco":
         raise ConfigError('[sync] min_round plans the rounds of mode = "diloco"; remove it in the batch mode')
     if spec.sync.min_round > spec.target_batch:

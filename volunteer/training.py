@@ -91,7 +91,7 @@ async def _train(
                 await collab.hand_over_final_state(stop)
                 return f"run finished: the run reached its step limit ({collab.spec.max_steps})"
             if collab.averaging:
-                if not collab.spec.dpu:
+                if not collab.overlaps:
                     await trio.sleep(0.01)
                     continue
             elif collab.behind():
@@ -103,7 +103,7 @@ async def _train(
                     await trio.sleep(2.0)
                 continue
             elif collab.ready():
-                if collab.spec.dpu:
+                if collab.overlaps:
                     await collab.start_step(background)
                 else:
                     await collab.average_and_step()

@@ -2,7 +2,7 @@
 
 It holds the arithmetic that every peer must perform identically, so that the wiring only moves vectors.
 The wiring is :class:`~.diloco_trainer.DilocoTrainer` (``[sync] mode = "diloco"``, "The running mode"
-below); overlap is not wired yet.
+below; ``[sync] overlap = true`` for the overlap rule).
 
 **The algorithm** (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
 Models"). The collaboration holds global parameters ``θ_t`` (``t``: outer rounds done) and the outer

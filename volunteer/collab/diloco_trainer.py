@@ -17,6 +17,14 @@ global step:
 ``state_blob``        ``model/*`` = ``θ_t`` and ``outer/<param index>/momentum_buffer``; no inner state
 ==================== =========================================================================================
 
+**Overlap** (``[sync] overlap = true``; the rule and its reasons are in :mod:`.diloco`, "Overlap"). The
+trainer keeps the phase's start ``s`` beside ``θ``: without overlap ``s = θ_t`` always (``apply`` loads
+``θ_{t+1}`` into the model). With it, ``take_gradients`` hands out ``Δ = s - x`` and re-bases at once --
+the model moves by ``θ_t - s`` and ``s := θ_t - Δ`` -- so inner training goes on while the round averages;
+``apply`` then only advances ``θ`` (the model is not touched: the new ``θ`` enters at the next re-base). A
+round that fails gives its ``Δ`` back (``s := s + Δ``, that is ``θ_t``), so the next round's ``Δ`` holds it:
+nothing is lost.
+
 Precision: the inner steps run in fp32 or under bf16 autocast; fp16 needs a loss scale per inner step,
 which the collective rule of :mod:`volunteer.precision` does not give, so it is refused here (the session
 picks fp32 for ``--precision auto`` on a GPU without bf16).
@@ -81,6 +89,9 @@ class DilocoTrainer(LocalTrainer):
             )
         super().__init__(task, spec, run_id, device, precision, growth_interval)
         self.base = flatten(self.params)
+        self.overlap = spec.sync.overlap
+        self._start = self.base.clone()  # where the inner phase started (``s``; ``θ_t`` without overlap)
+        self._in_flight: torch.Tensor | None = None  # the ``Δ`` of the round under way (overlap)
         self.outer = OuterOptimizer(self.numel, spec.sync.outer_lr, spec.sync.outer_momentum)
         self.feedback = ErrorFeedback(codec_by_name(spec.codec), self.numel) if spec.codec != "none" else None
         self.inner_steps = 0  # taken since the start (the panel's and tests' count)
@@ -129,7 +140,12 @@ class DilocoTrainer(LocalTrainer):
         with self._lock:
             if self._pending:
                 self._inner_step()
-            delta = self.base - flatten(self.params)
+            local = flatten(self.params)
+            delta = self._start - local
+            if self.overlap:  # re-base: the model moves by θ_t - s, and s := θ_t - Δ
+                load_flat(self.params, local + (self.base - self._start))
+                self._start = self.base - delta
+                self._in_flight = delta
             vector = delta.numpy()
             finite = bool(np.isfinite(vector).all())  # not: the step receives only; no residual from it
             if self.feedback is not None and finite:
@@ -152,6 +168,9 @@ class DilocoTrainer(LocalTrainer):
                 self._loss_sum += taken.loss * taken.samples
             self._compute_seconds += taken.compute_seconds
             self._sending = None
+            if self._in_flight is not None:  # overlap: the next round's Δ holds this one's again
+                self._start = self._start + self._in_flight
+                self._in_flight = None
 
     def sent(self, slice_sizes: tuple[int, ...] | None, part_numel: int, me: int) -> None:
         """The round that carried the last :meth:`take_gradients` vector completed (``slice_sizes`` None: a
@@ -179,11 +198,16 @@ class DilocoTrainer(LocalTrainer):
         with self._lock:
             if mean_gradient is not None:
                 self.base = self.outer.step(self.base, torch.from_numpy(np.ascontiguousarray(mean_gradient)))
-            load_flat(self.params, self.base)
-            for p in self.params:
-                p.grad = None
-            self._pending = 0
             self._sending = None
+            self._in_flight = None
+            # With overlap the inner phase under way goes on (θ_{t+1} enters at its re-base), unless there
+            # was nothing finite to apply: then, as without overlap, the inner work starts over from θ.
+            if not (self.overlap and mean_gradient is not None):
+                load_flat(self.params, self.base)
+                self._start = self.base.clone()
+                for p in self.params:
+                    p.grad = None
+                self._pending = 0
             self.step += 1
             self.lineage = extend_lineage(self.lineage, self.step, self._fingerprint())
             return self.step
@@ -273,6 +297,8 @@ class DilocoTrainer(LocalTrainer):
 
     def _reset_to_base(self) -> None:
         load_flat(self.params, self.base)
+        self._start = self.base.clone()
+        self._in_flight = None
         self.optimizer.state.clear()
         if self.feedback is not None:
             self.feedback.reset()

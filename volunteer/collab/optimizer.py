@@ -307,6 +307,11 @@ class CollaborativeOptimizer:
         return self.mode.budget()
 
     @property
+    def overlaps(self) -> bool:
+        """The step runs in the background while we compute on (``dpu``, or diloco's ``overlap``)."""
+        return self.spec.dpu or (self.spec.sync.mode == "diloco" and self.spec.sync.overlap)
+
+    @property
     def target(self) -> int:
         """The samples the next step aims at: the target batch, or the planned round (diloco)."""
         return self.mode.target()
