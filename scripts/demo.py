@@ -328,6 +328,8 @@ def diloco_manifest(recipe: str) -> str:
         f"target_batch = {round_samples}  # diloco: samples per round, all volunteers' inner steps\n"
         'codec = "int8-blockwise"  # pseudo-gradients 8-bit, with error feedback',
     )
+    # a round is many target batches: checkpoint every other round (the recipe's count is in batches)
+    switched = re.sub(r"^checkpoint_every = \d+$", "checkpoint_every = 2", switched, flags=re.MULTILINE)
     return switched + '\n[sync]\nmode = "diloco"\n'
 
 

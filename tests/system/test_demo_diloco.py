@@ -9,8 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from backbone.checkpoints import CheckpointStore
 from shared.manifest import load_training_spec
+from shared.state.blob import decode_state
+from volunteer.collab.diloco_trainer import make_trainer
+from volunteer.tasks import make_task
 
 from .procs import ENV, cli
 
@@ -58,3 +63,22 @@ def test_demo_in_diloco_mode_trains_rounds_that_every_volunteer_shares(tmp_path:
     steps = json.loads(subprocess.run(argv, capture_output=True, text=True, env=ENV, check=True).stdout)
     curve = [point["loss"] for point in steps["curve"]]
     assert curve[-1] < curve[0] - 0.2, curve  # from about 6.4 (chance): it fell
+
+    # the backbone's checkpoint of a round is that round's global parameters (θ, the same fingerprint the
+    # volunteers recorded), with the outer momentum and no volunteer's inner state; it exports as usual
+    store = CheckpointStore(work / "backbone" / "checkpoints", readonly=True)
+    entry = store.newest()
+    assert entry is not None and entry.step % 2 == 0, store.entries()
+    blob = store.path(entry.digest).read_bytes()
+    tensors, _ = decode_state(blob)
+    assert any(k.startswith("outer/") for k in tensors) and not any(k.startswith("optim/") for k in tensors)
+    trainer = make_trainer(make_task(spec, None), spec, "check")
+    assert trainer.load_state_blob(blob) == entry.step
+    recorded = {str(row["fingerprint"]) for row in rows.get(entry.step, [])}
+    assert recorded == {trainer.fingerprint().hex()}, (entry.step, recorded)
+    out = tmp_path / "model.safetensors"
+    argv = cli("backbone", "export", "--data-dir", str(work / "backbone"), "-o", str(out))
+    subprocess.run(argv, capture_output=True, text=True, env=ENV, check=True)
+    with safe_open(str(out), "np") as exported:
+        assert exported.metadata()["step"] == str(entry.step)
+        assert not any(name.startswith(("outer/", "model/")) for name in exported.keys())  # noqa: SIM118
