@@ -114,6 +114,27 @@ class StepTracker:
 
 
 @dataclass
+class PlannedRounds:
+    """The target of each step as its peers planned it (diloco rounds with ``min_round``): what most users
+    at step ``s`` publish is the target of step ``s + 1``. Only the last :attr:`KEEP` steps are kept."""
+
+    KEEP = 64
+    _targets: dict[int, int] = field(default_factory=dict)
+
+    def see(self, step: int, target: int | None) -> None:
+        """The view at ``step`` showed ``target`` (None: nobody plans)."""
+        if target is None:
+            return
+        self._targets[step + 1] = target
+        for old in [s for s in self._targets if s <= step + 1 - self.KEEP]:
+            del self._targets[old]
+
+    def of(self, step: int, default: int) -> int:
+        """The target ``step`` aimed at: the planned round, or ``default`` (the manifest's target batch)."""
+        return self._targets.get(step, default)
+
+
+@dataclass
 class StepLog:
     """The log lines of the module docstring: every step at DEBUG, a progress line at INFO every
     ``every_steps`` steps or ``every_s`` seconds, and "run finished" once at ``max_steps``."""
@@ -183,6 +204,7 @@ async def record_steps_forever(
     log = StepLog(spec.target_batch, spec.max_steps)
     tolerated = tolerated if tolerated is not None else Tolerated(logger)
     nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
+    planned = PlannedRounds()
     while True:
         with tolerated.around("steps.read"):
             records, users = await read_progress_with_users(node.dht)
@@ -196,10 +218,12 @@ async def record_steps_forever(
                     target_batch=spec.target_batch,
                     anchored=False,
                     users=users,
+                    min_target=spec.sync.min_round,
                 )
                 peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
                 samples_seen = observed_samples(records, view.step, now, spec.target_batch)
                 batch = claimed_batch(records, view.step, spec.target_batch, users, now)
+                planned.see(view.step, view.target)
                 observed = tracker.observe(view.step, samples_seen, peers, view.loss, batch)
                 for step, loss, samples, count in observed:
                     record = functools.partial(
@@ -209,7 +233,7 @@ async def record_steps_forever(
                         loss=loss,
                         samples=samples,
                         peers=count,
-                        target_batch=spec.target_batch,
+                        target_batch=planned.of(step, spec.target_batch),
                     )
                     recorded = await trio.to_thread.run_sync(record, limiter=DB_WRITE)
                     if recorded:

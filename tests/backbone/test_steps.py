@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from backbone.steps import StepLog, StepTracker, observed_samples
+from backbone.steps import PlannedRounds, StepLog, StepTracker, observed_samples
 from protocols.training import Progress
 from shared.progress import summarize
 
@@ -107,3 +107,14 @@ def test_a_finished_step_is_recorded_with_the_batch_its_members_claim_not_an_ext
     assert tracker.observe(4, 0.0, 1, None, batch=128) == [(4, 5.0, 128, 1)]
     tracker.observe(4, 20.0, 1, None)
     assert tracker.observe(6, 0.0, 1, None, batch=128) == [(5, None, 20, 1)]  # the claim is step 6's
+
+
+def test_a_planned_rounds_target_is_what_its_peers_planned_at_the_step_before() -> None:
+    planned = PlannedRounds()
+    planned.see(4, 700)  # peers at step 4 aim at 700 samples for step 5
+    planned.see(5, None)  # nobody plans: the manifest's target batch
+    assert (planned.of(5, 1024), planned.of(6, 1024), planned.of(4, 1024)) == (700, 1024, 1024)
+    for step in range(6, 6 + 2 * PlannedRounds.KEEP):
+        planned.see(step, step)
+    assert planned.of(5, 1024) == 1024 and len(planned._targets) <= PlannedRounds.KEEP  # bounded
+    assert planned.of(6 + 2 * PlannedRounds.KEEP, 0) == 5 + 2 * PlannedRounds.KEEP
