@@ -529,9 +529,9 @@ class _Partition:
             self.dp_mean[j] = self.model.group_dp_mean(self.groups[j])
             for k in range(self.model.s):
                 if k != j:
-                    a, b = self.groups[j], self.groups[k]
-                    self.coarse[j, k] = self.coarse[k, j] = self.model.edge(a, b)
-                    self.coarse_mean[j, k] = self.coarse_mean[k, j] = self.model.edge_mean(a, b)
+                    ga, gb = self.groups[j], self.groups[k]
+                    self.coarse[j, k] = self.coarse[k, j] = self.model.edge(ga, gb)
+                    self.coarse_mean[j, k] = self.coarse_mean[k, j] = self.model.edge_mean(ga, gb)
         self._solve_order()
 
     def key(self) -> tuple[frozenset[int], ...]:
