@@ -213,7 +213,8 @@ class IterationCost:
 class Placement:
     """The scheduler's answer: ``stages[k]`` are the devices serving stage ``k`` (pipeline order).
 
-    ``exact_order`` is False when the pipeline order came from the 2-opt heuristic (``S > 12``).
+    ``exact_order`` is False when the pipeline order came from the 2-opt heuristic (``S > 12``);
+    ``best_found_s`` is when (seconds into the search) the returned cost was first reached.
     """
 
     stages: Groups
@@ -221,6 +222,7 @@ class Placement:
     generations: int
     seconds: float
     exact_order: bool
+    best_found_s: float
 
 
 @dataclass(frozen=True)
@@ -655,6 +657,7 @@ def schedule(net: Network, work: Workload, *, seed: int = 0, config: SearchConfi
             seen.add(p.key())
             population.append(p)
     generations = 0
+    best_total, best_found = min(p.total for p in population), time.perf_counter() - start
     if model.s > 1 and model.d > 1:  # otherwise every partition is the same up to order
         while generations < config.generations and (
             config.time_limit is None or time.perf_counter() - start < config.time_limit
@@ -670,7 +673,9 @@ def schedule(net: Network, work: Workload, *, seed: int = 0, config: SearchConfi
                 seen.discard(population[worst].key())
                 seen.add(child.key())
                 population[worst] = child
+                if child.total < best_total * (1 - _REL_TOL):
+                    best_total, best_found = child.total, time.perf_counter() - start
     best = min(population, key=lambda p: (p.total, p.smooth))
     stages = tuple(tuple(int(x) for x in best.groups[k]) for k in best.order)
     cost = IterationCost(float(best.dp.max()), best.pp)
-    return Placement(stages, cost, generations, time.perf_counter() - start, best.exact)
+    return Placement(stages, cost, generations, time.perf_counter() - start, best.exact, best_found)
