@@ -3,7 +3,7 @@
 The scenarios are those of the paper's §4.1.
 
 Usage: scripts/bench_scheduler.py [--time-limit SECONDS] [--generations G] [--random R] [--seed S]
-                                  [--stages S] [--scenarios 1,2,3,4,5]
+                                  [--stages S] [--scenarios 1,2,3,4,5] [--no-tour-seeds]
 
 For each scenario: the predicted iteration communication cost (seed 002 eq. 1, seconds) of the scheduler's
 placement, the median (and min/max) over R uniformly random placements with random pipeline order (the
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--scenarios", default="1,2,3,4,5")
+    parser.add_argument("--no-tour-seeds", action="store_true", help="random initial population only")
     args = parser.parse_args()
 
     layers, hidden, seq, batch, params, fp16 = 24, 2048, 2048, 1024, 1.3e9, 2
@@ -142,7 +143,9 @@ def main() -> None:
         stage_bytes=params * fp16 / args.stages,
         activation_bytes=batch / dp_degree * seq * hidden * fp16,
     )
-    config = SearchConfig(generations=args.generations, time_limit=args.time_limit)
+    config = SearchConfig(
+        generations=args.generations, time_limit=args.time_limit, tour_seeds=not args.no_tour_seeds
+    )
     rows = []
     for case, (name, net) in scenarios().items():
         if str(case) not in args.scenarios.split(","):

@@ -188,15 +188,21 @@ def test_workload_and_placements_are_validated() -> None:
         iteration_cost(net, work, ((0,), (1, 2, 3)))
     with pytest.raises(ValueError, match="groups given"):
         iteration_cost(net, work, ((0, 1, 2, 3),))
+    with pytest.raises(ValueError, match="population"):
+        SearchConfig(population=1)
+    with pytest.raises(ValueError, match="mutations"):
+        SearchConfig(mutations=-1)
+    with pytest.raises(ValueError, match="time_limit"):
+        SearchConfig(time_limit=-1.0)
 
 
 # -- the search --------------------------------------------------------------------------------------------
 
 
 def test_schedule_is_within_the_stated_bound_of_the_exhaustive_optimum_up_to_eight_devices() -> None:
-    """Stated bound, measured with population 16 and 60 generations on seeds 0-9 of these shapes (80
-    instances): 74 exactly optimal, worst gap 13.6%. Asserted on seeds 0-2: every gap <= 15% and >= 85% of
-    the instances exactly optimal."""
+    """Stated bound, measured with population 16 and 60 generations on seeds 0-29 of these shapes (240
+    instances): 238 exactly optimal, worst gap 0.38% (seeds 0-9: all 80 optimal). Asserted on seeds 0-2:
+    every gap <= 1% and >= 95% of the instances exactly optimal."""
     gaps = []
     for n, s in [(6, 2), (6, 3), (8, 2), (8, 4)]:
         partitions = _balanced_partitions(n, s)
@@ -210,8 +216,8 @@ def test_schedule_is_within_the_stated_bound_of_the_exhaustive_optimum_up_to_eig
                 assert placement.exact_order
                 gaps.append(placement.cost.total / optimum - 1)
     assert min(gaps) >= -1e-9  # nothing beats the exhaustive optimum
-    assert max(gaps) <= 0.15
-    assert sum(g <= 1e-9 for g in gaps) >= 0.85 * len(gaps)
+    assert max(gaps) <= 0.01
+    assert sum(g <= 1e-9 for g in gaps) >= 0.95 * len(gaps)
 
 
 def test_schedule_is_deterministic_under_a_seed_without_time_limit() -> None:
@@ -237,9 +243,20 @@ def test_schedule_places_every_device_once_and_never_beats_the_lower_bound(
     assert len(placement.stages) == s
     assert all(len(g) == n // s for g in placement.stages)
     assert sorted(d for g in placement.stages for d in g) == list(range(n))
+    assert 0 <= placement.best_found_s <= placement.seconds
     recomputed = iteration_cost(net, work, placement.stages)
     assert recomputed.total == pytest.approx(placement.cost.total)
     bound = lower_bound(net, work)
     assert placement.cost.total >= bound * (1 - 1e-12)
     random_cost = iteration_cost(net, work, random_placement(n, s, np.random.default_rng(seed))).total
     assert random_cost >= bound * (1 - 1e-12)
+
+
+def test_schedule_beats_the_median_random_placement_on_clustered_devices() -> None:
+    net = _net(24, 11, regions=4)
+    work = Workload(stages=4, stage_bytes=100 * MB, activation_bytes=30 * MB)
+    placement = schedule(net, work, seed=1, config=SearchConfig(population=8, generations=6, time_limit=None))
+    rng = np.random.default_rng(0)
+    randoms = sorted(iteration_cost(net, work, random_placement(24, 4, rng)).total for _ in range(21))
+    assert placement.cost.total < randoms[10]
+    assert placement.cost.total <= randoms[0]
