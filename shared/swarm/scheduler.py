@@ -72,11 +72,12 @@ another group ``C_k`` of highest Kernighan-Lin gain on the eq. 2 pair costs ``w_
     GAIN_DP = Σ_{C_j} w_DP(x, ·) - Σ_{C_k} w_DP(x, ·) + Σ_{C_k} w_DP(y, ·) - Σ_{C_j} w_DP(y, ·)
               + 2 w_DP(x, y),
 
-and the step applies whichever of the two proposals gives the lower true cost. A pass applies the chosen
-swap, locks both devices, and repeats while unlocked candidates remain (as KL, even when the cost rises);
-the pass keeps the prefix of swaps whose partition has the lowest *true* ``COMM-COST`` (the gains only
-propose moves; the paper notes that a gain alone need not lower the cost, so the cost model decides), and
-passes repeat while they improve. Both costs are maxima
+and the step applies it instead of the paper's proposal only if its true cost is strictly lower (on a tie
+the paper's move and the plateau tie-breaker below steer). A pass applies the chosen swap, locks both
+devices, and repeats while unlocked candidates remain (as KL, even when the cost rises); the pass keeps the
+prefix of swaps whose partition has the lowest *true* ``COMM-COST`` (the gains only propose moves; the
+paper notes that a gain alone need not lower the cost, so the cost model decides), and passes repeat while
+they improve. Both costs are maxima
 (slowest device, slowest matched pair), so most swaps leave them unchanged: ties are broken by the same
 model with means for maxima (mean device sum per group averaged over groups, plus the min-sum matching's
 mean pair along the chosen path), which moves the search across plateaus, e.g. when all links between
@@ -621,9 +622,9 @@ def _local_search(model: _Model, part: _Partition) -> _Partition:
                 trial = current.copy()
                 trial.swap(*move)
                 trials.append((trial, move))
-            current, move = (
-                trials[0] if len(trials) == 1 or not trials[1][0].better(trials[0][0]) else trials[1]
-            )
+            # the paper's proposal unless the data-parallel one lowers the true cost itself (ties: paper's)
+            pick = 1 if len(trials) == 2 and trials[1][0].total < trials[0][0].total * (1 - _REL_TOL) else 0
+            current, move = trials[pick]
             locked[list(move)] = True
             if current.better(best):
                 best = current.copy()
