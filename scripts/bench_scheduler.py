@@ -53,15 +53,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.swarm.scheduler import (
-    Network,
-    SearchConfig,
-    Workload,
-    iteration_cost,
-    lower_bound,
-    random_placement,
-    schedule,
-)
+from shared.swarm.placement_cost import Network, Workload, iteration_cost, lower_bound, random_placement
+from shared.swarm.scheduler import SearchConfig, schedule
 
 GBPS = 1e9 / 8
 PAPER_RATIO = {5: 2.7}  # §4.2: "with the scheduler, our system is 2.7x faster in world-wide geo-distributed"

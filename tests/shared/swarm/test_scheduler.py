@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.swarm.scheduler import (
+from shared.swarm.placement_cost import (
     Network,
-    SearchConfig,
     Workload,
     best_order,
     data_parallel_cost,
@@ -22,8 +21,8 @@ from shared.swarm.scheduler import (
     pipeline_cost,
     pipeline_edge_cost,
     random_placement,
-    schedule,
 )
+from shared.swarm.scheduler import SearchConfig, schedule
 
 MB = 1e6
 
