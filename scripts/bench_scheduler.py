@@ -187,6 +187,7 @@ def main() -> None:
                     "time_limit_s": args.time_limit,
                     "generations": args.generations,
                     "seed": args.seed,
+                    "tour_seeds": not args.no_tour_seeds,
                 },
                 "random_placements": args.random,
                 "rows": rows,
