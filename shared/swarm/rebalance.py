@@ -49,6 +49,11 @@ largest capacity is the usual best move here too, but not always (a fast peer fr
 slow ones may be worth more than a slow peer of the largest stage), so every stage that can spare a peer
 is searched: ``O(P S log S)`` for ``P`` reports and ``S`` stages (Algorithm 2: ``O(M S)``).
 
+**What it trusts.** A server that has not measured yet reports rate 0: it keeps its stage non-empty but
+adds no capacity, so the service reports a rate only after a full measuring period. Rates are
+self-reported; the service bounds each by what trainers observed of that server (DESIGN D10 (c)) before
+planning, since an inflated rate would hold peers away from a stage that needs them.
+
 **Newcomers** (§3.2: "assigned to the optimal pipeline stage by following the same protocol"):
 :func:`place_newcomer` returns the stage whose capacities after adding one more server of the given speed are
 best leximin: an empty stage if there is one, else (with equal costs) the bottleneck; ties to the lower

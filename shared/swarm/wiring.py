@@ -43,9 +43,16 @@ re-announces itself: the router remembers the announcement time it held at the b
 when :meth:`~StageRouter.announce` brings a strictly newer one. Servers missing from an announcement are
 forgotten (their record expired).
 
-**Times.** A response time must be finite and ``>= 0``: ``NaN``, ``inf`` and negative values raise
-``ValueError`` (a timeout is a failure, reported with :meth:`~StageRouter.fail`, not a time); a time below
-:attr:`WiringConfig.min_seconds` (including 0) is raised to it, so every weight ``1/e`` is finite.
+**Times.** A time is what one request of the trainer's micro-batch took, from sending to the answer (so
+the network is part of it, as in §3.2); a trainer whose micro-batches vary in size passes seconds per
+sample instead, consistently. A response time must be finite and ``>= 0``: ``NaN``, ``inf`` and negative
+values raise ``ValueError`` (a timeout is a failure, reported with :meth:`~StageRouter.fail`, not a time);
+a time below :attr:`WiringConfig.min_seconds` (including 0) is raised to it, so every weight ``1/e`` is
+finite.
+
+**Races.** An answer may come back after its server was forgotten (its record expired while the request
+was in flight): :meth:`~StageRouter.observe`, :meth:`~StageRouter.fail` and :meth:`~StageRouter.busy`
+then do nothing and return ``False``.
 
 **Outcomes.** :meth:`~StageRouter.choose` returns :class:`Pick` (send to ``server``), :class:`Wait` (every
 server that may be picked is busy; the earliest is free at ``until``) or :class:`NoServer` (none is
@@ -170,27 +177,35 @@ class StageRouter:
                     state.banned_at = None
                     state.priority = max(state.priority, virtual)
 
-    def fail(self, server: str) -> None:
+    def fail(self, server: str) -> bool:
         """Ban ``server`` until it re-announces (a failure, a timeout or an answer that fails the checks).
 
-        Raises:
-            KeyError: ``server`` is not announced.
+        Returns:
+            ``False`` if ``server`` is not announced (nothing to ban).
         """
-        state = self._servers[server]
+        state = self._servers.get(server)
+        if state is None:
+            return False
         state.banned_at = state.announced_at
+        return True
 
-    def busy(self, server: str, *, now: float, retry_after: float) -> None:
+    def busy(self, server: str, *, now: float, retry_after: float) -> bool:
         """``server`` answered "busy": skip it until ``now + retry_after`` (clamped), without a ban.
 
+        Returns:
+            ``False`` if ``server`` is not announced.
+
         Raises:
-            KeyError: ``server`` is not announced.
             ValueError: ``now`` is not finite or ``retry_after`` is NaN.
         """
         if not math.isfinite(now) or math.isnan(retry_after):
             raise ValueError(f"need a finite now and a retry hint, got now={now}, retry_after={retry_after}")
-        state = self._servers[server]
+        state = self._servers.get(server)
+        if state is None:
+            return False
         hint = min(max(retry_after, 0.0), self.config.max_retry_seconds)
         state.busy_until = max(state.busy_until, now + hint)
+        return True
 
     # -------------------------------------------------------------------- routing
 
@@ -213,22 +228,27 @@ class StageRouter:
         state.picks += 1
         return Pick(server)
 
-    def observe(self, server: str, seconds: float) -> None:
+    def observe(self, server: str, seconds: float) -> bool:
         """``server`` answered a request in ``seconds``: update its EMA (the first answer sets it).
 
+        Returns:
+            ``False`` if ``server`` is not announced (the answer is not counted).
+
         Raises:
-            KeyError: ``server`` is not announced.
             ValueError: ``seconds`` is NaN, infinite or negative.
         """
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"a response time must be finite and >= 0, got {seconds}")
-        state = self._servers[server]
+        state = self._servers.get(server)
+        if state is None:
+            return False
         seconds = max(seconds, self.config.min_seconds)
         if state.seconds is None:
             state.seconds = seconds
         else:
             gamma = self.config.smoothing
             state.seconds = gamma * seconds + (1.0 - gamma) * state.seconds
+        return True
 
     # ----------------------------------------------------------------- inspection
 

@@ -4,8 +4,9 @@ SWARM splits a model into stages of similar blocks, each served by a swarm of pe
 assume that the model consists of similar blocks and thus partition it into evenly sized stages").
 :func:`split_model` does that for the built-in tasks: ``tiny-mlm`` (:mod:`.tiny_mlm`) and the Hugging Face
 tasks (:mod:`.hf`) for the model types ``gpt2`` (``hf-clm``), ``bert`` and ``albert`` (``hf-mlm``).
-Blocks are split evenly (stage ``k`` holds blocks ``[round(kB/S), round((k+1)B/S))``), the embeddings go
-with the first stage and the output head and the loss with the last; ``S = 1`` is the whole model.
+Blocks are split evenly (stage ``k`` holds blocks ``[round(kB/S), round((k+1)B/S))``, Python's
+round-half-to-even: sizes differ by at most one), the embeddings go with the first stage and the output
+head and the loss with the last; ``S = 1`` is the whole model.
 
 **The contract** (what a stage server and a trainer may rely on, whatever carries the tensors):
 

@@ -100,6 +100,10 @@ def test_wiring_no_server_when_none_is_announced_or_all_are_banned() -> None:
     assert router.choose(0.0) == NoServer()
     router.announce({})  # the record expired: forgotten
     assert router.statistics().seconds == {}
+    # an answer that arrives after its server was forgotten is ignored, not an error
+    assert not router.observe("a", 1.0)
+    assert not router.fail("a")
+    assert not router.busy("a", now=0.0, retry_after=1.0)
 
 
 def test_wiring_busy_server_is_skipped_until_its_retry_hint_without_a_ban() -> None:
