@@ -14,6 +14,7 @@ import torch
 from protocols.training import TokenizerSpec, TrainingSpec
 from shared.data.corpus import generate_examples
 from shared.errors import ConfigError
+from shared.swarm.wiring import Pick, StageRouter
 from shared.tokenizer import train_tokenizer
 from volunteer.tasks import make_task
 from volunteer.tasks.base import Task
@@ -181,3 +182,61 @@ def test_stages_refuse_splits_they_cannot_make(tokenizers: dict[str, bytes]) -> 
     model.config.model_type = "mystery"
     with pytest.raises(ConfigError, match="no pipeline stages for model type 'mystery'"):
         split_model(other, model, 2)
+
+
+def test_stages_served_by_two_peers_each_match_one_process_at_the_global_batch() -> None:
+    """Seed 004 App. E in miniature: micro-batches routed by stochastic wiring through two servers per
+    stage, each server weighting its micro-batches' gradients by their sample counts, then each stage
+    averaging over its servers by samples and adding the tied copy's gradient, give the gradient of one
+    process running the whole model on the whole global batch."""
+    task = make_task(TINY)
+    count, servers = 3, ("r0", "r1")
+    staged = {server: split_model(task, task.build_model(), count) for server in servers}
+    routers = [StageRouter() for _ in range(count)]
+    for router in routers:
+        router.announce(dict.fromkeys(servers, 0.0))
+        router.observe("r0", 0.5)  # r0 answers twice as fast: it gets two micro-batches in three
+        router.observe("r1", 1.0)
+    examples = [{"text": text} for text in generate_examples(9, 12)]
+    sizes = [3, 2, 4, 1, 2]
+    assert sum(sizes) == len(examples)
+    routes: list[tuple[str, ...]] = []
+    start = 0
+    for size in sizes:
+        batch = task.collate(examples[start : start + size])
+        start += size
+        route = []
+        inputs: list[torch.Tensor | None] = []
+        outputs: list[torch.Tensor] = []
+        hidden: torch.Tensor | None = None
+        for k, router in enumerate(routers):  # forward: each hop is a request to the chosen server
+            choice = router.choose(0.0)
+            assert isinstance(choice, Pick)
+            stage = staged[choice.server].stages[k]
+            x = None if hidden is None else hidden.detach().requires_grad_(True)
+            hidden = stage(x, {name: batch[name] for name in stage.needs})
+            route.append(choice.server)
+            inputs.append(x)
+            outputs.append(hidden)
+        routes.append(tuple(route))
+        grad = torch.tensor(float(size))  # the loss is a per-sample mean: weight by the sample count
+        for k in reversed(range(count)):  # backward: each hop returns the gradient of its input
+            outputs[k].backward(grad)
+            x = inputs[k]
+            if x is not None:
+                assert x.grad is not None
+                grad = x.grad
+    assert {r for route in routes for r in route} == set(servers)  # both servers of a stage took work
+
+    whole = task.build_model()
+    task.loss(whole, task.collate(examples)).backward()
+    expected = {name: p.grad for name, p in whole.named_parameters()}
+    total = float(sum(sizes))
+    tied = staged["r0"].tied[0]
+    for k in range(count):
+        for stage_name, model_name in staged["r0"].names[k].items():
+            grads = [dict(staged[s].stages[k].named_parameters())[stage_name].grad for s in servers]
+            if k == 0 and stage_name == tied.first:
+                grads += [dict(staged[s].stages[-1].named_parameters())[tied.last].grad for s in servers]
+            averaged = sum(g for g in grads if g is not None) / total  # the stage's all-reduce
+            torch.testing.assert_close(averaged, expected[model_name], rtol=1e-4, atol=1e-6, msg=model_name)
