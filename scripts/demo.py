@@ -12,9 +12,11 @@ Every node is a real process started with the real CLIs, exactly as organizers a
 3. a live table (refreshed every second) shows each volunteer's step, loss and samples/s (from the
    ``steps.jsonl`` it appends after every step) and its connections (from its ``status.json``), and the
    collaboration's step and loss as the backbone recorded them in its ledger;
-4. after ``--seconds``, every volunteer gets SIGTERM: it finishes the round it is in, sends its last
-   contribution reports and must exit 0; then ``backbone ledger`` prints who contributed what and
-   ``backbone ledger --steps`` the last steps and the loss curve; then the backbone is stopped;
+4. after ``--seconds`` (or, with ``--until-step N``, as soon as the ledger recorded step ``N``, at most
+   ``--seconds``: the same amount of training however loaded the machine), every volunteer gets SIGTERM:
+   it finishes the round it is in, sends its last contribution reports and must exit 0; then ``backbone
+   ledger`` prints who contributed what and ``backbone ledger --steps`` the last steps and the loss curve;
+   then the backbone is stopped;
 5. for a Hugging Face recipe, ``backbone export --format hf`` writes the last checkpoint as a folder, and
    a fresh interpreter loads it with ``transformers``' ``from_pretrained`` and fills in a masked word.
 
@@ -219,8 +221,9 @@ def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, second
     return t
 
 
-def watch(volunteers: list[Node], backbone: Node, seconds: float) -> None:
-    """Refresh the table every second until ``seconds`` pass; raise SystemExit if a node dies."""
+def watch(volunteers: list[Node], backbone: Node, seconds: float, until_step: int | None = None) -> None:
+    """Refresh the table every second until ``seconds`` pass, or until the ledger recorded ``until_step``;
+    raise SystemExit if a node dies."""
     started = time.monotonic()
     ledger: LedgerStore | None = None
     latest: StepRow | None = None
@@ -239,6 +242,8 @@ def watch(volunteers: list[Node], backbone: Node, seconds: float) -> None:
                 recorded = ledger.recent_steps(limit=1)
                 latest = recorded[0] if recorded else latest
                 live.update(table(volunteers, latest, elapsed, seconds), refresh=True)
+                if until_step is not None and latest is not None and latest.global_step >= until_step:
+                    break
                 time.sleep(REFRESH_S)
     finally:
         if not console.is_terminal:
@@ -364,11 +369,19 @@ def main() -> int:
         f"pseudo-gradients averaged every {DILOCO_ROUND} target batches",
     )
     parser.add_argument(
+        "--until-step",
+        type=int,
+        help="stop as soon as the ledger recorded this step (at most --seconds): as much training on a "
+        "busy machine as on a quiet one",
+    )
+    parser.add_argument(
         "--work-dir", type=Path, help="an empty dir for data and logs (default: a fresh temp dir)"
     )
     args = parser.parse_args()
     if args.volunteers < 1 or args.seconds <= 0:
         parser.error("--volunteers must be at least 1 and --seconds positive")
+    if args.until_step is not None and args.until_step < 1:
+        parser.error("--until-step must be at least 1")
     began = time.monotonic()
     work = prepare_work_dir(args.work_dir)
     manifest = work / "manifest.toml"
@@ -395,7 +408,7 @@ def main() -> int:
             "last averaging round; conns: open connections (its status.json)",
             highlight=False,
         )
-        watch(volunteers, backbone, args.seconds)
+        watch(volunteers, backbone, args.seconds, args.until_step)
     except (KeyboardInterrupt, Stop):
         console.print("interrupted: stopping now")
     except SystemExit as exc:

@@ -5,7 +5,11 @@ Two sources, both on one clock (``time.time()`` of one machine):
 * **link counters** — a sampler process inside the LAN's switch namespace reads every bridge port's
   ``rx_bytes`` (what host ``i`` uploaded) and ``tx_bytes`` (what was delivered to host ``i``, its
   download) every few milliseconds (:class:`LinkSampler`); that is each peer's access link, measured
-  where the emulation shapes it (``tests/netns.py``);
+  where the emulation shapes it (``tests/netns.py``). Its first reading is taken before the peers are
+  told to go and its last after every peer reported its end, so the byte totals of the round are these
+  two readings' difference, exact whatever the scheduling; the readings between, which a loaded machine
+  may take late or seldom (a starved sampler interpolated across the end of a burst and counted 91 % of
+  a slow peer's upload), only draw the rates over time;
 * **protocol events** — each peer process records every bulk exchange it starts (``push`` of a part to an
   aggregator, ``pull`` of an averaged part: start, end, bytes, the other peer, the part index), every push
   it serves (``recv``), every pull it answers (``serve``: from the request's arrival until the averaged
@@ -51,13 +55,14 @@ def sample():
         rx.seek(0); tx.seek(0)
         row.append(int(rx.read())); row.append(int(tx.read()))
     out.write(" ".join(map(str, row)) + "\n")
+sample()  # before "ready": the caller starts the round only after this reading
 print("ready", flush=True)
 while True:
-    sample()
     ready, _, _ = select.select([sys.stdin], [], [], interval)
     if ready and not sys.stdin.readline():
         break
-sample()
+    sample()
+sample()  # after the caller's stop: every peer has reported the end of its round
 out.flush()
 """
 
@@ -79,7 +84,8 @@ class LinkSampler:
         self.n = len(ports)
 
     def stop(self) -> list[list[float]]:
-        """Rows ``[t, up_0, down_0, up_1, down_1, ...]`` (cumulative bytes)."""
+        """Rows ``[t, up_0, down_0, up_1, down_1, ...]`` (cumulative bytes): the first read before this
+        sampler was ready, the last after this call (module docstring)."""
         _, err = self.proc.communicate(input="", timeout=30)
         with self.out:
             if self.proc.returncode != 0:
@@ -194,12 +200,16 @@ def analyze(
     gradient_bytes: float,
     predicted_s: float,
 ) -> dict[str, Any]:
-    """The per-peer summary described in the module docstring (``events[i]``: peer ``i``'s events)."""
+    """The per-peer summary described in the module docstring (``events[i]``: peer ``i``'s events).
+
+    ``samples``: :meth:`LinkSampler.stop`'s rows, whose first and last readings bracket the round: the
+    byte totals are their difference, not counters interpolated at the round's ends."""
+    if not samples:
+        raise RuntimeError("no link samples")
     start = min(r["start"] for r in reports)
     end = max(r["end"] for r in reports)
     seconds = end - start
-    first = _at(samples, start)
-    last = _at(samples, end)
+    first, last = samples[0], samples[-1]
     model = model_bytes(fractions, compute, gradient_bytes)
     peers = []
     for i, (down_mbps, up_mbps) in enumerate(caps_mbps):

@@ -9,7 +9,11 @@ Order of events (each shown on the panel, or logged without one):
 3. **warm-up**: a few micro-batches measure samples/s on the run's real model (their gradients are dropped);
    then bandwidth and reachability are measured against a backbone and the capabilities are published to
    the DHT (the LP's inputs) and to the ledger (the plausibility checks' reference); they are measured
-   again when the training throughput drifts;
+   again when the training throughput drifts. Our progress record is published from the warm-up's start
+   (fresh, no samples: :meth:`~volunteer.collab.optimizer.CollaborativeOptimizer.progress`), so the
+   others know we are in the run: a volunteer that saw nobody steps alone (:mod:`shared.alone`), and one
+   that finished its warm-up first stepped alone twice beside us while we measured (seen in the demo
+   under load: the two then disagreed on the run's step and formed no group for the rest of it);
 4. the training loop (:func:`volunteer.training.train_until_stopped`) until Ctrl+C / SIGTERM or the run's
    step limit;
 5. the contribution reports still queued are sent (bounded wait), and ``steps.jsonl`` in the data dir
@@ -188,14 +192,17 @@ class TrainingSession:
                 # the session opens at join (its first heartbeat), not after the warm-up
                 nursery.start_soon(self.reporter.send_forever)
                 shutdown.ready()
+                # our progress record goes out before the warm-up: a volunteer measuring its machine is
+                # in the run, and a peer that saw nobody would step alone meanwhile (module docstring, 3)
+                await nursery.start(collab.run)
                 with trio.CancelScope() as warmup:
                     nursery.start_soon(_cancel_when, shutdown.requested, warmup)
                     await self._measure(collab, prefetch)
                 if shutdown.requested.is_set():
+                    await collab.leave()
                     await self._report_and_leave()
                     nursery.cancel_scope.cancel()
                     return
-                await nursery.start(collab.run)
                 nursery.start_soon(self._remeasure_on_drift, collab)
                 if getattr(self.options, "evaluate", False):
                     self._start_evaluating(nursery, task, trainer)

@@ -542,7 +542,11 @@ class Averager:
         got = _Got(step, _Watch(PartTimes(expected, plan.deadline)))
         targets = [j for j, s in enumerate(slices) if j != me and s.numel and plan.members[me].weight > 0]
         got.pushes_left = len(targets)
-        got.gate = PushGate({j: num_parts(slices[j].numel, plan.part_numel) for j in targets})
+        # a laggard holds our other pushes for half the stall timeout at most (.pacing, "A laggard")
+        got.gate = PushGate(
+            {j: num_parts(slices[j].numel, plan.part_numel) for j in targets},
+            hold=lambda: got.watch.times.timeout() / 2,
+        )
         if duty is not None:
             duty.watch = got.watch
         held = got.held = self._hold_round(plan, started)

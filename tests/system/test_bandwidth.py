@@ -89,11 +89,11 @@ def _check_trace(folder: Path, result: dict[str, Any], numel: int) -> None:
     assert summary == trace["summary"]
     assert result["tcp_last_round"]["OutSegs"] > 0
     for peer in summary["peers"]:
-        # on the link: the protocol's payload plus headers (TCP/IP, TLS, parts); the counters are sampled
-        # every 5 ms and interpolated at the round's ends, which may cut a burst there
+        # on the link: the protocol's payload plus headers (TCP/IP, TLS, parts), counted between readings
+        # taken before the round and after it, so no byte of it is missed however late the sampler runs
         for way in ("up", "down"):
             expected = peer[f"protocol_{way}_bytes"]
-            assert 0.95 * expected <= peer[f"{way}_bytes"] <= 1.3 * expected + 200_000, (way, peer)
+            assert expected <= peer[f"{way}_bytes"] <= 1.3 * expected + 200_000, (way, peer)
         assert peer["cpu_s"] is not None and peer["cpu_s"] > 0
     events = trace["events"]
     for i, fraction in enumerate(summary_fractions := [p["fraction"] for p in summary["peers"]]):

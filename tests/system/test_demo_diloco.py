@@ -27,9 +27,16 @@ ROUND = 8 * 128  # DILOCO_ROUND times the tiny-mlm recipe's target batch
 
 def test_demo_in_diloco_mode_trains_rounds_that_every_volunteer_shares(tmp_path: Path) -> None:
     work = tmp_path / "work"
-    argv = [sys.executable, str(DEMO), "--sync", "diloco", "--seconds", "30", "--volunteers", "2"]
+    # until the ledger recorded round 6 (a fixed amount of training, however busy the machine);
+    # --seconds only bounds a demo that does not train
+    argv = [sys.executable, str(DEMO), "--sync", "diloco", "--until-step", "6", "--seconds", "180"]
     result = subprocess.run(
-        [*argv, "--work-dir", str(work)], capture_output=True, text=True, env=ENV, timeout=300, check=False
+        [*argv, "--volunteers", "2", "--work-dir", str(work)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=400,
+        check=False,
     )
     shown = result.stdout
     assert result.returncode == 0, f"{shown[-4000:]}\n{result.stderr[-2000:]}"

@@ -205,9 +205,12 @@ class CollaborativeOptimizer:
         # "ready" means: averaging toward step + 1 with these samples; never a round already finished
         peer = self.peer
         in_round = peer.averaging and peer.round_step == self.trainer.step
+        # before our first training micro-batch the trainer holds only the warm-up's, which are dropped
+        # (volunteer.session, 3): published, they would count toward the others' target batch
+        samples = self.trainer.samples if peer.anchored else 0
         return Progress(
             step=self.trainer.step,
-            samples=self.trainer.samples + (peer.round_samples if in_round else 0),
+            samples=samples + (peer.round_samples if in_round else 0),
             samples_per_second=self.stats.local_sps or self.samples_per_second,
             time=time.time(),
             loss=peer.loss,

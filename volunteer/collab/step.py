@@ -41,6 +41,13 @@ only and says so in its ticket; when the plan shows a believed claim, every memb
 averaging (the trainer advances the step, parameters unchanged, and halves the scale). A non-finite
 gradient that no claim can make use of is dropped rather than put back for the next attempt.
 
+**The diloco mode** (:mod:`.diloco`, "The running mode") runs on this class unchanged: its trainer
+(:class:`~.diloco_trainer.DilocoTrainer`) hands out pseudo-gradients and applies the outer step, a step
+is a round, and :meth:`BatchStep.target` is the round's samples -- the target batch, or, with
+``[sync] min_round``, the round planned from the last round's plan (:mod:`shared.averaging.round_length`,
+"In the running system"). After a completed round the trainer keeps what its error feedback needs
+(``trainer.sent``).
+
 **Holding a round** (:meth:`BatchStep.holding`): peers at the collaboration's step hold their round for
 a peer downloading the state of that step (:func:`shared.progress.held_for`, per user, bounded).
 """

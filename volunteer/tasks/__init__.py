@@ -5,6 +5,7 @@ Modules:
     registry  :func:`make_task`: a run's ``training.task`` and ``task_options`` to a task
     tiny_mlm  ``tiny-mlm``: a small transformer masked-LM over the project's synthetic corpus
     hf        ``hf-mlm`` and ``hf-clm``: Hugging Face transformers models built from a config
+    stages    a task's model as S consecutive pipeline stages (the SWARM mode's unit of serving)
     plugins   tasks of installed plugins (entry point group ``dedloc.tasks``), never code from the network
 """
 

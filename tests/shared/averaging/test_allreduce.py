@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 import trio
 
+from protocols.averaging import decode_part_header
 from shared.auth.keys import Identity
-from shared.averaging.allreduce import Averager, GroupPlan, Member
+from shared.averaging.allreduce import PUSH, Averager, GroupPlan, Member
 from shared.net.addresses import parse_multiaddr
 from shared.net.host import Host, HostConfig
 
@@ -227,12 +229,15 @@ async def test_the_manifests_rule_reaches_every_aggregator_and_outvotes_a_flippe
         assert abs(centre - 0.2) < 0.01, centre  # (4 x 1 - 3) / 5: the plain mean is dragged
 
 
+@pytest.mark.parametrize("late", [0.0, 0.5])
 async def test_a_hung_aggregator_holds_the_paced_pushes_only_until_its_stall_timeout(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, late: float
 ) -> None:
     """Pacing (shared.averaging.pacing) holds a member's pushes to the healthy aggregators behind one that
-    acknowledges nothing, until that exchange stalls out and leaves the gate: only the hung aggregator's
-    slice fails; the healthy slices are averaged over every member (a gate never released fails this)."""
+    acknowledges nothing, for half the stall timeout: only the hung aggregator's slice fails; the healthy
+    slices are averaged over every member (a gate never released fails this). ``late``: the seconds a
+    loaded machine takes to send part 2, the first one the gate held; held for the whole stall timeout,
+    it reached the healthy aggregators after they had dropped its live sender."""
     peers = await start_hosts(nursery, 4)
     numel = 40_000
     hung = 3
@@ -242,6 +247,17 @@ async def test_a_hung_aggregator_holds_the_paced_pushes_only_until_its_stall_tim
         raise AssertionError("unreachable")
 
     peers[hung][0].bulk_handlers["avg.push"] = never_acknowledge
+    for host, _ in peers:
+        send_bulk = host.send_bulk
+
+        async def descheduled(
+            address: Any, topic: str, data: Any, meta: bytes = b"", sink: Any = None, send: Any = send_bulk
+        ) -> bytes:
+            if topic == PUSH and decode_part_header(meta).part_index == 2:
+                await trio.sleep(late)
+            return await send(address, topic, data, meta, sink)
+
+        host.send_bulk = descheduled  # type: ignore[method-assign]
     vectors = [np.full(numel, float(i + 1), dtype=np.float32) for i in range(4)]
     plan = plan_for(peers, numel, part_numel=1_000, deadline=60.0)  # 10 parts per slice
     results = await run_round(peers, plan, vectors)

@@ -101,3 +101,49 @@ async def test_an_aggregator_that_leaves_holds_nobody_back() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert released.is_set()
     assert gate.ready(1, 99)  # a push to a member that left is never held
+
+
+async def test_a_laggard_holds_the_others_only_for_the_hold_time(autojump_clock: trio.abc.Clock) -> None:
+    """An aggregator that acknowledges nothing stops pacing the others after ``hold`` seconds, well before
+    its stall timeout, so the healthy aggregators get our next parts before their own sender timeouts
+    drop us (holding until the laggard's exchange failed raced those timeouts under load)."""
+    gate = PushGate({0: 3, 1: 3}, hold=lambda: 1.5)
+    start = trio.current_time()
+    gate.completed(0)  # aggregator 0 acknowledged part 0; 1 acknowledges nothing
+    await gate.wait(0, 1)  # one part ahead: not held
+    assert not gate.ready(0, 2)
+    await gate.wait(0, 2)
+    assert trio.current_time() - start == pytest.approx(1.5)  # held exactly until 1 became a laggard
+    assert gate.lagging(1) and not gate.lagging(0)
+    gate.completed(1)  # the laggard acknowledged: back in step, it paces the others again
+    assert not gate.lagging(1)
+    gate.completed(0)
+    gate.completed(0)
+    assert not gate.ready(0, 3)
+
+
+async def test_a_push_waiting_at_the_gate_is_no_laggard(autojump_clock: trio.abc.Clock) -> None:
+    """Waiting for the others is not lagging: only an aggregator whose own pushes stopped is left out."""
+    gate = PushGate({0: 3, 1: 3}, hold=lambda: 1.0)
+    start = trio.current_time()
+    gate.completed(0)
+    gate.completed(0)  # 0 is two parts ahead of 1: its part 3 waits until 1 acknowledged part 1
+    released: list[float] = []
+
+    async def part_3_of_0() -> None:
+        await gate.wait(0, 3)
+        released.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(part_3_of_0)
+        await trio.sleep(0.6)
+        gate.completed(1)  # 1 progresses once, then stops
+        await trio.sleep(0.6)
+        assert not released and not gate.lagging(0)  # 0 progressed 1.2 s ago, but it is waiting
+        assert not gate.lagging(1)
+    assert released == [pytest.approx(1.6)]  # 1.0 s after 1's last acknowledgement
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)

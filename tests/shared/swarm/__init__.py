@@ -1,0 +1,1 @@
+"""Tests of the SWARM pipeline mode's pure cores (shared.swarm)."""

@@ -1,0 +1,275 @@
+"""Adaptive rebalancing: which stage servers move between pipeline stages, and where a newcomer serves
+(seed 004 §3.2 and App. D, Algorithm 2; issue 17 item 4; pure: no trio, no torch).
+
+Every ``T`` seconds each stage server publishes a :class:`ServerReport` under its stage's DHT key; every
+peer then reads all reports and runs :func:`plan_rebalance` on the same values, so all peers reach the
+same decision without a coordinator, and a peer named in a :class:`Move` switches stage, downloads that
+stage's state (verified, as any state download) and serves it. Reports that come late are left out of
+that period (App. D).
+
+**The model.** Every micro-batch passes through every stage, so in steady state each stage must process
+the same sample rate ``λ`` and the pipeline runs at the rate of its slowest stage. A server ``j`` of stage
+``s`` reports ``r_j``, the samples it processes per second *of busy time* (samples / seconds spent
+computing): its capacity, which does not depend on how much work the trainers happen to send it. The
+stage's capacity is ``C_s = Σ_{j∈s} r_j`` and its *load* is ``L_s = 1 / C_s`` (seconds of the stage per
+sample; ``λ L_s`` is its utilization). The pipeline's throughput is ``Θ = min_s C_s``. A peer that moves
+from stage ``a`` to ``b`` is predicted to run there at ``r_j k_a / k_b``, ``k_s`` the stage's relative
+compute cost per sample (:func:`plan_rebalance`'s ``costs``; 1 for the even splits of
+:mod:`volunteer.tasks.stages`).
+
+*Why not the paper's raw queue sums.* Algorithm 2 calls the stage with the smallest sum of queue sizes
+under-loaded. But every stage behind the bottleneck has near-empty queues whatever its capacity (it is
+starved, not idle by choice), so the argmin is a tie among them, and moving a peer out of a stage barely
+faster than the bottleneck makes it the new bottleneck: the next period moves a peer back (ping-pong).
+Busy-time rates measure capacity directly. Queue sizes are still reported and used as in Algorithm 2 to
+choose *which* peer of a stage moves among equals: the one with the shortest queue loses the least work.
+
+**The rule** (one move; repeated up to ``max_moves`` times on the predicted state). Capacity vectors are
+compared *leximin*: sorted ascending, then lexicographically, so a larger vector has a larger ``Θ``, or the
+same ``Θ`` at fewer stages (with two tied bottlenecks no single move raises ``Θ``, but it frees one of
+them, and the next move raises ``Θ``; comparing ``Θ`` alone would stall there).
+
+1. The over-loaded stage ``b`` is the one with the smallest capacity (an empty stage has ``C = 0`` and so
+   is refilled first); ties go to the lower stage index.
+2. Candidate peers are those of every *other* stage with at least two servers (a move never empties a
+   stage). Each candidate's predicted capacities are scored by (leximin vector, ``-L_max'/L_min'``,
+   ``-queue``), higher first: the move that helps the slowest stages most, then the one that leaves the
+   loads most even, then the paper's shortest queue; remaining ties go to the smaller peer id.
+3. The best candidate moves only if, at the first sorted position ``i`` where its vector differs from the
+   current one, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger), and it
+   does not increase the ratio ``L_max / L_min`` (``inf`` while a stage is empty).
+
+**No ping-pong.** Under unchanged measurements every accepted move makes the leximin vector strictly
+larger, so no sequence of moves returns to an earlier assignment (its vector was smaller) and moves stop
+after finitely many periods; undoing a move is never accepted. ``h`` (default 10 %) keeps noise between
+periods from triggering moves that gain less than it.
+
+The paper's rule moves the least-queued peer of the least-loaded stage. Moving from the stage with the
+largest capacity is the usual best move here too, but not always (a fast peer from a stage of many
+slow ones may be worth more than a slow peer of the largest stage), so every stage that can spare a peer
+is searched: ``O(P S log S)`` for ``P`` reports and ``S`` stages (Algorithm 2: ``O(M S)``).
+
+**What it trusts.** A server that has not measured yet reports rate 0: it keeps its stage non-empty but
+adds no capacity, so the service reports a rate only after a full measuring period. Rates are
+self-reported; the service bounds each by what trainers observed of that server (DESIGN D10 (c)) before
+planning, since an inflated rate would hold peers away from a stage that needs them.
+
+**Newcomers** (§3.2: "assigned to the optimal pipeline stage by following the same protocol"):
+:func:`place_newcomer` returns the stage whose capacities after adding one more server of the given speed are
+best leximin: an empty stage if there is one, else (with equal costs) the bottleneck; ties to the lower
+index.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Move", "RebalancePlan", "ServerReport", "load_ratio", "place_newcomer", "plan_rebalance"]
+
+DEFAULT_HYSTERESIS = 0.1
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """What a stage server publishes every period.
+
+    Attributes:
+        peer: the server's peer id.
+        stage: the stage it serves, ``0 <= stage < S``.
+        rate: samples per second of busy time at that stage (finite, ``>= 0``; 0: not measured yet).
+        queue: requests waiting in its queue (``>= 0``).
+    """
+
+    peer: str
+    stage: int
+    rate: float
+    queue: int = 0
+
+
+@dataclass(frozen=True)
+class Move:
+    """``peer`` stops serving ``source`` and serves ``target``."""
+
+    peer: str
+    source: int
+    target: int
+
+
+@dataclass(frozen=True)
+class RebalancePlan:
+    """The moves of one period and what the model predicts.
+
+    Attributes:
+        moves: in order; empty when no move clears the hysteresis margin.
+        capacities_before: ``C_s`` per stage from the reports.
+        capacities_after: ``C_s`` per stage once the moves are made (predicted).
+        throughput_before: ``Θ = min_s C_s``.
+        throughput_after: ``Θ`` after the moves (predicted).
+    """
+
+    moves: tuple[Move, ...]
+    capacities_before: tuple[float, ...]
+    capacities_after: tuple[float, ...]
+    throughput_before: float
+    throughput_after: float
+
+
+def load_ratio(capacities: Sequence[float]) -> float:
+    """``L_max / L_min = C_max / C_min`` (``inf`` when a stage has no capacity; 1 when none has any)."""
+    low, high = min(capacities), max(capacities)
+    if high <= 0.0:
+        return 1.0
+    return math.inf if low <= 0.0 else high / low
+
+
+def plan_rebalance(
+    reports: Sequence[ServerReport],
+    stages: int,
+    *,
+    costs: Sequence[float] | None = None,
+    hysteresis: float = DEFAULT_HYSTERESIS,
+    max_moves: int = 1,
+) -> RebalancePlan:
+    """The moves of one rebalancing period (module docstring).
+
+    Args:
+        reports: one per server that reported in time.
+        stages: ``S >= 1``.
+        costs: ``k_s``, each stage's relative compute cost per sample (finite, ``> 0``); default all 1.
+        hysteresis: ``h >= 0``, the relative throughput gain a move must bring.
+        max_moves: how many moves at most (Algorithm 2 makes one per period).
+
+    Raises:
+        ValueError: a report names a stage outside ``[0, S)``, a peer twice, or has a rate or queue out of
+            range; or ``costs``/``hysteresis``/``max_moves`` are out of range.
+    """
+    weights = _check(reports, stages, costs)
+    if not (math.isfinite(hysteresis) and hysteresis >= 0.0):
+        raise ValueError(f"hysteresis must be finite and >= 0, got {hysteresis}")
+    if max_moves < 0:
+        raise ValueError(f"max_moves must be >= 0, got {max_moves}")
+    where = {r.peer: r.stage for r in reports}
+    rate = {r.peer: r.rate for r in reports}  # at the peer's current stage
+    queue = {r.peer: r.queue for r in reports}
+    before = _capacities(where, rate, stages)
+    moves: list[Move] = []
+    capacities = before
+    for _ in range(max_moves):
+        move = _best_move(where, rate, queue, capacities, weights, hysteresis)
+        if move is None:
+            break
+        moves.append(move)
+        speed = rate[move.peer] * weights[move.source]
+        rate[move.peer] = speed / weights[move.target]
+        where[move.peer] = move.target
+        queue[move.peer] = 0
+        capacities = _capacities(where, rate, stages)
+    return RebalancePlan(
+        moves=tuple(moves),
+        capacities_before=before,
+        capacities_after=capacities,
+        throughput_before=min(before),
+        throughput_after=min(capacities),
+    )
+
+
+def place_newcomer(
+    reports: Sequence[ServerReport],
+    stages: int,
+    *,
+    costs: Sequence[float] | None = None,
+    speed: float = 1.0,
+) -> int:
+    """The stage a new server should serve: the best capacities leximin after it joins (module docstring).
+
+    Args:
+        reports: the current servers' reports.
+        stages: ``S >= 1``.
+        costs: as in :func:`plan_rebalance`.
+        speed: the newcomer's expected samples/s at a stage of cost 1 (finite, ``> 0``); it only matters
+            with unequal costs.
+
+    Raises:
+        ValueError: as :func:`plan_rebalance`, or ``speed`` out of range.
+    """
+    weights = _check(reports, stages, costs)
+    if not (math.isfinite(speed) and speed > 0.0):
+        raise ValueError(f"speed must be finite and > 0, got {speed}")
+    capacities = _capacities({r.peer: r.stage for r in reports}, {r.peer: r.rate for r in reports}, stages)
+
+    def score(stage: int) -> tuple[tuple[float, ...], float, int]:
+        after = list(capacities)
+        after[stage] += speed / weights[stage]
+        return (tuple(sorted(after)), -load_ratio(after), -stage)
+
+    return max(range(stages), key=score)
+
+
+def _check(reports: Sequence[ServerReport], stages: int, costs: Sequence[float] | None) -> tuple[float, ...]:
+    if stages < 1:
+        raise ValueError(f"need at least one stage, got {stages}")
+    weights = tuple(float(c) for c in costs) if costs is not None else (1.0,) * stages
+    if len(weights) != stages or any(not (math.isfinite(c) and c > 0.0) for c in weights):
+        raise ValueError(f"costs must be {stages} finite values > 0, got {costs}")
+    seen: set[str] = set()
+    for r in reports:
+        if not 0 <= r.stage < stages:
+            raise ValueError(f"{r.peer!r} reports stage {r.stage}, outside [0, {stages})")
+        if not (math.isfinite(r.rate) and r.rate >= 0.0):
+            raise ValueError(f"{r.peer!r} reports rate {r.rate}; a rate is finite and >= 0")
+        if r.queue < 0:
+            raise ValueError(f"{r.peer!r} reports queue {r.queue} < 0")
+        if r.peer in seen:
+            raise ValueError(f"{r.peer!r} reports twice")
+        seen.add(r.peer)
+    return weights
+
+
+def _capacities(where: dict[str, int], rate: dict[str, float], stages: int) -> tuple[float, ...]:
+    totals: list[list[float]] = [[] for _ in range(stages)]
+    for peer, stage in where.items():
+        totals[stage].append(rate[peer])
+    return tuple(math.fsum(t) for t in totals)
+
+
+def _best_move(
+    where: dict[str, int],
+    rate: dict[str, float],
+    queue: dict[str, int],
+    capacities: tuple[float, ...],
+    weights: tuple[float, ...],
+    hysteresis: float,
+) -> Move | None:
+    target = min(range(len(capacities)), key=lambda s: (capacities[s], s))
+    servers = [0] * len(capacities)
+    for stage in where.values():
+        servers[stage] += 1
+    best: tuple[tuple[tuple[float, ...], float, int], Move, tuple[float, ...]] | None = None
+    for peer in sorted(where):  # strict improvement below: ties keep the smaller peer id
+        source = where[peer]
+        if source == target or servers[source] < 2:
+            continue
+        after = list(capacities)
+        after[source] = max(0.0, after[source] - rate[peer])
+        after[target] += rate[peer] * weights[source] / weights[target]
+        key = (tuple(sorted(after)), -load_ratio(after), -queue[peer])
+        if best is None or key > best[0]:
+            best = (key, Move(peer, source, target), tuple(after))
+    if best is None:
+        return None
+    _, move, after_t = best
+    if not _improves(capacities, after_t, hysteresis):
+        return None
+    if load_ratio(after_t) > load_ratio(capacities):
+        return None
+    return move
+
+
+def _improves(before: Sequence[float], after: Sequence[float], hysteresis: float) -> bool:
+    """Whether ``after`` beats ``before`` leximin, by the factor ``1 + h`` where they first differ."""
+    for old, new in zip(sorted(before), sorted(after), strict=True):
+        if new != old:
+            return new > old and new >= (1.0 + hysteresis) * old
+    return False

@@ -1,0 +1,216 @@
+"""Adaptive rebalancing (shared.swarm.rebalance): moves never empty a stage, never make the loads less even,
+empty stages are refilled first, the hysteresis margin holds, moves stop (no ping-pong), and the plan is
+deterministic."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.swarm.rebalance import (
+    Move,
+    ServerReport,
+    load_ratio,
+    place_newcomer,
+    plan_rebalance,
+)
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[list[ServerReport], int, list[float]]:
+    stages = draw(st.integers(1, 5))
+    peers = draw(st.integers(0, 12))
+    reports = [
+        ServerReport(
+            peer=f"p{i:02d}",
+            stage=draw(st.integers(0, stages - 1)),
+            rate=draw(st.one_of(st.just(0.0), st.floats(0.1, 10.0))),
+            queue=draw(st.integers(0, 20)),
+        )
+        for i in range(peers)
+    ]
+    costs = draw(st.lists(st.floats(0.5, 2.0), min_size=stages, max_size=stages))
+    return reports, stages, costs
+
+
+def apply(reports: list[ServerReport], moves: tuple[Move, ...], costs: list[float]) -> list[ServerReport]:
+    """The reports of the next period under the model: a moved peer runs at ``r k_a / k_b``, queue empty."""
+    out = list(reports)
+    for move in moves:
+        i = next(k for k, r in enumerate(out) if r.peer == move.peer)
+        assert out[i].stage == move.source
+        rate = out[i].rate * costs[move.source] / costs[move.target]
+        out[i] = ServerReport(move.peer, move.target, rate, 0)
+    return out
+
+
+def capacities(reports: list[ServerReport], stages: int) -> list[float]:
+    totals = [0.0] * stages
+    for r in reports:
+        totals[r.stage] += r.rate
+    return totals
+
+
+@settings(max_examples=150, deadline=None)
+@given(swarms(), st.integers(1, 4), st.floats(0.0, 0.5))
+def test_rebalance_moves_never_empty_a_stage_nor_make_loads_less_even(
+    swarm: tuple[list[ServerReport], int, list[float]], max_moves: int, h: float
+) -> None:
+    reports, stages, costs = swarm
+    plan = plan_rebalance(reports, stages, costs=costs, hysteresis=h, max_moves=max_moves)
+    after = apply(reports, plan.moves, costs)
+    before_servers = Counter(r.stage for r in reports)
+    after_servers = Counter(r.stage for r in after)
+    for stage in before_servers:
+        assert after_servers[stage] >= 1
+    assert plan.capacities_after == pytest.approx(capacities(after, stages))
+    assert load_ratio(plan.capacities_after) <= load_ratio(plan.capacities_before) * (1 + 1e-9)
+    assert plan.throughput_after >= plan.throughput_before
+    ratios = [load_ratio(capacities(reports, stages))]
+    state = reports
+    for move in plan.moves:  # each single move, not only their sum, keeps the ratio from growing
+        state = apply(state, (move,), costs)
+        ratios.append(load_ratio(capacities(state, stages)))
+        assert move.source != move.target
+    assert all(b <= a * (1 + 1e-9) for a, b in itertools.pairwise(ratios))
+
+
+@settings(max_examples=80, deadline=None)
+@given(swarms(), st.floats(0.0, 0.3))
+def test_rebalance_periods_stop_moving_and_never_revisit_an_assignment(
+    swarm: tuple[list[ServerReport], int, list[float]], h: float
+) -> None:
+    reports, stages, costs = swarm
+    seen = {frozenset((r.peer, r.stage) for r in reports)}
+    for _ in range(200):
+        plan = plan_rebalance(reports, stages, costs=costs, hysteresis=h)
+        if not plan.moves:
+            break
+        reports = apply(reports, plan.moves, costs)
+        assignment = frozenset((r.peer, r.stage) for r in reports)
+        assert assignment not in seen  # no ping-pong, no cycle
+        seen.add(assignment)
+    else:
+        pytest.fail("rebalancing did not settle in 200 periods")
+
+
+@settings(max_examples=80, deadline=None)
+@given(swarms(), st.randoms(use_true_random=False))
+def test_rebalance_is_deterministic_whatever_the_order_of_the_reports(
+    swarm: tuple[list[ServerReport], int, list[float]], rng: random.Random
+) -> None:
+    reports, stages, costs = swarm
+    shuffled = reports[:]
+    rng.shuffle(shuffled)
+    assert plan_rebalance(reports, stages, costs=costs, max_moves=3) == plan_rebalance(
+        shuffled, stages, costs=costs, max_moves=3
+    )
+    assert place_newcomer(reports, stages, costs=costs) == place_newcomer(shuffled, stages, costs=costs)
+
+
+def test_rebalance_moves_a_peer_from_the_least_to_the_most_loaded_stage() -> None:
+    reports = [
+        ServerReport("a", 0, 1.0),
+        ServerReport("b", 1, 1.0),
+        ServerReport("c", 1, 1.0),
+        ServerReport("d", 1, 1.0),
+        ServerReport("e", 2, 1.0),
+        ServerReport("f", 2, 1.0),
+    ]
+    plan = plan_rebalance(reports, 3)
+    assert plan.moves == (Move("b", 1, 0),)  # b, c, d are equal: the smaller id moves
+    assert plan.capacities_after == (2.0, 2.0, 2.0)
+    assert plan.throughput_before == 1.0 and plan.throughput_after == 2.0
+
+
+def test_rebalance_prefers_the_shortest_queue_among_equal_peers() -> None:
+    reports = [ServerReport("a", 0, 1.0), ServerReport("b", 1, 1.0, queue=5), ServerReport("c", 1, 1.0, 2)]
+    reports.append(ServerReport("d", 1, 1.0, queue=9))
+    assert plan_rebalance(reports, 2).moves == (Move("c", 1, 0),)
+
+
+def test_rebalance_refills_an_empty_stage_first_even_with_a_large_margin() -> None:
+    reports = [ServerReport("a", 0, 3.0, queue=4), ServerReport("b", 0, 1.0), ServerReport("c", 2, 1.0)]
+    plan = plan_rebalance(reports, 3, hysteresis=100.0)
+    # stage 1 is empty and stage 2's only server cannot leave; moving a or b gives the same capacities
+    # up to order, so the shorter queue decides
+    assert plan.moves == (Move("b", 0, 1),)
+    assert plan.throughput_before == 0.0 and plan.throughput_after == 1.0
+
+
+def test_rebalance_cannot_refill_when_no_stage_can_spare_a_server() -> None:
+    reports = [ServerReport("a", 0, 3.0), ServerReport("c", 2, 1.0)]
+    assert plan_rebalance(reports, 3).moves == ()
+
+
+def test_rebalance_hysteresis_blocks_small_gains() -> None:
+    reports = [ServerReport("a", 0, 10.0), ServerReport("b", 1, 10.5), ServerReport("c", 1, 1.0)]
+    # moving c: capacities (11, 10.5), bottleneck 10 -> 10.5: a 5 % gain
+    assert plan_rebalance(reports, 2, hysteresis=0.1).moves == ()
+    assert plan_rebalance(reports, 2, hysteresis=0.01).moves == (Move("c", 1, 0),)
+
+
+def test_rebalance_frees_tied_bottlenecks_one_move_at_a_time() -> None:
+    reports = [
+        ServerReport("a", 0, 1.0),
+        ServerReport("b", 1, 1.0),
+        ServerReport("c", 2, 2.0),
+        ServerReport("d", 2, 2.0),
+    ]
+    first = plan_rebalance(reports, 3)
+    assert first.moves == (Move("c", 2, 0),)
+    assert first.throughput_after == first.throughput_before == 1.0  # Θ alone would have stalled here
+    second = plan_rebalance(apply(reports, first.moves, [1.0] * 3), 3)
+    assert second.moves == (Move("a", 0, 1),)
+    assert second.capacities_after == (2.0, 2.0, 2.0)
+    assert plan_rebalance(reports, 3, max_moves=5).capacities_after == (2.0, 2.0, 2.0)
+
+
+def test_rebalance_accounts_for_stage_costs() -> None:
+    # stage 1 costs twice as much per sample: a peer moving there runs at half its rate
+    reports = [ServerReport("a", 0, 4.0), ServerReport("b", 0, 4.0), ServerReport("c", 1, 1.0)]
+    plan = plan_rebalance(reports, 2, costs=[1.0, 2.0])
+    assert plan.moves == (Move("a", 0, 1),)
+    assert plan.capacities_after == (4.0, 3.0)
+
+
+def test_newcomer_joins_an_empty_stage_then_the_bottleneck() -> None:
+    reports = [ServerReport("a", 0, 1.0), ServerReport("b", 2, 1.0)]
+    assert place_newcomer(reports, 3) == 1
+    reports.append(ServerReport("c", 1, 5.0))
+    assert place_newcomer(reports, 3) == 0  # stages 0 and 2 tie at the bottleneck: the lower index
+    assert place_newcomer([], 2) == 0
+
+
+@pytest.mark.parametrize(
+    ("reports", "stages", "match"),
+    [
+        ([ServerReport("a", 3, 1.0)], 3, "outside"),
+        ([ServerReport("a", 0, math.nan)], 1, "rate"),
+        ([ServerReport("a", 0, math.inf)], 1, "rate"),
+        ([ServerReport("a", 0, -1.0)], 1, "rate"),
+        ([ServerReport("a", 0, 1.0, queue=-1)], 1, "queue"),
+        ([ServerReport("a", 0, 1.0), ServerReport("a", 0, 2.0)], 1, "twice"),
+        ([], 0, "at least one stage"),
+    ],
+)
+def test_rebalance_refuses_malformed_reports(reports: list[ServerReport], stages: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_rebalance(reports, stages)
+
+
+def test_rebalance_refuses_bad_options() -> None:
+    with pytest.raises(ValueError, match="costs"):
+        plan_rebalance([], 2, costs=[1.0])
+    with pytest.raises(ValueError, match="costs"):
+        plan_rebalance([], 1, costs=[0.0])
+    with pytest.raises(ValueError, match="hysteresis"):
+        plan_rebalance([], 1, hysteresis=math.nan)
+    with pytest.raises(ValueError, match="speed"):
+        place_newcomer([], 1, speed=0.0)
