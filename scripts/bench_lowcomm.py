@@ -344,10 +344,27 @@ async def train(
     }
 
 
+def budget_of(name: str, args: argparse.Namespace) -> int:
+    """The task's budget of samples per configuration.
+
+    Raises:
+        BenchError: the longest DiLoCo round would not make 2 rounds of it.
+    """
+    budget: int = args.budget or TASKS[name].budget * (4 if args.full else 1)
+    longest = max(args.rounds) * args.peers * TASKS[name].local_batch
+    if budget < 2 * longest:
+        raise BenchError(
+            f"{name}: a budget of {budget} samples gives the longest round ({longest} samples) fewer than "
+            "2 rounds: raise --budget or shorten --rounds"
+        )
+    return budget
+
+
 def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
     setup = TASKS[name]
-    budget = args.budget or setup.budget * (4 if args.full else 1)
+    budget = budget_of(name, args)
     heldout = args.heldout or setup.heldout
+    target = args.peers * setup.local_batch
     if setup.tokenizer.kind != "none":
         from shared.tokenizer import train_tokenizer
 
@@ -355,13 +372,6 @@ def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = train_tokenizer(setup.tokenizer, corpus, masked_lm=name != "hf-clm")
     else:
         tokenizer = None
-    target = args.peers * setup.local_batch
-    longest = max(args.rounds) * target
-    if budget < 2 * longest:
-        raise BenchError(
-            f"{name}: a budget of {budget} samples gives the longest round ({longest} samples) fewer than "
-            "2 rounds: raise --budget or shorten --rounds"
-        )
     configurations: list[tuple[str, int | None, str]] = [("batch", None, args.batch_codec)]
     configurations += [(f"diloco-{k}", k, args.diloco_codec) for k in args.rounds]
     runs: dict[str, Any] = {}
@@ -515,6 +525,8 @@ def main() -> None:
                 codec_by_name(codec)
             except ValueError as exc:
                 raise BenchError(f"unknown codec {codec!r}: {exc}") from None
+        for name in names:
+            budget_of(name, args)  # every task's, before the first one runs
         if args.threads:
             torch.set_num_threads(args.threads)
         started = time.perf_counter()
