@@ -80,6 +80,7 @@ from protocols.training import (  # noqa: E402
 )
 from shared.auth.keys import Identity  # noqa: E402
 from shared.data.corpus import generate_examples  # noqa: E402
+from shared.errors import StateUnavailable  # noqa: E402
 from shared.net.host import HostConfig  # noqa: E402
 from shared.node import Node, open_node  # noqa: E402
 from volunteer.collab.diloco_trainer import make_trainer  # noqa: E402
@@ -297,21 +298,37 @@ async def train(
         began = time.perf_counter()
         share = spec.target_batch // peers  # samples of each peer per global step
 
+        failed = [0] * peers  # averaging attempts that took no step
+        lost = [0] * peers  # samples a peer computed but dropped when it had to download the state
+        downloads = [0] * peers
+
         async def peer(i: int) -> None:
             collab, stream = collabs[i], streams[i]
-            for _ in range(steps):
-                for _ in range(share // spec.local_batch):
+            in_a_row = 0
+            while collab.trainer.step < steps:
+                if collab.behind():  # left out of a round (a stall): the others' state, our share lost
+                    lost[i] += collab.trainer.samples
+                    try:
+                        await collab.sync_state()
+                        downloads[i] += 1
+                    except StateUnavailable:
+                        await trio.sleep(0.5)
+                    continue
+                if collab.trainer.samples < share:
                     batch = next(stream, None)
                     if batch is None:
                         raise BenchError(f"peer {i}'s data stream ended")
                     await collab.accumulate(batch)
+                    continue
                 await collab.refresh_view()
-                for attempt in itertools.count(1):
-                    if await collab.average_and_step():
-                        break
-                    if attempt >= MAX_ATTEMPTS:
-                        raise BenchError(f"peer {i}: step {collab.trainer.step + 1} failed {attempt} times")
-                    await collab.refresh_view()
+                if await collab.average_and_step():
+                    in_a_row = 0
+                    continue
+                failed[i] += 1
+                in_a_row += 1
+                if in_a_row >= MAX_ATTEMPTS:
+                    raise BenchError(f"peer {i}: step {collab.trainer.step + 1} failed {in_a_row} times")
+                await collab.refresh_view()
 
         with trio.move_on_after(limit_s) as limit:
             async with trio.open_nursery() as peers_running:
@@ -341,6 +358,10 @@ async def train(
         "samples": sum(r.samples for own in mine for r in own),
         "compute_s": round(sum(compute), 2),
         "identical": len(prints) == 1 and len(final) == 1,
+        # rounds that went wrong on this shared machine (a member stalled; it downloads the state after)
+        "failed_attempts": sum(failed),
+        "state_downloads": sum(downloads),
+        "samples_lost": sum(lost),
     }
 
 

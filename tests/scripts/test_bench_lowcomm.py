@@ -100,7 +100,11 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
     assert set(task["runs"]) == {"batch", "diloco-2"}
     batch, diloco = task["runs"]["batch"], task["runs"]["diloco-2"]
     for run in (batch, diloco):
-        assert run["identical"] and run["samples"] == 256  # every configuration trains on the budget
+        assert run["identical"]
+        # every configuration trains on the budget, unless a member stalled on this shared machine (then
+        # its share of that round is lost, and it downloads the others' state)
+        assert run["samples"] == 256 or run["state_downloads"] > 0
+        assert run["samples"] + run["samples_lost"] <= 256
         assert run["heldout_loss"] > 0 and run["wall_s"] > 0 and run["compute_s"] > 0
         assert 0 < run["bytes_sent_per_peer"]["mean"] <= run["bytes_sent_per_peer"]["max"]
     assert (batch["steps"], batch["round_samples"], batch["codec"]) == (4, 64, "none")
