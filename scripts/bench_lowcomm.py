@@ -33,7 +33,9 @@ peer's final fingerprint must agree (``identical``).
 Reported per configuration: ``heldout_loss``, ``bytes_sent_per_peer`` (``mean``, ``max``: everything the
 host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time),
 ``wall_s``, ``steps`` (global steps: optimizer steps for ``batch``, rounds for DiLoCo), ``samples``,
-``compute_s`` (the peers' seconds in forward/backward and inner steps, summed); per DiLoCo round length
+``compute_s`` (the peers' seconds in forward/backward and inner steps, summed), ``failed_attempts``,
+``state_downloads`` and ``samples_lost`` (a member that stalls under load is left out of a round; it
+downloads the others' state and its share of that round is lost, as in a real run); per DiLoCo round length
 ``bytes_ratio`` (batch mode's mean bytes / this one's) and ``loss_gap_pct`` (``100 * (loss / batch loss -
 1)``). ``target`` says whether the issue's target holds: held-out loss within 2 % of the batch mode with
 at least 100x fewer bytes, at the longest round length meeting the loss bound (``met``, the round length, and
@@ -57,6 +59,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -96,13 +99,13 @@ TOKENIZER_SEED = 7  # the hf tokenizer is trained on other text than both
 TOKENIZER_TEXTS = 2000
 LOSS_BOUND_PCT = 2.0  # issue 16's targets
 BYTES_TARGET = 100.0
-#: the in-process peers' timing: the tests' loopback settings (a matchmaking window of 1 s would make the
-#: batch mode's hundreds of steps cost minutes of waiting and nothing else)
 DEFAULT_ROUNDS = (4, 16, 32)  # the longest makes 4 rounds of the default budgets
 FULL_ROUNDS = (4, 16, 64)  # ... 8 rounds of the --full budgets
 COUNTING_CAP = 1e12  # bytes/s: an upload cap that only counts (Uploads)
-MAX_ATTEMPTS = 5  # of one global step by one peer before the run is declared broken
-CONFIG = CollabConfig(poll_period=0.1, publish_period=0.5, matchmaking_window=0.3, sync_patience=10.0)
+MAX_ATTEMPTS = 20  # failed averaging calls in a row by one peer before the run is declared broken
+#: the in-process peers' timing: the tests' loopback settings (the default matchmaking window of 1 s would
+#: add minutes of waiting to the batch mode's hundreds of steps; 0.3 s let late tickets split rounds)
+CONFIG = CollabConfig(poll_period=0.1, publish_period=0.5, matchmaking_window=0.5, sync_patience=10.0)
 
 
 class BenchError(Exception):
@@ -328,6 +331,7 @@ async def train(
                 in_a_row += 1
                 if in_a_row >= MAX_ATTEMPTS:
                     raise BenchError(f"peer {i}: step {collab.trainer.step + 1} failed {in_a_row} times")
+                await trio.sleep(random.uniform(0.0, 0.5))  # peers that all retry at once may miss again
                 await collab.refresh_view()
 
         with trio.move_on_after(limit_s) as limit:
