@@ -50,7 +50,7 @@ from .addresses import PeerAddress, local_hosts
 from .dialing import vouched_addresses
 from .ratelimit import Throttle
 from .tls import client_context, peer_id_from_certificate, server_context
-from .tls_socket import BufferedReceiver, TlsSocket, connect_tcp
+from .tls_socket import BufferedReceiver, TlsSocket, Traffic, connect_tcp
 
 __all__ = [
     "DECODE_THREADS",
@@ -101,6 +101,8 @@ class LocalEndpoint:
     agent: str = AGENT
     #: upload/download caps every connection of this node shares (shared.net.ratelimit); None: none
     throttle: Throttle | None = None
+    #: what every connection of this node sent and received, RPC and bulk lanes alike
+    traffic: Traffic = field(default_factory=Traffic)
 
     def __post_init__(self) -> None:
         self.server_ctx, self.cert_der = server_context(self.identity)
@@ -203,7 +205,7 @@ async def dial(
     if raw is None:
         raw = await connect_tcp(address.host, address.port)
     tls = await TlsSocket.handshake(raw, endpoint.client_ctx, server_side=False, peer=peer)
-    tls.throttle = endpoint.throttle
+    tls.throttle, tls.traffic = endpoint.throttle, endpoint.traffic
     try:
         cert = tls.peer_certificate()
         remote = peer_id_from_certificate(cert)
@@ -248,7 +250,7 @@ async def accept(endpoint: LocalEndpoint, raw: socket.socket, peer: str) -> Secu
         WrongRun: the dialer belongs to another run (it was told ``WRONG_RUN``).
     """
     tls = await TlsSocket.handshake(raw, endpoint.server_ctx, server_side=True, peer=peer)
-    tls.throttle = endpoint.throttle
+    tls.throttle, tls.traffic = endpoint.throttle, endpoint.traffic
     try:
         receiver = BufferedReceiver(tls)
         nonce = secrets.token_bytes(32)

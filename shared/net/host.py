@@ -123,7 +123,7 @@ class HostStatistics:
     calls_sent: int
     calls_failed: int
     requests_served: int
-    bytes_sent: int
+    bytes_sent: int  # over every connection of the host, RPC and bulk lanes (TLS plaintext)
     bytes_received: int
     connections_refused: int = 0  # closed at accept(): over a global or per-address budget
     handshakes_failed: int = 0  # incoming connections that did not complete the identity proof
@@ -869,8 +869,8 @@ class Host:
             calls_sent=totals[0],
             calls_failed=totals[1],
             requests_served=totals[2],
-            bytes_sent=totals[3],
-            bytes_received=totals[4],
+            bytes_sent=self.endpoint.traffic.sent,  # every connection: RPC and bulk lanes
+            bytes_received=self.endpoint.traffic.received,
             connections_refused=self._refused,
             handshakes_failed=self._handshakes_failed,
             protocol_errors=self._protocol_errors + totals[5],

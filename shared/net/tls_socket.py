@@ -31,6 +31,7 @@ import select
 import socket
 import ssl
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -38,7 +39,7 @@ import trio
 from ..errors import PeerUnavailable
 from .ratelimit import Throttle
 
-__all__ = ["TlsSocket", "connect_tcp"]
+__all__ = ["TlsSocket", "Traffic", "connect_tcp"]
 
 _RECV_CHUNK = 256 * 1024
 
@@ -84,6 +85,22 @@ async def connect_tcp(host: str, port: int) -> socket.socket:
     raise PeerUnavailable(f"cannot connect to {host}:{port}: {last.strerror if last else 'no address'}")
 
 
+class Traffic:
+    """Bytes every connection of one node sent and received (TLS plaintext: payloads and framing), RPC and
+    bulk lanes alike; shared by the node's :class:`TlsSocket` objects, also from the worker threads of bulk
+    transfers (hence the lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.sent += sent
+            self.received += received
+
+
 class TlsSocket:
     """One TLS connection. Build it with :meth:`handshake`."""
 
@@ -96,6 +113,8 @@ class TlsSocket:
         self.bytes_received = 0
         #: the host's upload/download caps (shared.net.ratelimit); None: not capped
         self.throttle: Throttle | None = None
+        #: the host's totals, which this connection's bytes add to; None: counted here only
+        self.traffic: Traffic | None = None
 
     @classmethod
     async def handshake(
@@ -178,6 +197,16 @@ class TlsSocket:
         except trio.ClosedResourceError as exc:  # another task closed the connection while we waited
             raise PeerUnavailable(f"connection to {self.peer} is closed") from exc
 
+    def _sent(self, n: int) -> None:
+        self.bytes_sent += n
+        if self.traffic is not None:
+            self.traffic.add(sent=n)
+
+    def _received(self, n: int) -> None:
+        self.bytes_received += n
+        if self.traffic is not None:
+            self.traffic.add(received=n)
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``. A cancelled send closes the socket."""
         view = memoryview(data)
@@ -192,11 +221,11 @@ class TlsSocket:
                         n = await self._retry(self._sock.send, piece)
                         piece = piece[n:]
                         view = view[n:]
-                        self.bytes_sent += n
+                        self._sent(n)
                     continue
                 n = await self._retry(self._sock.send, view)
                 view = view[n:]
-                self.bytes_sent += n
+                self._sent(n)
         except trio.Cancelled:
             self.close()
             raise
@@ -212,7 +241,7 @@ class TlsSocket:
             await trio.lowlevel.checkpoint_if_cancelled()
             n = await self._retry(self._sock.recv_into, buffer, min(len(buffer), limit.quantum))
             limit.charge(n)
-        self.bytes_received += n
+        self._received(n)
         return n
 
     def send_all_blocking(self, data: bytes | bytearray | memoryview, stall: float) -> None:
@@ -226,7 +255,7 @@ class TlsSocket:
             while view:
                 n = self._sock.send(view[: 1 << 24])
                 view = view[n:]
-                self.bytes_sent += n
+                self._sent(n)
         except (ssl.SSLError, OSError) as exc:
             raise PeerUnavailable(f"bulk send to {self.peer} failed: {exc}") from exc
         finally:
@@ -242,7 +271,7 @@ class TlsSocket:
                 if n == 0:
                     raise PeerUnavailable(f"{self.peer} closed the connection mid-transfer")
                 view = view[n:]
-                self.bytes_received += n
+                self._received(n)
         except (ssl.SSLError, OSError) as exc:
             raise PeerUnavailable(f"bulk receive from {self.peer} failed: {exc}") from exc
         finally:

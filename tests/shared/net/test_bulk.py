@@ -69,6 +69,21 @@ async def test_host_send_bulk_delivers_16_mib_intact_and_returns_ack_meta(start_
     assert ctx.peer_id == sender.peer_id
 
 
+async def test_host_statistics_count_the_bytes_of_bulk_lanes_too(start_host: StartHost) -> None:
+    """The panel's traffic row and the metrics read these: the averaging's bulk transfers are most of a
+    volunteer's traffic, and only RPC channels used to be counted."""
+    sender, receiver, _ = await _pair(start_host)
+    data = random.Random(3).randbytes(4 * MiB)
+    before = (sender.statistics().bytes_sent, receiver.statistics().bytes_received)
+    with trio.fail_after(HANG_GUARD_S):
+        await sender.send_bulk(address_of(receiver), "sink", data)
+        await sender.send_bulk(address_of(receiver), "sink", data)  # the same lane again
+    sent = sender.statistics().bytes_sent - before[0]
+    received = receiver.statistics().bytes_received - before[1]
+    assert 2 * len(data) <= sent < 2 * len(data) + 64 * 1024, sent  # payload plus framing and handshakes
+    assert 2 * len(data) <= received < 2 * len(data) + 64 * 1024, received
+
+
 async def test_host_send_bulk_reuses_one_bulk_connection_for_sequential_transfers(
     start_host: StartHost,
 ) -> None:
