@@ -599,3 +599,19 @@ def test_with_overlap_a_failed_round_gives_its_delta_back_to_the_next_round() ->
     trainer.apply(second.mean())
     assert not np.array_equal(trainer.parameter_vector(), theta0)
     assert np.array_equal(torch.cat([p.detach().reshape(-1) for p in trainer.params]).numpy(), now)
+
+
+def test_with_overlap_a_diverged_inner_phase_is_dropped_not_carried_into_the_next() -> None:
+    training = msgspec.structs.replace(diloco_spec(4 * LOCAL), sync=SyncSpec(mode="diloco", overlap=True))
+    trainer = make_trainer(LinearTask(), training, "t")  # type: ignore[arg-type]
+    assert isinstance(trainer, DilocoTrainer)
+    theta0 = trainer.parameter_vector()
+    trainer.accumulate(LinearTask().collate(examples(8, LOCAL)))
+    with torch.no_grad():
+        trainer.params[0].fill_(float("nan"))  # the inner phase diverged
+    taken = trainer.take_gradients()
+    assert not np.isfinite(taken.mean()).all()  # sent as such, the step receives only
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.params]).numpy()
+    assert np.array_equal(params, theta0) and not trainer.optimizer.state  # back to θ, fresh inner state
+    trainer.accumulate(LinearTask().collate(examples(9, LOCAL)))
+    assert np.isfinite(trainer.take_gradients().mean()).all()  # the next phase is clean

@@ -136,18 +136,24 @@ class DilocoTrainer(LocalTrainer):
         self.inner_steps += 1
 
     def take_gradients(self) -> PseudoGradient:
-        """``Δ + e`` with our samples of this round (module docstring); the parameters are not changed."""
+        """``Δ + e`` with our samples of this round (module docstring). Without overlap the parameters are
+        not changed; with it they are re-based (module docstring, "Overlap"), or, if ``Δ`` is not finite
+        (the inner phase diverged), set back to ``θ_t`` with the inner work dropped."""
         with self._lock:
             if self._pending:
                 self._inner_step()
             local = flatten(self.params)
             delta = self._start - local
-            if self.overlap:  # re-base: the model moves by θ_t - s, and s := θ_t - Δ
+            vector = delta.numpy()
+            finite = bool(np.isfinite(vector).all())  # not: the step receives only; no residual from it
+            if self.overlap and finite:  # re-base: the model moves by θ_t - s, and s := θ_t - Δ
                 load_flat(self.params, local + (self.base - self._start))
                 self._start = self.base - delta
                 self._in_flight = delta
-            vector = delta.numpy()
-            finite = bool(np.isfinite(vector).all())  # not: the step receives only; no residual from it
+            elif self.overlap:  # nothing of this phase can be sent or kept
+                load_flat(self.params, self.base)
+                self._start = self.base.clone()
+                self.optimizer.state.clear()
             if self.feedback is not None and finite:
                 vector = self.feedback.corrected(delta)
             self._sending = vector.copy() if finite else None
