@@ -191,13 +191,20 @@ async def test_a_finished_rounds_tickets_are_no_members_when_a_member_comes_back
     again: list[GroupPlan | None] = [None] * 4
     await member(0, again)
     assert again[0] is None
-    # 0 and 2 come back: 2's new ticket counts, 1's and 3's old ones do not
+    # 0 and 2 come back: 2's new ticket counts, 1's and 3's old ones do not. The leader (0) reads the
+    # earlier plan before it replaces it with the new one (both under its subkey), so its plan is always
+    # {0, 2}. A follower that reads the plan key only after that replacement never saw the earlier plan:
+    # it counts 1's and 3's tickets and refuses the plan ("leaves out 2 peer(s) whose tickets we read";
+    # module docstring, "Stale tickets and group ids": a lost attempt, never a fork). Seen once under CI
+    # load; on a quiet machine the follower reads first. Either way no plan has a finished ticket in it.
     async with trio.open_nursery() as group:
         for i in (0, 2):
             group.start_soon(member, i, again)
-    plans = [again[0], again[2]]
-    assert all(p is not None and {m.peer_id for m in p.members} == {ids[0], ids[2]} for p in plans)
-    assert plans[0].group_id == plans[1].group_id != first[0].group_id  # type: ignore[union-attr]
+    leaders, followers = again[0], again[2]
+    assert leaders is not None and {m.peer_id for m in leaders.members} == {ids[0], ids[2]}
+    assert leaders.group_id != first[0].group_id  # type: ignore[union-attr]
+    if followers is not None:  # the follower read the earlier plan too: it adopted the same plan
+        assert followers.group_id == leaders.group_id and followers.members == leaders.members
 
 
 def test_member_specs_plan_a_relayed_member_through_a_reachable_member_else_as_client_mode() -> None:
