@@ -88,6 +88,10 @@ class Simulation:
                 [g.detach() - p.detach() for g, p in zip(self.global_params, model.parameters(), strict=True)]
             )
             weights.append(sum(len(b) for b in own))
+        self.outer_step(deltas, weights)
+
+    def outer_step(self, deltas: list[list[torch.Tensor]], weights: list[int]) -> None:
+        """The outer SGD step with the samples-weighted mean of the deltas (float64 accumulation)."""
         total = float(sum(weights))
         self.outer.zero_grad()
         for k, g in enumerate(self.global_params):
@@ -494,14 +498,7 @@ class OverlapSimulation(Simulation):
             self.starts[i] = [t - d for t, d in zip(theta, delta, strict=True)]
             deltas.append(delta)
             weights.append(sum(len(b) for b in own))
-        total = float(sum(weights))
-        self.outer.zero_grad()
-        for k, g in enumerate(self.global_params):
-            mean = torch.zeros_like(g, dtype=torch.float64)
-            for w, d in zip(weights, deltas, strict=True):
-                mean += w / total * d[k].double()
-            g.grad = mean.float()
-        self.outer.step()
+        self.outer_step(deltas, weights)
 
 
 async def run_rounds(

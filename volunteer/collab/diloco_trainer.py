@@ -32,9 +32,9 @@ picks fp32 for ``--precision auto`` on a GPU without bf16).
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,10 +44,10 @@ import torch
 from protocols.training import TrainingSpec
 from shared.averaging.compression import codec_by_name
 from shared.errors import ConfigError, StateError
-from shared.state.blob import STATE_FORMAT, encode_state
-from shared.state.lineage import encode_lineage, extend_lineage
+from shared.state.blob import encode_state
+from shared.state.lineage import extend_lineage
 
-from ..precision import LossScale, Precision, autocast
+from ..precision import Precision, autocast
 from .diloco import ErrorFeedback, OuterOptimizer, flatten, load_flat, wire_layout
 from .trainer import Accumulated, Float32Array, LocalTrainer
 
@@ -157,22 +157,12 @@ class DilocoTrainer(LocalTrainer):
             if self.feedback is not None and finite:
                 vector = self.feedback.corrected(delta)
             self._sending = vector.copy() if finite else None
-            taken = PseudoGradient(
-                vector,
-                self.samples,
-                self._loss_sum / self.samples if self.samples else None,
-                self._compute_seconds,
-            )
-            self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0
-            return taken
+            return PseudoGradient(vector, *self._hand_out_counts())
 
     def restore_gradients(self, taken: Accumulated) -> None:
         """The round failed: the samples are ours again; the parameters still hold the inner work."""
         with self._lock:
-            self.samples += taken.samples
-            if taken.loss is not None:
-                self._loss_sum += taken.loss * taken.samples
-            self._compute_seconds += taken.compute_seconds
+            self._take_back_counts(taken)
             self._sending = None
             if self._in_flight is not None:  # overlap: the next round's Δ holds this one's again
                 self._start = self._start + self._in_flight
@@ -222,17 +212,25 @@ class DilocoTrainer(LocalTrainer):
 
     def _fingerprint(self) -> bytes:
         """As the batch mode's, of ``θ_t`` (the same bytes when the model holds ``θ_t``)."""
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(self.step.to_bytes(8, "little"))
-        if self.loss_scale != LossScale():
-            digest.update(self.loss_scale.encode().encode())
-        base = self.base.numpy()
-        offset = 0
+        return self._digest(part[:: self._stride] for part in self._per_param(self.base.numpy()))
+
+    def _per_param(self, flat: np.ndarray) -> list[np.ndarray]:
+        """``flat`` cut into the parameters' sizes, in order (views)."""
+        parts, offset = [], 0
         for p in self.params:
-            n = p.numel()
-            digest.update(base[offset : offset + n][:: self._stride].tobytes())
-            offset += n
-        return digest.digest()
+            parts.append(flat[offset : offset + p.numel()])
+            offset += p.numel()
+        return parts
+
+    @contextlib.contextmanager
+    def _theta_in_model(self) -> Iterator[None]:
+        """The model holds ``θ_t`` inside (under the lock), its inner-phase parameters again after."""
+        local = flatten(self.params)
+        load_flat(self.params, self.base)
+        try:
+            yield
+        finally:
+            load_flat(self.params, local)
 
     def parameter_vector(self) -> Float32Array:
         with self._lock:
@@ -241,41 +239,18 @@ class DilocoTrainer(LocalTrainer):
 
     def copy_state_into(self, model: torch.nn.Module) -> tuple[int, bytes]:
         with self._lock:
-            local = flatten(self.params)
-            load_flat(self.params, self.base)
-            try:
+            with self._theta_in_model():
                 model.load_state_dict(self.model.state_dict(), strict=True)
-            finally:
-                load_flat(self.params, local)
             return self.step, self.lineage.get(self.step) or self._fingerprint()
 
     def state_blob(self) -> bytes:
         with self._lock:
-            local = flatten(self.params)
-            load_flat(self.params, self.base)
-            try:
-                tensors: dict[str, np.ndarray] = {
-                    f"model/{name}": value.detach().cpu().numpy().copy()
-                    for name, value in self.model.state_dict().items()
-                }
-            finally:
-                load_flat(self.params, local)
+            with self._theta_in_model():  # copies: the model gets its inner-phase parameters back
+                tensors = {name: value.copy() for name, value in self._model_tensors().items()}
             buffer = self.outer.state_dict()["momentum_buffer"].numpy()
-            offset = 0
-            for i, p in enumerate(self.params):
-                n = p.numel()
-                tensors[f"{OUTER_PREFIX}{i}/momentum_buffer"] = buffer[offset : offset + n].reshape(p.shape)
-                offset += n
-            metadata = {
-                "format": STATE_FORMAT,
-                "step": str(self.step),
-                "run_id": self.run_id,
-                "task": self.task.name,
-                "lineage": encode_lineage(self.lineage),
-                "loss_scale": self.loss_scale.encode(),
-                "sync": "diloco",
-            }
-            return encode_state(tensors, metadata)
+            for i, (p, part) in enumerate(zip(self.params, self._per_param(buffer), strict=True)):
+                tensors[f"{OUTER_PREFIX}{i}/momentum_buffer"] = part.reshape(p.shape)
+            return encode_state(tensors, {**self._metadata(), "sync": "diloco"})
 
     def _loaded(self, tensors: Mapping[str, np.ndarray]) -> None:
         """A downloaded state: ``θ_t`` is what the model now holds; the outer momentum from ``outer/*``

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -171,14 +171,7 @@ class LocalTrainer:
             if self._grad_scale is not None and self._grad_scale != 1.0:
                 flat *= np.float32(1.0 / self._grad_scale)  # a power of two: exact
             self._grad_scale = None
-            taken = Accumulated(
-                flat,
-                self.samples,
-                self._loss_sum / self.samples if self.samples else None,
-                self._compute_seconds,
-            )
-            self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0
-            return taken
+            return Accumulated(flat, *self._hand_out_counts())
 
     def restore_gradients(self, taken: Accumulated) -> None:
         """Put gradients taken for a round that failed back into the accumulators."""
@@ -187,10 +180,7 @@ class LocalTrainer:
             self._add_into_grads(
                 taken.gradient_sum * np.float32(scale) if scale != 1.0 else taken.gradient_sum
             )
-            self.samples += taken.samples
-            if taken.loss is not None:
-                self._loss_sum += taken.loss * taken.samples
-            self._compute_seconds += taken.compute_seconds
+            self._take_back_counts(taken)
 
     def sent(self, slice_sizes: tuple[int, ...] | None, part_numel: int, me: int) -> None:
         """The round that carried the last taken vector completed (``slice_sizes`` None: a lone step).
@@ -245,12 +235,18 @@ class LocalTrainer:
             return self._fingerprint()
 
     def _fingerprint(self) -> bytes:
+        # the strided sample is taken on the device: only it is copied to the CPU (every step)
+        return self._digest(p.detach().reshape(-1)[:: self._stride].cpu().numpy() for p in self.params)
+
+    def _digest(self, samples: Iterable[np.ndarray]) -> bytes:
+        """The fingerprint of the step, the loss scale and each parameter's strided sample (``[::stride]``
+        of the flat parameter)."""
         digest = hashlib.blake2b(digest_size=8)
         digest.update(self.step.to_bytes(8, "little"))
         if self.loss_scale != LossScale():  # the initial scale adds nothing: fingerprints of old states hold
             digest.update(self.loss_scale.encode().encode())
-        for p in self.params:
-            digest.update(p.detach().reshape(-1)[:: self._stride].cpu().numpy().tobytes())
+        for sample in samples:
+            digest.update(sample.tobytes())
         return digest.digest()
 
     def copy_state_into(self, model: torch.nn.Module) -> tuple[int, bytes]:
@@ -270,24 +266,13 @@ class LocalTrainer:
     def state_blob(self) -> bytes:
         """The full training state as a safetensors blob (see the module docstring)."""
         with self._lock:
-            tensors: dict[str, np.ndarray] = {
-                f"model/{name}": value.detach().cpu().numpy()
-                for name, value in self.model.state_dict().items()
-            }
+            tensors = self._model_tensors()
             index = {id(p): i for i, p in enumerate(self.params)}
             for p, state in self.optimizer.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"optim/{index[id(p)]}/{key}"] = value.detach().cpu().numpy()
-            metadata = {
-                "format": STATE_FORMAT,
-                "step": str(self.step),
-                "run_id": self.run_id,
-                "task": self.task.name,
-                "lineage": encode_lineage(self.lineage),
-                "loss_scale": self.loss_scale.encode(),
-            }
-            return encode_state(tensors, metadata)
+            return encode_state(tensors, self._metadata())
 
     def load_state_blob(self, blob: bytes) -> int:
         """Restore parameters, optimizer state and step from a state blob; returns the step.
@@ -338,6 +323,39 @@ class LocalTrainer:
             return step
 
     # ---------------------------------------------------------------------- helpers
+
+    def _model_tensors(self) -> dict[str, np.ndarray]:
+        """``model/<name>`` for every parameter and buffer (views of them: encode under the lock)."""
+        return {
+            f"model/{name}": value.detach().cpu().numpy() for name, value in self.model.state_dict().items()
+        }
+
+    def _metadata(self) -> dict[str, str]:
+        return {
+            "format": STATE_FORMAT,
+            "step": str(self.step),
+            "run_id": self.run_id,
+            "task": self.task.name,
+            "lineage": encode_lineage(self.lineage),
+            "loss_scale": self.loss_scale.encode(),
+        }
+
+    def _hand_out_counts(self) -> tuple[int, float | None, float]:
+        """(samples, mean loss, compute seconds) of what was accumulated; the counts start over."""
+        counts = (
+            self.samples,
+            self._loss_sum / self.samples if self.samples else None,
+            self._compute_seconds,
+        )
+        self.samples, self._loss_sum, self._compute_seconds = 0, 0.0, 0.0
+        return counts
+
+    def _take_back_counts(self, taken: Accumulated) -> None:
+        """A failed round's samples, loss and compute count toward the next one again."""
+        self.samples += taken.samples
+        if taken.loss is not None:
+            self._loss_sum += taken.loss * taken.samples
+        self._compute_seconds += taken.compute_seconds
 
     def _loaded(self, tensors: Mapping[str, np.ndarray]) -> None:
         """Called under the lock once a state's model and optimizer are loaded (before its fingerprint):
