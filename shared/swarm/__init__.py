@@ -10,7 +10,9 @@ Modules:
     scheduler       initial placement: which peers serve each stage and the pipeline order, from measured
                     pairwise delay and bandwidth, by the hybrid genetic search (seed 002 §3.4)
 
-Everything here is pure: no trio, no sockets, no torch.
+    directory       who serves each stage: the servers' signed DHT records (:mod:`protocols.swarm`)
+
+Everything here but ``directory`` (a DHT read) is pure: no trio, no sockets, no torch.
 """
 
 from __future__ import annotations

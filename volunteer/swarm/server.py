@@ -1,0 +1,269 @@
+"""A stage server: serves one pipeline stage to any admitted trainer over the bulk lane (issue 17 item 2).
+
+The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~.worker.StageWorker`.
+:class:`StageServer` registers the ``swarm.stage`` bulk handler on a node's host and, for each request:
+
+1. decodes and checks the header (:func:`protocols.swarm.decode_stage_request`): our stage, the op the
+   stage's position allows (no ``forward`` of the last stage, a ``hidden`` exactly when we are not the
+   first, a ``grad`` on a backward exactly when we are not the last), declared sizes adding up to the
+   header's ``nbytes`` and within :attr:`StageServerConfig.max_bytes` -- all before one byte of the
+   payload is read into memory;
+2. admits it into the queue, or answers ``busy`` when :attr:`StageServerConfig.max_queue` requests are
+   already admitted (the payload is then read and dropped; ``retry_after`` is the queue's expected drain
+   time, from the measured seconds per sample);
+3. reads the payload, decodes the tensors with their codecs (a malformed encoding is the request's
+   ``BAD_REQUEST``) and runs the worker on the one torch thread (:func:`~volunteer.collab.torch_thread
+   .run_torch`);
+4. answers with the output encoded with the codec the trainer asked for.
+
+A request the stage cannot run on is refused with ``BAD_REQUEST`` and counted; nothing a trainer sends
+ends the server. Fault points for tests: ``swarm.forward.<k>`` and ``swarm.backward.<k>`` (a request to
+stage ``k`` was read, nothing computed yet).
+
+:func:`announce_forever` keeps the server's :class:`~protocols.swarm.StageRecord` in the DHT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+import trio
+
+from protocols.bulk import BulkHeader
+from protocols.codes import ErrorCode
+from protocols.errors import ProtocolError
+from protocols.swarm import (
+    MAX_STAGE_BYTES,
+    STAGE_RECORD_TTL,
+    STAGE_TOPIC,
+    FieldSpec,
+    StageAnswer,
+    StageRecord,
+    StageRequest,
+    TensorSpec,
+    decode_stage_request,
+    encoded_nbytes,
+    request_nbytes,
+    stage_key,
+)
+from shared import faults
+from shared.averaging.compression import codec_by_name
+from shared.net.bulk import BulkReader, BulkReply
+from shared.net.rpc import RequestContext
+from shared.node import Node
+
+from ..collab.torch_thread import run_torch
+from .worker import StageInputError, StageWorker
+
+__all__ = ["StageServer", "StageServerConfig", "StageServerStatistics", "announce_forever"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageServerConfig:
+    """Tunables of a :class:`StageServer`.
+
+    Attributes:
+        max_queue: requests admitted at once (running or waiting for the torch thread); more are answered
+            ``busy``.
+        max_bytes: the largest request payload accepted (``TOO_LARGE`` beyond).
+    """
+
+    max_queue: int = 8
+    max_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if not 1 <= self.max_bytes <= MAX_STAGE_BYTES:
+            raise ValueError(f"max_bytes must be in [1, {MAX_STAGE_BYTES}], got {self.max_bytes}")
+
+
+@dataclass
+class StageServerStatistics:
+    forwards: int = 0
+    backwards: int = 0
+    samples: int = 0  # samples of the backward passes served (the stage's work, for the ledger)
+    busy: int = 0
+    refused: int = 0  # requests answered BAD_REQUEST / TOO_LARGE
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    refusals: dict[str, int] = field(default_factory=dict)  # by reason's first words
+
+
+class StageServer:
+    """Serves ``worker``'s stage on ``node`` (registered at construction; module docstring).
+
+    Raises:
+        ValueError: the host already serves a stage.
+    """
+
+    def __init__(self, node: Node, worker: StageWorker, config: StageServerConfig | None = None) -> None:
+        if STAGE_TOPIC in node.host.bulk_handlers:
+            raise ValueError("this host already serves a pipeline stage")
+        self.node = node
+        self.worker = worker
+        self.config = config or StageServerConfig()
+        self.stats = StageServerStatistics()
+        self.queued = 0
+        node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
+
+    @property
+    def stage(self) -> int:
+        return self.worker.stage.index
+
+    def record(self) -> StageRecord:
+        """Our DHT announcement now."""
+        seconds = self.worker.seconds_per_sample
+        return StageRecord(
+            stage=self.stage,
+            stages=self.worker.stage.count,
+            addrs=list(self.node.host.advertised_addrs[:8]),
+            step=self.worker.step,
+            queued=self.queued,
+            samples_per_second=1.0 / seconds if seconds > 0 else 0.0,
+        )
+
+    def retry_after(self) -> float:
+        """When a queue slot is expected to free up: the queue's work at the measured speed."""
+        per_request = max(self.worker.seconds_per_sample, 1e-4) * 8  # a typical micro-batch's samples
+        return min(10.0, max(0.05, per_request * self.queued))
+
+    # ------------------------------------------------------------------------------------- the handler
+
+    async def _on_request(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        try:
+            request = decode_stage_request(header.meta)
+            self._check(request, header.nbytes)
+        except ProtocolError as exc:
+            self._refuse(str(exc))
+            raise
+        if self.queued >= self.config.max_queue:
+            self.stats.busy += 1
+            await reader.discard()
+            answer = StageAnswer(status="busy", step=self.worker.step, retry_after=self.retry_after())
+            return BulkReply(msgspec.msgpack.encode(answer), memoryview(b""))
+        self.queued += 1
+        try:
+            payload = bytearray(header.nbytes)
+            await reader.read_into(memoryview(payload))
+            self.stats.bytes_received += header.nbytes
+            await faults.point(f"swarm.{request.op}.{self.stage}")
+            hidden, grad, batch = _decode_payload(request, memoryview(payload))
+            out: torch.Tensor | None
+            try:
+                if request.op == "forward":
+                    out = await run_torch(self.worker.forward, hidden, batch)
+                    loss = None
+                    self.stats.forwards += 1
+                else:
+                    out, loss = await run_torch(self.worker.backward, hidden, batch, grad, request.samples)
+                    self.stats.backwards += 1
+                    self.stats.samples += request.samples
+            except StageInputError as exc:
+                self._refuse(str(exc))
+                raise ProtocolError(str(exc), ErrorCode.BAD_REQUEST) from exc
+        finally:
+            self.queued -= 1
+        spec, data = _encode_output(out, request.answer_codec)
+        answer = StageAnswer(status="ok", step=self.worker.step, output=spec, loss=loss)
+        self.stats.bytes_sent += len(data)
+        return BulkReply(msgspec.msgpack.encode(answer), memoryview(data))
+
+    def _check(self, request: StageRequest, nbytes: int) -> None:
+        worker = self.worker
+        if request.stage != self.stage:
+            raise ProtocolError(
+                f"this server serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_RUN
+            )
+        if request.op == "forward" and worker.last:
+            raise ProtocolError("the last stage runs forward only as part of a backward request")
+        if (request.hidden is None) != worker.first:
+            raise ProtocolError(
+                f"stage {self.stage} {'takes no' if worker.first else 'needs a'} hidden state"
+            )
+        if request.op == "backward" and (request.grad is None) != worker.last:
+            raise ProtocolError(
+                f"a backward of stage {self.stage} {'takes no' if worker.last else 'needs a'} gradient"
+            )
+        declared = request_nbytes(request)
+        if declared != nbytes:
+            raise ProtocolError(f"the request declares {declared} bytes but sends {nbytes}")
+        if nbytes > self.config.max_bytes:
+            raise ProtocolError(
+                f"{nbytes} bytes exceed this server's {self.config.max_bytes}", ErrorCode.TOO_LARGE
+            )
+
+    def _refuse(self, reason: str) -> None:
+        self.stats.refused += 1
+        key = " ".join(reason.split()[:3])
+        self.stats.refusals[key] = self.stats.refusals.get(key, 0) + 1
+
+
+def _decode_payload(
+    request: StageRequest, payload: memoryview
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The request's tensors and fields from its payload (sizes were checked against the header).
+
+    Raises:
+        ProtocolError: an encoding does not decode (e.g. a non-finite int8 scale).
+    """
+    offset = 0
+
+    def tensor(spec: TensorSpec | None) -> torch.Tensor | None:
+        nonlocal offset
+        if spec is None:
+            return None
+        size = encoded_nbytes(spec)
+        flat = codec_by_name(spec.codec).decode(payload[offset : offset + size], spec.numel)
+        offset += size
+        return torch.from_numpy(flat).reshape(spec.shape)
+
+    hidden = tensor(request.hidden)
+    grad = tensor(request.grad)
+    batch: dict[str, torch.Tensor] = {}
+    for item in request.fields:
+        size = item.nbytes
+        array = np.frombuffer(payload[offset : offset + size], dtype=_numpy_dtype(item)).reshape(item.shape)
+        offset += size
+        batch[item.name] = torch.from_numpy(array.copy())
+    return hidden, grad, batch
+
+
+def _numpy_dtype(item: FieldSpec) -> np.dtype:
+    return np.dtype("?" if item.dtype == "bool" else f"<{np.dtype(item.dtype).str[1:]}")
+
+
+def _encode_output(out: torch.Tensor | None, codec: str) -> tuple[TensorSpec | None, bytes]:
+    if out is None:
+        return None, b""
+    spec = TensorSpec(shape=list(out.shape), codec=codec)  # type: ignore[arg-type]
+    flat = np.ascontiguousarray(out.detach().numpy(), dtype=np.float32).reshape(-1)
+    return spec, codec_by_name(codec).encode(flat)
+
+
+async def announce_forever(node: Node, server: StageServer, period: float = STAGE_RECORD_TTL / 3) -> None:
+    """Keep ``server``'s record under its stage's key (every ``period`` seconds, at once when it changes
+    in what trainers route by: addresses or step)."""
+    published: tuple[object, ...] | None = None
+    next_publish = trio.current_time()
+    while True:
+        record = server.record()
+        shown = (tuple(record.addrs), record.step)
+        if record.addrs and (trio.current_time() >= next_publish or shown != published):
+            with node.tolerated.around("stage record publish"):
+                await node.dht.store(
+                    stage_key(server.stage),
+                    msgspec.msgpack.encode(record),
+                    time.time() + STAGE_RECORD_TTL,
+                    subkey=node.peer_id.encode(),
+                )
+                published = shown
+                next_publish = trio.current_time() + period
+        await trio.sleep(min(1.0, period))
