@@ -25,6 +25,7 @@ from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
 from protocols.probe import CAPABILITIES_KEY
 from protocols.relay import RELAYS_KEY
+from protocols.swarm import MAX_STAGES, stage_key
 from protocols.training import CHECKPOINT_KEY, PROGRESS_KEY
 
 from .auth.guard import Authenticator, RunAuthenticator
@@ -65,16 +66,23 @@ REVOCATION_TTL = 23 * 3600.0  # revocation records are re-published well before 
 logger = logging.getLogger(__name__)
 
 
-PER_PEER_KEYS = (PRESENCE_KEY, PROGRESS_KEY, CHECKPOINT_KEY, CAPABILITIES_KEY, RELAYS_KEY)
+PER_PEER_KEYS = (
+    PRESENCE_KEY,
+    PROGRESS_KEY,
+    CHECKPOINT_KEY,
+    CAPABILITIES_KEY,
+    RELAYS_KEY,
+    *(stage_key(k) for k in range(MAX_STAGES)),  # the pipeline's stage servers (protocols.swarm)
+)
 
 
 def run_validator(authenticator: Authenticator | None = None) -> CompositeValidator:
     """Record validation for a run (the rules of :mod:`shared.dht.admission`), cheapest checks first.
 
     Every run: sane expiry, subkeys only the writer's own (per-peer keys: presence, progress, state,
-    capabilities, relays take no plain record), the writer's signature. Pinned runs: the writer is admitted
-    and unrevoked (its token, carried in the record), and the revocations key holds authority revocations only
-    (from any carrier). Open runs: records carry no token.
+    capabilities, relays, stage servers take no plain record), the writer's signature. Pinned runs: the
+    writer is admitted and unrevoked (its token, carried in the record), and the revocations key holds
+    authority revocations only (from any carrier). Open runs: records carry no token.
     """
     per_peer = [key_id(key) for key in PER_PEER_KEYS]
     if isinstance(authenticator, RunAuthenticator):

@@ -345,3 +345,34 @@ def test_requests_that_do_not_add_up_are_refused_by_the_decoder() -> None:
         decode_stage_request(b"\x93garbage")
     with pytest.raises(ProtocolError):
         decode_stage_request(msgspec.msgpack.encode({"stage": 99, "op": "forward", "samples": 1}))
+
+
+async def test_a_trainers_absurd_gradient_is_refused_once_honest_ones_set_the_scale(
+    nursery: trio.Nursery,
+) -> None:
+    task = _task()
+    batches = _micro_batches(task, 9)
+    swarm = await _swarm(nursery, task, per_stage=1, trainers=1)
+    middle = swarm.servers["s1.0"]
+    client = SwarmClient(swarm.trainers[0], STAGES)
+    with trio.fail_after(60):
+        await _train([client], batches[:8])  # 8 honest backwards: the warm-up of the bound
+    before = middle.worker.samples
+    staged = split_model(task, task.build_model(), STAGES)
+    batch = batches[8]
+    with torch.no_grad():
+        hidden = staged.stages[0](None, batch)
+        out = staged.stages[1](hidden, batch)
+    spec = TensorSpec(shape=list(hidden.shape))
+    request = StageRequest(
+        stage=1, op="backward", samples=4, hidden=spec, grad=spec, fields=field_specs(batch)
+    )
+    raw = b"".join(v.numpy().tobytes() for v in batch.values())
+
+    def payload(scale: float) -> bytes:
+        return hidden.numpy().tobytes() + (torch.full_like(out, scale)).numpy().tobytes() + raw
+
+    assert await _raw(swarm.trainers[0], middle, request, payload(1e3)) == ErrorCode.BAD_REQUEST
+    assert middle.worker.samples == before and middle.stats.refusals
+    answer = await _raw(swarm.trainers[0], middle, request, payload(1e-3))  # an honest scale passes
+    assert getattr(answer, "status", None) == "ok" and middle.worker.samples == before + 4

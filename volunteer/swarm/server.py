@@ -12,9 +12,17 @@ The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~
    already admitted (the payload is then read and dropped; ``retry_after`` is the queue's expected drain
    time, from the measured seconds per sample);
 3. reads the payload, decodes the tensors with their codecs (a malformed encoding is the request's
-   ``BAD_REQUEST``) and runs the worker on the one torch thread (:func:`~volunteer.collab.torch_thread
-   .run_torch`);
+   ``BAD_REQUEST``), bounds their scale and runs the worker on the one torch thread
+   (:func:`~volunteer.collab.torch_thread.run_torch`);
 4. answers with the output encoded with the codec the trainer asked for.
+
+**Bounding what a trainer sends** (DESIGN D10: a trainer is a stranger). Non-finite inputs never reach
+the accumulators (the worker refuses them whole). A finite but absurd input is bounded as trainers bound
+servers' answers (:class:`shared.swarm.answers.AnswerCheck`, one per tensor kind: the stage's input
+``hidden`` and the gradient ``grad`` of its output): an RMS beyond ``factor`` times the lower median of
+the recently accepted ones (or beyond ``max_rms`` during warm-up) is the request's ``BAD_REQUEST``. So a
+minority of lying trainers can add at most a bounded multiple of an honest micro-batch's gradient each;
+plausible garbage within the bound is for the stage's robust averaging to weigh.
 
 A request the stage cannot run on is refused with ``BAD_REQUEST`` and counted; nothing a trainer sends
 ends the server. Fault points for tests: ``swarm.forward.<k>`` and ``swarm.backward.<k>`` (a request to
@@ -56,6 +64,7 @@ from shared.averaging.compression import codec_by_name
 from shared.net.bulk import BulkReader, BulkReply
 from shared.net.rpc import RequestContext
 from shared.node import Node
+from shared.swarm.answers import AnswerCheck, AnswerLimits
 
 from ..collab.torch_thread import run_torch
 from .worker import StageInputError, StageWorker
@@ -73,10 +82,12 @@ class StageServerConfig:
         max_queue: requests admitted at once (running or waiting for the torch thread); more are answered
             ``busy``.
         max_bytes: the largest request payload accepted (``TOO_LARGE`` beyond).
+        limits: the bounds on the scale of a request's ``hidden`` and ``grad`` (module docstring).
     """
 
     max_queue: int = 8
     max_bytes: int = 256 * 1024 * 1024
+    limits: AnswerLimits = field(default_factory=AnswerLimits)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -112,6 +123,7 @@ class StageServer:
         self.config = config or StageServerConfig()
         self.stats = StageServerStatistics()
         self.queued = 0
+        self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
     @property
@@ -155,7 +167,13 @@ class StageServer:
             await reader.read_into(memoryview(payload))
             self.stats.bytes_received += header.nbytes
             await faults.point(f"swarm.{request.op}.{self.stage}")
-            hidden, grad, batch = _decode_payload(request, memoryview(payload))
+            try:
+                hidden, grad, batch = _decode_payload(request, memoryview(payload))
+            except ProtocolError as exc:
+                self._refuse(str(exc))
+                raise
+            self._bound("hidden", hidden)
+            self._bound("grad", grad)
             out: torch.Tensor | None
             try:
                 if request.op == "forward":
@@ -199,6 +217,19 @@ class StageServer:
             raise ProtocolError(
                 f"{nbytes} bytes exceed this server's {self.config.max_bytes}", ErrorCode.TOO_LARGE
             )
+
+    def _bound(self, kind: str, tensor: torch.Tensor | None) -> None:
+        """Refuse an input of absurd scale (module docstring)."""
+        if tensor is None:
+            return
+        flat = tensor.reshape(-1).double()
+        finite = bool(torch.isfinite(flat).all())
+        rms = float(flat.square().mean().sqrt()) if finite and flat.numel() else 0.0
+        problem = self._inputs[kind].problem(tuple(tensor.shape), tuple(tensor.shape), finite=finite, rms=rms)
+        if problem is not None:
+            reason = f"{kind} refused: {problem}"
+            self._refuse(reason)
+            raise ProtocolError(reason, ErrorCode.BAD_REQUEST)
 
     def _refuse(self, reason: str) -> None:
         self.stats.refused += 1
