@@ -35,12 +35,14 @@ from .averaging import CodecName
 from .types import Bytes32
 
 __all__ = [
+    "AVERAGING_PREFIX",
     "CHECKPOINT_KEY",
-    "AggregationRule",
-    "AveragingSpec",
     "PROGRESS_KEY",
     "PROGRESS_PERIOD",
     "PROGRESS_TTL",
+    "TRAINING_KEYS",
+    "AggregationRule",
+    "AveragingSpec",
     "DatasetSpec",
     "OptimizerSpec",
     "Progress",
@@ -49,11 +51,27 @@ __all__ = [
     "SyncMode",
     "SyncSpec",
     "TokenizerSpec",
+    "TrainingKeys",
     "TrainingSpec",
 ]
 
 PROGRESS_KEY = "train.progress"
 CHECKPOINT_KEY = "train.state"
+AVERAGING_PREFIX = "train.avg"
+
+
+class TrainingKeys(msgspec.Struct, frozen=True):
+    """The DHT keys one collaboration's peers meet under: progress records, state announcements and the
+    averaging rounds' matchmaking (``<averaging>.<step>.<group>``). The run's data-parallel collaboration
+    uses the ``train.*`` keys; each pipeline stage of a swarm run is a collaboration of its own, under
+    :func:`protocols.swarm.stage_training_keys`."""
+
+    progress: str = PROGRESS_KEY
+    state: str = CHECKPOINT_KEY
+    averaging: str = AVERAGING_PREFIX
+
+
+TRAINING_KEYS = TrainingKeys()
 PROGRESS_TTL = 30.0
 PROGRESS_PERIOD = 1.0
 

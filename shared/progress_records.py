@@ -52,27 +52,31 @@ _PRESENCE = msgspec.msgpack.Decoder(Presence)
 MAX_SEEDS = 8
 
 
-async def read_progress(dht: DHTNode) -> dict[str, Progress]:
+async def read_progress(dht: DHTNode, key: str = PROGRESS_KEY) -> dict[str, Progress]:
     """Every peer's progress by peer id (entries under another peer's subkey or malformed are skipped).
 
     Raises:
         whatever the DHT lookup raises (CALL_FAILURES).
     """
-    return (await read_progress_with_users(dht))[0]
+    return (await read_progress_with_users(dht, key))[0]
 
 
-async def read_progress_with_users(dht: DHTNode) -> tuple[dict[str, Progress], dict[str, str]]:
+async def read_progress_with_users(
+    dht: DHTNode, key: str = PROGRESS_KEY
+) -> tuple[dict[str, Progress], dict[str, str]]:
     """Every peer's progress by peer id, and the user each of those peers speaks for (pass it as
     ``summarize(..., users=...)`` so that majorities are counted in users, not peer ids).
 
     Raises:
         whatever the DHT lookup raises (CALL_FAILURES).
     """
-    found = await dht.get(PROGRESS_KEY, latest=True)
+    found = await dht.get(key, latest=True)
     return _decode(found.entries.values() if found is not None else ())
 
 
-async def read_progress_everywhere(node: Node, backbones: Sequence[PeerAddress]) -> list[Reading]:
+async def read_progress_everywhere(
+    node: Node, backbones: Sequence[PeerAddress], key: str = PROGRESS_KEY
+) -> list[Reading]:
     """The progress records as read through our DHT (``source`` "dht") and through a lookup seeded at each
     of ``backbones`` (``source``: its address), all in parallel; a source that fails is a reading with
     ``answered=False``. Addresses without a peer id, or of ourselves, are skipped. Callers bound the whole
@@ -81,7 +85,7 @@ async def read_progress_everywhere(node: Node, backbones: Sequence[PeerAddress])
 
     async def own() -> None:
         try:
-            records, users = await read_progress_with_users(node.dht)
+            records, users = await read_progress_with_users(node.dht, key)
         except CALL_FAILURES as exc:
             logger.debug("reading the progress records failed: %s", exc)
             readings.append(Reading("dht", False, {}, {}))
@@ -89,7 +93,7 @@ async def read_progress_everywhere(node: Node, backbones: Sequence[PeerAddress])
         readings.append(Reading("dht", True, records, users))
 
     async def seeded(address: PeerAddress) -> None:
-        readings.append(await read_progress_seeded(node, address))
+        readings.append(await read_progress_seeded(node, address, key))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(own)
@@ -135,9 +139,9 @@ async def known_backbones(dht: DHTNode, listed: Sequence[str] = ()) -> list[Peer
     return list(seeds.values())[:MAX_SEEDS]
 
 
-async def read_progress_seeded(node: Node, seed: PeerAddress) -> Reading:
+async def read_progress_seeded(node: Node, seed: PeerAddress, key: str = PROGRESS_KEY) -> Reading:
     dht = node.dht
-    kid = key_id(PROGRESS_KEY)
+    kid = key_id(key)
     assert seed.peer_id is not None
     try:
         first = Contact.of(seed.peer_id, (str(seed),))

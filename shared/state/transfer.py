@@ -530,7 +530,9 @@ def _pwrite_all(fd: int, data: bytearray, offset: int) -> None:
 # ------------------------------------------------------------------------------------------ DHT
 
 
-async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = None) -> dict[str, Announced]:
+async def read_announcements(
+    dht: DHTNode, *, users: Mapping[str, str] | None = None, key: str = CHECKPOINT_KEY
+) -> dict[str, Announced]:
     """Every peer's current state announcement and the admitted user behind it (malformed entries and other
     peers' subkeys are ignored).
 
@@ -542,7 +544,7 @@ async def read_announcements(dht: DHTNode, *, users: Mapping[str, str] | None = 
     Raises:
         whatever :meth:`DHTNode.get` raises.
     """
-    found = await dht.get(CHECKPOINT_KEY, latest=True)
+    found = await dht.get(key, latest=True)
     # ``DHTValue.users``: the admitted user of each record, from its verified token
     reported: Mapping[bytes | None, str] = found.users if found is not None else {}
     out: dict[str, Announced] = {}
@@ -581,7 +583,7 @@ async def presence_addresses(dht: DHTNode) -> dict[str, list[PeerAddress]]:
     return out
 
 
-async def announce_state(dht: DHTNode, announcement: StateAnnouncement) -> int:
+async def announce_state(dht: DHTNode, announcement: StateAnnouncement, key: str = CHECKPOINT_KEY) -> int:
     """Store our announcement under :data:`CHECKPOINT_KEY` for :data:`ANNOUNCE_TTL` seconds.
 
     Returns:
@@ -589,4 +591,4 @@ async def announce_state(dht: DHTNode, announcement: StateAnnouncement) -> int:
     """
     value = msgspec.msgpack.encode(announcement)
     subkey = dht.host.peer_id.encode()
-    return await dht.store(CHECKPOINT_KEY, value, time.time() + ANNOUNCE_TTL, subkey=subkey)
+    return await dht.store(key, value, time.time() + ANNOUNCE_TTL, subkey=subkey)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import trio
 
+from protocols.training import PROGRESS_KEY
 from shared.alone import (
     EVIDENCE_MAX_AGE,
     HighWater,
@@ -58,6 +59,7 @@ class Evidence:
     tolerated: Tolerated
     backbones: Sequence[str] = ()  # the backbones we were given (multiaddrs), to seed the reads
     data_dir: Path | None = None
+    key: str = PROGRESS_KEY  # the collaboration's progress records (TrainingKeys.progress)
     readings: list[Reading] = field(default_factory=list)
     read_at: float = 0.0  # unix time the latest readings started
     mark: HighWater | None = None
@@ -83,9 +85,9 @@ class Evidence:
             async def one(seed: PeerAddress | None) -> None:
                 with trio.move_on_after(READ_DEADLINE) as scope:
                     if seed is None:  # through our own DHT
-                        readings.extend(await read_progress_everywhere(self.node, []))
+                        readings.extend(await read_progress_everywhere(self.node, [], self.key))
                     else:
-                        readings.append(await read_progress_seeded(self.node, seed))
+                        readings.append(await read_progress_seeded(self.node, seed, self.key))
                 if scope.cancelled_caught:
                     self.tolerated.note(
                         "evidence.read", TimeoutError(f"no answer within {READ_DEADLINE:g} s")

@@ -28,7 +28,7 @@ import msgspec
 import torch
 import trio
 
-from protocols.training import Progress, TrainingSpec
+from protocols.training import TRAINING_KEYS, Progress, TrainingKeys, TrainingSpec
 from shared import faults
 from shared.alone import JOINING_GRACE
 from shared.averaging.matchmaking import Matchmaker
@@ -87,6 +87,8 @@ class CollaborativeOptimizer:
     on_discard: Callable[[int, int], None] | None = None
     #: the highest step this data dir took part in before a restart (the report journal's), if any
     previous_life: int | None = None
+    #: the DHT keys of this collaboration (a swarm run's stage: protocols.swarm.stage_training_keys)
+    keys: TrainingKeys = TRAINING_KEYS
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:
@@ -100,6 +102,7 @@ class CollaborativeOptimizer:
             tolerated=self.tolerated,
             poll_period=self.config.poll_period,
             publish_period=self.config.publish_period,
+            key=self.keys.progress,
         )
         self.evidence = Evidence(
             self.node,
@@ -108,6 +111,7 @@ class CollaborativeOptimizer:
             self.tolerated,
             backbones=self.backbones,
             data_dir=self.data_dir,
+            key=self.keys.progress,
         )
         self.sync = StateSync(
             self.node,
@@ -122,6 +126,7 @@ class CollaborativeOptimizer:
             evidence=self.evidence,
             on_discard=self._discard,
             previous_life=self.previous_life,
+            key=self.keys.state,
         )
         self.evidence.joining = lambda: self.sync.server.recent_downloader(JOINING_GRACE)
         self.mode: StepMode = self._batch_step()
@@ -145,6 +150,7 @@ class CollaborativeOptimizer:
             receipts=self.receipts,
             waiting=self._waiting,
             lone=self.evidence.verdict,
+            averaging_prefix=self.keys.averaging,
         )
 
     @property
@@ -279,19 +285,26 @@ class CollaborativeOptimizer:
             return None
         await faults.point("train.after_micro_batch")  # mid-way through a step's (or a round's) compute
         samples, loss = computed
-        elapsed = trio.current_time() - started
-        if elapsed > 0:
-            rate = samples / elapsed
+        self.counted(samples, loss, trio.current_time() - started)
+        return samples
+
+    def counted(self, samples: int, loss: float | None, seconds: float | None) -> None:
+        """``samples`` were accumulated into the trainer (by :meth:`accumulate_from`, or by a swarm stage's
+        backward requests) in ``seconds`` (None: not a measure of our rate, e.g. samples that arrive from
+        trainers at their pace, so the collaboration's estimate does not extrapolate them): we are
+        training, anchored in the run, with this loss."""
+        if seconds is not None and seconds > 0:
+            rate = samples / seconds
             self.stats.local_sps = (
                 rate if not self.stats.local_sps else 0.9 * self.stats.local_sps + 0.1 * rate
             )
         peer = self.peer
-        peer.loss = loss if peer.loss is None else 0.8 * peer.loss + 0.2 * loss
+        if loss is not None:
+            peer.loss = loss if peer.loss is None else 0.8 * peer.loss + 0.2 * loss
         self.stats.samples_total += samples
         peer.anchored = True
         if peer.phase is Phase.FRESH:
             peer.enter(Phase.TRAINING)
-        return samples
 
     def _take_and_accumulate(
         self, take: Callable[[], Mapping[str, torch.Tensor] | None]

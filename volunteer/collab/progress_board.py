@@ -44,6 +44,7 @@ class ProgressBoard:
     tolerated: Tolerated
     poll_period: float = 0.3
     publish_period: float = 1.0
+    key: str = PROGRESS_KEY  # where this collaboration's records live (TrainingKeys.progress)
     view: CollabView | None = None
     #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
     users: dict[str, str] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class ProgressBoard:
 
     async def refresh(self) -> CollabView:
         """Read everyone's records now and summarize them (raises the DHT's CALL_FAILURES)."""
-        records, users = await read_progress_with_users(self.node.dht)
+        records, users = await read_progress_with_users(self.node.dht, self.key)
         mine = self.own()
         self.users = users
         self.view_at, self.view_own_samples = time.time(), mine.samples
@@ -98,7 +99,7 @@ class ProgressBoard:
 
     async def _store(self, progress: Progress) -> None:
         await self.node.dht.store(
-            PROGRESS_KEY,
+            self.key,
             msgspec.msgpack.encode(progress),
             time.time() + PROGRESS_TTL,
             subkey=self.node.peer_id.encode(),

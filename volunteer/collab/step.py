@@ -66,7 +66,7 @@ import trio
 
 from protocols.averaging import MAX_NORM, JoinTicket
 from protocols.receipts import PulledSlice
-from protocols.training import TrainingSpec
+from protocols.training import AVERAGING_PREFIX, TrainingSpec
 from shared import faults
 from shared.alone import LoneStep
 from shared.averaging.allreduce import Averager, GroupPlan
@@ -169,6 +169,7 @@ class BatchStep:
     #: may we step alone at this step? (shared.alone; None: always, e.g. in tests of the step alone)
     lone: Callable[[int], Awaitable[LoneStep]] | None = None
     receipts: ReceiptBook | None = None  # where each finished round's receipts and pull records go
+    averaging_prefix: str = AVERAGING_PREFIX  # the rounds' matchmaking keys (TrainingKeys.averaging)
     stats: StepStats = field(default_factory=StepStats)
     waiting: Callable[[str | None], None] = lambda _: None
 
@@ -176,7 +177,7 @@ class BatchStep:
         self.averager = Averager(self.node.host)
         self.matchmaker = Matchmaker(
             self.node.dht,
-            prefix="train.avg",
+            prefix=self.averaging_prefix,
             config=MatchmakingConfig(
                 window=self.matchmaking_window,
                 codec=self.spec.codec,

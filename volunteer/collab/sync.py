@@ -26,7 +26,7 @@ from pathlib import Path
 
 import trio
 
-from protocols.training import StateAnnouncement, TrainingSpec
+from protocols.training import CHECKPOINT_KEY, StateAnnouncement, TrainingSpec
 from shared import faults
 from shared.errors import StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
@@ -78,6 +78,7 @@ class StateSync:
     evidence: Evidence | None = None  # the high-water mark: no older state is loaded while it binds
     #: called with (first, last) when a loaded state replaced steps only we took (a fork that lost)
     on_discard: Callable[[int, int], None] | None = None
+    key: str = CHECKPOINT_KEY  # where this collaboration's state announcements live (TrainingKeys.state)
     _announced_step: int = -1
     _max_state_bytes: int | None = None  # the largest state of this run's model
 
@@ -96,7 +97,7 @@ class StateSync:
         step, blob, digest = await run_torch(snapshot)
         announcement = self.server.offer(step, blob, digest=digest)
         with self.tolerated.around("state.announce"):
-            await announce_state(self.node.dht, announcement)
+            await announce_state(self.node.dht, announcement, self.key)
         self._announced_step = step
         return announcement
 
@@ -252,7 +253,7 @@ class StateSync:
         return step
 
     async def _announcements(self) -> dict[str, Announced]:
-        found = await read_announcements(self.node.dht)
+        found = await read_announcements(self.node.dht, key=self.key)
         found.pop(self.node.peer_id, None)
         return found
 
