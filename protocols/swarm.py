@@ -48,6 +48,11 @@ every tensor's and field's first dimension is ``samples``; field names are uniqu
 can check (the width of ``hidden``, token ids inside the vocabulary, ``grad`` of the output's shape) is
 checked by running it: a failure is the request's ``BAD_REQUEST``, never the server's crash.
 
+**Each stage is a collaboration of its own** (DESIGN D9): its servers publish progress records, announce
+states and match for averaging rounds under :func:`stage_training_keys` ``(k)``, exactly as the run's
+data-parallel peers do under the ``train.*`` keys, so a stage steps when its servers together counted the
+target batch, averages with the LP's roles, and a newcomer downloads the stage's state.
+
 **Announcements** (DHT): key ``swarm.stage.<k>``, subkey = the server's peer id (ASCII), value = msgpack
 :class:`StageRecord`, written only by that peer, expiring after :data:`STAGE_RECORD_TTL` and republished
 every third of it. A server that leaves stops republishing; trainers forget it when the record expires.
@@ -62,6 +67,7 @@ import msgspec
 
 from .averaging import INT8_BLOCK, CodecName
 from .errors import ProtocolError
+from .training import TrainingKeys
 from .types import MultiaddrStr
 
 __all__ = [
@@ -84,6 +90,7 @@ __all__ = [
     "encoded_nbytes",
     "request_nbytes",
     "stage_key",
+    "stage_training_keys",
 ]
 
 STAGE_TOPIC = "swarm.stage"
@@ -166,6 +173,13 @@ class StageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     queued: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     #: samples per second its backward passes ran at lately (0: not measured yet)
     samples_per_second: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0
+
+
+def stage_training_keys(stage: int) -> TrainingKeys:
+    """The keys the servers of ``stage`` meet under as a collaboration of their own (progress records,
+    state announcements, averaging rounds): ``swarm.s<k>.progress``, ``.state`` and ``.avg``."""
+    stage_key(stage)  # the same bounds
+    return TrainingKeys(f"swarm.s{stage}.progress", f"swarm.s{stage}.state", f"swarm.s{stage}.avg")
 
 
 def stage_key(stage: int) -> str:

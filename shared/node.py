@@ -25,7 +25,7 @@ from protocols.dht import PingRequest
 from protocols.presence import PRESENCE_KEY, PRESENCE_TTL, Presence, Role
 from protocols.probe import CAPABILITIES_KEY
 from protocols.relay import RELAYS_KEY
-from protocols.swarm import MAX_STAGES, stage_key
+from protocols.swarm import MAX_STAGES, stage_key, stage_training_keys
 from protocols.training import CHECKPOINT_KEY, PROGRESS_KEY
 
 from .auth.guard import Authenticator, RunAuthenticator
@@ -72,7 +72,13 @@ PER_PEER_KEYS = (
     CHECKPOINT_KEY,
     CAPABILITIES_KEY,
     RELAYS_KEY,
-    *(stage_key(k) for k in range(MAX_STAGES)),  # the pipeline's stage servers (protocols.swarm)
+    # the pipeline's stage servers, and each stage's own collaboration (protocols.swarm)
+    *(stage_key(k) for k in range(MAX_STAGES)),
+    *(
+        key
+        for k in range(MAX_STAGES)
+        for key in (stage_training_keys(k).progress, stage_training_keys(k).state)
+    ),
 )
 
 

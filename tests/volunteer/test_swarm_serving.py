@@ -20,13 +20,13 @@ from protocols.swarm import STAGE_TOPIC, StageRequest, TensorSpec, decode_stage_
 from protocols.training import TrainingSpec
 from shared import faults
 from shared.auth.keys import Identity
-from shared.errors import RemoteError
+from shared.errors import RemoteError, StateError
 from shared.net.addresses import parse_multiaddr
 from shared.node import Node, open_node
 from shared.swarm.directory import find_stage_servers
 from volunteer.swarm.client import SwarmClient, SwarmClientConfig, field_specs
 from volunteer.swarm.server import StageServer, StageServerConfig, announce_forever
-from volunteer.swarm.worker import StageInputError, StageWorker
+from volunteer.swarm.stage_trainer import StageInputError, StageTrainer
 from volunteer.tasks import make_task
 from volunteer.tasks.base import Task
 from volunteer.tasks.stages import run_stages, split_model
@@ -102,8 +102,8 @@ async def _swarm(
         for j in range(per_stage):
             tag = f"s{k}.{j}"
             node, scope = await _node(nursery, initial, tag)
-            stage = split_model(task, task.build_model(), STAGES).stages[k]
-            server = StageServer(node, StageWorker(stage), StageServerConfig(max_queue=max_queue))
+            trainer = StageTrainer(task, SPEC, RUN_ID, k, STAGES)
+            server = StageServer(node, trainer, StageServerConfig(max_queue=max_queue))
             nursery.start_soon(announce_forever, node, server)
             swarm.servers[tag], swarm.scopes[tag] = server, scope
     for _ in range(trainers):
@@ -120,7 +120,7 @@ def _sums(swarm: Swarm, alive: set[str] | None = None) -> list[np.ndarray]:
     out = []
     for k in range(STAGES):
         taken = [
-            s.worker.take_gradients() for tag, s in sorted(swarm.servers.items())
+            s.trainer.take_gradients() for tag, s in sorted(swarm.servers.items())
             if tag.startswith(f"s{k}.") and (alive is None or tag in alive)
         ]  # fmt: skip
         out.append(sum(t.gradient_sum for t in taken))
@@ -153,7 +153,8 @@ async def test_three_stages_of_two_servers_accumulate_one_processs_gradients(nur
     for batch, loss in zip(batches, losses, strict=True):
         assert loss == pytest.approx(float(run_stages(staged.stages, batch).detach()), rel=1e-5)
     samples = {
-        k: sum(s.worker.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}.")) for k in range(3)
+        k: sum(s.trainer.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}."))
+        for k in range(3)
     }
     assert samples == {0: 32, 1: 32, 2: 32}  # every sample counted once at every stage
     for k, (got, want) in enumerate(zip(_sums(swarm), expected, strict=True)):
@@ -187,9 +188,9 @@ async def test_a_server_that_dies_mid_request_loses_no_sample(nursery: trio.Nurs
     assert len(hung) == 1
     victim = hung[0]
     alive = set(swarm.servers) - {victim}
-    assert swarm.servers[victim].worker.samples == 0  # its first request of stage 1 hung
+    assert swarm.servers[victim].trainer.samples == 0  # its first request of stage 1 hung
     samples = [
-        sum(swarm.servers[t].worker.samples for t in alive if t.startswith(f"s{k}.")) for k in range(3)
+        sum(swarm.servers[t].trainer.samples for t in alive if t.startswith(f"s{k}.")) for k in range(3)
     ]
     assert samples == [24, 24, 24]  # the survivors hold every sample, once
     for k, (got, want) in enumerate(zip(_sums(swarm, alive), _reference(task, batches), strict=True)):
@@ -200,7 +201,7 @@ async def test_a_lying_server_is_banned_and_its_micro_batches_rerouted(nursery: 
     task = _task()
     batches = _micro_batches(task, 6)
     swarm = await _swarm(nursery, task, trainers=1)
-    liar = swarm.servers["s0.1"].worker
+    liar = swarm.servers["s0.1"].trainer
     honest_forward = liar.forward
     liar.forward = lambda hidden, batch: honest_forward(hidden, batch) * 1e7  # type: ignore[method-assign]
     client = SwarmClient(swarm.trainers[0], STAGES)
@@ -209,7 +210,7 @@ async def test_a_lying_server_is_banned_and_its_micro_batches_rerouted(nursery: 
     assert client.stats.refused_answers >= 1
     assert client.stats.samples == 24
     samples = [
-        sum(s.worker.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}.")) for k in range(3)
+        sum(s.trainer.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}.")) for k in range(3)
     ]
     assert samples == [24, 24, 24]
     np.testing.assert_allclose(_sums(swarm)[2], _reference(task, batches)[2], rtol=1e-4, atol=1e-5)
@@ -219,7 +220,7 @@ async def test_a_full_queue_answers_busy_and_the_trainer_goes_elsewhere(nursery:
     task = _task()
     batches = _micro_batches(task, 8)
     swarm = await _swarm(nursery, task, trainers=3, max_queue=1)
-    slow = swarm.servers["s1.0"].worker
+    slow = swarm.servers["s1.0"].trainer
     honest = slow.forward
 
     def slowly(hidden: torch.Tensor | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -235,7 +236,7 @@ async def test_a_full_queue_answers_busy_and_the_trainer_goes_elsewhere(nursery:
     assert swarm.servers["s1.0"].stats.busy + swarm.servers["s1.1"].stats.busy >= 1
     assert sum(c.stats.busy for c in clients) >= 1 and sum(c.stats.failures for c in clients) == 0
     samples = [
-        sum(s.worker.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}.")) for k in range(3)
+        sum(s.trainer.samples for t, s in swarm.servers.items() if t.startswith(f"s{k}.")) for k in range(3)
     ]
     assert samples == [32, 32, 32]
 
@@ -309,24 +310,34 @@ async def test_hostile_requests_are_refused_and_the_server_keeps_serving(nursery
     with trio.fail_after(30):
         loss = await client.process(batches[1])
     assert np.isfinite(loss) and client.stats.failures == 0
-    assert first.worker.samples == middle.worker.samples == 4
+    assert first.trainer.samples == middle.trainer.samples == 4
 
 
-def test_the_worker_refuses_non_finite_gradients_and_accumulates_nothing() -> None:
+def test_a_stage_trainer_refuses_non_finite_gradients_and_accumulates_nothing() -> None:
     task = _task()
     batch = _micro_batches(task, 1)[0]
     staged = split_model(task, task.build_model(), STAGES)
-    worker = StageWorker(staged.stages[1])
+    middle = StageTrainer(task, SPEC, RUN_ID, 1, STAGES)
     hidden = staged.stages[0](None, batch).detach()
     grad = torch.ones_like(hidden)
     grad[0, 0, 0] = float("inf")
     with pytest.raises(StageInputError):
-        worker.backward(hidden, batch, grad, 4)
-    assert worker.samples == 0 and all(p.grad is None for p in worker.params)
+        middle.backward(hidden, batch, grad, 4)
+    assert middle.samples == 0 and all(p.grad is None for p in middle.params)
+    last = StageTrainer(task, SPEC, RUN_ID, 2, STAGES)
     with pytest.raises(StageInputError):
-        StageWorker(staged.stages[2]).forward(hidden, batch)  # the last stage runs only in a backward
-    _, loss = StageWorker(staged.stages[2]).backward(hidden, batch, None, 4)
+        last.forward(hidden, batch)  # the last stage runs only in a backward
+    _, loss = last.backward(hidden, batch, None, 4)
     assert loss is not None and np.isfinite(loss)
+
+
+def test_a_stage_state_loads_into_its_stage_only() -> None:
+    task = _task()
+    first, second = (StageTrainer(task, SPEC, RUN_ID, k, 4) for k in (1, 2))  # equal shapes and names
+    blob = first.state_blob()
+    with pytest.raises(StateError):
+        second.load_state_blob(blob)
+    assert StageTrainer(task, SPEC, RUN_ID, 1, 4).load_state_blob(blob) == 0
 
 
 def test_requests_that_do_not_add_up_are_refused_by_the_decoder() -> None:
@@ -357,7 +368,7 @@ async def test_a_trainers_absurd_gradient_is_refused_once_honest_ones_set_the_sc
     client = SwarmClient(swarm.trainers[0], STAGES)
     with trio.fail_after(60):
         await _train([client], batches[:8])  # 8 honest backwards: the warm-up of the bound
-    before = middle.worker.samples
+    before = middle.trainer.samples
     staged = split_model(task, task.build_model(), STAGES)
     batch = batches[8]
     with torch.no_grad():
@@ -373,6 +384,6 @@ async def test_a_trainers_absurd_gradient_is_refused_once_honest_ones_set_the_sc
         return hidden.numpy().tobytes() + (torch.full_like(out, scale)).numpy().tobytes() + raw
 
     assert await _raw(swarm.trainers[0], middle, request, payload(1e3)) == ErrorCode.BAD_REQUEST
-    assert middle.worker.samples == before and middle.stats.refusals
+    assert middle.trainer.samples == before and middle.stats.refusals
     answer = await _raw(swarm.trainers[0], middle, request, payload(1e-3))  # an honest scale passes
-    assert getattr(answer, "status", None) == "ok" and middle.worker.samples == before + 4
+    assert getattr(answer, "status", None) == "ok" and middle.trainer.samples == before + 4

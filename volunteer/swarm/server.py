@@ -1,6 +1,6 @@
 """A stage server: serves one pipeline stage to any admitted trainer over the bulk lane (issue 17 item 2).
 
-The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~.worker.StageWorker`.
+The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~.stage_trainer.StageTrainer`.
 :class:`StageServer` registers the ``swarm.stage`` bulk handler on a node's host and, for each request:
 
 1. decodes and checks the header (:func:`protocols.swarm.decode_stage_request`): our stage, the op the
@@ -9,16 +9,17 @@ The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~
    header's ``nbytes`` and within :attr:`StageServerConfig.max_bytes` -- all before one byte of the
    payload is read into memory;
 2. admits it into the queue, or answers ``busy`` when :attr:`StageServerConfig.max_queue` requests are
-   already admitted (the payload is then read and dropped; ``retry_after`` is the queue's expected drain
-   time, from the measured seconds per sample);
+   already admitted, or when it is a backward and the stage's collaboration says no sample may be counted
+   now (``accepting``: a state download under way, our share of the step done). The payload is then read
+   and dropped; ``retry_after`` is the queue's expected drain time, from the measured seconds per sample;
 3. reads the payload, decodes the tensors with their codecs (a malformed encoding is the request's
-   ``BAD_REQUEST``), bounds their scale and runs the worker on the one torch thread
+   ``BAD_REQUEST``), bounds their scale and runs the stage on the one torch thread
    (:func:`~volunteer.collab.torch_thread.run_torch`);
 4. answers with the output encoded with the codec the trainer asked for.
 
 **Bounding what a trainer sends** (DESIGN D10: a trainer is a stranger). Non-finite inputs never reach
-the accumulators (the worker refuses them whole). A finite but absurd input is bounded as trainers bound
-servers' answers (:class:`shared.swarm.answers.AnswerCheck`, one per tensor kind: the stage's input
+the accumulators (the stage trainer refuses them whole). A finite but absurd input is bounded as trainers
+bound servers' answers (:class:`shared.swarm.answers.AnswerCheck`, one per tensor kind: the stage's input
 ``hidden`` and the gradient ``grad`` of its output): an RMS beyond ``factor`` times the lower median of
 the recently accepted ones (or beyond ``max_rms`` during warm-up) is the request's ``BAD_REQUEST``. So a
 minority of lying trainers can add at most a bounded multiple of an honest micro-batch's gradient each;
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -67,7 +69,7 @@ from shared.node import Node
 from shared.swarm.answers import AnswerCheck, AnswerLimits
 
 from ..collab.torch_thread import run_torch
-from .worker import StageInputError, StageWorker
+from .stage_trainer import StageInputError, StageTrainer
 
 __all__ = ["StageServer", "StageServerConfig", "StageServerStatistics", "announce_forever"]
 
@@ -109,42 +111,56 @@ class StageServerStatistics:
 
 
 class StageServer:
-    """Serves ``worker``'s stage on ``node`` (registered at construction; module docstring).
+    """Serves ``trainer``'s stage on ``node`` (registered at construction; module docstring).
+
+    ``accepting`` says whether a backward may be counted now (the stage's collaboration is not
+    downloading a state, and our share of the step is not done); when it says no, a backward is answered
+    ``busy``, so trainers take it to another server of the stage or retry shortly. ``on_counted(samples,
+    loss)`` is called after each backward that was counted (loss: the last stage's).
 
     Raises:
         ValueError: the host already serves a stage.
     """
 
-    def __init__(self, node: Node, worker: StageWorker, config: StageServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        trainer: StageTrainer,
+        config: StageServerConfig | None = None,
+        accepting: Callable[[], bool] = lambda: True,
+        on_counted: Callable[[int, float | None], None] = lambda samples, loss: None,
+    ) -> None:
         if STAGE_TOPIC in node.host.bulk_handlers:
             raise ValueError("this host already serves a pipeline stage")
         self.node = node
-        self.worker = worker
+        self.trainer = trainer
         self.config = config or StageServerConfig()
         self.stats = StageServerStatistics()
         self.queued = 0
+        self.accepting = accepting
+        self.on_counted = on_counted
         self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
     @property
     def stage(self) -> int:
-        return self.worker.stage.index
+        return self.trainer.stage.index
 
     def record(self) -> StageRecord:
         """Our DHT announcement now."""
-        seconds = self.worker.seconds_per_sample
+        seconds = self.trainer.seconds_per_sample
         return StageRecord(
             stage=self.stage,
-            stages=self.worker.stage.count,
+            stages=self.trainer.stage.count,
             addrs=list(self.node.host.advertised_addrs[:8]),
-            step=self.worker.step,
+            step=self.trainer.step,
             queued=self.queued,
             samples_per_second=1.0 / seconds if seconds > 0 else 0.0,
         )
 
     def retry_after(self) -> float:
         """When a queue slot is expected to free up: the queue's work at the measured speed."""
-        per_request = max(self.worker.seconds_per_sample, 1e-4) * 8  # a typical micro-batch's samples
+        per_request = max(self.trainer.seconds_per_sample, 1e-4) * 8  # a typical micro-batch's samples
         return min(10.0, max(0.05, per_request * self.queued))
 
     # ------------------------------------------------------------------------------------- the handler
@@ -156,10 +172,10 @@ class StageServer:
         except ProtocolError as exc:
             self._refuse(str(exc))
             raise
-        if self.queued >= self.config.max_queue:
+        if self.queued >= self.config.max_queue or (request.op == "backward" and not self.accepting()):
             self.stats.busy += 1
             await reader.discard()
-            answer = StageAnswer(status="busy", step=self.worker.step, retry_after=self.retry_after())
+            answer = StageAnswer(status="busy", step=self.trainer.step, retry_after=self.retry_after())
             return BulkReply(msgspec.msgpack.encode(answer), memoryview(b""))
         self.queued += 1
         try:
@@ -177,38 +193,39 @@ class StageServer:
             out: torch.Tensor | None
             try:
                 if request.op == "forward":
-                    out = await run_torch(self.worker.forward, hidden, batch)
+                    out = await run_torch(self.trainer.forward, hidden, batch)
                     loss = None
                     self.stats.forwards += 1
                 else:
-                    out, loss = await run_torch(self.worker.backward, hidden, batch, grad, request.samples)
+                    out, loss = await run_torch(self.trainer.backward, hidden, batch, grad, request.samples)
                     self.stats.backwards += 1
                     self.stats.samples += request.samples
+                    self.on_counted(request.samples, loss)
             except StageInputError as exc:
                 self._refuse(str(exc))
                 raise ProtocolError(str(exc), ErrorCode.BAD_REQUEST) from exc
         finally:
             self.queued -= 1
         spec, data = _encode_output(out, request.answer_codec)
-        answer = StageAnswer(status="ok", step=self.worker.step, output=spec, loss=loss)
+        answer = StageAnswer(status="ok", step=self.trainer.step, output=spec, loss=loss)
         self.stats.bytes_sent += len(data)
         return BulkReply(msgspec.msgpack.encode(answer), memoryview(data))
 
     def _check(self, request: StageRequest, nbytes: int) -> None:
-        worker = self.worker
+        trainer = self.trainer
         if request.stage != self.stage:
             raise ProtocolError(
                 f"this server serves stage {self.stage}, not {request.stage}", ErrorCode.WRONG_RUN
             )
-        if request.op == "forward" and worker.last:
+        if request.op == "forward" and trainer.last:
             raise ProtocolError("the last stage runs forward only as part of a backward request")
-        if (request.hidden is None) != worker.first:
+        if (request.hidden is None) != trainer.first:
             raise ProtocolError(
-                f"stage {self.stage} {'takes no' if worker.first else 'needs a'} hidden state"
+                f"stage {self.stage} {'takes no' if trainer.first else 'needs a'} hidden state"
             )
-        if request.op == "backward" and (request.grad is None) != worker.last:
+        if request.op == "backward" and (request.grad is None) != trainer.last:
             raise ProtocolError(
-                f"a backward of stage {self.stage} {'takes no' if worker.last else 'needs a'} gradient"
+                f"a backward of stage {self.stage} {'takes no' if trainer.last else 'needs a'} gradient"
             )
         declared = request_nbytes(request)
         if declared != nbytes:

@@ -1,38 +1,50 @@
 """What a stage server computes (plain torch, no trio): forward without a graph, backward by recomputing,
 gradient sums accumulated toward the stage's next step (issue 17 item 2; the wire is :mod:`protocols.swarm`).
 
-A :class:`StageWorker` owns one :class:`~volunteer.tasks.stages.Stage` of the run's model.
+A :class:`StageTrainer` is the batch mode's :class:`~volunteer.collab.trainer.LocalTrainer` for one
+:class:`~volunteer.tasks.stages.Stage` of the run's model (its optimizer, step, fingerprints, state blobs
+and gradient hand-out), fed by trainers' requests instead of batches:
 
-* :meth:`StageWorker.forward` runs the stage under ``torch.no_grad``: nothing is kept, so a server's
+* :meth:`StageTrainer.forward` runs the stage under ``torch.no_grad``: nothing is kept, so a server's
   memory does not grow with the micro-batches in flight.
-* :meth:`StageWorker.backward` runs the stage again with autograd (activation checkpointing, as SWARM's
+* :meth:`StageTrainer.backward` runs the stage again with autograd (activation checkpointing, as SWARM's
   servers do: §3.2) and takes the gradients with ``torch.autograd.grad`` into fresh tensors. Only when
   every one of them is finite are they added into the parameters' ``.grad`` and the micro-batch's samples
   counted: a request that would poison the accumulators (a non-finite input or gradient) is refused whole,
   and the accumulators stay what they were. The last stage back-propagates ``loss * samples``, so the
-  accumulators hold per-sample *sums* over the step's micro-batches, as the batch mode's do
-  (:class:`volunteer.collab.trainer.LocalTrainer`); dividing by the counted samples gives the mean.
-* :meth:`StageWorker.take_gradients` hands the sums out and clears them (the stage's averaging then
-  averages ``sum / samples`` among the stage's servers, weighted by samples).
+  accumulators hold per-sample *sums* over the step's micro-batches, as the batch mode's do; the stage's
+  collaboration hands them out (:meth:`~volunteer.collab.trainer.LocalTrainer.take_gradients`) and
+  averages ``sum / samples`` among the stage's servers, weighted by samples.
 
-Every method may be called from any thread; a lock serialises them. What the stage cannot run on (a wrong
-width, a token id outside the vocabulary, a field missing) raises :class:`StageInputError`, which the
-server answers as the request's fault.
+**Tied weights are untied in a swarm run.** The built-in models tie the output layer to the token
+embedding; split into stages, the last stage holds a copy (:mod:`volunteer.tasks.stages`, "Tied weights").
+Summing the two copies' gradients every step would make the first and the last stage step together, over
+the network, with the embedding's gradient (the largest tensor of a small model). A swarm run instead
+trains the copy as a parameter of its own, from equal starting values, as a model configured with
+``tie_word_embeddings = False`` does: the model a swarm run trains *is* its stages.
+
+Every method may be called from any thread; the trainer's lock serialises them. What the stage cannot run
+on (a wrong width, a token id outside the vocabulary, a field missing) raises :class:`StageInputError`,
+which the server answers as the request's fault.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from volunteer.tasks.stages import Stage
+from protocols.training import TrainingSpec
+from shared.errors import ConfigError, StateError
+from shared.state.blob import decode_state
 
-__all__ = ["StageInputError", "StageWorker", "TakenGradients"]
+from ..collab.trainer import FINGERPRINT_SAMPLE, LocalTrainer, make_optimizer
+from ..tasks.base import Task
+from ..tasks.stages import split_model
+
+__all__ = ["StageInputError", "StageTrainer"]
 
 #: What a stage raises on inputs it cannot run on (torch checks some shapes with ``assert``).
 _RUN_FAILURES = (RuntimeError, IndexError, ValueError, TypeError, AssertionError)
@@ -42,33 +54,68 @@ class StageInputError(ValueError):
     """The stage cannot run on this request's inputs (the request's fault, not the server's)."""
 
 
-@dataclass(frozen=True)
-class TakenGradients:
-    """A stage's accumulated gradient sums (flat, in parameter order) and the samples they are over."""
+class StageTrainer(LocalTrainer):
+    """One stage's computation and its share of the collaboration's bookkeeping (module docstring).
 
-    gradient_sum: np.ndarray
-    samples: int
+    A :class:`~volunteer.collab.trainer.LocalTrainer` whose model is stage ``index`` of ``stages`` of the
+    task's model: its optimizer, step, fingerprints, state blobs (tagged with the stage, and a state of
+    another stage refused) and gradient hand-out are the batch mode's, so a stage's servers run the batch
+    mode's collaborative optimizer unchanged under the stage's keys (:func:`protocols.swarm
+    .stage_training_keys`). Gradients come from :meth:`backward` (trainers' requests), not from
+    :meth:`accumulate`.
 
+    Raises:
+        ConfigError: the task cannot be split so (:func:`~volunteer.tasks.stages.split_model`), or a
+            precision other than fp32 (loss scaling across stages is not built).
+    """
 
-class StageWorker:
-    """One stage's computation (module docstring)."""
-
-    def __init__(self, stage: Stage, device: str = "cpu") -> None:
-        self.stage = stage
-        self.device = torch.device(device)
-        self.stage.to(self.device)
-        self.params = [p for p in stage.parameters() if p.requires_grad]
+    def __init__(
+        self, task: Task, spec: TrainingSpec, run_id: str, index: int, stages: int, device: str = "cpu"
+    ) -> None:
+        super().__init__(task, spec, run_id, device)
+        if self.precision != "fp32":
+            raise ConfigError("pipeline stages train in fp32 only")
+        staged = split_model(task, self.model, stages)
+        if not 0 <= index < stages:
+            raise ConfigError(f"stage {index} of {stages} stages")
+        self.stage = staged.stages[index].to(self.device)
+        self.model = self.stage
+        self.params = [p for p in self.stage.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        self.last = stage.index == stage.count - 1
-        self.samples = 0  # counted toward the next step
-        self.step = 0
+        self.optimizer = make_optimizer(spec.optimizer, self.params)
+        self._stride = max(1, self.numel // FINGERPRINT_SAMPLE)
+        self.last = index == stages - 1
         #: seconds per sample of the recent backward passes (an EMA; 0 until measured)
         self.seconds_per_sample = 0.0
-        self._lock = threading.Lock()
 
     @property
     def first(self) -> bool:
         return self.stage.index == 0
+
+    def accumulate(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, float]:
+        raise TypeError("a stage's gradients come from backward requests, not from batches")
+
+    def load_state_blob(self, blob: bytes) -> int:
+        """:meth:`LocalTrainer.load_state_blob`, refusing another stage's state (two middle stages of the
+        same size have the same parameter names and shapes).
+
+        Raises:
+            StateError: not a state of this stage (or as the base class).
+        """
+        _, metadata = decode_state(blob)
+        if metadata.get("stage") != self._stage_tag():
+            raise StateError(f"a state of stage {metadata.get('stage')!r}, not {self._stage_tag()}")
+        return super().load_state_blob(blob)
+
+    def _hand_out_counts(self) -> tuple[int, float | None, float]:
+        samples, loss, seconds = super()._hand_out_counts()
+        return samples, (loss if self.last else None), seconds  # only the last stage sees the loss
+
+    def _metadata(self) -> dict[str, str]:
+        return {**super()._metadata(), "stage": self._stage_tag()}
+
+    def _stage_tag(self) -> str:
+        return f"{self.stage.index}/{self.stage.count}"
 
     def forward(self, hidden: torch.Tensor | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The stage's output for the next stage (not the last stage's loss: see the module docstring)."""
@@ -131,27 +178,16 @@ class StageWorker:
                 else:
                     p.grad.add_(g)
             self.samples += samples
-            elapsed = (time.perf_counter() - started) / samples
+            if loss is not None:
+                self._loss_sum += loss * samples
+            seconds = time.perf_counter() - started
+            self._compute_seconds += seconds
+            elapsed = seconds / samples
             self.seconds_per_sample = (
                 elapsed if self.seconds_per_sample == 0.0 else 0.9 * self.seconds_per_sample + 0.1 * elapsed
             )
             grad_in = None if leaf is None else grads[-1]
             return (None if grad_in is None else grad_in.detach().float().cpu()), loss
-
-    def take_gradients(self) -> TakenGradients:
-        """Hand out and clear the accumulated gradient sums and their samples."""
-        with self._lock:
-            flat = np.zeros(self.numel, dtype=np.float32)
-            offset = 0
-            for p in self.params:
-                size = p.numel()
-                if p.grad is not None:
-                    flat[offset : offset + size] = p.grad.detach().reshape(-1).float().cpu().numpy()
-                    p.grad = None
-                offset += size
-            taken = TakenGradients(flat, self.samples)
-            self.samples = 0
-            return taken
 
     def _run(self, hidden: torch.Tensor | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if hidden is not None and not bool(torch.isfinite(hidden).all()):

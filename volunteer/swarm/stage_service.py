@@ -1,0 +1,138 @@
+"""A volunteer serving one pipeline stage: the stage server and the stage's collaboration, wired together
+(issue 17 item 2: "when its stage's swarm reaches the target batch, averages with the other servers of
+that stage (the existing averaging, LP roles included) and steps").
+
+**Each stage is a data-parallel collaboration of its own.** :func:`serve_stage` runs, on one node:
+
+* a :class:`~.stage_trainer.StageTrainer` (the batch mode's trainer for one stage),
+* a :class:`~volunteer.collab.optimizer.CollaborativeOptimizer` over it, under the stage's keys
+  (:func:`protocols.swarm.stage_training_keys`): progress records, the target batch, matchmaking and the
+  LP's roles, failed rounds retried with no sample lost, state announcements and downloads, the lone-step
+  evidence -- all the batch mode's, among the servers of this stage only;
+* the :class:`~.server.StageServer` answering trainers, whose counted backwards are the collaboration's
+  accumulated samples;
+* :func:`~.server.announce_forever` (the stage record trainers route by);
+* :func:`step_forever`, the stage's loop: download the stage's state when behind, average and step when
+  the stage's servers together counted the target batch, otherwise wait for trainers. A server at the
+  stage's step is a member of its rounds from the start, whether or not trainers sent it a backward yet
+  (a member with no samples receives the average and steps with the others; stochastic wiring may well
+  send one server of a stage every forward and the other every backward).
+
+**What a server accepts** (``accepting``): no backward is counted while the stage's state is being
+downloaded (the load would drop it) or once our share of the step is done (the batch mode's budget: the
+step's batch is the target batch, not more); such backwards are answered ``busy`` and go to another
+server of the stage or wait. Forwards are always served. Backwards that arrive while the stage averages
+count toward the next step (the trainer keeps what accumulates during a round).
+
+**Rates.** Samples reach a server at the trainers' pace, not at a rate of the server's own: a server
+publishes no samples-per-second (``counted(..., seconds=None)``), so the stage's estimate of its batch is
+the counted samples, never an extrapolation. The stage steps once its servers' records show the target
+(each server publishes soon after counting).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from protocols.swarm import stage_training_keys
+from protocols.training import TrainingSpec
+from shared.errors import StateUnavailable
+from shared.node import Node
+
+from ..collab.optimizer import CollabConfig, CollaborativeOptimizer
+from ..collab.phase import Phase
+from ..tasks.base import Task
+from .server import StageServer, StageServerConfig, announce_forever
+from .stage_trainer import StageTrainer
+
+__all__ = ["StageService", "serve_stage", "step_forever"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageService:
+    """What :func:`serve_stage` runs, for the panel and tests to look at."""
+
+    trainer: StageTrainer
+    collab: CollaborativeOptimizer
+    server: StageServer
+
+
+def _accepting(collab: CollaborativeOptimizer) -> bool:
+    if collab.syncing or collab.behind():
+        return False
+    return collab.averaging or collab.budget() > 0
+
+
+async def step_forever(collab: CollaborativeOptimizer, poll: float = 0.02) -> None:
+    """The stage's loop (module docstring); returns when the run reached its step limit."""
+    await collab.resume_if_behind()
+    while not collab.finished():
+        if collab.averaging:
+            await trio.sleep(poll)
+        elif collab.behind():
+            try:
+                await collab.sync_state()
+            except StateUnavailable as exc:
+                collab.stats.waiting = f"waiting for the stage's state to download: {exc}"
+                logger.warning("%s", exc)
+                await trio.sleep(2.0)
+        elif collab.peer.phase is Phase.FRESH:
+            collab.counted(0, None, None)  # at the stage's step: a member, with or without samples
+        elif collab.ready():
+            await collab.average_and_step()
+        else:
+            await trio.sleep(poll)
+
+
+async def serve_stage(
+    node: Node,
+    task: Task,
+    spec: TrainingSpec,
+    run_id: str,
+    index: int,
+    stages: int,
+    *,
+    data_dir: Path | None = None,
+    backbones: Sequence[str] = (),
+    collab_config: CollabConfig | None = None,
+    server_config: StageServerConfig | None = None,
+    task_status: trio.TaskStatus[StageService] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve stage ``index`` of ``stages`` on ``node`` until cancelled or the run's step limit (module
+    docstring); ``task_status.started`` gets the :class:`StageService`.
+
+    Raises:
+        ConfigError: the task cannot be split so.
+    """
+    trainer = await trio.to_thread.run_sync(StageTrainer, task, spec, run_id, index, stages)
+    collab = CollaborativeOptimizer(
+        node,
+        trainer,
+        spec,
+        data_dir=data_dir,
+        config=collab_config or CollabConfig(),
+        backbones=backbones,
+        keys=stage_training_keys(index),
+    )
+
+    def counted(samples: int, loss: float | None) -> None:
+        collab.counted(samples, loss, None)
+        collab.publish_soon()
+
+    server = StageServer(
+        node, trainer, server_config, accepting=lambda: _accepting(collab), on_counted=counted
+    )
+    service = StageService(trainer, collab, server)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(collab.run)
+        nursery.start_soon(announce_forever, node, server)
+        task_status.started(service)
+        await step_forever(collab)
+        nursery.cancel_scope.cancel()
