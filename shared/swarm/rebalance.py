@@ -55,9 +55,10 @@ self-reported; the service bounds each by what trainers observed of that server 
 planning, since an inflated rate would hold peers away from a stage that needs them.
 
 **Newcomers** (§3.2: "assigned to the optimal pipeline stage by following the same protocol"):
-:func:`place_newcomer` returns the stage whose capacities after adding one more server of the given speed are
-best leximin: an empty stage if there is one, else (with equal costs) the bottleneck; ties to the lower
-index.
+:func:`place_newcomer` returns a stage no server serves, if there is one (a stage whose servers have not
+measured yet has no capacity either, but it is served: capacities alone would send every newcomer of a
+starting run to stage 0), else the stage whose capacities after adding one more server of the given speed
+are best leximin: (with equal costs) the bottleneck; ties to the lower index.
 """
 
 from __future__ import annotations
@@ -199,10 +200,13 @@ def place_newcomer(
         raise ValueError(f"speed must be finite and > 0, got {speed}")
     capacities = _capacities({r.peer: r.stage for r in reports}, {r.peer: r.rate for r in reports}, stages)
 
-    def score(stage: int) -> tuple[tuple[float, ...], float, int]:
+    served = {r.stage for r in reports}
+
+    def score(stage: int) -> tuple[int, tuple[float, ...], float, int]:
         after = list(capacities)
         after[stage] += speed / weights[stage]
-        return (tuple(sorted(after)), -load_ratio(after), -stage)
+        empty = sum(1 for s in range(stages) if s not in served and s != stage)
+        return (-empty, tuple(sorted(after)), -load_ratio(after), -stage)
 
     return max(range(stages), key=score)
 

@@ -13,8 +13,11 @@ stochastic wiring, rerouted on any failure (issue 17 item 3; seed 004 §3.2, App
 The trainer keeps each stage's input until the micro-batch is done: that is its memory cost, and what
 lets a backward go to *any* server of the stage (servers keep nothing between the two passes).
 
-**Choosing a server** (:class:`~shared.swarm.wiring.StageRouter`, one per stage): interleaved weighted
-round-robin on the response times this trainer measured (seconds per sample of the request). The
+**Choosing a server** (:class:`~shared.swarm.wiring.StageRouter`, one per stage and direction: a forward
+and a backward take different times, and a router shared by both would alternate them over two servers
+of a stage, one doing every forward and the other every backward): interleaved weighted round-robin on
+the response times this trainer measured (seconds per sample of the request); a failure bans the server
+in both directions, a busy answer defers both. The
 first answer of each server is not a measurement (its time includes the dial and the authenticated
 handshake, often more than the request itself: counting it would starve a newly joined server); the
 routers learn the stage's servers from the DHT (:func:`~shared.swarm.directory.find_stage_servers`),
@@ -111,7 +114,9 @@ class SwarmStatistics:
 
 @dataclass
 class _Stage:
-    router: StageRouter
+    #: one router per direction: forwards and backwards alternate through a stage, so a shared router
+    #: would send every forward to one server and every backward to the other
+    routers: dict[str, StageRouter]
     forward: AnswerCheck
     backward: AnswerCheck
     servers: dict[PeerId, StageServerEntry] = field(default_factory=dict)
@@ -134,7 +139,7 @@ class SwarmClient:
         self.stats = SwarmStatistics()
         self._stage = [
             _Stage(
-                StageRouter(self.config.wiring),
+                {op: StageRouter(self.config.wiring) for op in ("forward", "backward")},
                 AnswerCheck(self.config.limits),
                 AnswerCheck(self.config.limits),
             )
@@ -195,7 +200,7 @@ class SwarmClient:
             now = trio.current_time()
             if now - state.refreshed >= self.config.refresh_period:
                 await self._refresh(k)
-            choice = state.router.choose(trio.current_time())
+            choice = state.routers[op].choose(trio.current_time())
             if isinstance(choice, NoServer):
                 lonely_since = now if lonely_since is None else lonely_since
                 if now - lonely_since >= self.config.patience:
@@ -230,7 +235,8 @@ class SwarmClient:
                 continue
             if answer.status == "busy":
                 self.stats.busy += 1
-                state.router.busy(server, now=trio.current_time(), retry_after=answer.retry_after)
+                for router in state.routers.values():  # its queue is full for either direction
+                    router.busy(server, now=trio.current_time(), retry_after=answer.retry_after)
                 continue
             problem, output = self._check(k, op, answer, hidden, reply.get("data"))
             if problem is not None:
@@ -238,7 +244,7 @@ class SwarmClient:
                 self._failed(k, server, f"{op} answer of {server[:12]} refused: {problem}")
                 continue
             if server in state.warm:
-                state.router.observe(server, (time.perf_counter() - started) / samples)
+                state.routers[op].observe(server, (time.perf_counter() - started) / samples)
             else:  # a cold request: its time includes the dial and the handshake (module docstring)
                 state.warm.add(server)
             routed = self.stats.routed.setdefault(k, {})
@@ -298,14 +304,17 @@ class SwarmClient:
     def _failed(self, k: int, server: str, reason: str) -> None:
         self.stats.failures += 1
         self.stats.last_failure = reason
-        self._stage[k].router.fail(server)
+        for router in self._stage[k].routers.values():
+            router.fail(server)
 
     async def _refresh(self, k: int) -> None:
         state = self._stage[k]
         state.refreshed = trio.current_time()
         with self.node.tolerated.around("stage directory read"):
             state.servers = await find_stage_servers(self.node.dht, k, self.stages)
-            state.router.announce({str(peer): entry.announced for peer, entry in state.servers.items()})
+            announced = {str(peer): entry.announced for peer, entry in state.servers.items()}
+            for router in state.routers.values():
+                router.announce(announced)
 
 
 def field_specs(batch: Mapping[str, torch.Tensor]) -> list[FieldSpec]:

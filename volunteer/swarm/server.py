@@ -142,6 +142,11 @@ class StageServer:
         self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
+    def close(self) -> None:
+        """Stop serving: requests are refused from now on (the host may then serve another stage)."""
+        if self.node.host.bulk_handlers.get(STAGE_TOPIC) == self._on_request:
+            del self.node.host.bulk_handlers[STAGE_TOPIC]
+
     @property
     def stage(self) -> int:
         return self.trainer.stage.index

@@ -112,6 +112,9 @@ async def serve_stage(
         ConfigError: the task cannot be split so.
     """
     trainer = await trio.to_thread.run_sync(StageTrainer, task, spec, run_id, index, stages)
+    if data_dir is not None:  # what a collaboration keeps on disk (its high-water mark) is per stage
+        data_dir = data_dir / "swarm" / f"stage-{index}"
+        data_dir.mkdir(parents=True, exist_ok=True)
     collab = CollaborativeOptimizer(
         node,
         trainer,
@@ -130,9 +133,12 @@ async def serve_stage(
         node, trainer, server_config, accepting=lambda: _accepting(collab), on_counted=counted
     )
     service = StageService(trainer, collab, server)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(collab.run)
-        nursery.start_soon(announce_forever, node, server)
-        task_status.started(service)
-        await step_forever(collab)
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(collab.run)
+            nursery.start_soon(announce_forever, node, server)
+            task_status.started(service)
+            await step_forever(collab)
+            nursery.cancel_scope.cancel()
+    finally:
+        server.close()

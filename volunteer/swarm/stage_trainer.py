@@ -85,8 +85,19 @@ class StageTrainer(LocalTrainer):
         self.optimizer = make_optimizer(spec.optimizer, self.params)
         self._stride = max(1, self.numel // FINGERPRINT_SAMPLE)
         self.last = index == stages - 1
-        #: seconds per sample of the recent backward passes (an EMA; 0 until measured)
-        self.seconds_per_sample = 0.0
+        #: seconds per sample of the recent forward and backward passes (EMAs; 0 until measured)
+        self.forward_seconds = 0.0
+        self.backward_seconds = 0.0
+
+    @property
+    def seconds_per_sample(self) -> float:
+        """The stage's busy time per sample: one forward and one backward (every sample passes every stage
+        both ways), the unmeasured one estimated from the other (a backward recomputes the forward, so it
+        takes about twice as long); 0 until either is measured."""
+        forward, backward = self.forward_seconds, self.backward_seconds
+        if forward and backward:
+            return forward + backward
+        return 1.5 * backward if backward else 3.0 * forward
 
     @property
     def first(self) -> bool:
@@ -122,10 +133,12 @@ class StageTrainer(LocalTrainer):
         if self.last:
             raise StageInputError("the last stage runs forward only as part of a backward request")
         with self._lock, torch.no_grad():
+            started = time.perf_counter()
             self.stage.train()
             out = self._run(hidden, batch)
             if not bool(torch.isfinite(out).all()):
                 raise StageInputError(f"stage {self.stage.index}'s output is not finite")
+            self.forward_seconds = _ema(self.forward_seconds, (time.perf_counter() - started) / len(out))
             return out.detach().float().cpu()
 
     def backward(
@@ -182,10 +195,7 @@ class StageTrainer(LocalTrainer):
                 self._loss_sum += loss * samples
             seconds = time.perf_counter() - started
             self._compute_seconds += seconds
-            elapsed = seconds / samples
-            self.seconds_per_sample = (
-                elapsed if self.seconds_per_sample == 0.0 else 0.9 * self.seconds_per_sample + 0.1 * elapsed
-            )
+            self.backward_seconds = _ema(self.backward_seconds, seconds / samples)
             grad_in = None if leaf is None else grads[-1]
             return (None if grad_in is None else grad_in.detach().float().cpu()), loss
 
@@ -198,3 +208,7 @@ class StageTrainer(LocalTrainer):
         except _RUN_FAILURES as exc:
             raise StageInputError(f"stage {self.stage.index} cannot run on this input: {exc}") from exc
         return out
+
+
+def _ema(average: float, value: float) -> float:
+    return value if average == 0.0 else 0.9 * average + 0.1 * value

@@ -214,3 +214,11 @@ def test_rebalance_refuses_bad_options() -> None:
         plan_rebalance([], 1, hysteresis=math.nan)
     with pytest.raises(ValueError, match="speed"):
         place_newcomer([], 1, speed=0.0)
+
+
+def test_a_newcomer_serves_an_unserved_stage_before_unmeasured_ones() -> None:
+    # unmeasured servers (rate 0) add no capacity, but their stage is served: the newcomer fills the gaps
+    assert place_newcomer([ServerReport("a", 0, 0.0)], 3) == 1
+    assert place_newcomer([ServerReport("a", 0, 0.0), ServerReport("b", 1, 0.0)], 3) == 2
+    assert place_newcomer([ServerReport(p, s, 0.0) for p, s in (("a", 0), ("b", 1), ("c", 2))], 3) == 0
+    assert place_newcomer([ServerReport("a", 0, 5.0), ServerReport("b", 2, 1.0)], 3) == 1
