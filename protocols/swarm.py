@@ -101,7 +101,8 @@ MAX_STAGE_BYTES = 1 << 30
 MAX_DIM = 1 << 24
 MAX_NUMEL = 1 << 28
 MAX_FIELDS = 8
-STAGE_RECORD_TTL = 30.0
+#: Short: a dead server's record misleads rebalancing until it expires (trainers ban it at once).
+STAGE_RECORD_TTL = 12.0
 #: Field dtypes a trainer may send (little-endian) and their item sizes.
 FIELD_DTYPES: dict[str, int] = {"int64": 8, "int32": 4, "float32": 4, "bool": 1, "uint8": 1}
 

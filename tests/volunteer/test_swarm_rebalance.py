@@ -4,6 +4,7 @@ it, and trainers' micro-batches flow through the pipeline again."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -28,6 +29,9 @@ SPEC = TrainingSpec(
     local_batch=4,
 )
 PERIOD = 1.0
+# only moves that double the pipeline's throughput (refilling an empty stage: infinitely): on a busy
+# machine the measured rates are noisy, and a small margin moves servers back and forth
+HYSTERESIS = 1.0
 
 
 def _micro_batches(task: Task, count: int, size: int = 4) -> list[Mapping[str, torch.Tensor]]:
@@ -72,7 +76,7 @@ async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery:
             member = SwarmMember()
             nursery.start_soon(
                 lambda node=node, member=member: serve_swarm(
-                    node, task, SPEC, RUN_ID, STAGES, period=PERIOD, member=member,
+                    node, task, SPEC, RUN_ID, STAGES, period=PERIOD, member=member, hysteresis=HYSTERESIS,
                     collab_config=CollabConfig(poll_period=0.1),
                 )
             )  # fmt: skip
@@ -90,17 +94,18 @@ async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery:
             await client.process(batch)
         while not all(m.service and m.service.trainer.seconds_per_sample > 0 for m in members):
             await client.process(batches[0])
-    assert not any(m.moves for m in members)  # balanced enough: nobody moved
+    # (the rule may already have moved a server: the last stage, with the output layer, is the slowest)
 
-    scopes[2].cancel()  # stage 2's only server is gone
-    with trio.fail_after(60):
-        while not any(m.moves for i, m in enumerate(members) if i != 2):
+    alone = next(k for k in range(STAGES) if sum(m.stage == k for m in members) == 1)
+    victim = next(i for i, m in enumerate(members) if m.stage == alone)
+    scopes[victim].cancel()  # a stage's only server is gone
+    live = [m for i, m in enumerate(members) if i != victim]
+    with trio.fail_after(90):  # its record expires, and the next period refills the stage
+        while not any(m.service is not None and m.service.trainer.stage.index == alone for m in live):
             await trio.sleep(0.05)
-    movers = [m for i, m in enumerate(members) if i != 2 and m.moves]
-    assert len(movers) == 1 and movers[0].moves == [(0, 2)]  # one of stage 0's two servers moved
-    with trio.fail_after(60):
-        while (await _counts(reader))[2] < 1 or not (movers[0].service and movers[0].stage == 2):
-            await trio.sleep(0.05)
+        refill = next(m for m in live if m.stage == alone)
         for batch in batches[6:]:  # the pipeline works again, through the refilled stage
-            assert torch.isfinite(torch.tensor(await client.process(batch)))
-    assert movers[0].service is not None and movers[0].service.server.stats.backwards > 0
+            assert math.isfinite(await client.process(batch))
+    assert refill.moves and refill.moves[-1][1] == alone
+    assert sorted(m.stage for m in live) == [0, 1, 2]  # every stage served (and no move can empty one)
+    assert refill.service is not None and refill.service.server.stats.backwards > 0

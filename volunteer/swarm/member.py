@@ -38,7 +38,7 @@ import trio
 from protocols.training import TrainingSpec
 from shared.node import Node
 from shared.swarm.directory import StageServerEntry, find_stage_servers
-from shared.swarm.rebalance import ServerReport, place_newcomer, plan_rebalance
+from shared.swarm.rebalance import DEFAULT_HYSTERESIS, ServerReport, place_newcomer, plan_rebalance
 
 from ..collab.optimizer import CollabConfig
 from ..tasks.base import Task
@@ -94,13 +94,16 @@ async def serve_swarm(
     stages: int,
     *,
     period: float = 30.0,
+    hysteresis: float = DEFAULT_HYSTERESIS,
     member: SwarmMember | None = None,
     data_dir: Path | None = None,
     backbones: Sequence[str] = (),
     collab_config: CollabConfig | None = None,
     server_config: StageServerConfig | None = None,
 ) -> None:
-    """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled."""
+    """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled.
+    ``hysteresis``: the relative throughput gain a move must promise (refilling an empty stage always
+    does)."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
@@ -126,7 +129,7 @@ async def serve_swarm(
                     server_config=server_config,
                 )
             )
-            moved_to = await _watch(node, stages, target, period)
+            moved_to = await _watch(node, stages, target, period, hysteresis)
             await member.service.collab.leave()  # the stage's round stops waiting for us
             nursery.cancel_scope.cancel()
         member.moves.append((target, moved_to))
@@ -134,7 +137,7 @@ async def serve_swarm(
         target = moved_to
 
 
-async def _watch(node: Node, stages: int, stage: int, period: float) -> int:
+async def _watch(node: Node, stages: int, stage: int, period: float, hysteresis: float) -> int:
     """Every ``period`` seconds, the rebalancing plan; returns the stage the plan moves us to."""
     me = str(node.peer_id)
     while True:
@@ -143,7 +146,9 @@ async def _watch(node: Node, stages: int, stage: int, period: float) -> int:
             reports, _ = await read_reports(node, stages)
             if not any(r.peer == me for r in reports):  # our own record is not readable yet
                 continue
-            plan = plan_rebalance(reports, stages)
+            plan = plan_rebalance(reports, stages, hysteresis=hysteresis)
+            if plan.moves:
+                logger.debug("rebalancing plan from %d reports: %s", len(reports), plan)
             for move in plan.moves:
                 if move.peer == me and move.source == stage:
                     return move.target
