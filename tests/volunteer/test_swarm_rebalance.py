@@ -5,22 +5,20 @@ it, and trainers' micro-batches flow through the pipeline again."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
-import torch
 import trio
 
 from protocols.training import TrainingSpec
-from shared.auth.keys import Identity
-from shared.node import Node, open_node
+from shared.node import Node
 from shared.swarm.directory import find_stage_servers
+from tests.swarmkit import micro_batches, start_node
 from volunteer.collab.optimizer import CollabConfig
 from volunteer.swarm.client import SwarmClient, SwarmClientConfig
 from volunteer.swarm.member import SwarmMember, serve_swarm
 from volunteer.tasks import make_task
-from volunteer.tasks.base import Task
 
 RUN_ID = "swarm-rebalance-test"
+SEED = 17  # of the corpus stream the micro-batches come from
 STAGES = 3
 # a target batch no test reaches: the stages never step, so every stage's state stays the initial one
 SPEC = TrainingSpec(
@@ -34,45 +32,20 @@ PERIOD = 1.0
 HYSTERESIS = 1.0
 
 
-def _micro_batches(task: Task, count: int, size: int = 4) -> list[Mapping[str, torch.Tensor]]:
-    from shared.data.corpus import generate_examples
-
-    examples = [{"text": text} for text in generate_examples(17, 400)]
-    samples = list(task.preprocess(iter(examples)))[: count * size]
-    return [task.collate(samples[i * size : (i + 1) * size]) for i in range(count)]
-
-
-async def _node(nursery: trio.Nursery, initial: list[str]) -> tuple[Node, trio.CancelScope]:
-    async def run(task_status: trio.TaskStatus[tuple[Node, trio.CancelScope]]) -> None:
-        with trio.CancelScope() as scope:
-            async with open_node(
-                Identity.generate(),
-                RUN_ID,
-                "volunteer",
-                listen=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=initial,
-            ) as node:
-                task_status.started((node, scope))
-                await trio.sleep_forever()
-
-    result: tuple[Node, trio.CancelScope] = await nursery.start(run)
-    return result
-
-
 async def _counts(reader: Node) -> list[int]:
     return [len(await find_stage_servers(reader.dht, k, STAGES)) for k in range(STAGES)]
 
 
 async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery: trio.Nursery) -> None:
     task = make_task(SPEC)
-    seed, _ = await _node(nursery, [])
+    seed, _ = await start_node(nursery, RUN_ID, [])
     initial = [seed.host.listen_addrs[0]]
-    reader, _ = await _node(nursery, initial)
+    reader, _ = await start_node(nursery, RUN_ID, initial)
     members: list[SwarmMember] = []
     scopes: list[trio.CancelScope] = []
     with trio.fail_after(60):
         for expected in ([1, 0, 0], [1, 1, 0], [1, 1, 1], [2, 1, 1]):  # each newcomer fills the emptiest
-            node, scope = await _node(nursery, initial)
+            node, scope = await start_node(nursery, RUN_ID, initial)
             member = SwarmMember()
             nursery.start_soon(
                 lambda node=node, member=member: serve_swarm(
@@ -86,9 +59,9 @@ async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery:
                 await trio.sleep(0.05)
     assert [m.stage for m in members] == [0, 1, 2, 0]
 
-    trainer, _ = await _node(nursery, initial)
+    trainer, _ = await start_node(nursery, RUN_ID, initial)
     client = SwarmClient(trainer, STAGES, SwarmClientConfig(refresh_period=0.5, timeout=5.0))
-    batches = _micro_batches(task, 12)
+    batches = micro_batches(task, 12, SEED)
     with trio.fail_after(60):
         for batch in batches[:6]:  # every server measures its speed (the rates rebalancing weighs)
             await client.process(batch)

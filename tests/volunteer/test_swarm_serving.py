@@ -19,11 +19,11 @@ from protocols.errors import ProtocolError
 from protocols.swarm import STAGE_TOPIC, StageRequest, TensorSpec, decode_stage_answer
 from protocols.training import TrainingSpec
 from shared import faults
-from shared.auth.keys import Identity
 from shared.errors import RemoteError, StateError
 from shared.net.addresses import parse_multiaddr
-from shared.node import Node, open_node
+from shared.node import Node
 from shared.swarm.directory import find_stage_servers
+from tests.swarmkit import micro_batches, start_node
 from volunteer.swarm.client import SwarmClient, SwarmClientConfig, field_specs
 from volunteer.swarm.server import StageServer, StageServerConfig, announce_forever
 from volunteer.swarm.stage_trainer import StageInputError, StageTrainer
@@ -32,6 +32,7 @@ from volunteer.tasks.base import Task
 from volunteer.tasks.stages import run_stages, split_model
 
 RUN_ID = "swarm-serving-test"
+SEED = 11  # of the corpus stream the micro-batches come from
 STAGES = 3
 SPEC = TrainingSpec(task_options={"layers": 4, "d_model": 32, "heads": 2, "ffn": 64, "seq_len": 24})
 
@@ -46,15 +47,6 @@ def _task() -> Task:
     return make_task(SPEC)
 
 
-def _micro_batches(task: Task, count: int, size: int = 4) -> list[Mapping[str, torch.Tensor]]:
-    from shared.data.corpus import generate_examples
-
-    examples = [{"text": text} for text in generate_examples(11, 400)]
-    samples = list(task.preprocess(iter(examples)))[: count * size]
-    assert len(samples) == count * size
-    return [task.collate(samples[i * size : (i + 1) * size]) for i in range(count)]
-
-
 def _reference(task: Task, batches: list[Mapping[str, torch.Tensor]]) -> list[np.ndarray]:
     """Per stage, the flat gradient sums one process gets running the stages on every micro-batch."""
     staged = split_model(task, task.build_model(), STAGES)
@@ -64,25 +56,6 @@ def _reference(task: Task, batches: list[Mapping[str, torch.Tensor]]) -> list[np
     return [
         np.concatenate([p.grad.reshape(-1).numpy() for p in stage.parameters()]) for stage in staged.stages
     ]
-
-
-async def _node(
-    nursery: trio.Nursery, initial: list[str], tag: str | None = None
-) -> tuple[Node, trio.CancelScope]:
-    async def run(task_status: trio.TaskStatus[tuple[Node, trio.CancelScope]]) -> None:
-        with trio.CancelScope() as cancel, faults.scope(tag or "none"):
-            async with open_node(
-                Identity.generate(),
-                RUN_ID,
-                "volunteer",
-                listen=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=initial,
-            ) as node:
-                task_status.started((node, cancel))
-                await trio.sleep_forever()
-
-    result: tuple[Node, trio.CancelScope] = await nursery.start(run)
-    return result
 
 
 class Swarm:
@@ -95,19 +68,19 @@ class Swarm:
 async def _swarm(
     nursery: trio.Nursery, task: Task, per_stage: int = 2, trainers: int = 2, max_queue: int = 8
 ) -> Swarm:
-    seed, _ = await _node(nursery, [])
+    seed, _ = await start_node(nursery, RUN_ID, [])
     initial = [seed.host.listen_addrs[0]]
     swarm = Swarm()
     for k in range(STAGES):
         for j in range(per_stage):
             tag = f"s{k}.{j}"
-            node, scope = await _node(nursery, initial, tag)
+            node, scope = await start_node(nursery, RUN_ID, initial, tag)
             trainer = StageTrainer(task, SPEC, RUN_ID, k, STAGES)
             server = StageServer(node, trainer, StageServerConfig(max_queue=max_queue))
             nursery.start_soon(announce_forever, node, server)
             swarm.servers[tag], swarm.scopes[tag] = server, scope
     for _ in range(trainers):
-        node, _ = await _node(nursery, initial)
+        node, _ = await start_node(nursery, RUN_ID, initial)
         swarm.trainers.append(node)
     with trio.fail_after(30):  # every server announced, so the trainers' first read sees them all
         for k in range(STAGES):
@@ -142,7 +115,7 @@ async def _train(clients: list[SwarmClient], batches: list[Mapping[str, torch.Te
 
 async def test_three_stages_of_two_servers_accumulate_one_processs_gradients(nursery: trio.Nursery) -> None:
     task = _task()
-    batches = _micro_batches(task, 8)
+    batches = micro_batches(task, 8, SEED)
     swarm = await _swarm(nursery, task)
     clients = [SwarmClient(node, STAGES) for node in swarm.trainers]
     with trio.fail_after(60):
@@ -166,7 +139,7 @@ async def test_three_stages_of_two_servers_accumulate_one_processs_gradients(nur
 @pytest.mark.parametrize("op", ["forward", "backward"])
 async def test_a_server_that_dies_mid_request_loses_no_sample(nursery: trio.Nursery, op: str) -> None:
     task = _task()
-    batches = _micro_batches(task, 6)
+    batches = micro_batches(task, 6, SEED)
     swarm = await _swarm(nursery, task, trainers=1)
     faults.arm(f"swarm.{op}.1", "hang")  # the first such request to stage 1 hangs, at whichever server
     client = SwarmClient(swarm.trainers[0], STAGES)
@@ -199,7 +172,7 @@ async def test_a_server_that_dies_mid_request_loses_no_sample(nursery: trio.Nurs
 
 async def test_a_lying_server_is_banned_and_its_micro_batches_rerouted(nursery: trio.Nursery) -> None:
     task = _task()
-    batches = _micro_batches(task, 6)
+    batches = micro_batches(task, 6, SEED)
     swarm = await _swarm(nursery, task, trainers=1)
     liar = swarm.servers["s0.1"].trainer
     honest_forward = liar.forward
@@ -218,7 +191,7 @@ async def test_a_lying_server_is_banned_and_its_micro_batches_rerouted(nursery: 
 
 async def test_a_full_queue_answers_busy_and_the_trainer_goes_elsewhere(nursery: trio.Nursery) -> None:
     task = _task()
-    batches = _micro_batches(task, 8)
+    batches = micro_batches(task, 8, SEED)
     swarm = await _swarm(nursery, task, trainers=3, max_queue=1)
     slow = swarm.servers["s1.0"].trainer
     honest = slow.forward
@@ -258,7 +231,7 @@ async def _raw(client: Node, server: StageServer, request: StageRequest, payload
 
 async def test_hostile_requests_are_refused_and_the_server_keeps_serving(nursery: trio.Nursery) -> None:
     task = _task()
-    batches = _micro_batches(task, 2)
+    batches = micro_batches(task, 2, SEED)
     swarm = await _swarm(nursery, task, per_stage=1, trainers=1)
     trainer = swarm.trainers[0]
     first, middle = swarm.servers["s0.0"], swarm.servers["s1.0"]
@@ -315,7 +288,7 @@ async def test_hostile_requests_are_refused_and_the_server_keeps_serving(nursery
 
 def test_a_stage_trainer_refuses_non_finite_gradients_and_accumulates_nothing() -> None:
     task = _task()
-    batch = _micro_batches(task, 1)[0]
+    batch = micro_batches(task, 1, SEED)[0]
     staged = split_model(task, task.build_model(), STAGES)
     middle = StageTrainer(task, SPEC, RUN_ID, 1, STAGES)
     hidden = staged.stages[0](None, batch).detach()
@@ -362,7 +335,7 @@ async def test_a_trainers_absurd_gradient_is_refused_once_honest_ones_set_the_sc
     nursery: trio.Nursery,
 ) -> None:
     task = _task()
-    batches = _micro_batches(task, 9)
+    batches = micro_batches(task, 9, SEED)
     swarm = await _swarm(nursery, task, per_stage=1, trainers=1)
     middle = swarm.servers["s1.0"]
     client = SwarmClient(swarm.trainers[0], STAGES)

@@ -11,9 +11,8 @@ import torch
 import trio
 
 from protocols.training import TrainingSpec
-from shared.auth.keys import Identity
-from shared.node import Node, open_node
 from shared.swarm.directory import find_stage_servers
+from tests.swarmkit import micro_batches, start_node
 from volunteer.collab.optimizer import CollabConfig
 from volunteer.collab.trainer import make_optimizer
 from volunteer.swarm.client import SwarmClient
@@ -23,6 +22,7 @@ from volunteer.tasks.base import Task
 from volunteer.tasks.stages import run_stages, split_model
 
 RUN_ID = "swarm-steps-test"
+SEED = 13  # of the corpus stream the micro-batches come from
 STAGES = 3
 SPEC = TrainingSpec(
     task_options={"layers": 4, "d_model": 32, "heads": 2, "ffn": 64, "seq_len": 24},
@@ -30,15 +30,6 @@ SPEC = TrainingSpec(
     local_batch=4,
 )
 STEPS = 3
-
-
-def _micro_batches(task: Task, count: int, size: int = 4) -> list[Mapping[str, torch.Tensor]]:
-    from shared.data.corpus import generate_examples
-
-    examples = [{"text": text} for text in generate_examples(13, 600)]
-    samples = list(task.preprocess(iter(examples)))[: count * size]
-    assert len(samples) == count * size
-    return [task.collate(samples[i * size : (i + 1) * size]) for i in range(count)]
 
 
 def _reference(task: Task, steps: list[list[Mapping[str, torch.Tensor]]]) -> list[list[torch.Tensor]]:
@@ -62,28 +53,16 @@ def _reference(task: Task, steps: list[list[Mapping[str, torch.Tensor]]]) -> lis
     return [[p.detach().clone() for p in ps] for ps in params]
 
 
-async def _node(nursery: trio.Nursery, initial: list[str]) -> Node:
-    async def run(task_status: trio.TaskStatus[Node]) -> None:
-        async with open_node(
-            Identity.generate(), RUN_ID, "volunteer", listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial
-        ) as node:
-            task_status.started(node)
-            await trio.sleep_forever()
-
-    node: Node = await nursery.start(run)
-    return node
-
-
 async def test_three_stages_of_two_servers_step_as_one_process(nursery: trio.Nursery) -> None:
     task = make_task(SPEC)
-    batches = _micro_batches(task, 4 * STEPS)
-    seed = await _node(nursery, [])
+    batches = micro_batches(task, 4 * STEPS, SEED)
+    seed, _ = await start_node(nursery, RUN_ID, [])
     initial = [seed.host.listen_addrs[0]]
     config = CollabConfig()
     services: dict[tuple[int, int], StageService] = {}
     for k in range(STAGES):
         for j in range(2):
-            node = await _node(nursery, initial)
+            node, _ = await start_node(nursery, RUN_ID, initial)
             services[k, j] = await nursery.start(
                 lambda task_status, node=node, k=k: serve_stage(
                     node, task, SPEC, RUN_ID, k, STAGES, collab_config=config, task_status=task_status

@@ -11,24 +11,12 @@ import pytest
 import trio
 
 from protocols.swarm import STAGE_RECORD_TTL, StageRecord, stage_key
-from shared.auth.keys import Identity
 from shared.errors import RecordRejected
-from shared.node import Node, open_node
+from shared.node import Node
 from shared.swarm.directory import find_stage_servers
+from tests.swarmkit import start_node
 
 RUN_ID = "directory-test"
-
-
-async def _start(nursery: trio.Nursery, initial: list[str]) -> Node:
-    async def run(task_status: trio.TaskStatus[Node]) -> None:
-        async with open_node(
-            Identity.generate(), RUN_ID, "volunteer", listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial
-        ) as node:
-            task_status.started(node)
-            await trio.sleep_forever()
-
-    node: Node = await nursery.start(run)
-    return node
 
 
 async def _announce(node: Node, record: StageRecord, stage: int, ttl: float = STAGE_RECORD_TTL) -> None:
@@ -37,9 +25,11 @@ async def _announce(node: Node, record: StageRecord, stage: int, ttl: float = ST
 
 
 async def test_servers_announce_and_trainers_find_them(nursery: trio.Nursery) -> None:
-    seed = await _start(nursery, [])
+    seed = (await start_node(nursery, RUN_ID, []))[0]
     initial = [seed.host.listen_addrs[0]]
-    good, other_stage, other_count, no_address, reader = [await _start(nursery, initial) for _ in range(5)]
+    good, other_stage, other_count, no_address, reader = [
+        (await start_node(nursery, RUN_ID, initial))[0] for _ in range(5)
+    ]
     await _announce(good, StageRecord(stage=1, stages=3, addrs=[good.host.listen_addrs[0]]), 1)
     await _announce(other_stage, StageRecord(stage=2, stages=3, addrs=[other_stage.host.listen_addrs[0]]), 1)
     await _announce(other_count, StageRecord(stage=1, stages=4, addrs=[other_count.host.listen_addrs[0]]), 1)
@@ -57,8 +47,8 @@ async def test_servers_announce_and_trainers_find_them(nursery: trio.Nursery) ->
 
 
 async def test_a_stage_record_under_another_peers_subkey_is_refused(nursery: trio.Nursery) -> None:
-    first = await _start(nursery, [])
-    liar = await _start(nursery, [first.host.listen_addrs[0]])
+    first = (await start_node(nursery, RUN_ID, []))[0]
+    liar = (await start_node(nursery, RUN_ID, [first.host.listen_addrs[0]]))[0]
     value = msgspec.msgpack.encode(StageRecord(stage=0, stages=2, addrs=[liar.host.listen_addrs[0]]))
     with pytest.raises(RecordRejected):
         await liar.dht.store(stage_key(0), value, time.time() + 30, subkey=first.peer_id.encode())
