@@ -61,7 +61,7 @@ every third of it. A server that leaves stops republishing; trainers forget it w
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -92,6 +92,8 @@ __all__ = [
     "stage_key",
     "stage_training_keys",
 ]
+
+T = TypeVar("T")
 
 STAGE_TOPIC = "swarm.stage"
 #: The most stages a run may declare (DESIGN D9: a handful; the DHT holds one key per stage).
@@ -235,16 +237,20 @@ _ANSWER = msgspec.msgpack.Decoder(StageAnswer)
 _RECORD = msgspec.msgpack.Decoder(StageRecord)
 
 
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"invalid {what}: {exc}") from exc
+
+
 def decode_stage_request(meta: bytes) -> StageRequest:
     """Decode and check a request's header (the module docstring's bounds that need no model).
 
     Raises:
         ProtocolError: malformed, a field out of range, or inconsistent sizes.
     """
-    try:
-        request = _REQUEST.decode(meta)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"invalid stage request: {exc}") from exc
+    request = _decode(_REQUEST, meta, "stage request")
     _check_request(request)
     return request
 
@@ -255,10 +261,7 @@ def decode_stage_answer(meta: bytes) -> StageAnswer:
     Raises:
         ProtocolError: malformed, or an output beyond the limits.
     """
-    try:
-        answer = _ANSWER.decode(meta)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"invalid stage answer: {exc}") from exc
+    answer = _decode(_ANSWER, meta, "stage answer")
     if answer.output is not None and answer.output.numel > MAX_NUMEL:
         raise ProtocolError(f"an answer of {answer.output.numel} elements exceeds {MAX_NUMEL}")
     if answer.loss is not None and not math.isfinite(answer.loss):
@@ -272,10 +275,7 @@ def decode_stage_record(value: bytes) -> StageRecord:
     Raises:
         ProtocolError: malformed, or a field out of range.
     """
-    try:
-        record = _RECORD.decode(value)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"invalid stage record: {exc}") from exc
+    record = _decode(_RECORD, value, "stage record")
     if record.stage >= record.stages:
         raise ProtocolError(f"stage {record.stage} of {record.stages} stages")
     if not math.isfinite(record.samples_per_second):

@@ -584,7 +584,8 @@ async def presence_addresses(dht: DHTNode) -> dict[str, list[PeerAddress]]:
 
 
 async def announce_state(dht: DHTNode, announcement: StateAnnouncement, key: str = CHECKPOINT_KEY) -> int:
-    """Store our announcement under :data:`CHECKPOINT_KEY` for :data:`ANNOUNCE_TTL` seconds.
+    """Store our announcement under ``key`` (the run's :data:`CHECKPOINT_KEY`, or a pipeline stage's) for
+    :data:`ANNOUNCE_TTL` seconds.
 
     Returns:
         On how many nodes it is stored (0: nowhere).

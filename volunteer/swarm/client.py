@@ -35,9 +35,10 @@ left to try.
   (the micro-batch was not counted anywhere but possibly at the stages whose backward completed; the
   caller decides whether to retry it).
 
-A backward that a server ran but whose answer was lost (the connection broke after it accumulated) is
-sent again elsewhere: its samples are then counted twice at that stage. SWARM accepts the same; here it
-can only follow a broken connection, and it is counted (:attr:`SwarmStatistics.uncertain_backwards`).
+A backward that a server ran but whose answer was lost (the connection broke, or the answer came too late,
+after it accumulated) is sent again elsewhere: its samples are then counted twice at that stage. SWARM
+accepts the same; here it can only follow a broken connection or a timeout (a refusal accumulated
+nothing), and it is counted (:attr:`SwarmStatistics.uncertain_backwards`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from protocols.swarm import (
     encoded_nbytes,
 )
 from shared.averaging.compression import codec_by_name
+from shared.errors import PeerUnavailable
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.swarm.answers import AnswerCheck, AnswerLimits
@@ -105,7 +107,7 @@ class SwarmStatistics:
     failures: int = 0  # requests that failed (the server was banned)
     refused_answers: int = 0  # answers that failed the checks (the server was banned too)
     busy: int = 0
-    uncertain_backwards: int = 0  # backwards sent again after a broken connection (module docstring)
+    uncertain_backwards: int = 0  # backwards sent again after a broken connection or timeout (docstring)
     #: per stage, micro-batch requests each server answered
     routed: dict[int, dict[str, int]] = field(default_factory=dict)
     #: the last failure's reason
@@ -230,7 +232,7 @@ class SwarmClient:
                 answer = decode_stage_answer(ack)
             except CALL_FAILURES as exc:
                 self._failed(k, server, f"{op} at {server[:12]}: {exc}")
-                if op == "backward" and not isinstance(exc, (ProtocolError, trio.TooSlowError)):
+                if op == "backward" and isinstance(exc, (PeerUnavailable, trio.TooSlowError)):
                     self.stats.uncertain_backwards += 1
                 continue
             if answer.status == "busy":
