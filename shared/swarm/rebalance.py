@@ -29,8 +29,13 @@ compared *leximin*: sorted ascending, then lexicographically, so a larger vector
 same ``Θ`` at fewer stages (with two tied bottlenecks no single move raises ``Θ``, but it frees one of
 them, and the next move raises ``Θ``; comparing ``Θ`` alone would stall there).
 
-1. The over-loaded stage ``b`` is the one with the smallest capacity (an empty stage has ``C = 0`` and so
-   is refilled first); ties go to the lower stage index.
+0. *Refill.* If a stage has no server, the lowest-index such stage is the target, and the best candidate
+   of step 2 moves there without the tests of step 3: rates are 0 until measured, and a run whose
+   servers all joined one stage at once (newcomers that read the records before any was published)
+   measures nothing until every stage is served, so its capacities could never show the gain. A refill
+   lowers the number of empty stages and never empties one (step 2), so refills stop after at most
+   ``S`` periods and cannot alternate with the moves below.
+1. The over-loaded stage ``b`` is the one with the smallest capacity; ties go to the lower stage index.
 2. Candidate peers are those of every *other* stage with at least two servers (a move never empties a
    stage). Each candidate's predicted capacities are scored by (leximin vector, ``-L_max'/L_min'``,
    ``-queue``), higher first: the move that helps the slowest stages most, then the one that leaves the
@@ -39,8 +44,9 @@ them, and the next move raises ``Θ``; comparing ``Θ`` alone would stall there)
    current one, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger), and it
    does not increase the ratio ``L_max / L_min`` (``inf`` while a stage is empty).
 
-**No ping-pong.** Under unchanged measurements every accepted move makes the leximin vector strictly
-larger, so no sequence of moves returns to an earlier assignment (its vector was smaller) and moves stop
+**No ping-pong.** Under unchanged measurements every accepted move either lowers the number of empty
+stages (a refill) or keeps it and makes the leximin vector strictly larger, so the pair (fewer empty
+stages, larger vector) only grows: no sequence of moves returns to an earlier assignment and moves stop
 after finitely many periods; undoing a move is never accepted. ``h`` (default 10 %) keeps noise between
 periods from triggering moves that gain less than it.
 
@@ -58,12 +64,16 @@ planning, since an inflated rate would hold peers away from a stage that needs t
 :func:`place_newcomer` returns a stage no server serves, if there is one (a stage whose servers have not
 measured yet has no capacity either, but it is served: capacities alone would send every newcomer of a
 starting run to stage 0), else the stage whose capacities after adding one more server of the given speed
-are best leximin: (with equal costs) the bottleneck; ties to the lower index.
+are best leximin: (with equal costs) the bottleneck; ties to the lower index, or in an order that starts
+at a stage derived from the newcomer's peer id (``tiebreak``). Newcomers that join at once read the same
+records and would all take the same stage; with their ids they spread, and the refill rule repairs a
+collision within a period.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -182,6 +192,7 @@ def place_newcomer(
     *,
     costs: Sequence[float] | None = None,
     speed: float = 1.0,
+    tiebreak: str = "",
 ) -> int:
     """The stage a new server should serve: the best capacities leximin after it joins (module docstring).
 
@@ -191,6 +202,9 @@ def place_newcomer(
         costs: as in :func:`plan_rebalance`.
         speed: the newcomer's expected samples/s at a stage of cost 1 (finite, ``> 0``); it only matters
             with unequal costs.
+        tiebreak: the newcomer's peer id: equally good stages are taken in an order that starts at a stage
+            derived from it (default: the lower index first). Newcomers that read the same records at
+            once then spread over the unserved stages instead of all taking the first.
 
     Raises:
         ValueError: as :func:`plan_rebalance`, or ``speed`` out of range.
@@ -201,12 +215,13 @@ def place_newcomer(
     capacities = _capacities({r.peer: r.stage for r in reports}, {r.peer: r.rate for r in reports}, stages)
 
     served = {r.stage for r in reports}
+    offset = zlib.crc32(tiebreak.encode()) % stages if tiebreak else 0
 
     def score(stage: int) -> tuple[int, tuple[float, ...], float, int]:
         after = list(capacities)
         after[stage] += speed / weights[stage]
         empty = sum(1 for s in range(stages) if s not in served and s != stage)
-        return (-empty, tuple(sorted(after)), -load_ratio(after), -stage)
+        return (-empty, tuple(sorted(after)), -load_ratio(after), -((stage - offset) % stages))
 
     return max(range(stages), key=score)
 
@@ -246,10 +261,11 @@ def _best_move(
     weights: tuple[float, ...],
     hysteresis: float,
 ) -> Move | None:
-    target = min(range(len(capacities)), key=lambda s: (capacities[s], s))
     servers = [0] * len(capacities)
     for stage in where.values():
         servers[stage] += 1
+    empty = [s for s, count in enumerate(servers) if count == 0]
+    target = empty[0] if empty else min(range(len(capacities)), key=lambda s: (capacities[s], s))
     best: tuple[tuple[tuple[float, ...], float, int], Move, tuple[float, ...]] | None = None
     for peer in sorted(where):  # strict improvement below: ties keep the smaller peer id
         source = where[peer]
@@ -264,6 +280,8 @@ def _best_move(
     if best is None:
         return None
     _, move, after_t = best
+    if empty:  # rule 0: a refill is always made (unmeasured servers add no capacity to compare)
+        return move
     if not _improves(capacities, after_t, hysteresis):
         return None
     if load_ratio(after_t) > load_ratio(capacities):

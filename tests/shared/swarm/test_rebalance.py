@@ -222,3 +222,35 @@ def test_a_newcomer_serves_an_unserved_stage_before_unmeasured_ones() -> None:
     assert place_newcomer([ServerReport("a", 0, 0.0), ServerReport("b", 1, 0.0)], 3) == 2
     assert place_newcomer([ServerReport(p, s, 0.0) for p, s in (("a", 0), ("b", 1), ("c", 2))], 3) == 0
     assert place_newcomer([ServerReport("a", 0, 5.0), ServerReport("b", 2, 1.0)], 3) == 1
+
+
+def test_rebalance_refills_empty_stages_from_servers_that_measured_nothing() -> None:
+    # three newcomers read the records at once and all serve stage 0: no trainer gets through the empty
+    # stages, so nobody ever measures a rate; the refill rule must still spread them (seen in the demo)
+    reports = [ServerReport(peer, 0, 0.0) for peer in ("a", "b", "c")]
+    for _ in range(2):
+        plan = plan_rebalance(reports, 3)
+        assert len(plan.moves) == 1
+        reports = apply(reports, plan.moves, [1.0] * 3)
+    assert sorted(r.stage for r in reports) == [0, 1, 2]
+    assert plan_rebalance(reports, 3).moves == ()
+
+
+@settings(max_examples=100, deadline=None)
+@given(swarms(), st.text(min_size=1, max_size=20))
+def test_a_newcomer_takes_an_unserved_stage_whatever_its_tiebreak(
+    swarm: tuple[list[ServerReport], int, list[float]], peer: str
+) -> None:
+    reports, stages, costs = swarm
+    chosen = place_newcomer(reports, stages, costs=costs, tiebreak=peer)
+    unserved = set(range(stages)) - {r.stage for r in reports}
+    assert 0 <= chosen < stages
+    if unserved:
+        assert chosen in unserved
+
+
+def test_newcomers_that_see_no_server_spread_by_their_peer_ids() -> None:
+    peers = [f"12D3KooW{i}" for i in range(12)]
+    chosen = {place_newcomer([], 3, tiebreak=peer) for peer in peers}
+    assert chosen == {0, 1, 2}
+    assert place_newcomer([], 3) == 0  # no tiebreak: the lower index, as before
