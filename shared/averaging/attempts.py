@@ -42,6 +42,12 @@ meet at the next one), never a fork and never for ever. A stranger that writes p
 only makes the members skip keys (each plan needs a second member's signed ticket, and the DHT's quotas
 bound what one user writes); :data:`MAX_SKIP` bounds the reads one attempt spends on skipping.
 
+**Cost.** One more read of ``<key>.plan`` per attempt (and one per key skipped). Each attempt under a
+new key stores a new ticket record (alive ~10 minutes) where a cycle of three keys overwrote its own:
+a step stuck for those 10 minutes, one attempt every few seconds, holds some hundred records per
+member, far below the DHT's per-user quota (:class:`shared.dht.storage.StoreLimits`, 4096); an attempt
+alone under a key overwrites its own ticket there.
+
 No clock is shared (hivemind derives its keys from wall-clock windows): volunteers' clocks and their
 attempts' lengths differ by seconds under load, and the plans themselves are what all members read.
 """
