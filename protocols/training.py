@@ -220,7 +220,10 @@ class AveragingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     trim_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=0.5)] = 0.25
 
 
-SyncMode = Literal["batch", "diloco"]
+#: the most pipeline stages a swarm run may declare (a stage per transformer block of a large model)
+MAX_STAGES = 64
+
+SyncMode = Literal["batch", "diloco", "swarm"]
 
 
 class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -239,6 +242,11 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
       ``round_fraction`` of a round's compute (:mod:`shared.averaging.round_length`).
     * ``overlap``: diloco mode; the next inner phase starts while the round's averaging runs (one round of
       staleness; the update rule is in :mod:`volunteer.collab.diloco`, "Overlap").
+    * ``swarm`` mode (:mod:`volunteer.swarm`): the model is split into ``stages`` consecutive stages;
+      volunteers serve stages (each stage a batch-mode collaboration of its servers, stepping every
+      ``target_batch`` samples) and run trainers that carry micro-batches of ``local_batch`` samples
+      through one server per stage; every ``rebalance_period`` seconds the servers move from the least
+      to the most loaded stage (:mod:`shared.swarm.rebalance`). ``stages`` is 0 outside this mode.
     """
 
     mode: SyncMode = "batch"
@@ -247,6 +255,8 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     min_round: Annotated[int, msgspec.Meta(ge=0, le=2**30)] = 0
     round_fraction: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
     overlap: bool = False
+    stages: Annotated[int, msgspec.Meta(ge=0, le=MAX_STAGES)] = 0
+    rebalance_period: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 30.0
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

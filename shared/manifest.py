@@ -13,7 +13,8 @@ read beside it)::
     source = "backbone"
     generate = 8
     [sync]
-    mode = "batch"         # or "diloco": local inner steps, pseudo-gradients averaged per round
+    mode = "batch"         # or "diloco": local inner steps, pseudo-gradients averaged per round;
+                           # or "swarm": the model in `stages` pipeline stages served by volunteers
 
 Beyond each field's own bounds, a spec is refused unless every volunteer could train it
 (:func:`shared.tasks.check_trainable`: a known task with valid options, an optimizer volunteers have, a local

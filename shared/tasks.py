@@ -17,6 +17,9 @@ Rules :func:`check_trainable` adds to the manifest's field-by-field validation (
   ``momentum`` is set only for ``sgd`` (the others would ignore it silently);
 * ``local_batch <= target_batch``: one micro-batch must not overshoot the global batch by itself;
 * ``schedule.warmup_steps <= schedule.total_steps``;
+* ``[sync] mode = "swarm"`` declares ``stages >= 2`` (and only that mode declares stages), no ``dpu``, and
+  for ``tiny-mlm`` at most one stage per layer (the Hugging Face tasks' limits are checked by the
+  volunteers, who build the model: ``volunteer.tasks.stages``);
 * a task that tokenizes (``hf-mlm``, ``hf-clm``) has a ``[tokenizer]``, and only such a task has one; a
   tokenizer the backbone trains needs the backbone to hold the text (``dataset.source = "backbone"``);
 * a backbone-generated synthetic corpus (``dataset.source = "backbone"``, ``generate > 0``) holds its
@@ -217,6 +220,7 @@ def check_trainable(spec: TrainingSpec) -> None:
             'dpu (delayed parameter updates) is a batch-mode option; in [sync] mode = "diloco" remove it '
             "(the inner steps already overlap nothing with averaging)"
         )
+    _check_swarm(spec)
     if spec.sync.overlap and spec.sync.mode != "diloco":
         raise ConfigError('[sync] overlap is of mode = "diloco"; the batch mode overlaps with dpu = true')
     if spec.sync.min_round and spec.sync.mode != "diloco":
@@ -240,6 +244,31 @@ def check_trainable(spec: TrainingSpec) -> None:
             f"dataset.text_field is {dataset.text_field!r}, but the corpus the backbone generates keeps "
             f"its text in {GENERATED_TEXT_FIELD!r}; remove text_field or serve shards of your own"
         )
+
+
+def _check_swarm(spec: TrainingSpec) -> None:
+    """The swarm mode's rules (module docstring)."""
+    sync = spec.sync
+    if sync.mode != "swarm":
+        if sync.stages:
+            raise ConfigError('[sync] stages splits the model of mode = "swarm"; remove it in this mode')
+        return
+    if sync.stages < 2:
+        raise ConfigError(
+            f'[sync] mode = "swarm" needs stages = 2 or more (got {sync.stages}): the model is split into '
+            "that many consecutive stages, each served by its own volunteers"
+        )
+    if spec.dpu:
+        raise ConfigError(
+            'dpu (delayed parameter updates) is a batch-mode option; remove it in mode = "swarm"'
+        )
+    if spec.task == "tiny-mlm":
+        layers = TinyMLMOptions.parse(spec.task_options).layers
+        if sync.stages > layers:
+            raise ConfigError(
+                f"tiny-mlm with {layers} layers splits into at most {layers} stages (got stages = "
+                f"{sync.stages}): raise task_options.layers or lower [sync] stages"
+            )
 
 
 def _check_tokenizer(spec: TrainingSpec) -> None:

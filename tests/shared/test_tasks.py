@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from protocols.training import DatasetSpec, OptimizerSpec, ScheduleSpec, TokenizerSpec, TrainingSpec
+from protocols.training import (
+    DatasetSpec,
+    OptimizerSpec,
+    ScheduleSpec,
+    SyncSpec,
+    TokenizerSpec,
+    TrainingSpec,
+)
 from shared.errors import ConfigError
 from shared.manifest import load_training_spec, parse_training_spec
 from shared.tasks import TASK_OPTIONS, TinyMLMOptions, check_trainable
@@ -75,6 +82,13 @@ def hf(
             hf(model_type="albert", source="files"),
             "the backbone trains a unigram tokenizer on the shards it serves, but dataset.source is 'files'",
         ),
+        (TrainingSpec(sync=SyncSpec(mode="swarm")), 'mode = "swarm" needs stages = 2 or more (got 0)'),
+        (TrainingSpec(sync=SyncSpec(stages=3)), 'stages splits the model of mode = "swarm"'),
+        (TrainingSpec(dpu=True, sync=SyncSpec(mode="swarm", stages=2)), 'remove it in mode = "swarm"'),
+        (
+            TrainingSpec(sync=SyncSpec(mode="swarm", stages=3)),
+            "tiny-mlm with 2 layers splits into at most 2 stages (got stages = 3)",
+        ),
     ],
 )
 def test_check_trainable_refuses_what_no_volunteer_could_train(spec: TrainingSpec, message: str) -> None:
@@ -116,3 +130,13 @@ def test_task_catalog_is_importable_without_torch() -> None:
 def test_tiny_mlm_options_parse_defaults_and_overrides() -> None:
     assert TASK_OPTIONS["tiny-mlm"]({}) == TinyMLMOptions()
     assert TinyMLMOptions.parse({"layers": 3, "dropout": 0}) == TinyMLMOptions(layers=3, dropout=0.0)
+
+
+def test_a_swarm_manifest_parses_with_its_stages_and_period() -> None:
+    spec = parse_training_spec(
+        b'task = "tiny-mlm"\n[task_options]\nlayers = 4\n[sync]\nmode = "swarm"\nstages = 4\n'
+        b"rebalance_period = 12.5\n"
+    )
+    assert (spec.sync.mode, spec.sync.stages, spec.sync.rebalance_period) == ("swarm", 4, 12.5)
+    with pytest.raises(ConfigError, match="stages"):
+        parse_training_spec(b'task = "tiny-mlm"\n[sync]\nmode = "swarm"\nstages = 65\n')
