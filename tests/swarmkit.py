@@ -26,13 +26,17 @@ async def start_node(
 
     async def run(task_status: trio.TaskStatus[tuple[Node, trio.CancelScope]]) -> None:
         with trio.CancelScope() as scope, faults.scope(tag or "none"):
-            async with open_node(
-                Identity.generate(),
-                run_id,
-                "volunteer",
-                listen=["/ip4/127.0.0.1/tcp/0"],
-                initial_peers=initial,
-            ) as node:
+            async with (
+                open_node(
+                    Identity.generate(),
+                    run_id,
+                    "volunteer",
+                    listen=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=initial,
+                ) as node,
+                trio.open_nursery() as own,
+            ):
+                own.start_soon(node.publish_presence_forever)  # how peers find state sources
                 task_status.started((node, scope))
                 await trio.sleep_forever()
 

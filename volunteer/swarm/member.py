@@ -23,31 +23,46 @@ the new stage's state is downloaded and verified like any state. A stage whose l
 state to download: its records show no step, so the peer that refills it starts the stage from the run's
 initial parameters at step 0 -- a backbone's stored checkpoints of the stage are what prevents that loss
 (not built yet: backbones store the data-parallel state only).
+
+**Leaving** (``leave`` set: Ctrl+C or SIGTERM) must not lose a stage's state the way a death does.
+:func:`hand_over` closes our server (trainers' requests fail over to the stage's other servers at once)
+and stops renewing our stage record, while the stage's collaboration keeps running: our progress record
+and state stay available. If another server of the stage is at our step, we leave at once. If we were
+its last server, our record expires within :data:`~protocols.swarm.STAGE_RECORD_TTL`, the stage shows
+no server, and at the next rebalancing period a server of another stage moves in (refilling an empty
+stage is the rule's first move), finds the stage's step ahead of its own and downloads our state,
+verified like any; once its record shows our step, we leave. A leaver waits at most
+``max(HAND_OVER_MIN, TTL + 3 periods)``, and not at all once no other stage has two servers to spare
+(nobody could take it: every server of the run is leaving, say); after that its state leaves with it, as
+a dead server's does. A stage still at step 0 is left at once (its state is the run's initial one).
+The samples it had accumulated toward the stage's next step are lost in either case.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
 
+from protocols.swarm import STAGE_RECORD_TTL
 from protocols.training import TrainingSpec
 from shared.node import Node
 from shared.swarm.directory import StageServerEntry, find_stage_servers
 from shared.swarm.rebalance import DEFAULT_HYSTERESIS, ServerReport, place_newcomer, plan_rebalance
 
-from ..collab.optimizer import CollabConfig
+from ..collab.optimizer import CollabConfig, StepRecord
 from ..tasks.base import Task
 from .server import StageServerConfig
 from .stage_service import StageService, serve_stage
 
-__all__ = ["SwarmMember", "read_reports", "serve_swarm"]
+__all__ = ["SwarmMember", "hand_over", "read_reports", "serve_swarm"]
 
 logger = logging.getLogger(__name__)
+HAND_OVER_MIN = 30.0  # seconds a leaving server waits at least for another to take its stage
+HAND_OVER_POLL = 0.5
 
 
 class SwarmMember:
@@ -100,41 +115,118 @@ async def serve_swarm(
     backbones: Sequence[str] = (),
     collab_config: CollabConfig | None = None,
     server_config: StageServerConfig | None = None,
+    device: str = "cpu",
+    on_step: Callable[[StepRecord], None] | None = None,
+    leave: trio.Event | None = None,
 ) -> None:
-    """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled.
-    ``hysteresis``: the relative throughput gain a move must promise (refilling an empty stage always
-    does)."""
+    """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled or the
+    stage we serve reached the run's step limit. ``hysteresis``: the relative throughput gain a move must
+    promise (refilling an empty stage always does); ``on_step``: called after each step of the stage we
+    serve (:func:`~.stage_service.serve_stage`); ``leave``: once set, we hand the stage over (module
+    docstring, "Leaving") and return."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
     with node.tolerated.around("swarm placement read"):
         reports, _ = await read_reports(node, stages)
-    target = place_newcomer([r for r in reports if r.peer != me], stages)
+    target = place_newcomer([r for r in reports if r.peer != me], stages, tiebreak=me)
     while True:
         member.stage = target
         logger.info("serving stage %d of %d", target, stages)
+        ended = trio.Event()  # the stage reached the step limit, or rebalancing moves us
+        moved_to: int | None = None
+
+        async def serve(
+            task_status: trio.TaskStatus[StageService], stage: int = target, ended: trio.Event = ended
+        ) -> None:
+            await serve_stage(
+                node, task, spec, run_id, stage, stages,
+                data_dir=data_dir, backbones=backbones, collab_config=collab_config,
+                server_config=server_config, device=device, on_step=on_step, task_status=task_status,
+            )  # fmt: skip
+            ended.set()  # the run's step limit: serve_stage returns only then
+
         async with trio.open_nursery() as nursery:
-            member.service = await nursery.start(
-                functools.partial(
-                    serve_stage,
-                    node,
-                    task,
-                    spec,
-                    run_id,
-                    target,
-                    stages,
-                    data_dir=data_dir,
-                    backbones=backbones,
-                    collab_config=collab_config,
-                    server_config=server_config,
-                )
-            )
-            moved_to = await _watch(node, stages, target, period, hysteresis)
-            await member.service.collab.leave()  # the stage's round stops waiting for us
+            member.service = await nursery.start(serve)
+
+            async def watch(stage: int = target, ended: trio.Event = ended) -> None:
+                nonlocal moved_to
+                moved_to = await _watch(node, stages, stage, period, hysteresis)
+                ended.set()
+
+            nursery.start_soon(watch)
+            if leave is not None:
+
+                async def leaving(ended: trio.Event = ended) -> None:
+                    await leave.wait()
+                    ended.set()
+
+                nursery.start_soon(leaving)
+            await ended.wait()
+            service = member.service
+            if leave is not None and leave.is_set() and not service.collab.finished():
+                await hand_over(node, service, stages, max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period))
+            if not service.collab.finished():
+                await service.collab.leave()  # the stage's round stops waiting for us
             nursery.cancel_scope.cancel()
+        if leave is not None and leave.is_set():
+            return
+        if moved_to is None:
+            logger.info("stage %d reached the run's step limit", target)
+            return
         member.moves.append((target, moved_to))
         logger.info("rebalancing: moving from stage %d to stage %d", target, moved_to)
         target = moved_to
+
+
+async def hand_over(node: Node, service: StageService, stages: int, within: float) -> bool:
+    """Leave ``service``'s stage without losing its state (module docstring, "Leaving"); returns whether
+    another server of the stage holds the state (False: ``within`` seconds passed without one)."""
+    server, collab = service.server, service.collab
+    stage = server.stage
+    server.close()  # trainers' requests fail over at once; our record is not renewed
+    me = str(node.peer_id)
+    step = collab.trainer.step
+    with trio.move_on_after(within):
+        # a step in flight when we closed completes: its state is the one to hand over (no event marks it)
+        while collab.averaging:  # noqa: ASYNC110
+            await trio.sleep(HAND_OVER_POLL / 5)
+        step = collab.trainer.step
+        if step == 0:  # the run's initial parameters: whoever serves the stage next builds them itself
+            return True
+        while True:
+            with node.tolerated.around("swarm hand-over read"):
+                reports, entries = await read_reports(node, stages)
+                if any(peer != me and e.record.step >= step for peer, e in entries[stage].items()):
+                    logger.info("stage %d (step %d) is served by another peer now: leaving it", stage, step)
+                    return True
+                if not _can_refill(reports, stage, me):
+                    logger.warning(
+                        "no other stage can spare a server to take stage %d: its state since step %d leaves "
+                        "with us",
+                        stage,
+                        step,
+                    )
+                    return False
+            collab.stats.waiting = f"handing stage {stage} over: waiting for a server to take it"
+            await trio.sleep(HAND_OVER_POLL)
+    logger.warning(
+        "no other server took stage %d within %.0f s: its state since step %d leaves with us",
+        stage,
+        within,
+        step,
+    )
+    return False
+
+
+def _can_refill(reports: Sequence[ServerReport], stage: int, me: str) -> bool:
+    """Another server serves ``stage`` already, or a stage has two to spare one (the refill rule's
+    candidates: :mod:`shared.swarm.rebalance`, rule 0)."""
+    counts: dict[int, int] = {}
+    for report in reports:
+        if report.peer != me:
+            counts[report.stage] = counts.get(report.stage, 0) + 1
+    return counts.get(stage, 0) > 0 or any(n >= 2 for k, n in counts.items() if k != stage)
 
 
 async def _watch(node: Node, stages: int, stage: int, period: float, hysteresis: float) -> int:

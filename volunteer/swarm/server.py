@@ -140,10 +140,13 @@ class StageServer:
         self.accepting = accepting
         self.on_counted = on_counted
         self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
+        self.closed = False
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
     def close(self) -> None:
-        """Stop serving: requests are refused from now on (the host may then serve another stage)."""
+        """Stop serving: requests are refused from now on (the host may then serve another stage), and
+        :func:`announce_forever` stops renewing our record."""
+        self.closed = True
         if self.node.host.bulk_handlers.get(STAGE_TOPIC) == self._on_request:
             del self.node.host.bulk_handlers[STAGE_TOPIC]
 
@@ -303,10 +306,10 @@ def _encode_output(out: torch.Tensor | None, codec: str) -> tuple[TensorSpec | N
 
 async def announce_forever(node: Node, server: StageServer, period: float = STAGE_RECORD_TTL / 3) -> None:
     """Keep ``server``'s record under its stage's key (every ``period`` seconds, at once when it changes
-    in what trainers route by: addresses or step)."""
+    in what trainers route by: addresses or step) until the server is closed."""
     published: tuple[object, ...] | None = None
     next_publish = trio.current_time()
-    while True:
+    while not server.closed:
         record = server.record()
         shown = (tuple(record.addrs), record.step)
         if record.addrs and (trio.current_time() >= next_publish or shown != published):

@@ -13,7 +13,10 @@ that stage (the existing averaging, LP roles included) and steps").
   accumulated samples;
 * :func:`~.server.announce_forever` (the stage record trainers route by);
 * :func:`step_forever`, the stage's loop: download the stage's state when behind, average and step when
-  the stage's servers together counted the target batch, otherwise wait for trainers. A server at the
+  the stage's servers together counted the target batch, otherwise wait for trainers. It ends at the
+  run's step limit, or when the server is closed to hand the stage over (:func:`~.member.hand_over`):
+  the collaboration then only publishes our progress and serves our state, and takes no step and loads
+  nobody's state. A server at the
   stage's step is a member of its rounds from the start, whether or not trainers sent it a backward yet
   (a member with no samples receives the average and steps with the others; stochastic wiring may well
   send one server of a stage every forward and the other every backward).
@@ -22,7 +25,10 @@ that stage (the existing averaging, LP roles included) and steps").
 downloaded (the load would drop it) or once our share of the step is done (the batch mode's budget: the
 step's batch is the target batch, not more); such backwards are answered ``busy`` and go to another
 server of the stage or wait. Forwards are always served. Backwards that arrive while the stage averages
-count toward the next step (the trainer keeps what accumulates during a round).
+count toward the next step (the trainer keeps what accumulates during a round), up to the target batch:
+unbounded, a round of a few seconds under a fast swarm of trainers gathered many target batches, and a
+progress record claiming more than ``MAX_SAMPLES_FACTOR`` target batches is not plausible to the stage's
+other servers (:func:`shared.progress.plausible`), which then believed themselves alone.
 
 **Rates.** Samples reach a server at the trainers' pace, not at a rate of the server's own: a server
 publishes no samples-per-second (``counted(..., seconds=None)``), so the stage's estimate of its batch is
@@ -33,7 +39,7 @@ the counted samples, never an extrapolation. The stage steps once its servers' r
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +50,9 @@ from protocols.training import TrainingSpec
 from shared.errors import StateUnavailable
 from shared.node import Node
 
-from ..collab.optimizer import CollabConfig, CollaborativeOptimizer
+from ..collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from ..collab.phase import Phase
+from ..collab.torch_thread import run_torch
 from ..tasks.base import Task
 from .server import StageServer, StageServerConfig, announce_forever
 from .stage_trainer import StageTrainer
@@ -67,13 +74,17 @@ class StageService:
 def _accepting(collab: CollaborativeOptimizer) -> bool:
     if collab.syncing or collab.behind():
         return False
-    return collab.averaging or collab.budget() > 0
+    if collab.averaging:  # toward the next step, at most its batch (module docstring)
+        return collab.trainer.samples < collab.target
+    return collab.budget() > 0
 
 
-async def step_forever(collab: CollaborativeOptimizer, poll: float = 0.02) -> None:
-    """The stage's loop (module docstring); returns when the run reached its step limit."""
+async def step_forever(
+    collab: CollaborativeOptimizer, poll: float = 0.02, until: Callable[[], bool] = lambda: False
+) -> None:
+    """The stage's loop (module docstring); returns when the run reached its step limit, or ``until()``."""
     await collab.resume_if_behind()
-    while not collab.finished():
+    while not collab.finished() and not until():
         if collab.averaging:
             await trio.sleep(poll)
         elif collab.behind():
@@ -103,15 +114,18 @@ async def serve_stage(
     backbones: Sequence[str] = (),
     collab_config: CollabConfig | None = None,
     server_config: StageServerConfig | None = None,
+    device: str = "cpu",
+    on_step: Callable[[StepRecord], None] | None = None,
     task_status: trio.TaskStatus[StageService] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve stage ``index`` of ``stages`` on ``node`` until cancelled or the run's step limit (module
-    docstring); ``task_status.started`` gets the :class:`StageService`.
+    docstring); ``task_status.started`` gets the :class:`StageService`. ``on_step`` is called after each
+    step the stage takes here (the collaboration's :class:`~volunteer.collab.optimizer.StepRecord`).
 
     Raises:
         ConfigError: the task cannot be split so.
     """
-    trainer = await trio.to_thread.run_sync(StageTrainer, task, spec, run_id, index, stages)
+    trainer = await run_torch(StageTrainer, task, spec, run_id, index, stages, device)
     if data_dir is not None:  # what a collaboration keeps on disk (its high-water mark) is per stage
         data_dir = data_dir / "swarm" / f"stage-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -123,6 +137,7 @@ async def serve_stage(
         config=collab_config or CollabConfig(),
         backbones=backbones,
         keys=stage_training_keys(index),
+        on_step=on_step,
     )
 
     def counted(samples: int, loss: float | None) -> None:
@@ -138,7 +153,9 @@ async def serve_stage(
             await nursery.start(collab.run)
             nursery.start_soon(announce_forever, node, server)
             task_status.started(service)
-            await step_forever(collab)
+            await step_forever(collab, until=lambda: server.closed)
+            if not collab.finished():  # handing the stage over (member.hand_over): its state stays served
+                await trio.sleep_forever()
             nursery.cancel_scope.cancel()
     finally:
         server.close()
