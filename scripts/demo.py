@@ -25,6 +25,16 @@ every volunteer takes inner optimizer steps of ``local_batch`` samples at its ow
 is a round of :data:`DILOCO_ROUND` times the recipe's target batch, after which the volunteers average
 their pseudo-gradients, 8-bit compressed with error feedback, and take the outer step together.
 
+With ``--sync swarm`` (``[sync] mode = "swarm"``) the tiny-mlm model has :data:`SWARM_STAGES` layers,
+split into as many pipeline stages; four volunteers by default each serve a stage (placed where they are
+needed most) and run a trainer that carries micro-batches through one server per stage. Each stage is a
+collaboration of its servers and steps every 64 samples; the table shows which stage each volunteer
+serves and each stage's step. Half-way (or half-way to ``--until-step``, which then counts the steps of
+the slowest stage) the demo stops a volunteer that serves a stage alone: it hands the stage over, and
+rebalancing (every :data:`SWARM_PERIOD` seconds) moves a volunteer from another stage into it, which
+downloads the stage's state and continues from its step. The ledger records the volunteers' sessions;
+it does not credit a swarm run's samples yet.
+
 Each process writes its stdout and stderr to ``<name>.log`` in the work dir (a fresh temporary directory
 unless ``--work-dir`` is given); the demo prints where they are.
 """
@@ -59,6 +69,8 @@ BACKBONE_EXIT_S = 30.0
 SPS_WINDOW = 10  # steps over which a volunteer's samples/s is measured
 
 DILOCO_ROUND = 8  # --sync diloco: a round is this many of the recipe's target batches
+SWARM_STAGES = 3  # --sync swarm: the model's pipeline stages
+SWARM_PERIOD = 8.0  # --sync swarm: seconds between rebalancing decisions
 RECIPES = Path(__file__).resolve().parents[1] / "deploy" / "recipes"  # the manifests --recipe names
 
 console = Console()
@@ -179,13 +191,36 @@ def status(data: Path) -> dict[str, Any] | None:
     return found
 
 
+def swarm_status(data: Path) -> dict[str, Any] | None:
+    """A swarm volunteer's ``swarm.json``: the stage it serves, its moves, its trainers' samples."""
+    try:
+        found: dict[str, Any] = json.loads((data / "swarm.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return found
+
+
+def stage_steps(volunteers: list[Node]) -> dict[int, int]:
+    """Each stage's highest step any volunteer took (its steps.jsonl lines carry the stage)."""
+    best: dict[int, int] = {}
+    for v in volunteers:
+        for row in recent_steps(v.data, 200):
+            stage = row.get("stage")
+            if isinstance(stage, int):
+                best[stage] = max(best.get(stage, 0), int(row["step"]))
+    return best
+
+
 def _loss(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
-def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, seconds: float) -> Table:
+def table(
+    volunteers: list[Node], latest: StepRow | None, elapsed: float, seconds: float, swarm: bool = False
+) -> Table:
     t = Table(title=f"{RUN_NAME} on loopback — {elapsed:.0f} of {seconds:.0f} s (Ctrl+C stops now)")
-    for column in ("node", "step", "loss", "samples/s", "peers", "conns", "state"):
+    columns = ("node", *(("stage",) if swarm else ()), "step", "loss", "samples/s", "peers", "conns", "state")
+    for column in columns:
         t.add_column(column, justify="left" if column in ("node", "state") else "right", no_wrap=True)
     total_sps = 0.0
     for v in volunteers:
@@ -196,8 +231,18 @@ def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, second
         node = status(v.data)
         code = v.proc.poll()
         state = f"exited {code}" if code is not None else "training" if last else "joining…"
+        where: tuple[str, ...] = ()
+        if swarm:
+            facts = swarm_status(v.data)
+            stage = None if facts is None else facts.get("stage")
+            moves = [] if facts is None else facts.get("moves", [])
+            where = ("—" if stage is None else str(stage) + "".join(f" (←{a})" for a, _ in moves[-1:]),)
+            if facts is not None and code is None:
+                state = str(facts.get("doing", state))
+            last = last if last is None or last.get("stage") == stage else None  # a step of its old stage
         t.add_row(
             v.name,
+            *where,
             "—" if last is None else str(last["step"]),
             "—" if last is None else _loss(last["loss"]),
             "—" if sps is None else f"{sps:.0f}",
@@ -206,7 +251,11 @@ def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, second
             state,
         )
     t.add_section()
-    if latest is None:
+    if swarm:
+        steps_by_stage = stage_steps(volunteers)
+        shown = " · ".join(f"{k}: {v}" for k, v in sorted(steps_by_stage.items())) or "—"
+        t.add_row("stages", "", "", "", f"{total_sps:.0f}", "", "", f"steps {shown}")
+    elif latest is None:
         t.add_row("collaboration", "—", "—", "", "", "", "(ledger)")
     else:
         t.add_row(
@@ -221,27 +270,52 @@ def table(volunteers: list[Node], latest: StepRow | None, elapsed: float, second
     return t
 
 
-def watch(volunteers: list[Node], backbone: Node, seconds: float, until_step: int | None = None) -> None:
-    """Refresh the table every second until ``seconds`` pass, or until the ledger recorded ``until_step``;
-    raise SystemExit if a node dies."""
+def watch(
+    volunteers: list[Node],
+    backbone: Node,
+    seconds: float,
+    until_step: int | None = None,
+    swarm: bool = False,
+) -> None:
+    """Refresh the table every second until ``seconds`` pass, or until the ledger recorded ``until_step``
+    (a swarm run: until every stage took it); raise SystemExit if a node dies. A swarm run loses a
+    volunteer half-way (:func:`depart`)."""
     started = time.monotonic()
     ledger: LedgerStore | None = None
     latest: StepRow | None = None
+    departed: Node | None = None
+
+    def frame(elapsed: float) -> Table:
+        return table(volunteers, latest, elapsed, seconds, swarm)
+
     try:
-        with Live(table(volunteers, None, 0, seconds), console=console, auto_refresh=False) as live:
+        with Live(frame(0), console=console, auto_refresh=False) as live:
             while (elapsed := time.monotonic() - started) < seconds:
                 for node in [backbone, *volunteers]:
-                    if node.proc.poll() is not None:
-                        live.update(table(volunteers, latest, elapsed, seconds), refresh=True)
+                    if node.proc.poll() is not None and not (node is departed and node.proc.returncode == 0):
+                        live.update(frame(elapsed), refresh=True)
                         raise SystemExit(
                             f"{node.name} exited with {node.proc.returncode}; the end of {node.log}:\n"
                             f"{node.tail()}"
                         )
+                if swarm:
+                    steps = stage_steps(volunteers)
+                    reached = min(steps.values()) if len(steps) == SWARM_STAGES else 0
+                    halfway = elapsed >= seconds / 2 or (until_step is not None and 2 * reached >= until_step)
+                    if departed is None and halfway:
+                        departed = depart(volunteers, live)
+                    live.update(frame(elapsed), refresh=True)
+                    # the one stopped half-way has handed its stage over and exited
+                    gone = departed is not None and departed.proc.poll() is not None
+                    if until_step is not None and reached >= until_step and gone:
+                        break
+                    time.sleep(REFRESH_S)
+                    continue
                 if ledger is None:
                     ledger = LedgerStore.open(f"sqlite:///{backbone.data / 'ledger.sqlite3'}")
                 recorded = ledger.recent_steps(limit=1)
                 latest = recorded[0] if recorded else latest
-                live.update(table(volunteers, latest, elapsed, seconds), refresh=True)
+                live.update(frame(elapsed), refresh=True)
                 if until_step is not None and latest is not None and latest.global_step >= until_step:
                     break
                 time.sleep(REFRESH_S)
@@ -250,6 +324,27 @@ def watch(volunteers: list[Node], backbone: Node, seconds: float, until_step: in
             console.print()  # Live's last frame ends without a newline when it is not on a terminal
         if ledger is not None:
             ledger.close()
+
+
+def depart(volunteers: list[Node], live: Live) -> Node:
+    """SIGTERM the volunteer serving a stage alone (any, if none is alone): it hands its stage over and
+    exits, and rebalancing moves a server of another stage into the emptied one."""
+    serving: dict[int, list[Node]] = {}
+    for v in volunteers:
+        facts = swarm_status(v.data)
+        if facts is not None and v.proc.poll() is None and isinstance(facts.get("stage"), int):
+            serving.setdefault(facts["stage"], []).append(v)
+    alone = [nodes[0] for _, nodes in sorted(serving.items()) if len(nodes) == 1]
+    chosen = (alone or [v for v in volunteers if v.proc.poll() is None])[0]
+    stage = swarm_status(chosen.data) or {}
+    live.console.print(
+        f"stopping {chosen.name} (serving stage {stage.get('stage')}"
+        + (" alone" if alone else "")
+        + "): it hands the stage over, and rebalancing moves another volunteer in",
+        highlight=False,
+    )
+    chosen.proc.send_signal(signal.SIGTERM)
+    return chosen
 
 
 def stop(nodes: list[Node], within: float) -> dict[str, int | None]:
@@ -338,6 +433,24 @@ def diloco_manifest(recipe: str) -> str:
     return switched + '\n[sync]\nmode = "diloco"\n'
 
 
+def swarm_manifest(recipe: str) -> str:
+    """The tiny-mlm recipe in the swarm mode: its model with :data:`SWARM_STAGES` layers split into as many
+    pipeline stages, rebalanced every :data:`SWARM_PERIOD` seconds."""
+    if not re.search(r'^task = "tiny-mlm"$', recipe, flags=re.MULTILINE) or re.search(
+        r"^\[(sync|task_options)\]", recipe, flags=re.MULTILINE
+    ):
+        raise SystemExit("--sync swarm runs the tiny-mlm recipe (its model is split into stages here)")
+    switched = re.sub(
+        r"^target_batch = \d+$", "target_batch = 64  # swarm: each stage steps every 64 samples", recipe,
+        flags=re.MULTILINE,
+    )  # fmt: skip
+    return (
+        switched
+        + f"\n[task_options]\nlayers = {SWARM_STAGES}  # one transformer block per stage\n"
+        + f'\n[sync]\nmode = "swarm"\nstages = {SWARM_STAGES}\nrebalance_period = {SWARM_PERIOD:g}\n'
+    )
+
+
 def prepare_work_dir(given: Path | None) -> Path:
     if given is None:
         return Path(tempfile.mkdtemp(prefix="dedloc-demo-"))
@@ -360,13 +473,18 @@ def main() -> int:
         help="the run's manifest, from deploy/recipes (default tiny-mlm; albert-tiny: a Hugging Face "
         "ALBERT with a tokenizer the backbone trains)",
     )
-    parser.add_argument("--volunteers", type=int, default=3, help="how many volunteers (default 3)")
+    parser.add_argument(
+        "--volunteers",
+        type=int,
+        help="how many volunteers (default 3; 4 with --sync swarm: one per stage and one more)",
+    )
     parser.add_argument(
         "--sync",
-        choices=("batch", "diloco"),
+        choices=("batch", "diloco", "swarm"),
         default="batch",
         help="batch: one optimizer step per global batch (default); diloco: local inner steps, "
-        f"pseudo-gradients averaged every {DILOCO_ROUND} target batches",
+        f"pseudo-gradients averaged every {DILOCO_ROUND} target batches; swarm: the model in "
+        f"{SWARM_STAGES} pipeline stages served by the volunteers, one leaving half-way",
     )
     parser.add_argument(
         "--until-step",
@@ -378,15 +496,22 @@ def main() -> int:
         "--work-dir", type=Path, help="an empty dir for data and logs (default: a fresh temp dir)"
     )
     args = parser.parse_args()
+    if args.volunteers is None:
+        args.volunteers = SWARM_STAGES + 1 if args.sync == "swarm" else 3
     if args.volunteers < 1 or args.seconds <= 0:
         parser.error("--volunteers must be at least 1 and --seconds positive")
+    if args.sync == "swarm" and args.volunteers <= SWARM_STAGES:
+        parser.error(
+            f"--sync swarm needs more than {SWARM_STAGES} volunteers (a server per stage, one leaves)"
+        )
     if args.until_step is not None and args.until_step < 1:
         parser.error("--until-step must be at least 1")
     began = time.monotonic()
     work = prepare_work_dir(args.work_dir)
     manifest = work / "manifest.toml"
     recipe = (RECIPES / f"{args.recipe}.toml").read_text()
-    manifest.write_text(diloco_manifest(recipe) if args.sync == "diloco" else recipe)
+    switch = {"diloco": diloco_manifest, "swarm": swarm_manifest}.get(args.sync)
+    manifest.write_text(switch(recipe) if switch is not None else recipe)
     console.print(f"work dir (data dirs, manifest, one log per process): {work}")
     signal.signal(signal.SIGTERM, _raise_stop)
 
@@ -408,7 +533,7 @@ def main() -> int:
             "last averaging round; conns: open connections (its status.json)",
             highlight=False,
         )
-        watch(volunteers, backbone, args.seconds, args.until_step)
+        watch(volunteers, backbone, args.seconds, args.until_step, swarm=args.sync == "swarm")
     except (KeyboardInterrupt, Stop):
         console.print("interrupted: stopping now")
     except SystemExit as exc:

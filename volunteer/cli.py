@@ -212,6 +212,24 @@ def join(
             "volunteers behind NAT average through this machine. It must be reachable from the run.",
         ),
     ] = False,
+    swarm_role: Annotated[
+        str,
+        typer.Option(
+            "--swarm-role",
+            metavar="ROLE",
+            help='In a swarm run ([sync] mode = "swarm": the model split into pipeline stages): server '
+            "(serve the stage that needs it most), trainer (carry micro-batches of data through the "
+            "stages' servers; any machine, no GPU needed) or auto (both). Ignored in other runs.",
+        ),
+    ] = "auto",
+    trainers: Annotated[
+        int,
+        typer.Option(
+            "--trainers",
+            metavar="N",
+            help="In a swarm run: how many micro-batches this machine carries through the stages at once.",
+        ),
+    ] = 1,
     idle_only_after: Annotated[
         float | None,
         typer.Option(
@@ -330,6 +348,10 @@ def join(
             raise ConfigError(f"--precision {precision!r}: use auto, fp32, bf16 or fp16")
         if not 0 <= micro_batch <= 2**20:
             raise ConfigError(f"--micro-batch {micro_batch}: give a number of samples, 1 to 2**20, or 0")
+        if swarm_role not in ("auto", "server", "trainer"):
+            raise ConfigError(f"--swarm-role {swarm_role!r}: use server, trainer or auto")
+        if not 1 <= trainers <= 64:
+            raise ConfigError(f"--trainers {trainers}: give 1 to 64 micro-batches in flight")
         cpus = os.cpu_count() or 1
         if not 0 <= threads <= cpus:
             raise ConfigError(
@@ -381,6 +403,8 @@ def join(
                 metrics_listen=metrics_at,
                 max_upload_bps=max_upload_bps,
                 max_download_bps=max_download_bps,
+                swarm_role=swarm_role,
+                trainers=trainers,
             )
             await serve_volunteer(options, shutdown, console)
 

@@ -47,6 +47,7 @@ from .control import serve_control
 from .metrics import TrainingNumbers, session_numbers, volunteer_families
 from .policy import Rules
 from .session import TrainingSession
+from .swarm.session import SwarmSession
 
 __all__ = ["VolunteerOptions", "find_initial_peers", "serve_volunteer"]
 
@@ -80,6 +81,8 @@ class VolunteerOptions:
     metrics_listen: tuple[str, int] | None = None  # serve Prometheus metrics there (volunteer.metrics)
     max_upload_bps: float | None = None  # cap on all sending, bytes/s (shared.net.ratelimit); None: none
     max_download_bps: float | None = None  # ... and on all receiving
+    swarm_role: str = "auto"  # a swarm run: server, trainer or auto (both; volunteer.swarm.session)
+    trainers: int = 1  # a swarm run: micro-batches this peer carries through the stages at once
 
 
 async def find_initial_peers(options: VolunteerOptions, known: Sequence[str]) -> list[str]:
@@ -181,7 +184,8 @@ async def serve_volunteer(options: VolunteerOptions, shutdown: Shutdown, console
                     assert training is not None
                     node.activity = "training"
                     handlers = dict(node.host.bulk_handlers)  # the node's own, without a session's
-                    session = TrainingSession(node, identity, admission, training, options, initial)
+                    kind = SwarmSession if training.sync.mode == "swarm" else TrainingSession
+                    session = kind(node, identity, admission, training, options, initial)
                     try:
                         await session.run(stop, console)
                     finally:  # a paused peer holds no model (GPU memory) and serves no stale state

@@ -72,6 +72,7 @@ from .precision import Precision
 from .receipts import ReceiptBook
 from .run_tokenizer import obtain_tokenizer
 from .tasks import make_task
+from .tasks.base import Task
 from .training import Reporter, batches, train_until_stopped
 
 __all__ = ["TrainingSession"]
@@ -133,27 +134,12 @@ class TrainingSession:
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Steps 1 to 5 of the module docstring. Raises ConfigError for an unusable spec (unknown task…)."""
-        if self.options.threads:
-            import torch
-
-            torch.set_num_threads(self.options.threads)
-        if self.spec.tokenizer.kind != "none":
-            self.headline = "getting the run's tokenizer"
-        tokenizer = await obtain_tokenizer(self.spec.tokenizer, self.client, self.data_dir)
-        self.headline = f"building the run's model ({self.spec.task})"
-        task = await trio.to_thread.run_sync(make_task, self.spec, tokenizer)  # imports transformers: seconds
-        device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
-        self.device = device
-        self.precision = choose_precision(self.options.precision, device)
-        fraction = getattr(self.options, "gpu_memory_fraction", None)
-        if fraction is not None and device.startswith("cuda"):
-            import torch
-
-            torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
-            logger.info("using at most %.0f%% of %s's memory", 100 * fraction, device)
+        task = await self._build_task()
         if self.spec.sync.mode == "diloco" and self.precision == "fp16" and self.options.precision == "auto":
             self.precision = "fp32"  # no bf16 on this GPU; fp16 inner steps need a loss scale of their own
-        trainer = await run_torch(make_trainer, task, self.spec, self.options.run_id, device, self.precision)
+        trainer = await run_torch(
+            make_trainer, task, self.spec, self.options.run_id, self.device, self.precision
+        )
         sync = self.spec.sync
         if sync.mode == "diloco":
             logger.info(
@@ -220,6 +206,28 @@ class TrainingSession:
                 nursery.cancel_scope.cancel()
         finally:
             prefetch.close()
+
+    async def _build_task(self) -> Task:
+        """Step 1: the run's task (its tokenizer obtained), the device and the precision set."""
+        if self.options.threads:
+            import torch
+
+            torch.set_num_threads(self.options.threads)
+        if self.spec.tokenizer.kind != "none":
+            self.headline = "getting the run's tokenizer"
+        tokenizer = await obtain_tokenizer(self.spec.tokenizer, self.client, self.data_dir)
+        self.headline = f"building the run's model ({self.spec.task})"
+        task = await trio.to_thread.run_sync(make_task, self.spec, tokenizer)  # imports transformers: seconds
+        device = choose_device(self.options.device)  # the CLI resolved it already; others may pass "auto"
+        self.device = device
+        self.precision = choose_precision(self.options.precision, device)
+        fraction = getattr(self.options, "gpu_memory_fraction", None)
+        if fraction is not None and device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(fraction, torch.device(device))
+            logger.info("using at most %.0f%% of %s's memory", 100 * fraction, device)
+        return task
 
     async def _fit_micro_batch(self, trainer: LocalTrainer, examples: Iterator[Any]) -> Iterator[Any]:
         """Set ``trainer.micro_batch``: ``--micro-batch`` (at most the target batch), else on CUDA the
