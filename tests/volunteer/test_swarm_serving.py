@@ -24,7 +24,7 @@ from shared.net.addresses import parse_multiaddr
 from shared.node import Node
 from shared.swarm.directory import find_stage_servers
 from tests.swarmkit import micro_batches, start_node
-from volunteer.swarm.client import SwarmClient, SwarmClientConfig, field_specs
+from volunteer.swarm.client import NoStageServer, SwarmClient, SwarmClientConfig, field_specs
 from volunteer.swarm.server import StageServer, StageServerConfig, announce_forever
 from volunteer.swarm.stage_trainer import StageInputError, StageTrainer
 from volunteer.tasks import make_task
@@ -360,3 +360,15 @@ async def test_a_trainers_absurd_gradient_is_refused_once_honest_ones_set_the_sc
     assert middle.trainer.samples == before and middle.stats.refusals
     answer = await _raw(swarm.trainers[0], middle, request, payload(1e-3))  # an honest scale passes
     assert getattr(answer, "status", None) == "ok" and middle.trainer.samples == before + 4
+
+
+async def test_a_stage_that_only_answers_busy_runs_out_the_trainers_patience(nursery: trio.Nursery) -> None:
+    # a stage whose servers never accept a backward (a stage stuck re-syncing, say) must not hold its
+    # trainers for ever: they give up after their patience and say why (the volunteer retries and logs it)
+    task = _task()
+    swarm = await _swarm(nursery, task, per_stage=1, trainers=1)
+    swarm.servers["s0.0"].accepting = lambda: False  # stage 0 answers every backward "busy"
+    client = SwarmClient(swarm.trainers[0], STAGES, SwarmClientConfig(patience=2.0))
+    with trio.fail_after(30), pytest.raises(NoStageServer, match="stage 0 answered busy for 2 s"):
+        await client.process(micro_batches(task, 1, SEED)[0])
+    assert client.stats.busy >= 1 and client.stats.failures == 0

@@ -31,7 +31,8 @@ left to try.
 * an answer whose tensor is mis-shaped, non-finite or of absurd scale (:class:`~shared.swarm.answers
   .AnswerCheck`, one per stage and direction) -> banned likewise;
 * ``busy`` -> skipped until its ``retry_after`` passes, not banned;
-* no usable server of a stage for :attr:`SwarmClientConfig.patience` seconds -> :class:`NoStageServer`
+* no usable server of a stage, or only busy ones, for :attr:`SwarmClientConfig.patience` seconds without
+  an answer -> :class:`NoStageServer`
   (the micro-batch was not counted anywhere but possibly at the stages whose backward completed; the
   caller decides whether to retry it).
 
@@ -210,11 +211,15 @@ class SwarmClient:
                 await trio.sleep(min(0.2, self.config.refresh_period))
                 state.refreshed = -math.inf
                 continue
-            if isinstance(choice, Wait):
+            if isinstance(choice, Wait):  # every usable server is busy: waiting counts against patience too
+                lonely_since = now if lonely_since is None else lonely_since
+                if now - lonely_since >= self.config.patience:
+                    raise NoStageServer(
+                        f"every server of stage {k} answered busy for {self.config.patience:.0f} s"
+                    )
                 await trio.sleep_until(choice.until)
                 continue
             assert isinstance(choice, Pick)
-            lonely_since = None
             server = choice.server
             entry = state.servers[PeerId(server)]
             self.stats.requests += 1

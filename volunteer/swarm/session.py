@@ -63,6 +63,7 @@ logger = logging.getLogger("volunteer")
 SWARM_ROLES = ("auto", "server", "trainer")
 REFRESH = 0.5
 RETRY = 2.0  # seconds between attempts of a micro-batch that found a stage without a server
+STARVED_WARNING = 30.0  # seconds without a micro-batch before a trainer says so
 LIMIT_CHECK = 2.0  # seconds between reads of the stages' steps (a run with a step limit)
 #: once a stage reached the step limit, how long the micro-batches in flight and the stages still one
 #: step short may take to finish (module docstring, "When it ends")
@@ -180,10 +181,18 @@ class SwarmSession(TrainingSession):
         """One trainer loop: micro-batches through the pipeline until we stop or the run's step limit
         (module docstring: a micro-batch that found a stage without a server is carried again, not
         dropped; the one in flight when we stop is finished, within the grace)."""
+        starved_since: float | None = None
         while not self._enough.is_set():
             batch = await trio.to_thread.run_sync(lambda: prefetch.get(timeout=0.5))
-            if batch is None:
+            if batch is None:  # the data stream is late (a shard downloading): said, not silent
+                now = trio.current_time()
+                starved_since = now if starved_since is None else starved_since
+                if now - starved_since >= STARVED_WARNING:
+                    logger.warning("trainer %d: no training data for %.0f s", index, now - starved_since)
+                    self.headline = "waiting for training data"
+                    starved_since = now
                 continue
+            starved_since = None
             while True:
                 try:
                     await client.process(batch)
