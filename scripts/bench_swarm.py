@@ -207,16 +207,23 @@ def rate(completions: Sequence[tuple[float, int]], start: float, end: float) -> 
     return sum(n for t, n in completions if start < t <= end) / (end - start)
 
 
-def recovery(series: Sequence[tuple[float, float]], pre: float, kill: float, period: float) -> dict[str, Any]:
-    """The recovery figures of the post-failure windows ``series`` (module docstring)."""
-    if not series or pre <= 0:
-        return {"post_min_samples_per_s": None, "recovered_s": None, "recovered_periods": None}
-    floor = RECOVERY_FRACTION * pre
-    recovered: float | None = None
+def recovered_after(series: Sequence[tuple[float, float]], floor: float, kill: float) -> float | None:
+    """Seconds from ``kill`` to the end of the first window from which every later one is ``>= floor``."""
     for i, (end, _) in enumerate(series):
         if all(r >= floor for _, r in series[i:]):
-            recovered = end - kill
-            break
+            return end - kill
+    return None
+
+
+def recovery(
+    series: Sequence[tuple[float, float]], pre: float, kill: float, period: float, bound: float = 1.0
+) -> dict[str, Any]:
+    """The recovery figures of the post-failure windows ``series`` (module docstring); ``bound``: the
+    fraction of ``pre`` the survivors can reach at best."""
+    if not series or pre <= 0:
+        return {"post_min_samples_per_s": None, "recovered_s": None, "recovered_periods": None}
+    recovered = recovered_after(series, RECOVERY_FRACTION * pre, kill)
+    of_bound = recovered_after(series, RECOVERY_FRACTION * bound * pre, kill)
     low = min(r for _, r in series)
     return {
         "post_min_samples_per_s": round(low, 2),
@@ -224,6 +231,7 @@ def recovery(series: Sequence[tuple[float, float]], pre: float, kill: float, per
         "final_fraction": round(series[-1][1] / pre, 3),
         "recovered_s": None if recovered is None else round(recovered, 2),
         "recovered_periods": None if recovered is None else round(recovered / period, 2),
+        "recovered_of_bound_periods": None if of_bound is None else round(of_bound / period, 2),
     }
 
 
@@ -449,6 +457,8 @@ async def run_swarm(
         await trio.sleep(args.window)
         kill, cpu = trio.current_time(), time.process_time() - cpu
         servers = utilization(peers, snapshot, served(peers), args, kill - start)
+        at_kill = placement(peers, stages)
+        moves_in_window = sum(len(p.member.moves) for p in peers) - len(moves_before)
         pre = rate(out.completions, start, kill)
         log(f"swarm: {pre:.1f} samples/s with placement {placed}")
         result.update(
@@ -462,6 +472,8 @@ async def run_swarm(
             in_flight=in_flight,
             cpu_fraction=round(cpu / (kill - start), 2),
             servers=servers,
+            moves_during_window=moves_in_window,
+            placement_at_kill=at_kill,
         )
 
         # the failure: a third of the servers of the most-served stage die
@@ -495,7 +507,9 @@ async def run_swarm(
     series = windows(out.completions, kill, end, bin_s)
     before_series = windows(out.completions, start, kill, bin_s)
     best_after, exact = best_swarm_capacity([p.speed for p in survivors], stages)
-    figures = recovery(series, pre, kill, period)
+    capacity = stage_capacity(at_kill)
+    bound = min(1.0, best_after / capacity) if capacity else 1.0
+    figures = recovery(series, pre, kill, period, bound)
     met = figures["recovered_periods"] is not None and figures["recovered_periods"] <= RECOVERY_PERIODS
     result["recovery"] = {
         "stage": victim_stage,
@@ -506,9 +520,7 @@ async def run_swarm(
         if before_series and pre
         else None,
         **figures,
-        "bound_fraction": round(min(1.0, best_after / stage_capacity(placed)), 3)
-        if stage_capacity(placed)
-        else None,
+        "bound_fraction": round(bound, 3),
         "bound_exact": exact,
         "placement_after": after,
         "moves_after_kill": [m for p in survivors for m in p.member.moves][moves_at_kill:],
