@@ -51,9 +51,11 @@ time: windows of ``--bin`` seconds (default half a period), sliding by a fifth o
 pre-failure rate, the post-failure minimum window, and ``recovered_s``: the end of the first window after
 the kill from which every later window is at least 90 % of the pre-failure rate (``null`` if the last one
 is not), also in periods. ``bound_fraction`` is the best the surviving pool can do relative to the
-pre-failure placement (optimal placement of the survivors by exhaustive search when small enough, else
+placement at the kill (optimal placement of the survivors by exhaustive search when small enough, else
 the bound ``Σ v / S``): with equal peers, losing a third of one of three stages' servers leaves 8/9 of
-the pool, so 90 % needs spare capacity somewhere. What limits the speed of recovery: a dead server's DHT
+the pool, so 90 % needs spare capacity somewhere; ``recovered_of_bound_periods`` is the time to 90 % of
+that bound. ``placement_at_kill`` and ``moves_during_window`` show whether rebalancing was still moving
+peers while the pre-failure rate was measured. What limits the speed of recovery: a dead server's DHT
 record lingers until it expires (``protocols.swarm.STAGE_RECORD_TTL``, 12 s; trainers ban it at once, but
 rebalancing reads records), then the next period's read moves one server (one move per period), then
 trainers re-read the stage's servers (every 2 s). The paper rebalances every T = 60-300 s, far above that
