@@ -488,13 +488,17 @@ async def run_swarm(
             peer.scope.cancel()
         survivors = [p for p in peers if p not in victims]
         moves_at_kill = sum(len(p.member.moves) for p in survivors)
+        known = [len(p.member.moves) for p in survivors]
         log(
             f"swarm: killed {[p.speed for p in victims]} of stage {victim_stage}"
             f" ({counts[victim_stage]} servers)"
         )
         timeline = []
+        move_times: list[float] = []  # seconds after the kill at which a survivor's move was seen
         while trio.current_time() < kill + args.observe * period:
             await trio.sleep(1.0)
+            moved = sum(len(p.member.moves) for p in survivors) - moves_at_kill
+            move_times += [round(trio.current_time() - kill, 1)] * (moved - len(move_times))
             timeline.append(
                 [round(trio.current_time() - kill, 1), sum(n for _, n in out.completions),
                  sum(c.stats.busy for c in out.clients), sum(c.stats.failures for c in out.clients),
@@ -525,7 +529,8 @@ async def run_swarm(
         "bound_fraction": round(bound, 3),
         "bound_exact": exact,
         "placement_after": after,
-        "moves_after_kill": [m for p in survivors for m in p.member.moves][moves_at_kill:],
+        "moves_after_kill": [m for p, n in zip(survivors, known, strict=True) for m in p.member.moves[n:]],
+        "moves_after_kill_at_s": move_times,
         "bin_s": bin_s,
         "series": [[round(t - kill, 2), round(r, 2)] for t, r in series],
         #: each second after the kill: samples completed, busy answers, failed requests (all cumulative),
