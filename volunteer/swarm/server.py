@@ -29,12 +29,24 @@ A request the stage cannot run on is refused with ``BAD_REQUEST`` and counted; n
 ends the server. Fault points for tests: ``swarm.forward.<k>`` and ``swarm.backward.<k>`` (a request to
 stage ``k`` was read, nothing computed yet).
 
+**Emulating a slower device** (benchmarks only: ``scripts/bench_swarm.py``; on a shared CPU, extra threads
+add no compute, so speed differences are emulated by time). With
+:attr:`StageServerConfig.emulated_seconds_per_sample` ``= e > 0`` a sample costs the server at least ``e``
+seconds of device time at its stage: ``e/3`` in a forward, ``2e/3`` in a backward (which recomputes the
+forward), and all of ``e`` in a backward of the last stage (which serves no forwards: its backward runs its
+forward). After computing, the server sleeps what its computation left of that time, one request at a
+time, as one accelerator would; its measured busy time per sample is at least the emulated one, so the
+rate it publishes (what rebalancing weighs) and the times trainers measure are those of the emulated
+device. The computation itself is unchanged.
+
 :func:`announce_forever` keeps the server's :class:`~protocols.swarm.StageRecord` in the DHT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,17 +97,23 @@ class StageServerConfig:
             ``busy``.
         max_bytes: the largest request payload accepted (``TOO_LARGE`` beyond).
         limits: the bounds on the scale of a request's ``hidden`` and ``grad`` (module docstring).
+        emulated_seconds_per_sample: benchmarks only: the device seconds a sample costs at least
+            (module docstring, "Emulating a slower device"); 0: off.
     """
 
     max_queue: int = 8
     max_bytes: int = 256 * 1024 * 1024
     limits: AnswerLimits = field(default_factory=AnswerLimits)
+    emulated_seconds_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if not 1 <= self.max_bytes <= MAX_STAGE_BYTES:
             raise ValueError(f"max_bytes must be in [1, {MAX_STAGE_BYTES}], got {self.max_bytes}")
+        emulated = self.emulated_seconds_per_sample
+        if not (math.isfinite(emulated) and emulated >= 0.0):
+            raise ValueError(f"emulated_seconds_per_sample must be finite and >= 0, got {emulated}")
 
 
 @dataclass
@@ -141,6 +159,7 @@ class StageServer:
         self.on_counted = on_counted
         self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
         self.closed = False
+        self._device = trio.Lock()  # an emulated device runs one request at a time (module docstring)
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
     def close(self) -> None:
@@ -199,13 +218,23 @@ class StageServer:
             self._bound("hidden", hidden)
             self._bound("grad", grad)
             out: torch.Tensor | None
+            emulated = self._emulated_seconds(request.op)
             try:
+                async with self._device if emulated else contextlib.nullcontext():
+                    started = trio.current_time()
+                    if request.op == "forward":
+                        out = await run_torch(self.trainer.forward, hidden, batch)
+                        loss = None
+                    else:
+                        out, loss = await run_torch(
+                            self.trainer.backward, hidden, batch, grad, request.samples
+                        )
+                    if emulated:
+                        await trio.sleep_until(started + emulated * request.samples)
+                        self._count_emulated(request.op, emulated)
                 if request.op == "forward":
-                    out = await run_torch(self.trainer.forward, hidden, batch)
-                    loss = None
                     self.stats.forwards += 1
                 else:
-                    out, loss = await run_torch(self.trainer.backward, hidden, batch, grad, request.samples)
                     self.stats.backwards += 1
                     self.stats.samples += request.samples
                     self.on_counted(request.samples, loss)
@@ -218,6 +247,22 @@ class StageServer:
         answer = StageAnswer(status="ok", step=self.trainer.step, output=spec, loss=loss)
         self.stats.bytes_sent += len(data)
         return BulkReply(msgspec.msgpack.encode(answer), memoryview(data))
+
+    def _emulated_seconds(self, op: str) -> float:
+        """The emulated device seconds per sample of an ``op`` request (module docstring); 0: off."""
+        seconds = self.config.emulated_seconds_per_sample
+        if op == "forward":
+            return seconds / 3
+        return seconds if self.trainer.last else 2 * seconds / 3
+
+    def _count_emulated(self, op: str, seconds: float) -> None:
+        """The busy time the trainer measures (its EMA of the computation alone, below the emulated time
+        while the computation is faster than the emulated device) counts the emulated time."""
+        trainer = self.trainer
+        if op == "forward":
+            trainer.forward_seconds = max(trainer.forward_seconds, seconds)
+        else:
+            trainer.backward_seconds = max(trainer.backward_seconds, seconds)
 
     def _check(self, request: StageRequest, nbytes: int) -> None:
         trainer = self.trainer

@@ -92,9 +92,12 @@ class StageTrainer(LocalTrainer):
     @property
     def seconds_per_sample(self) -> float:
         """The stage's busy time per sample: one forward and one backward (every sample passes every stage
-        both ways), the unmeasured one estimated from the other (a backward recomputes the forward, so it
-        takes about twice as long); 0 until either is measured."""
+        but the last both ways), the unmeasured one estimated from the other (a backward recomputes the
+        forward, so it takes about twice as long); the last stage's backward alone (it serves no forwards:
+        its backward runs its forward); 0 until measured."""
         forward, backward = self.forward_seconds, self.backward_seconds
+        if self.last:
+            return backward
         if forward and backward:
             return forward + backward
         return 1.5 * backward if backward else 3.0 * forward
