@@ -19,6 +19,7 @@ names the idle ones so the service can look up a random id in each (§2.3, "buck
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import random
 from collections import OrderedDict
@@ -34,6 +35,7 @@ from .keys import KEY_BITS, check_id, node_id_of
 __all__ = ["BucketInfo", "Contact", "RoutingTable", "random_id_in"]
 
 
+@functools.lru_cache(maxsize=4096)  # bounded; every lookup re-checks the same few addresses
 def _dialable(text: str) -> bool:
     try:
         parse_multiaddr(text)
