@@ -183,21 +183,21 @@ def samples_per_second(steps: list[dict[str, Any]]) -> float | None:
     return float(sum(s["samples"] for s in steps[1:]) / (steps[-1]["time"] - steps[0]["time"]))
 
 
-def status(data: Path) -> dict[str, Any] | None:
+def _json_file(path: Path) -> dict[str, Any] | None:
     try:
-        found: dict[str, Any] = json.loads((data / "status.json").read_text())
+        found: dict[str, Any] = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return found
+
+
+def status(data: Path) -> dict[str, Any] | None:
+    return _json_file(data / "status.json")
 
 
 def swarm_status(data: Path) -> dict[str, Any] | None:
     """A swarm volunteer's ``swarm.json``: the stage it serves, its moves, its trainers' samples."""
-    try:
-        found: dict[str, Any] = json.loads((data / "swarm.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return found
+    return _json_file(data / "swarm.json")
 
 
 def stage_steps(volunteers: list[Node]) -> dict[int, int]:

@@ -135,3 +135,34 @@ async def test_a_leaving_last_server_hands_its_stage_over_without_losing_its_ste
     with trio.fail_after(60):
         for batch in batches[6:]:  # the pipeline works on through the stage's new server
             assert math.isfinite(await client.process(batch))
+
+
+async def test_every_server_returns_once_its_stage_reaches_the_step_limit(nursery: trio.Nursery) -> None:
+    spec = msgspec.structs.replace(SPEC, target_batch=8, max_steps=2)
+    task = make_task(spec)
+    seed, _ = await start_node(nursery, RUN_ID, [])
+    initial = [seed.host.listen_addrs[0]]
+    members = [SwarmMember() for _ in range(STAGES)]
+    returned: list[int] = []
+    with trio.fail_after(60):
+        for i, member in enumerate(members):
+            node, _ = await start_node(nursery, RUN_ID, initial)
+
+            async def serve(node: Node = node, member: SwarmMember = member, i: int = i) -> None:
+                await serve_swarm(
+                    node, task, spec, RUN_ID, STAGES, period=PERIOD, member=member, hysteresis=HYSTERESIS,
+                    collab_config=CollabConfig(poll_period=0.1),
+                )  # fmt: skip
+                returned.append(i)
+
+            nursery.start_soon(serve)
+            while sum(await _counts(seed)) <= i:
+                await trio.sleep(0.05)
+    client = SwarmClient(seed, STAGES, SwarmClientConfig(refresh_period=0.5, timeout=5.0, patience=5.0))
+    with trio.fail_after(90):
+        for batch in micro_batches(task, 4, SEED):  # 2 steps of 8 samples: every stage reaches the limit
+            await client.process(batch)
+        while len(returned) < STAGES:
+            await trio.sleep(0.05)
+    assert sorted(m.stage for m in members) == [0, 1, 2]
+    assert all(m.service is not None and m.service.trainer.step == 2 for m in members)
