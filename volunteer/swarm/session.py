@@ -20,8 +20,9 @@ accepts the same; :attr:`~.client.SwarmStatistics.uncertain_backwards` counts th
 
 **When it ends.** Ctrl+C / SIGTERM (the server leaves its stage's collaboration, so the stage's round
 stops waiting for it; trainers finish the micro-batch in flight within the stop grace), or the run's
-step limit: our stage reached it (a server), and every stage's servers announce a step at the limit (a
-trainer stops when all do).
+step limit: our stage reached it (a server), or the stages' records show it (:func:`limit_reached`: one
+stage at the limit, every other at most a step short); the micro-batches in flight and the stages still
+a step short then get :data:`FINISH_GRACE` seconds.
 
 **What is written.** ``steps.jsonl`` gets one line per step the stage we serve took here, with the
 stage's index (``"stage"``); ``status.json`` as in every mode, and ``swarm.json`` (:meth:`SwarmSession
@@ -37,6 +38,7 @@ import logging
 import math
 import time
 import zlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
@@ -55,7 +57,7 @@ from ..training import STOP_GRACE, batches
 from .client import NoStageServer, SwarmClient
 from .member import SwarmMember, serve_swarm
 
-__all__ = ["SWARM_ROLES", "SwarmSession"]
+__all__ = ["SWARM_ROLES", "SwarmSession", "limit_reached"]
 
 logger = logging.getLogger("volunteer")
 
@@ -83,7 +85,7 @@ class SwarmSession(TrainingSession):
         self.member = SwarmMember()
         self.clients: list[SwarmClient] = []
         self.stages = self.spec.sync.stages
-        #: per stage, the highest step its servers announced (what a trainer-only peer knows of the run)
+        #: per stage, the step we know it reached (our own steps; the lowest its servers announce)
         self.stage_steps: dict[int, int] = {}
         #: the collaboration of the stage we serve now (None while placing us, or as a trainer only); kept
         #: current by the panel's loop, for the daemon's status and metrics
@@ -207,15 +209,19 @@ class SwarmSession(TrainingSession):
                 self.headline = "training"
 
     async def _watch_limit(self, limit: trio.Event) -> None:
-        """Set ``limit`` once some stage's servers announce the run's step limit (without one: never)."""
+        """Set ``limit`` once the stages' records show the run's step limit (:func:`limit_reached`;
+        without a limit: never)."""
         if not self.spec.max_steps:
             return
+        announced: dict[int, list[int]] = {}  # per stage, its servers' steps at the last read
         while not limit.is_set():
             with self.node.tolerated.around("swarm stage records read"):
                 for k in range(self.stages):
-                    for entry in (await find_stage_servers(self.node.dht, k, self.stages)).values():
-                        self.stage_steps[k] = max(self.stage_steps.get(k, 0), entry.record.step)
-            if any(step >= self.spec.max_steps for step in self.stage_steps.values()):
+                    found = await find_stage_servers(self.node.dht, k, self.stages)
+                    if found:  # a stage whose servers finished and left keeps its last reading
+                        announced[k] = [entry.record.step for entry in found.values()]
+                        self.stage_steps[k] = max(self.stage_steps.get(k, 0), min(announced[k]))
+            if limit_reached(announced, self.stages, self.spec.max_steps):
                 limit.set()
             await trio.sleep(LIMIT_CHECK)
 
@@ -360,6 +366,17 @@ class SwarmSession(TrainingSession):
                 logger.info("%s: %s", self.headline, self.summary())
                 last = trio.current_time()
             await trio.sleep(REFRESH)
+
+
+def limit_reached(announced: Mapping[int, Sequence[int]], stages: int, max_steps: int) -> bool:
+    """Whether the stages' records show the run's step limit: some stage is at ``max_steps`` and every
+    stage at most one step short. ``announced`` holds, per stage, the steps its servers announce; a
+    stage's step is the *lowest* of them: a record is its server's own claim (DESIGN D10c), so a stranger
+    announcing a huge step can neither raise its stage's step nor end the run while stages train on."""
+    if max_steps <= 0 or any(not announced.get(k) for k in range(stages)):
+        return False
+    steps = [min(announced[k]) for k in range(stages)]
+    return max(steps) >= max_steps and min(steps) >= max_steps - 1
 
 
 async def _first(*events: trio.Event) -> None:
