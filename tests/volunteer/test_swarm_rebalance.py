@@ -17,6 +17,7 @@ from volunteer.collab.optimizer import CollabConfig
 from volunteer.swarm.client import SwarmClient, SwarmClientConfig
 from volunteer.swarm.member import SwarmMember, serve_swarm
 from volunteer.tasks import make_task
+from volunteer.tasks.base import Task
 
 RUN_ID = "swarm-rebalance-test"
 SEED = 17  # of the corpus stream the micro-batches come from
@@ -35,6 +36,32 @@ HYSTERESIS = 1.0
 
 async def _counts(reader: Node) -> list[int]:
     return [len(await find_stage_servers(reader.dht, k, STAGES)) for k in range(STAGES)]
+
+
+async def _serving(
+    nursery: trio.Nursery, task: Task, spec: TrainingSpec, count: int, leave: list[trio.Event] | None = None
+) -> tuple[Node, list[SwarmMember], list[int]]:
+    """A seed node and ``count`` servers joined one at a time (each placed by the records of the ones
+    before); the list that the index of each server whose ``serve_swarm`` returned is appended to."""
+    seed, _ = await start_node(nursery, RUN_ID, [])
+    initial = [seed.host.listen_addrs[0]]
+    members = [SwarmMember() for _ in range(count)]
+    returned: list[int] = []
+    with trio.fail_after(60):
+        for i, member in enumerate(members):
+            node, _ = await start_node(nursery, RUN_ID, initial)
+
+            async def serve(node: Node = node, member: SwarmMember = member, i: int = i) -> None:
+                await serve_swarm(
+                    node, task, spec, RUN_ID, STAGES, period=PERIOD, member=member, hysteresis=HYSTERESIS,
+                    collab_config=CollabConfig(poll_period=0.1), leave=None if leave is None else leave[i],
+                )  # fmt: skip
+                returned.append(i)
+
+            nursery.start_soon(serve)
+            while sum(await _counts(seed)) <= i:
+                await trio.sleep(0.05)
+    return seed, members, returned
 
 
 async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery: trio.Nursery) -> None:
@@ -91,27 +118,8 @@ async def test_a_leaving_last_server_hands_its_stage_over_without_losing_its_ste
 ) -> None:
     spec = msgspec.structs.replace(SPEC, target_batch=8)  # a step every second micro-batch
     task = make_task(spec)
-    seed, _ = await start_node(nursery, RUN_ID, [])
-    initial = [seed.host.listen_addrs[0]]
-    members = [SwarmMember() for _ in range(STAGES + 1)]
-    leave = [trio.Event() for _ in members]
-    returned: list[int] = []
-    with trio.fail_after(60):
-        for i, member in enumerate(members):
-            node, _ = await start_node(nursery, RUN_ID, initial)
-
-            async def serve(node: Node = node, member: SwarmMember = member, i: int = i) -> None:
-                await serve_swarm(
-                    node, task, spec, RUN_ID, STAGES, period=PERIOD, member=member, hysteresis=HYSTERESIS,
-                    collab_config=CollabConfig(poll_period=0.1), leave=leave[i],
-                )  # fmt: skip
-                returned.append(i)
-
-            nursery.start_soon(serve)
-            while member.service is None:
-                await trio.sleep(0.05)
-            while sum(await _counts(seed)) <= i:
-                await trio.sleep(0.05)
+    leave = [trio.Event() for _ in range(STAGES + 1)]
+    seed, members, returned = await _serving(nursery, task, spec, STAGES + 1, leave)
     client = SwarmClient(seed, STAGES, SwarmClientConfig(refresh_period=0.5, timeout=5.0))
     batches = micro_batches(task, 8, SEED)
     with trio.fail_after(60):
@@ -140,24 +148,7 @@ async def test_a_leaving_last_server_hands_its_stage_over_without_losing_its_ste
 async def test_every_server_returns_once_its_stage_reaches_the_step_limit(nursery: trio.Nursery) -> None:
     spec = msgspec.structs.replace(SPEC, target_batch=8, max_steps=2)
     task = make_task(spec)
-    seed, _ = await start_node(nursery, RUN_ID, [])
-    initial = [seed.host.listen_addrs[0]]
-    members = [SwarmMember() for _ in range(STAGES)]
-    returned: list[int] = []
-    with trio.fail_after(60):
-        for i, member in enumerate(members):
-            node, _ = await start_node(nursery, RUN_ID, initial)
-
-            async def serve(node: Node = node, member: SwarmMember = member, i: int = i) -> None:
-                await serve_swarm(
-                    node, task, spec, RUN_ID, STAGES, period=PERIOD, member=member, hysteresis=HYSTERESIS,
-                    collab_config=CollabConfig(poll_period=0.1),
-                )  # fmt: skip
-                returned.append(i)
-
-            nursery.start_soon(serve)
-            while sum(await _counts(seed)) <= i:
-                await trio.sleep(0.05)
+    seed, members, returned = await _serving(nursery, task, spec, STAGES)
     client = SwarmClient(seed, STAGES, SwarmClientConfig(refresh_period=0.5, timeout=5.0, patience=5.0))
     with trio.fail_after(90):
         for batch in micro_batches(task, 4, SEED):  # 2 steps of 8 samples: every stage reaches the limit
