@@ -16,13 +16,12 @@ it a slice in proportion to its bandwidth (its traffic is ``k x_j`` each way for
 enter (they read the tickets one matchmaking window after storing theirs), waits for a computing peer's
 ticket, then forms the group with them (:meth:`.matchmaking.Matchmaker.assemble_auxiliary`).
 
-*Attempts.* Computing peers retry a failed round under the lowest key of the step that no plan has
-spent (:mod:`.attempts`; :class:`volunteer.collab.step.BatchStep`). The aggregator follows the same
-rule, whatever its own round's outcome (its slice may have been averaged while another member's
-failed): after a round under ``a<k>`` it moves on to the next unspent key of the same step (it comes
-back to ``a<k>`` only if no second computing ticket came there), and stops waiting there as soon as the
-collaboration's step moves past ``s``. A key it joined before only counts tickets stored after its own
-(the earlier attempt's tickets are still there).
+*Attempts.* Computing peers retry a failed round under the next attempt's key and, after
+``attempts`` failures, start again at ``a0`` (:class:`volunteer.collab.step.BatchStep`). The aggregator
+follows the same cycle, whatever its own round's outcome (its slice may have been averaged while another
+member's failed): after a round under ``a<k>`` it joins ``a<k+1 mod attempts>`` of the same step, and
+stops waiting there as soon as the collaboration's step moves past ``s``. A key it joined before only
+counts tickets stored after its own (the earlier attempt's tickets are still there).
 
 **Bandwidth: configured, not measured.** Its ticket states ``upload_bps`` and ``download_bps`` from its
 configuration: a volunteer measures its link against a backbone's probe service
@@ -48,7 +47,6 @@ network calls, plan or LP is caught per round (:meth:`AuxiliaryAggregator.serve_
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,7 +64,6 @@ from ..net.host import CALL_FAILURES
 from ..progress import summarize
 from ..progress_records import read_progress_with_users
 from .allreduce import Averager
-from .attempts import AttemptKeys, attempt_key
 from .matchmaking import Matchmaker, MatchmakingConfig
 
 __all__ = ["DEFAULT_BPS", "AuxiliaryAggregator", "AuxiliaryConfig", "AuxiliaryStatistics"]
@@ -87,6 +84,7 @@ class AuxiliaryConfig:
         max_numel: the longest vector it aggregates a slice of (elements).
         window: seconds between the first computing peer's ticket and reading the group (the computing
             peers' matchmaking window).
+        attempts: the computing peers' attempts per step before they start again at ``a0``.
         poll_period: seconds between reads of the progress records.
     """
 
@@ -95,6 +93,7 @@ class AuxiliaryConfig:
     max_numel: int = 2**31
     window: float = 1.0
     plan_wait: float = 10.0
+    attempts: int = 3
     poll_period: float = 0.5
     prefix: str = TRAINING_PREFIX
 
@@ -103,8 +102,8 @@ class AuxiliaryConfig:
             value = getattr(self, name)
             if not 0 < value <= 1e13:
                 raise ValueError(f"{name} must be in (0, 1e13] bytes/s, got {value!r}")
-        if self.max_numel < 1:
-            raise ValueError("max_numel must be at least 1")
+        if self.max_numel < 1 or self.attempts < 1:
+            raise ValueError("max_numel and attempts must be at least 1")
 
 
 @dataclass
@@ -188,7 +187,7 @@ class AuxiliaryAggregator:
     async def serve_forever(self) -> None:
         """Follow the collaboration and aggregate every step's rounds (module docstring), until cancelled."""
         joined: set[tuple[int, int]] = set()  # (step, attempt) keys we stored a ticket under
-        attempts = AttemptKeys()
+        attempt, current = 0, None
         while True:
             try:
                 step = await self.collaboration_step()
@@ -199,17 +198,13 @@ class AuxiliaryAggregator:
             if step is None or ticket is None:
                 await trio.sleep(self.config.poll_period)
                 continue
-            try:
-                attempt = await attempts.next(step, functools.partial(self.matchmaker.spent, step))
-            except (*CALL_FAILURES, ProjectError) as exc:
-                self._note("matchmaking", exc)
-                await trio.sleep(self.config.poll_period)
-                continue
-            joined = {key for key in joined if key[0] >= step}
+            if step != current:
+                current, attempt = step, 0
+                joined = {key for key in joined if key[0] >= step}
             rejoin = (step, attempt) in joined
             joined.add((step, attempt))
             await self.serve_round(step, attempt, ticket, rejoin)
-            attempts.done(step, attempt, alone=self.matchmaker.alone)
+            attempt = (attempt + 1) % self.config.attempts
 
     async def serve_round(self, step: int, attempt: int, ticket: JoinTicket, rejoin: bool = False) -> bool:
         """One attempt of ``step``'s round as an auxiliary aggregator; True if we averaged our slice.
@@ -218,7 +213,7 @@ class AuxiliaryAggregator:
             plan = await self.matchmaker.assemble_auxiliary(
                 step,
                 ticket,
-                attempt_key(attempt),
+                f"a{attempt}",
                 self.config.max_numel,
                 stop_waiting=lambda: self._moved_past(step),
                 rejoin=rejoin,

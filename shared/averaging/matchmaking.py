@@ -50,22 +50,15 @@ a follower's plan check and the leader's solve see the same members. An aux peer
 with :meth:`Matchmaker.assemble_auxiliary`, which adopts the length that at least two computing members'
 tickets state (never one stranger's claim) and at most ``max_numel``, before anything is sized by it.
 
-**Which key an attempt uses** (:mod:`.attempts`). A key is spent once a plausible plan is stored under
-it (:meth:`Matchmaker.spent`); a member's next attempt goes to the lowest unspent key of the step, and
-comes back to the same key only if it was alone there (:attr:`Matchmaker.alone`). Members used to cycle
-through a fixed set of keys, and members out of phase never met again (a livelock: :mod:`.attempts`).
-Keys are no longer reused, but the two rules below still matter: a member that comes back to a key
-where it was alone, or whose read missed the plan stored there, still finds an earlier plan and tickets.
-
-**Stale plans.** A key's stored plan may be an earlier round's (see above; before keys were spent, a
-member came back to a finished round's key after its last attempt). A member whose own
-earlier ticket a stored plan names joins again (rule 1) but never adopts that very record: its round
+**Stale plans.** Members retry a failed round under the next attempt's key and, after the last attempt,
+start again at the first: a key's stored plan may be an earlier, finished round's. A member whose own
+earlier attempt a stored plan names joins again (rule 1) but never adopts that very record: its round
 already ran for the others (its aggregators may even still serve their averages of it), and joining it
 alone would average our own slice with nobody and fork the step (seen in the churn test when a restarted
 backbone aggregated: one member failed the backbone's slice, the others had stepped). The leader's new
 plan is a new record (a new expiry and signature), adopted as usual.
 
-**Stale tickets and group ids.** Coming back to a key also finds the earlier round's *tickets* under it,
+**Stale tickets and group ids.** Wrapping around also finds the earlier round's *tickets* under the key,
 alive for minutes: members that finished that round stepped and moved on, but their tickets still name
 them. Counted as members, they made a group of one live peer and several absent ones; with no slices of
 their own (client mode) the absent members only "left", the round completed with the live peer's gradient
@@ -104,20 +97,20 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import trio
 
 from protocols.averaging import MAX_WEIGHT, AssemblyMember, CodecName, GroupAssembly, JoinTicket
-from protocols.dht import PingRequest, SignedRecord
+from protocols.dht import PingRequest
 from protocols.errors import DECODE_FAILURES
 from protocols.peer_id import PeerId
 from protocols.training import AveragingSpec
 
 from .. import faults
-from ..dht.node import DHTNode, DHTValue
+from ..dht.node import DHTNode
 from ..errors import ConfigError
 from ..net.addresses import PeerAddress, parse_multiaddr
 from ..net.host import CALL_FAILURES
@@ -175,9 +168,6 @@ class Matchmaker:
     #: the members of the last plan we adopted and the throughput their signed tickets claim (identical on
     #: every member: the next step's shares of the target batch, shared.progress.quotas); empty if unknown
     last_rates: dict[str, float] = field(default_factory=dict)
-    #: the last round we formed had fewer than two computing tickets (nobody else's under the key, or only
-    #: consumed ones): our next attempt comes back to the key (:mod:`.attempts`, rule 3)
-    alone: bool = False
 
     def record_round(self, predicted: float, measured: float) -> None:
         """Feed a finished round's timing back into the deadlines of the next ones."""
@@ -198,7 +188,6 @@ class Matchmaker:
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        self.alone = False
         stale: set[bytes] = set()
         if await self._formed(key, me, stale):
             logger.info("round %d: the group under %s already formed; not joining it", round_, key)
@@ -239,7 +228,6 @@ class Matchmaker:
             raise ValueError("assemble_auxiliary takes an auxiliary ticket")
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
-        self.alone = False
         stale: set[bytes] = set()
         if await self._formed(key, me, stale):
             return None
@@ -315,7 +303,6 @@ class Matchmaker:
         me = self.dht.host.peer_id
         tickets = {p: t for p, (t, _) in signed.items()}
         if sum(1 for t in tickets.values() if not t.aux) < 2:
-            self.alone = True
             return None
         if all(t.client_mode for t in tickets.values()):
             # an auxiliary aggregator joins once it sees a computing ticket: give it one more window
@@ -349,47 +336,31 @@ class Matchmaker:
         )
         return _to_plan(assembly, self.config.averaging)
 
-    async def spent(self, round_: int, group_key: str) -> bool:
-        """A plausible plan (as in rule 1, whoever it names) is stored under the key: an attempt was made
-        there, and the next one goes to another key (:mod:`.attempts`)."""
-        key = f"{self.prefix}.{round_}.{group_key}"
-        found = await self.dht.get(f"{key}.plan")
-        if found is None or not found.entries:
-            return False
-        tickets = await self._tickets(key)
-        return any(
-            self._plausible(key, subkey, record.writer, members, tickets)
-            for subkey, record, members in _plans(found)
-        )
-
     async def _formed(self, key: str, me: PeerId, stale: set[bytes]) -> bool:
         """Rule 1 of the module docstring: a plausible plan that leaves us out is already stored under
-        ``<key>.plan``. A plan naming us is stale (a plan made from a ticket of ours that we left under the
-        key: module docstring, "Stale plans"): we join, and the leader's new plan replaces it; the stale
-        record's signature goes into ``stale``, so that we never adopt it."""
+        ``<key>.plan``. A plan naming us is stale (a failed earlier attempt of ours at this step, under the
+        same key): we join, and the leader's new plan replaces it; the stale record's signature goes into
+        ``stale``, so that we never adopt it (its round already ran: module docstring, "Stale plans")."""
         found = await self.dht.get(f"{key}.plan")
         if found is None or not found.entries:
             return False
         tickets = await self._tickets(key)
-        for subkey, record, members in _plans(found):
+        for subkey, record in found.entries.items():
+            try:
+                members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
+            except DECODE_FAILURES:
+                continue
             if me in members:
                 stale.add(record.signature)
-            elif self._plausible(key, subkey, record.writer, members, tickets):
+            if (
+                subkey == record.writer.encode()
+                and me not in members
+                and len(members) >= 2
+                and all(m in tickets for m in members)
+                and record.writer == leader_of(key, members)
+            ):
                 return True
         return False
-
-    @staticmethod
-    def _plausible(
-        key: str, subkey: bytes, writer: str, members: Sequence[str], tickets: Container[str]
-    ) -> bool:
-        """A plan record that the leader of its (at least two) members wrote under its own subkey, all of
-        them with tickets under the key: no outsider can store one ahead of the members (rule 1)."""
-        return (
-            subkey == writer.encode()
-            and len(members) >= 2
-            and all(m in tickets for m in members)
-            and writer == leader_of(key, members)
-        )
 
     def _own_signature(self, key: str) -> bytes:
         """The signature of the ticket we just stored under ``key``."""
@@ -684,16 +655,6 @@ class Matchmaker:
             raise PlanRefused(
                 f"deadline {assembly.deadline:.1f} s exceeds the bound from {own.deadline:.1f} s"
             )
-
-
-def _plans(found: DHTValue) -> Iterator[tuple[bytes, SignedRecord, list[str]]]:
-    """The decodable plan records of a ``<key>.plan`` read, with their members' peer ids."""
-    for subkey, record in found.entries.items():
-        try:
-            members = [m.peer_id for m in _ASSEMBLY.decode(record.value).members]
-        except DECODE_FAILURES:
-            continue
-        yield subkey, record, members
 
 
 def agreed_numel(tickets: Iterable[JoinTicket]) -> int | None:

@@ -17,11 +17,8 @@ protocol beside :class:`BatchStep`; they read the view from the progress board a
 3. if every slice was averaged, apply the group's mean gradient: one optimizer step, identical on every
    member (the all-reduce's results are bit-identical and so are the optimizer states);
 4. if the round failed (a member died, a slice's aggregator vanished), the gradients go back into the
-   accumulators and the survivors retry the round: no accumulated sample is lost. A peer left out of the
-   round while others stepped re-downloads the state. Each attempt matchmakes under the lowest key of
-   the step that no plan has spent, the same for every member whatever attempts it made before, also
-   across calls (:mod:`shared.averaging.attempts`: keys reused by a fixed cycle of attempts left
-   members out of phase failing one round for ever).
+   accumulators and the survivors retry the round (a new matchmaking key per attempt): no accumulated
+   sample is lost. A peer left out of the round while others stepped re-downloads the state.
 5. Alone in the run (no other credible peer), we step with our own gradient at once, without
    matchmaking; alone at our step after a matchmaking that found nobody, likewise -- but only with
    evidence that we *are* alone (``lone``: :func:`shared.alone.lone_step`, fed by
@@ -73,7 +70,6 @@ from protocols.training import AVERAGING_PREFIX, TrainingSpec
 from shared import faults
 from shared.alone import LoneStep
 from shared.averaging.allreduce import Averager, GroupPlan
-from shared.averaging.attempts import AttemptKeys, attempt_key
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.averaging.round_length import round_length
 from shared.errors import ProjectError
@@ -194,7 +190,6 @@ class BatchStep:
         self._quota: tuple[int, int] | None = None  # (step, our share of the samples toward step + 1)
         self._planned: tuple[int, int] | None = None  # (step, the round's samples toward step + 1)
         self._done_at: float | None = None  # when our share of this step was done (time.monotonic())
-        self.attempts = AttemptKeys()  # which key the step's next attempt matchmakes under
 
     # ------------------------------------------------------------------ when
 
@@ -405,29 +400,19 @@ class BatchStep:
             overflow=overflow,
             numel=self.trainer.numel,  # auxiliary aggregators adopt the length computing members agree on
         )
-        index: int | None = None
         try:
             with self.averager.joining(step):  # a member that started before us gets PENDING, not NOT_FOUND
-                # the lowest key of the step no plan has spent (shared.averaging.attempts)
-                index = await self.attempts.next(step, lambda key: self.matchmaker.spent(step, key))
                 plan = await self.matchmaker.assemble(
-                    step, ticket, self.trainer.numel, group_key=attempt_key(index)
+                    step, ticket, self.trainer.numel, group_key=f"a{attempt}"
                 )
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
-            if index is not None:
-                self.attempts.done(step, index, alone=False)
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
             self.waiting(_round_failure(str(exc)))
             return None
-        assert index is not None
-        # whatever comes of the round, this key is spent for us (we come back only if we were alone there)
-        self.attempts.done(step, index, alone=plan is None and self.matchmaker.alone)
         if plan is None:
             if alone and taken.samples > 0:
                 return await self._alone(step, taken)
-            logger.info(
-                "step %d: no group this time (attempt %d, key %s)", step + 1, attempt + 1, attempt_key(index)
-            )
+            logger.info("step %d: no group this time (attempt %d)", step + 1, attempt + 1)
             return None
         claimed = any(m.overflow for m in plan.members)
         if believed(self.trainer.loss_scale, claimed):  # every member of the plan skips: no averaging
