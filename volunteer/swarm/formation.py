@@ -324,7 +324,10 @@ async def form(
         at = _bounded_join(member.record.started, joined_at, now, config.window)
         if peer != me and at is not None and at <= close:
             joined[peer] = at
-            measured[peer] = {s.peer: s.rtt for s in member.record.links}
+            claims: dict[str, float] = {}
+            for sample in member.record.links:  # the first claim per peer counts (bounded_links)
+                claims.setdefault(sample.peer, sample.rtt)
+            measured[peer] = claims
     measured[me] = dict(mine)
     peers = sorted(joined)
     capacities: dict[str, tuple[float, float]] = {}
