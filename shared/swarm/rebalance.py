@@ -57,8 +57,20 @@ is searched: ``O(P S log S)`` for ``P`` reports and ``S`` stages (Algorithm 2: `
 
 **What it trusts.** A server that has not measured yet reports rate 0: it keeps its stage non-empty but
 adds no capacity, so the service reports a rate only after a full measuring period. Rates are
-self-reported; the service bounds each by what trainers observed of that server (DESIGN D10 (c)) before
-planning, since an inflated rate would hold peers away from a stage that needs them.
+self-reported (DESIGN D10 (c)), and an inflated one would hold peers away from the stage that needs them:
+one stranger claiming 10^9 samples/s makes its stage look served for ever, the others move out of it, and
+the run's throughput falls to what that stage's honest servers (or the liar itself) really process. So
+every reader first bounds the rates with :func:`bound_rates`, the rule the averaging weights follow
+(:mod:`shared.averaging.groups`): no rate counts for more than :data:`RATE_FACTOR` times the *lower*
+median of the measured (positive) rates of the run's servers. With a minority of liars the lower median
+is an honest server's rate (or below it), so a liar adds at most ``RATE_FACTOR`` honest servers' worth of
+capacity to its stage: it can hold that many peers away, never the whole run. An honest server more than
+``RATE_FACTOR`` times faster than the median (a large accelerator among small ones) is counted at the cap:
+its stage looks weaker than it is and draws more servers than it needs, a loss of balance, not of work.
+Under-reporting is not bounded, and needs no bound: a server claiming 0 is an unmeasured one, holding its
+slot and adding nothing, which any peer that stops computing does. What trainers observe of a server (its
+answers' latency) only bounds its rate from *below* (latency includes the network and its queue), so it
+cannot tell an inflated claim apart; bounding a claim by trainers' observations is not done.
 
 **Newcomers** (§3.2: "assigned to the optimal pipeline stage by following the same protocol"):
 :func:`place_newcomer` returns a stage no server serves, if there is one (a stage whose servers have not
@@ -72,14 +84,26 @@ collision within a period.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Move", "RebalancePlan", "ServerReport", "load_ratio", "place_newcomer", "plan_rebalance"]
+__all__ = [
+    "RATE_FACTOR",
+    "Move",
+    "RebalancePlan",
+    "ServerReport",
+    "bound_rates",
+    "load_ratio",
+    "place_newcomer",
+    "plan_rebalance",
+]
 
 DEFAULT_HYSTERESIS = 0.1
+#: No server's rate counts for more than this many times the lower median of the measured rates.
+RATE_FACTOR = 8.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +149,22 @@ class RebalancePlan:
     capacities_after: tuple[float, ...]
     throughput_before: float
     throughput_after: float
+
+
+def bound_rates(reports: Sequence[ServerReport], factor: float = RATE_FACTOR) -> list[ServerReport]:
+    """``reports`` with every rate capped at ``factor`` times the lower median of the positive rates
+    (module docstring, "What it trusts"); unchanged when no rate is positive. Order is kept.
+
+    Raises:
+        ValueError: ``factor`` is not finite and ``>= 1``.
+    """
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"factor must be finite and >= 1, got {factor}")
+    measured = sorted(r.rate for r in reports if math.isfinite(r.rate) and r.rate > 0.0)
+    if not measured:
+        return list(reports)
+    cap = factor * measured[(len(measured) - 1) // 2]
+    return [dataclasses.replace(r, rate=cap) if r.rate > cap else r for r in reports]
 
 
 def load_ratio(capacities: Sequence[float]) -> float:

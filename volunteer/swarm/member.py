@@ -13,7 +13,8 @@
    the stage is ahead of us, as any newcomer of a collaboration does).
 3. **Rebalancing.** Every ``period`` seconds (App. D's ``T``) it reads the records again, turns each into
    a :class:`~shared.swarm.rebalance.ServerReport` (rate: the samples per second of busy time the server
-   publishes; queue: its admitted requests) and runs :func:`~shared.swarm.rebalance.plan_rebalance`.
+   publishes, bounded by :func:`~shared.swarm.rebalance.bound_rates` against a stranger's inflated claim;
+   queue: its admitted requests) and runs :func:`~shared.swarm.rebalance.plan_rebalance`.
    Every server reads the same records and runs the same pure rule, so they agree on who moves without a
    coordinator (records read at slightly different moments can disagree; the hysteresis margin and one
    move per period keep that from moving two peers for one gap, and the next period corrects a surplus).
@@ -54,7 +55,13 @@ from protocols.swarm import STAGE_RECORD_TTL
 from protocols.training import TrainingSpec
 from shared.node import Node
 from shared.swarm.directory import StageServerEntry, find_stage_servers
-from shared.swarm.rebalance import DEFAULT_HYSTERESIS, ServerReport, place_newcomer, plan_rebalance
+from shared.swarm.rebalance import (
+    DEFAULT_HYSTERESIS,
+    ServerReport,
+    bound_rates,
+    place_newcomer,
+    plan_rebalance,
+)
 
 from ..collab.optimizer import CollabConfig, StepRecord
 from ..tasks.base import Task
@@ -84,7 +91,8 @@ async def read_reports(
 ) -> tuple[list[ServerReport], dict[int, dict[str, StageServerEntry]]]:
     """Every stage's servers as rebalancing reports (module docstring, 3), and the entries they came from.
     A server listed under two stages (one it moved from, whose record has not expired yet) reports at the
-    stage of its newer record.
+    stage of its newer record. Rates are bounded (:func:`~shared.swarm.rebalance.bound_rates`): a stranger's
+    inflated claim counts as at most a few honest servers.
 
     Raises:
         whatever the DHT lookups raise (CALL_FAILURES).
@@ -103,7 +111,7 @@ async def read_reports(
     for name, (k, entry) in newest.items():
         rate = entry.record.samples_per_second
         reports.append(ServerReport(name, k, rate if math.isfinite(rate) else 0.0, entry.record.queued))
-    return reports, entries
+    return bound_rates(reports), entries
 
 
 async def serve_swarm(

@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.swarm.rebalance import (
+    RATE_FACTOR,
     Move,
     ServerReport,
+    bound_rates,
     load_ratio,
     place_newcomer,
     plan_rebalance,
@@ -254,3 +256,49 @@ def test_newcomers_that_see_no_server_spread_by_their_peer_ids() -> None:
     chosen = {place_newcomer([], 3, tiebreak=peer) for peer in peers}
     assert chosen == {0, 1, 2}
     assert place_newcomer([], 3) == 0  # no tiebreak: the lower index, as before
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0.0), st.floats(0.0, 1e12)), max_size=20), st.floats(1.0, 100.0))
+def test_bounded_rates_never_grow_and_stay_within_the_factor_of_the_lower_median(
+    rates: list[float], factor: float
+) -> None:
+    reports = [ServerReport(f"p{i:02d}", i % 3, rate) for i, rate in enumerate(rates)]
+    bounded = bound_rates(reports, factor)
+    assert [(r.peer, r.stage, r.queue) for r in bounded] == [(r.peer, r.stage, r.queue) for r in reports]
+    measured = sorted(r for r in rates if r > 0.0)
+    for old, new in zip(reports, bounded, strict=True):
+        assert new.rate <= old.rate
+        if measured:
+            assert new.rate <= factor * measured[(len(measured) - 1) // 2]
+        if not measured or old.rate <= factor * measured[(len(measured) - 1) // 2]:
+            assert new.rate == old.rate  # honest rates within the bound are untouched
+
+
+def test_a_stranger_claiming_a_huge_rate_cannot_empty_its_stage_of_honest_servers() -> None:
+    """One liar serving stage 0 claims 10^9 samples/s and processes nothing (D10c). Run the periods to
+    their fixed point (no hysteresis: it only stops moves earlier). Unbounded, every honest server leaves
+    stage 0: the liar alone serves it, and the run stops. Bounded, the liar counts as RATE_FACTOR honest
+    servers: the stage keeps about k honest ones, 8 + k = (30 - k) / 2 at balance, k = 14/3."""
+
+    def settle(bound: bool) -> list[ServerReport]:
+        reports = [ServerReport("liar", 0, 1e9)]
+        reports += [ServerReport(f"h{i:02d}", i % 3, 1.0) for i in range(30)]  # 10 honest per stage
+        for _ in range(100):
+            plan = plan_rebalance(bound_rates(reports) if bound else reports, 3, hysteresis=0.0)
+            if not plan.moves:
+                return reports
+            reports = apply(reports, plan.moves, [1.0] * 3)
+        raise AssertionError("rebalancing did not settle")
+
+    def honest_in_stage_0(reports: list[ServerReport]) -> int:
+        return sum(1 for r in reports if r.stage == 0 and r.peer != "liar")
+
+    assert honest_in_stage_0(settle(bound=False)) == 0
+    balance = (30 - 2 * RATE_FACTOR) / 3  # RATE_FACTOR + k = (30 - k) / 2
+    assert honest_in_stage_0(settle(bound=True)) in (math.floor(balance), math.ceil(balance))
+
+
+def test_bound_rates_refuses_a_factor_below_one() -> None:
+    with pytest.raises(ValueError, match="factor"):
+        bound_rates([ServerReport("a", 0, 1.0)], 0.5)
