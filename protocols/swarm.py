@@ -56,6 +56,13 @@ target batch, averages with the LP's roles, and a newcomer downloads the stage's
 **Announcements** (DHT): key ``swarm.stage.<k>``, subkey = the server's peer id (ASCII), value = msgpack
 :class:`StageRecord`, written only by that peer, expiring after :data:`STAGE_RECORD_TTL` and republished
 every third of it. A server that leaves stops republishing; trainers forget it when the record expires.
+
+**Link records** (DHT, issue 17 item 5; the rule that reads them is :mod:`shared.swarm.links`): while a
+swarm run forms, every server publishes under key :data:`LINKS_KEY` (subkey = its peer id, ASCII; written
+only by that peer, expiring after :data:`LINK_RECORD_TTL`) a :class:`LinkRecord`: the stage count, when it
+joined the formation (unix time), its direct addresses, and the round-trip times it measured to at most
+:data:`MAX_LINK_SAMPLES` other servers (an authenticated DHT ping, timed). Every value is bounded by the
+type (lengths, counts, physical ranges) so a decoded record never allocates or claims more than that.
 """
 
 from __future__ import annotations
@@ -68,10 +75,14 @@ import msgspec
 from .averaging import INT8_BLOCK, CodecName
 from .errors import ProtocolError
 from .training import TrainingKeys
-from .types import MultiaddrStr
+from .types import MultiaddrStr, PeerIdStr
 
 __all__ = [
     "FIELD_DTYPES",
+    "LINKS_KEY",
+    "LINK_RECORD_TTL",
+    "MAX_LINK_RTT",
+    "MAX_LINK_SAMPLES",
     "MAX_DIM",
     "MAX_FIELDS",
     "MAX_NUMEL",
@@ -80,10 +91,13 @@ __all__ = [
     "STAGE_RECORD_TTL",
     "STAGE_TOPIC",
     "FieldSpec",
+    "LinkRecord",
+    "LinkSample",
     "StageAnswer",
     "StageRecord",
     "StageRequest",
     "TensorSpec",
+    "decode_link_record",
     "decode_stage_answer",
     "decode_stage_record",
     "decode_stage_request",
@@ -105,6 +119,14 @@ MAX_NUMEL = 1 << 28
 MAX_FIELDS = 8
 #: Short: a dead server's record misleads rebalancing until it expires (trainers ban it at once).
 STAGE_RECORD_TTL = 12.0
+#: The DHT key of the servers' link measurements while a run forms (module docstring, "Link records").
+LINKS_KEY = "swarm.links"
+#: Long enough to outlive a formation window; a formation reads them only once, when it closes.
+LINK_RECORD_TTL = 300.0
+#: The most measured links one record carries (a server samples, it does not measure all n - 1).
+MAX_LINK_SAMPLES = 64
+#: The largest round-trip time a record may state, in seconds (beyond it a link is useless anyway).
+MAX_LINK_RTT = 60.0
 #: Field dtypes a trainer may send (little-endian) and their item sizes.
 FIELD_DTYPES: dict[str, int] = {"int64": 8, "int32": 4, "float32": 4, "bool": 1, "uint8": 1}
 
@@ -178,6 +200,23 @@ class StageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     samples_per_second: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0
 
 
+class LinkSample(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One measured link: to ``peer``, the round trip in seconds."""
+
+    peer: PeerIdStr
+    rtt: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_LINK_RTT)]
+
+
+class LinkRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A server's link measurements while its run forms (module docstring, "Link records")."""
+
+    stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)]
+    #: when the writer joined the formation (unix time; a claim, bounded by the reader)
+    started: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+    addrs: Annotated[list[MultiaddrStr], msgspec.Meta(max_length=8)]
+    links: Annotated[list[LinkSample], msgspec.Meta(max_length=MAX_LINK_SAMPLES)] = []
+
+
 def stage_training_keys(stage: int) -> TrainingKeys:
     """The keys the servers of ``stage`` meet under as a collaboration of their own (progress records,
     state announcements, averaging rounds): ``swarm.s<k>.progress``, ``.state`` and ``.avg``."""
@@ -235,6 +274,7 @@ def _check_request(request: StageRequest) -> None:
 _REQUEST = msgspec.msgpack.Decoder(StageRequest)
 _ANSWER = msgspec.msgpack.Decoder(StageAnswer)
 _RECORD = msgspec.msgpack.Decoder(StageRecord)
+_LINKS = msgspec.msgpack.Decoder(LinkRecord)
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes, what: str) -> T:
@@ -280,4 +320,16 @@ def decode_stage_record(value: bytes) -> StageRecord:
         raise ProtocolError(f"stage {record.stage} of {record.stages} stages")
     if not math.isfinite(record.samples_per_second):
         raise ProtocolError("samples_per_second is not finite")
+    return record
+
+
+def decode_link_record(value: bytes) -> LinkRecord:
+    """Decode a server's link record (the bounds of its type; NaN is refused by the range checks).
+
+    Raises:
+        ProtocolError: malformed, or a field out of range.
+    """
+    record = _decode(_LINKS, value, "link record")
+    if not math.isfinite(record.started):
+        raise ProtocolError("started is not finite")
     return record

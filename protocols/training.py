@@ -247,6 +247,9 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
       ``target_batch`` samples) and run trainers that carry micro-batches of ``local_batch`` samples
       through one server per stage; every ``rebalance_period`` seconds the servers move from the least
       to the most loaded stage (:mod:`shared.swarm.rebalance`). ``stages`` is 0 outside this mode.
+      ``formation_window`` above 0: the servers that start within that many seconds of the first measure
+      their links and are placed by the heterogeneous scheduler (:mod:`volunteer.swarm.formation`); 0
+      (the default) places every server as a newcomer.
     """
 
     mode: SyncMode = "batch"
@@ -257,6 +260,7 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     overlap: bool = False
     stages: Annotated[int, msgspec.Meta(ge=0, le=MAX_STAGES)] = 0
     rebalance_period: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 30.0
+    formation_window: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 0.0
 
 
 class TrainingSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -5,7 +5,10 @@
 
 1. **Placement.** It reads every stage's records (:func:`~shared.swarm.directory.find_stage_servers`)
    and serves the stage :func:`~shared.swarm.rebalance.place_newcomer` names: an empty stage first, then
-   the one with the least capacity (§3.2: newcomers join "the optimal pipeline stage").
+   the one with the least capacity (§3.2: newcomers join "the optimal pipeline stage"). With a
+   ``formation`` configured and no stage record of another server yet, the run is forming: it measures
+   links with the other forming servers and serves the stage the scheduler gives it
+   (:mod:`.formation`; seed 002 §3).
 2. **Serving** that stage with :func:`~.stage_service.serve_stage` (which downloads the stage's state when
    the stage is ahead of us, as any newcomer of a collaboration does).
 3. **Rebalancing.** Every ``period`` seconds (App. D's ``T``) it reads the records again, turns each into
@@ -62,6 +65,7 @@ from shared.swarm.rebalance import (
 
 from ..collab.optimizer import CollabConfig, StepRecord
 from ..tasks.base import Task
+from .formation import FormationConfig, FormationOutcome, estimate_workload, form
 from .server import StageServerConfig
 from .stage_service import StageService, serve_stage
 
@@ -79,6 +83,7 @@ class SwarmMember:
         self.stage: int | None = None
         self.service: StageService | None = None
         self.moves: list[tuple[int, int]] = []  # (from, to) of each move made
+        self.formation: FormationOutcome | None = None  # the run's formation, if we took part in it
 
 
 async def read_reports(
@@ -126,18 +131,28 @@ async def serve_swarm(
     device: str = "cpu",
     on_step: Callable[[StepRecord], None] | None = None,
     leave: trio.Event | None = None,
+    formation: FormationConfig | None = None,
 ) -> None:
     """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled or the
     stage we serve reached the run's step limit. ``hysteresis``: the relative throughput gain a move must
     promise (refilling an empty stage always does); ``on_step``: called after each step of the stage we
     serve (:func:`~.stage_service.serve_stage`); ``leave``: once set, we hand the stage over (module
-    docstring, "Leaving") and return."""
+    docstring, "Leaving") and return; ``formation``: place us by the scheduler when the run is forming
+    (module docstring, 1)."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
     with node.tolerated.around("swarm placement read"):
         reports, _ = await read_reports(node, stages)
-    target = place_newcomer([r for r in reports if r.peer != me], stages, tiebreak=me)
+    others = [r for r in reports if r.peer != me]
+    if formation is not None and not others:
+        work = formation.workload
+        if work is None:
+            work = await trio.to_thread.run_sync(estimate_workload, task, spec, stages)
+        member.formation = await form(node, run_id, stages, formation, work)
+        target = member.formation.stage
+    else:
+        target = place_newcomer(others, stages, tiebreak=me)
     while True:
         member.stage = target
         logger.info("serving stage %d of %d", target, stages)

@@ -55,6 +55,7 @@ from ..session import TrainingSession
 from ..tasks.base import Task
 from ..training import STOP_GRACE, batches
 from .client import NoStageServer, SwarmClient
+from .formation import FormationConfig
 from .member import SwarmMember, serve_swarm
 
 __all__ = ["SWARM_ROLES", "SwarmSession", "limit_reached"]
@@ -175,6 +176,7 @@ class SwarmSession(TrainingSession):
             device=self.device,
             on_step=self._on_stage_step,
             leave=leave,
+            formation=FormationConfig(window=window) if (window := self.spec.sync.formation_window) else None,
         )
         if not leave.is_set():
             limit.set()
