@@ -26,8 +26,11 @@ is a round of :data:`DILOCO_ROUND` times the recipe's target batch, after which 
 their pseudo-gradients, 8-bit compressed with error feedback, and take the outer step together.
 
 With ``--sync swarm`` (``[sync] mode = "swarm"``) the tiny-mlm model has :data:`SWARM_STAGES` layers,
-split into as many pipeline stages; four volunteers by default each serve a stage (placed where they are
-needed most) and run a trainer that carries micro-batches through one server per stage. Each stage is a
+split into as many pipeline stages; four volunteers by default each serve a stage and run a trainer that
+carries micro-batches through one server per stage. The volunteers that start within
+:data:`SWARM_FORMATION` seconds of the first form the run: they measure the round trips among them and
+the heterogeneous scheduler places them (the stage column marks them ``*``); a later one joins the stage
+that needs it most. Each stage is a
 collaboration of its servers and steps every 64 samples; the table shows which stage each volunteer
 serves and each stage's step. Half-way (or half-way to ``--until-step``, which then counts the steps of
 the slowest stage) the demo stops a volunteer that serves a stage alone: it hands the stage over, and
@@ -71,6 +74,7 @@ SPS_WINDOW = 10  # steps over which a volunteer's samples/s is measured
 DILOCO_ROUND = 8  # --sync diloco: a round is this many of the recipe's target batches
 SWARM_STAGES = 3  # --sync swarm: the model's pipeline stages
 SWARM_PERIOD = 8.0  # --sync swarm: seconds between rebalancing decisions
+SWARM_FORMATION = 15.0  # --sync swarm: seconds the run's first servers measure links before placement
 RECIPES = Path(__file__).resolve().parents[1] / "deploy" / "recipes"  # the manifests --recipe names
 
 console = Console()
@@ -236,7 +240,9 @@ def table(
             facts = swarm_status(v.data)
             stage = None if facts is None else facts.get("stage")
             moves = [] if facts is None else facts.get("moves", [])
-            where = ("—" if stage is None else str(stage) + "".join(f" (←{a})" for a, _ in moves[-1:]),)
+            formed = (facts or {}).get("formation") or {}
+            tag = "*" if formed.get("by_scheduler") and not moves else ""  # placed by the scheduler
+            where = ("—" if stage is None else f"{stage}{tag}" + "".join(f" (←{a})" for a, _ in moves[-1:]),)
             if facts is not None and code is None:
                 state = str(facts.get("doing", state))
             last = last if last is None or last.get("stage") == stage else None  # a step of its old stage
@@ -448,6 +454,7 @@ def swarm_manifest(recipe: str) -> str:
         switched
         + f"\n[task_options]\nlayers = {SWARM_STAGES}  # one transformer block per stage\n"
         + f'\n[sync]\nmode = "swarm"\nstages = {SWARM_STAGES}\nrebalance_period = {SWARM_PERIOD:g}\n'
+        + f"formation_window = {SWARM_FORMATION:g}  # links measured, scheduler places\n"
     )
 
 
@@ -507,6 +514,7 @@ def main() -> int:
     if args.until_step is not None and args.until_step < 1:
         parser.error("--until-step must be at least 1")
     began = time.monotonic()
+    swarm_run = args.sync == "swarm"
     work = prepare_work_dir(args.work_dir)
     manifest = work / "manifest.toml"
     recipe = (RECIPES / f"{args.recipe}.toml").read_text()
@@ -530,10 +538,15 @@ def main() -> int:
         volunteers = [start_volunteer(work, n, run_id, address, code) for n, code in codes_by_name.items()]
         console.print(
             "step, loss (of its own batches) and samples/s: each volunteer's steps.jsonl; peers: in its "
-            "last averaging round; conns: open connections (its status.json)",
+            "last averaging round; conns: open connections (its status.json)"
+            + (
+                "; stage: * placed by the scheduler as the run formed, (←k) moved from stage k"
+                if swarm_run
+                else ""
+            ),
             highlight=False,
         )
-        watch(volunteers, backbone, args.seconds, args.until_step, swarm=args.sync == "swarm")
+        watch(volunteers, backbone, args.seconds, args.until_step, swarm=swarm_run)
     except (KeyboardInterrupt, Stop):
         console.print("interrupted: stopping now")
     except SystemExit as exc:

@@ -326,10 +326,20 @@ class SwarmSession(TrainingSession):
 
     def status(self) -> dict[str, Any]:
         """What ``swarm.json`` in the data dir holds (rewritten every refresh): the stage we serve, its
-        step, our moves, what our trainers sent, the stages' steps as we know them."""
+        step, the formation we placed ourselves in (if any), our moves, what our trainers sent, the
+        stages' steps as we know them."""
         service = self.member.service
+        formation = self.member.formation
         return {
             "stage": self.member.stage,
+            # the run's formation, if we took part (module .formation): how many servers, how placed
+            "formation": None
+            if formation is None
+            else {
+                "servers": len(formation.joined),
+                "scheduled": len(formation.placement.scheduled),
+                "by_scheduler": str(self.node.peer_id) in formation.placement.scheduled,
+            },
             "stages": self.stages,
             "step": None if service is None else service.collab.trainer.step,
             "served_samples": None if service is None else service.server.stats.samples,
