@@ -939,6 +939,12 @@ class LedgerStore:
         self._settle(settle)
         return True
 
+    def swarm_stages(self) -> list[int]:
+        """The pipeline stages with recorded steps (a swarm run's; empty: a data-parallel run)."""
+        with self._tx(write=False) as conn:
+            found = conn.execute(select(StageStep.stage).distinct().order_by(StageStep.stage)).scalars()
+            return [int(k) for k in found]
+
     def stage_steps(self, stage: int | None = None) -> list[tuple[int, int, int, int | None, str]]:
         """The recorded steps of a swarm run's stages (of ``stage``; None: all), as ``(stage, step,
         samples, target_batch, source)``, by stage and step."""
