@@ -236,7 +236,7 @@ def test_record_stage_step_is_idempotent_and_checks_its_arguments(store: LedgerS
     assert store.stage_steps() == [(0, 1, 4, 8, "tracker")]
     for bad in ({"stage": 64}, {"stage": -1}, {"step": -1}, {"target_batch": 0}):
         args = {"stage": 0, "step": 2, "target_batch": 8} | bad
-        with pytest.raises(ValueError, match="stage|negative"):
+        with pytest.raises(ValueError, match=r"stage|negative"):
             store.record_stage_step(
                 args["stage"],
                 args["step"],
