@@ -1741,22 +1741,25 @@ def _largest_stage_batches(conn: Connection) -> dict[int, float]:
 
 def _stage_weights(conn: Connection, peer_id: str) -> float:
     """The sum of ``peer_id``'s counted stage receipt weights, each capped by its stage step's cap (a
-    step only receipts evidence: by the largest cap of its stage; none recorded: uncapped, as for
-    data-parallel steps before the tracker recorded any)."""
-    rows = conn.execute(
-        select(StageReceipt.stage, StageReceipt.weight, StageStep.source, _stage_step_cap())
+    step only receipts evidence, or recorded without samples nor target: by the largest cap of its
+    stage; no cap known: uncapped, as for data-parallel steps before the tracker recorded any)."""
+    largest = (
+        select(StageStep.stage.label("stage"), func.max(_stage_step_cap()).label("cap"))
+        .where(StageStep.source != "receipts")
+        .group_by(StageStep.stage)
+        .subquery()
+    )
+    unknown = (StageStep.source == "receipts") | (StageStep.target_batch.is_(None) & (StageStep.samples <= 0))
+    bound = case((unknown, func.coalesce(largest.c.cap, 0.0)), else_=_stage_step_cap())
+    capped = case(((bound > 0) & (StageReceipt.weight > bound), bound), else_=StageReceipt.weight)
+    total = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
         .select_from(StageReceipt)
         .join(StageStep, (StageStep.stage == StageReceipt.stage) & (StageStep.step == StageReceipt.step))
+        .outerjoin(largest, largest.c.stage == StageReceipt.stage)
         .where(StageReceipt.sender == peer_id, StageReceipt.discarded == 0)
-    ).all()
-    if not rows:
-        return 0.0
-    largest = _largest_stage_batches(conn)
-    total = 0.0
-    for stage, weight, source, cap in rows:
-        bound = largest.get(int(stage), 0.0) if source == "receipts" or cap is None or cap <= 0 else cap
-        total += min(float(weight), bound) if bound > 0 else float(weight)
-    return total
+    ).scalar_one()
+    return float(total)
 
 
 def _store_stage_receipts(

@@ -287,3 +287,51 @@ def test_sorted_receipts_splits_by_kind_and_loses_none(keys: list[tuple[int | No
     assert sorted(stages) == sorted({(s, t) for s, t in keys if s is not None})
     assert all(r.stage is None and r.step == k for k, rs in steps.items() for r in rs)
     assert all((r.stage, r.step) == k for k, rs in stages.items() for r in rs)
+
+
+_event = st.one_of(
+    st.tuples(st.just("step"), st.integers(0, 2), st.integers(0, 6)),
+    st.tuples(
+        st.just("report"),
+        st.integers(0, 40),
+        st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 20)), max_size=6),
+    ),
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(_event, max_size=12))
+def test_stage_credit_is_min_of_claims_and_first_capped_weights_whatever_the_order(
+    tmp_path_factory: pytest.TempPathFactory,
+    events: list[tuple],  # type: ignore[type-arg]
+) -> None:
+    """Any interleaving of stage step records and reports: alice is never credited more than she
+    claimed nor than the once-counted, capped weights of recorded stage steps; once every stage step is
+    recorded, exactly ``min(claims, sum over (stage, step) of min(first weight, batch))``."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('ledger') / 'ledger.sqlite3'}"
+    with LedgerStore.open(url) as store:
+        join(store, "alice", ALICE)
+        join(store, "bob", BOB)
+        claims, first, recorded, seq = 0, {}, set(), 0
+        for event in events:
+            if event[0] == "step":
+                _, stage, step = event
+                stage_steps(store, stage, step)
+                recorded.add((stage, step))
+            else:
+                _, claim, weights = event
+                receipts = [stage_receipt(BOB, ALICE, k, s, w) for k, s, w in weights]
+                record(store, ALICE, seq, samples=claim, receipts=receipts)
+                seq += 1
+                claims += claim
+                best: dict[tuple[int, int], int] = {}
+                for k, s, w in weights:
+                    best[k, s] = max(best.get((k, s), 0), w)
+                for key, w in best.items():
+                    first.setdefault(key, w)
+            counted = sum(min(w, 8) for key, w in first.items() if key in recorded)
+            assert samples(store)["alice"] <= min(claims, sum(min(w, 8) for w in first.values()))
+            assert samples(store)["alice"] >= min(claims, counted)  # late evidence settled at once
+        for stage in range(3):
+            stage_steps(store, stage, *range(7))
+        assert samples(store)["alice"] == min(claims, sum(min(w, 8) for w in first.values()))
