@@ -190,7 +190,8 @@ bytes as the client's records say, at most ``MAX_BANDWIDTH_BPS`` bytes per secon
 unflagged intervals (which do not overlap), as aggregation bytes are bounded only by pull records.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
-colluding users can credit each other at most one recorded batch per sender and step (samples), and
+colluding users can credit each other at most one recorded batch per sender and step (samples; in a
+swarm run per sender, stage and step, in stage-samples), and
 aggregation bytes as large as their pull records say (the ledger does not know the model's size), and
 relayed bytes as large as their relay records say (within a link's ceiling per second of interval).
 Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
