@@ -118,5 +118,7 @@ async def test_two_users_serving_one_stage_are_credited_their_stage_samples(tmp_
         assert sum(computed.values()) == 16 * STEPS  # every stage-sample of stage 0, once
         for name in users:
             assert 0 < credited[name] <= min(claimed[name], computed[name]), (credited, claimed, computed)
-        assert [s for _, s, *_ in api.store.stage_steps(1)] == list(range(1, STEPS + 1))
+        # the backbone tracked stage 1 too (a step taken within one of its polls may pass unseen)
+        tracked = api.store.stage_steps(1)
+        assert tracked and all(1 <= s <= STEPS and source == "tracker" for _, s, _, _, source in tracked)
         nursery.cancel_scope.cancel()
