@@ -602,7 +602,8 @@ def ledger(
     """Show who contributed what, the recent steps or the flagged reports.
 
     The leaderboard: per user, the samples, compute time, time online and bytes aggregated that receipts
-    of other users' peers back, and how many reports were flagged and why (rule codes). With --steps: the
+    of other users' peers back, and how many reports were flagged and why (rule codes). In a swarm run the
+    samples are stage-samples: a sample through one pipeline stage. With --steps: the
     run's last global steps (finished at, loss, held-out loss, batch against the target, peers) and its loss
     curve. With --flags: each flagged report, the rules it broke and the details.
 
@@ -622,6 +623,7 @@ def ledger(
         return
     with _ledger(data_dir, database_url) as store:
         rows = store.leaderboard()
+        stages = store.swarm_stages()
     if as_json:
         print(msgspec.json.encode(rows).decode())
         return
@@ -664,6 +666,13 @@ def ledger(
         "gradients; online: time in the run",
         highlight=False,
     )
+    if stages:  # a swarm run (backbone.ledger.accounting, "Swarm runs")
+        out.print(
+            f"a swarm run of {len(stages)} stages: samples are stage-samples, a sample through one stage "
+            "(a sample through every stage counts once for each stage's server)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if any(row.flagged_reports for row in rows):
         out.print(
             f"each flagged report and why: backbone ledger --data-dir {data_dir} --flags",

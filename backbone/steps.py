@@ -19,6 +19,13 @@ volunteer at a target of 48 were recorded with 192 samples, the 4x ceiling, and 
 seen only with 0 samples and claimed by nobody gets no row: the tracker did not see it worked on
 (receipts may still evidence it, below).
 
+**Swarm runs** (``[sync] mode = "swarm"``; :mod:`backbone.ledger.accounting`, "Swarm runs"). Each
+pipeline stage is a collaboration of its own, publishing its progress under its own key
+(:func:`protocols.swarm.stage_training_keys`), with its own step counter; the run has no global step. The
+backbone then runs one tracker per stage over that stage's records, by the same rules, and records the
+steps it saw each stage take with :meth:`~backbone.ledger.LedgerStore.record_stage_step` (their batches
+in stage-samples), so that stage servers' receipts count. The log lines name the stage.
+
 **Logs.** Each recorded step is logged at DEBUG; at INFO a progress line every
 :data:`PROGRESS_EVERY_STEPS` steps or :data:`PROGRESS_EVERY_S` seconds (steps, loss, median batch
 against the target, peers), and once "run finished" when a step reaches the run's ``max_steps``.
@@ -39,12 +46,13 @@ import functools
 import logging
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import trio
 
-from protocols.training import Progress, TrainingSpec
+from protocols.swarm import stage_training_keys
+from protocols.training import PROGRESS_KEY, Progress, TrainingSpec
 from shared.node import Node
 from shared.progress import MAX_SAMPLES_FACTOR, claimed_batch, plausible, summarize
 from shared.progress_records import read_progress_with_users
@@ -58,6 +66,8 @@ __all__ = [
     "PROGRESS_EVERY_STEPS",
     "StepLog",
     "StepTracker",
+    "StepWatcher",
+    "watchers",
     "observed_samples",
     "record_steps_forever",
 ]
@@ -143,6 +153,8 @@ class StepLog:
     max_steps: int = 0
     every_steps: int = PROGRESS_EVERY_STEPS
     every_s: float = PROGRESS_EVERY_S
+    #: whose steps: "global" (a data-parallel run) or "stage k" (a swarm run's stage)
+    name: str = "global"
     _batches: list[int] = field(default_factory=list)
     _losses: list[float] = field(default_factory=list)
     _peers: int = 0
@@ -153,7 +165,7 @@ class StepLog:
 
     def step(self, step: int, loss: float | None, samples: int, peers: int, now: float) -> None:
         loss_text = "—" if loss is None else f"{loss:.4f}"
-        logger.debug("global step %d: loss %s, %d samples, %d peers", step, loss_text, samples, peers)
+        logger.debug("%s step %d: loss %s, %d samples, %d peers", self.name, step, loss_text, samples, peers)
         if self._since is None:
             self._since = now
         self._first = step if self._first is None else self._first
@@ -172,7 +184,9 @@ class StepLog:
         if 0 < self.max_steps <= step and not self._finished:
             self._finished = True
             self.flush(now)
-            logger.info("run finished: global step %d reached the run's max_steps (%d)", step, self.max_steps)
+            logger.info(
+                "run finished: %s step %d reached the run's max_steps (%d)", self.name, step, self.max_steps
+            )
 
     def flush(self, now: float) -> None:
         """Log the progress line of the steps since the last one (nothing if there were none)."""
@@ -180,7 +194,8 @@ class StepLog:
             return
         loss = f"loss {statistics.fmean(self._losses):.4f}" if self._losses else "loss —"
         logger.info(
-            "global steps %d-%d recorded: %s, median batch %d / target %d, up to %d peers",
+            "%s steps %d-%d recorded: %s, median batch %d / target %d, up to %d peers",
+            self.name,
             self._first,
             self._last,
             loss,
@@ -191,6 +206,76 @@ class StepLog:
         self._batches, self._losses, self._peers, self._first, self._since = [], [], 0, None, now
 
 
+RecordStep = Callable[..., bool]
+
+
+@dataclass
+class StepWatcher:
+    """One collaboration's tracker (the run's, or one stage's): reads the progress records under ``key``
+    and records the steps it saw taken with ``record`` (:meth:`LedgerStore.record_step`, or
+    ``record_stage_step`` bound to a stage)."""
+
+    spec: TrainingSpec
+    key: str
+    record: RecordStep
+    log: StepLog
+    tracker: StepTracker = field(default_factory=StepTracker)
+    planned: PlannedRounds = field(default_factory=PlannedRounds)
+
+    async def poll(self, node: Node) -> None:
+        """One read of the records and the steps it shows taken (raises what the DHT read raises)."""
+        spec = self.spec
+        records, users = await read_progress_with_users(node.dht, self.key)
+        if not records:
+            return
+        now = time.time()
+        nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=now)
+        view = summarize(
+            records,
+            node.peer_id,
+            nobody,
+            now=now,
+            target_batch=spec.target_batch,
+            anchored=False,
+            users=users,
+            min_target=spec.sync.min_round,
+        )
+        peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
+        samples_seen = observed_samples(records, view.step, now, spec.target_batch)
+        batch = claimed_batch(records, view.step, spec.target_batch, users, now)
+        self.planned.see(view.step, view.target)
+        observed = self.tracker.observe(view.step, samples_seen, peers, view.loss, batch)
+        for step, loss, samples, count in observed:
+            record = functools.partial(
+                self.record,
+                step,
+                finished_at=time.time(),
+                loss=loss,
+                samples=samples,
+                peers=count,
+                target_batch=self.planned.of(step, spec.target_batch),
+            )
+            recorded = await trio.to_thread.run_sync(record, limiter=DB_WRITE)
+            if recorded:
+                self.log.step(step, loss, samples, count, time.time())
+        self.log.reached(view.step, time.time())
+
+
+def watchers(store: LedgerStore, spec: TrainingSpec) -> list[StepWatcher]:
+    """The trackers a run needs (module docstring): one per stage in a swarm run, else the run's."""
+    if spec.sync.mode == "swarm" and spec.sync.stages > 0:
+        return [
+            StepWatcher(
+                spec,
+                stage_training_keys(k).progress,
+                functools.partial(store.record_stage_step, k),
+                StepLog(spec.target_batch, spec.max_steps, name=f"stage {k}"),
+            )
+            for k in range(spec.sync.stages)
+        ]
+    return [StepWatcher(spec, PROGRESS_KEY, store.record_step, StepLog(spec.target_batch, spec.max_steps))]
+
+
 async def record_steps_forever(
     node: Node,
     store: LedgerStore,
@@ -198,45 +283,12 @@ async def record_steps_forever(
     period: float = 1.0,
     tolerated: Tolerated | None = None,
 ) -> None:
-    """Feed the tracker every ``period`` seconds; a failed read is counted in ``tolerated`` (the
+    """Feed the trackers every ``period`` seconds; a failed read is counted in ``tolerated`` (the
     backbone's status shows it) and retried at the next period."""
-    tracker = StepTracker()
-    log = StepLog(spec.target_batch, spec.max_steps)
     tolerated = tolerated if tolerated is not None else Tolerated(logger)
-    nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
-    planned = PlannedRounds()
+    tracked = watchers(store, spec)
     while True:
-        with tolerated.around("steps.read"):
-            records, users = await read_progress_with_users(node.dht)
-            if records:
-                now = time.time()
-                view = summarize(
-                    records,
-                    node.peer_id,
-                    nobody,
-                    now=now,
-                    target_batch=spec.target_batch,
-                    anchored=False,
-                    users=users,
-                    min_target=spec.sync.min_round,
-                )
-                peers = view.peers_at_step - (view.step == 0)  # not ourselves (a "peer" at step 0)
-                samples_seen = observed_samples(records, view.step, now, spec.target_batch)
-                batch = claimed_batch(records, view.step, spec.target_batch, users, now)
-                planned.see(view.step, view.target)
-                observed = tracker.observe(view.step, samples_seen, peers, view.loss, batch)
-                for step, loss, samples, count in observed:
-                    record = functools.partial(
-                        store.record_step,
-                        step,
-                        finished_at=time.time(),
-                        loss=loss,
-                        samples=samples,
-                        peers=count,
-                        target_batch=planned.of(step, spec.target_batch),
-                    )
-                    recorded = await trio.to_thread.run_sync(record, limiter=DB_WRITE)
-                    if recorded:
-                        log.step(step, loss, samples, count, time.time())
-                log.reached(view.step, time.time())
+        for watcher in tracked:
+            with tolerated.around("steps.read"):
+                await watcher.poll(node)
         await trio.sleep(period)

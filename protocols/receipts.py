@@ -20,6 +20,16 @@ aggregators bound a member's weight by the group's statistics (see :mod:`shared.
 credits each ``(sender, step)`` at most once, only from receipts signed by a peer of *another* user, and
 never beyond the run's recorded steps (see :mod:`backbone.ledger.accounting`).
 
+**Swarm runs** (issue 17). Each pipeline stage of a swarm run is a collaboration of its own among that
+stage's servers, with its own step counter. An aggregator of stage ``k`` signs receipts with
+``stage = k``: the weight is then *stage-samples* (samples whose activations went through stage ``k``
+on the sender; one sample through a 3-stage pipeline is 3 stage-samples, one per stage) and ``step`` is
+stage ``k``'s step. A data-parallel receipt has ``stage = None``, which is omitted from its bytes
+(``omit_defaults``), so data-parallel receipts are byte-identical to those of versions before the field and
+their signatures still verify. The stage is signed, so a receipt cannot be moved to another stage (nor a
+data-parallel receipt into a stage) without breaking its signature. A backbone older than the field
+refuses a stage receipt as malformed (``forbid_unknown_fields``): it credits nothing, as before.
+
 Sizes: a signed receipt is at most :data:`MAX_RECEIPT_BYTES` + 64 bytes; a report carries at most
 :data:`MAX_RECEIPTS_PER_REPORT` receipts and :data:`MAX_PULLED_PER_REPORT` pull records, so a report fits
 in :data:`protocols.ledger.MAX_REPORT_BYTES`. A member keeps at most :data:`RECEIPTS_PER_STEP` receipts per
@@ -62,15 +72,20 @@ RECEIPTS_PER_STEP = 2
 _MAX_COUNT = 2**53
 _MAX_TIME = 1e12
 _RECEIPT_DOMAIN = b"dedloc-part-receipt-v1"
+#: stages of a swarm run: protocols.training.MAX_STAGES (not imported: protocols.training imports this
+#: module through protocols.averaging; tests/protocols/test_receipts_stage.py checks they agree)
+MAX_STAGES = 64
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_COUNT)]
 _Weight = Annotated[float, msgspec.Meta(ge=0, le=float(_MAX_COUNT))]
 _UnixTime = Annotated[float, msgspec.Meta(ge=0, le=_MAX_TIME)]
 _GroupId = Annotated[bytes, msgspec.Meta(max_length=32)]
+_Stage = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
 
 
-class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Aggregator ``aggregator`` averaged ``sender``'s parts for ``step`` with weight ``weight``."""
+class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Aggregator ``aggregator`` averaged ``sender``'s parts for ``step`` with weight ``weight`` (of
+    pipeline stage ``stage`` in a swarm run; None: a data-parallel run's global step)."""
 
     run_id: RunIdStr
     aggregator: PeerIdStr  # the signer
@@ -81,8 +96,12 @@ class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     weight: _Weight  # the weight the aggregator used (samples), after its bounds
     nbytes: _Count  # encoded bytes of the sender's parts it accepted
     issued_at: _UnixTime
+    #: the pipeline stage whose collaboration took ``step`` (swarm runs; module docstring)
+    stage: _Stage | None = None
 
     def __post_init__(self) -> None:
+        if self.stage is not None and not 0 <= self.stage < MAX_STAGES:
+            raise ValueError(f"stage {self.stage!r} is not within [0, {MAX_STAGES})")
         if not (math.isfinite(self.weight) and 0 <= self.weight <= _MAX_COUNT):
             raise ValueError(f"weight {self.weight!r} is not within [0, 2**53]")
         if not (math.isfinite(self.issued_at) and 0 <= self.issued_at <= _MAX_TIME):

@@ -35,8 +35,8 @@ collaboration of its servers and steps every 64 samples; the table shows which s
 serves and each stage's step. Half-way (or half-way to ``--until-step``, which then counts the steps of
 the slowest stage) the demo stops a volunteer that serves a stage alone: it hands the stage over, and
 rebalancing (every :data:`SWARM_PERIOD` seconds) moves a volunteer from another stage into it, which
-downloads the stage's state and continues from its step. The ledger records the volunteers' sessions;
-it does not credit a swarm run's samples yet.
+downloads the stage's state and continues from its step. The ledger credits each stage server its
+*stage-samples* (a sample through one stage), backed by receipts of the other servers of its stage.
 
 Each process writes its stdout and stderr to ``<name>.log`` in the work dir (a fresh temporary directory
 unless ``--work-dir`` is given); the demo prints where they are.

@@ -19,16 +19,21 @@ if TYPE_CHECKING:
 
 
 async def start_node(
-    nursery: trio.Nursery, run_id: str, initial: list[str], tag: str | None = None
+    nursery: trio.Nursery,
+    run_id: str,
+    initial: list[str],
+    tag: str | None = None,
+    identity: Identity | None = None,
 ) -> tuple[Node, trio.CancelScope]:
     """A volunteer node on 127.0.0.1 running in ``nursery`` (its tasks tagged ``tag`` for fault points), and
-    the scope that stops it as if its process died (its connections close)."""
+    the scope that stops it as if its process died (its connections close). ``identity``: the node's key
+    (default: a new one)."""
 
     async def run(task_status: trio.TaskStatus[tuple[Node, trio.CancelScope]]) -> None:
         with trio.CancelScope() as scope, faults.scope(tag or "none"):
             async with (
                 open_node(
-                    Identity.generate(),
+                    identity or Identity.generate(),
                     run_id,
                     "volunteer",
                     listen=["/ip4/127.0.0.1/tcp/0"],

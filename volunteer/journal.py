@@ -93,10 +93,11 @@ class _Opened(msgspec.Struct, frozen=True, tag="opened", tag_field="k"):
     t: float
 
 
-class _Booked(msgspec.Struct, frozen=True, tag="booked", tag_field="k"):
+class _Booked(msgspec.Struct, frozen=True, tag="booked", tag_field="k", omit_defaults=True):
     step: int
     receipts: list[tuple[str, SignedReceipt]]
     pulled: list[PulledSlice]
+    stage: int | None = None  # a swarm run's pipeline stage (volunteer.receipts); omitted when None
 
 
 class _Queued(msgspec.Struct, frozen=True, tag="queued", tag_field="k"):
@@ -159,7 +160,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
         elif isinstance(entry, JournaledStep):
             state.open_steps.append(entry)
         elif isinstance(entry, _Booked):
-            book.add(entry.step, entry.receipts, entry.pulled)
+            book.add(entry.step, entry.receipts, entry.pulled, stage=entry.stage)
         elif isinstance(entry, _Relayed):
             state.relay_claim += entry.claim
             state.relay_through.update(entry.through)
@@ -352,14 +353,14 @@ def compacted(
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
     held: list[Entry] = []
-    for step, receipts, pulled in book.held():
+    for stage, step, receipts, pulled in book.held_by_stage():
         pairs = []
         for signed in receipts:
             try:
                 pairs.append((decode_receipt(signed.receipt).aggregator, signed))
             except ProtocolError:
                 continue
-        held.append(_Booked(step, pairs, pulled))
+        held.append(_Booked(step, pairs, pulled, stage))
     queued: list[Entry] = [_Queued(s.report, s.signature) for s, _ in unsent]
     budget = MAX_JOURNAL_BYTES - sum(len(encode_line(e)) for e in held)
     sizes = [len(encode_line(e)) for e in queued]
@@ -398,8 +399,13 @@ def relayed(claim: int, through: dict[str, int]) -> Entry:
     return _Relayed(claim, through)
 
 
-def booked(step: int, receipts: list[tuple[str, SignedReceipt]], pulled: list[PulledSlice]) -> Entry:
-    return _Booked(step, receipts, pulled)
+def booked(
+    step: int,
+    receipts: list[tuple[str, SignedReceipt]],
+    pulled: list[PulledSlice],
+    stage: int | None = None,
+) -> Entry:
+    return _Booked(step, receipts, pulled, stage)
 
 
 def discarded_steps(first: int, last: int) -> Entry:

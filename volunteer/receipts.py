@@ -7,6 +7,10 @@ aggregators signed for this peer, and what this peer pulled from each aggregator
 :data:`MAX_HELD_STEPS` steps' worth; the oldest go first when it overflows (counted in ``dropped``), so a
 backbone that is unreachable for hours cannot make a volunteer grow without bound.
 
+A step is a ``(stage, step)`` pair: in a swarm run each pipeline stage counts its own steps
+(``stage``: the stage whose collaboration took the step; None: a data-parallel run's global step), and a
+server that moved between stages holds receipts of one step number of two stages, each bounded apart.
+
 Plain Python, no trio, no locks: every call runs on the trio thread.
 """
 
@@ -41,21 +45,26 @@ class ReceiptBook:
     peer_id: str
     max_steps: int = MAX_HELD_STEPS
     dropped: int = 0  # steps dropped on overflow
-    _steps: OrderedDict[int, _Step] = field(default_factory=OrderedDict)
+    _steps: OrderedDict[tuple[int | None, int], _Step] = field(default_factory=OrderedDict)
     #: called with each :meth:`add`'s arguments first (the reporter journals them: volunteer.journal)
-    on_add: Callable[[int, list[tuple[str, SignedReceipt]], list[PulledSlice]], None] | None = None
+    on_add: Callable[[int, list[tuple[str, SignedReceipt]], list[PulledSlice], int | None], None] | None = (
+        None
+    )
 
     def add(
         self,
         step: int,
         receipts: Iterable[tuple[str, SignedReceipt]],
         pulled: Iterable[PulledSlice] = (),
+        *,
+        stage: int | None = None,
     ) -> None:
-        """Hold what one round of ``step`` left. ``receipts``: (aggregator peer id, signed receipt)."""
+        """Hold what one round of ``step`` (of pipeline stage ``stage``; None: data-parallel) left.
+        ``receipts``: (aggregator peer id, signed receipt)."""
         receipts, pulled = list(receipts), list(pulled)
         if self.on_add is not None:
-            self.on_add(step, receipts, pulled)
-        entry = self._steps.setdefault(step, _Step())
+            self.on_add(step, receipts, pulled, stage)
+        entry = self._steps.setdefault((stage, step), _Step())
         others = [(a, r) for a, r in receipts if a != self.peer_id]
         own = [(a, r) for a, r in receipts if a == self.peer_id]
         for _, receipt in [*others, *own]:
@@ -75,7 +84,7 @@ class ReceiptBook:
         receipts: list[SignedReceipt] = []
         pulled: list[PulledSlice] = []
         while self._steps:
-            step, entry = next(iter(self._steps.items()))
+            key, entry = next(iter(self._steps.items()))
             room_r, room_p = max_receipts - len(receipts), max_pulled - len(pulled)
             if room_r <= 0 and room_p <= 0:
                 break
@@ -85,19 +94,24 @@ class ReceiptBook:
             entry.pulled = entry.pulled[room_p:]
             if entry.receipts or entry.pulled:
                 break
-            del self._steps[step]
+            del self._steps[key]
         return receipts, pulled
 
     def put_back(self, step: int, receipts: list[SignedReceipt], pulled: list[PulledSlice]) -> None:
-        """Return what a report that failed to reach any backbone carried (it goes out again later)."""
-        entry = self._steps.setdefault(step, _Step())
+        """Return what a report that failed to reach any backbone carried (it goes out again later; held
+        under ``(None, step)``: the receipts say their stages themselves)."""
+        entry = self._steps.setdefault((None, step), _Step())
         entry.receipts[:0] = receipts
         entry.pulled[:0] = pulled
-        self._steps.move_to_end(step, last=False)
+        self._steps.move_to_end((None, step), last=False)
 
     def held(self) -> list[tuple[int, list[SignedReceipt], list[PulledSlice]]]:
         """Everything held, oldest step first: ``(step, receipts, pull records)``."""
-        return [(step, list(e.receipts), list(e.pulled)) for step, e in self._steps.items()]
+        return [(step, list(e.receipts), list(e.pulled)) for (_, step), e in self._steps.items()]
+
+    def held_by_stage(self) -> list[tuple[int | None, int, list[SignedReceipt], list[PulledSlice]]]:
+        """Everything held, oldest first: ``(stage, step, receipts, pull records)``."""
+        return [(stage, step, list(e.receipts), list(e.pulled)) for (stage, step), e in self._steps.items()]
 
     def __len__(self) -> int:
         return sum(len(e.receipts) + len(e.pulled) for e in self._steps.values())

@@ -176,9 +176,13 @@ class Reporter:
             tmp.replace(self._seq_path)
 
     def _journal_booked(
-        self, step: int, receipts: list[tuple[str, SignedReceipt]], pulled: list[PulledSlice]
+        self,
+        step: int,
+        receipts: list[tuple[str, SignedReceipt]],
+        pulled: list[PulledSlice],
+        stage: int | None = None,
     ) -> None:
-        self.journal.append(journal.booked(step, receipts, pulled))
+        self.journal.append(journal.booked(step, receipts, pulled, stage))
 
     def _compact(self) -> None:
         self.journal.rewrite(

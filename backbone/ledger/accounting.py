@@ -103,6 +103,53 @@ and a report is credited the increase of (S, C, B) over what the peer's earlier 
 (:func:`credit_due`; never negative, except for a report that discards steps). A duplicate or replayed
 receipt adds nothing, and no peer is ever credited more than both it claimed and others observed.
 
+**Swarm runs** (issue 17 item 6; DESIGN D10). In a swarm run (``[sync] mode = "swarm"``) each pipeline
+stage ``k`` is a data-parallel collaboration of its own among the servers of that stage
+(:mod:`volunteer.swarm.stage_service`), under its own DHT keys (``swarm.s<k>.progress``, ...) and with its
+own step counter; the run has no global step. The unit of a stage server's work is the **stage-sample**:
+one sample whose activations went forward and gradients backward through one stage (a sample through a
+3-stage pipeline is 3 stage-samples, one for each stage's server). The rules above apply per stage:
+
+* *claims*: a stage server reports, as ``samples``, the samples its stage steps accumulated (the
+  collaboration's own count, from the backwards trainers sent it): stage-samples. Claim and evidence are
+  in the same unit; the leaderboard's samples of a swarm run are stage-samples.
+* *receipts*: the stage's aggregators sign part receipts with ``stage = k``
+  and the stage's step; the server's :class:`~volunteer.receipts.ReceiptBook` keeps them per
+  ``(stage, step)`` (a server that moved keeps both stages' receipts of one step number) and its reports
+  carry them. One counts by :func:`verify_receipt`'s rules (this run, about the sender, signed by an
+  aggregator other than it) and the store's (the aggregator an admitted peer of another user). Each
+  ``(sender, stage, step)`` is stored once (table ``stage_receipts``), with the largest weight among the
+  report's valid receipts of it, apart from data-parallel receipts: a receipt's ``stage`` is signed, so
+  neither a data-parallel receipt nor one stage's receipt can be counted as another stage's.
+* *steps*: the backbone's tracker (:mod:`backbone.steps`) watches each stage's progress records as it
+  watches the data-parallel ones and records the steps each stage took (table ``stage_steps``: stage,
+  step, its batch and the target). A stage receipt counts only for a recorded ``(stage, step)``; one of a
+  step the tracker jumped over records it (``source = 'receipts'``) when the step is at or below the
+  highest step of *that stage* a backbone saw taken (the frontier is per stage: stages step at their
+  own pace); beyond it, it is held, and counted once the stage's step is recorded.
+* *caps*: the weight is capped by the larger of the stage step's recorded batch and its target, exactly
+  as a data-parallel step's; a stage step only receipts evidence, by the largest cap of a step of that
+  stage a backbone recorded.
+* *credit*: the receipt weights ``S`` of the rules above sum the peer's data-parallel *and* stage
+  receipts (a peer takes part in one run, so in practice one kind), so ``S = min(claimed samples, receipt
+  weights)`` holds over both, and late evidence (a stage step recorded after the receipt arrived) is
+  credited as for data-parallel steps.
+* *discards*: a server whose stage's state is replaced *because it is behind* (it downloads the
+  stage's state, or moves to another stage and downloads that one) loses nothing of its own: the steps
+  it took are a prefix of the stage's history, or another stage's. Only a *fork* of a stage (steps only
+  its minority took, replaced when it re-syncs) would need a discard, and the report format cannot list
+  stage steps cheaply: ``StepRange`` is an array-like struct, and msgspec (0.22) encodes a defaulted
+  trailing field of one, so adding ``stage`` there would change the bytes of every data-parallel
+  discard; a new report field with its journal and reporter logic is more than this change. The stage
+  collaboration therefore reports no discards (its ``on_discard`` is not wired): a server on a stage
+  fork keeps the credit of that fork's receipts, at most one stage batch per step per receipt from an
+  aggregator of another user -- what a sender hiding its discards gains in a data-parallel run (Limits).
+* *not credited yet*: trainers (they hold no parameters and are averaged with nobody: the evidence of
+  their work would be signed by the stage servers they used, which sign nothing for them today), the
+  bytes stage aggregators serve (stage rounds' pull records are not put in reports: a ``PulledSlice`` has
+  no stage, and a stage step's pull would be matched against the data-parallel steps), and bytes a
+  trainer or server sends over the bulk lane.
+
 **Late evidence** (a receipt held until its step is recorded, a pull of this peer's slice in another
 peer's report) is credited as soon as it counts, not with the peer's next report: when a step is
 recorded (by the tracker, or from receipts) and when a report brings pull records, the store credits
@@ -143,7 +190,8 @@ bytes as the client's records say, at most ``MAX_BANDWIDTH_BPS`` bytes per secon
 unflagged intervals (which do not overlap), as aggregation bytes are bounded only by pull records.
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
-colluding users can credit each other at most one recorded batch per sender and step (samples), and
+colluding users can credit each other at most one recorded batch per sender and step (samples; in a
+swarm run per sender, stage and step, in stage-samples), and
 aggregation bytes as large as their pull records say (the ledger does not know the model's size), and
 relayed bytes as large as their relay records say (within a link's ceiling per second of interval).
 Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
@@ -210,6 +258,7 @@ __all__ = [
     "relay_cap",
     "relay_evidence",
     "reason_codes",
+    "sorted_receipts",
     "valid_receipts",
     "verify_receipt",
     "verify_report",
@@ -368,9 +417,21 @@ def verify_receipt(signed: SignedReceipt, run_id: str, sender: str) -> PartRecei
 def valid_receipts(
     report: ContributionReport, run_id: str
 ) -> tuple[dict[int, list[PartReceipt]], Counter[str]]:
-    """The report's receipts that pass :func:`verify_receipt`, by step, and how many did not, by code.
-    (Whose peer signed them is the store's to check; it then keeps the largest weight per step.)"""
-    valid: dict[int, list[PartReceipt]] = {}
+    """The report's data-parallel receipts that pass :func:`verify_receipt`, by step, and how many of all
+    its receipts did not, by code. (Whose peer signed them is the store's to check; it then keeps the
+    largest weight per step.) Stage receipts: :func:`sorted_receipts`."""
+    steps, _stages, rejected = sorted_receipts(report, run_id)
+    return steps, rejected
+
+
+def sorted_receipts(
+    report: ContributionReport, run_id: str
+) -> tuple[dict[int, list[PartReceipt]], dict[tuple[int, int], list[PartReceipt]], Counter[str]]:
+    """The report's receipts that pass :func:`verify_receipt`: the data-parallel ones by step, those of a
+    swarm run's stages by ``(stage, step)`` (module docstring, "Swarm runs"), and how many did not, by
+    code."""
+    steps: dict[int, list[PartReceipt]] = {}
+    stages: dict[tuple[int, int], list[PartReceipt]] = {}
     rejected: Counter[str] = Counter()
     for signed in report.receipts:
         try:
@@ -378,8 +439,11 @@ def valid_receipts(
         except ReceiptRejected as exc:
             rejected[exc.code] += 1
             continue
-        valid.setdefault(receipt.step, []).append(receipt)
-    return valid, rejected
+        if receipt.stage is None:
+            steps.setdefault(receipt.step, []).append(receipt)
+        else:
+            stages.setdefault((receipt.stage, receipt.step), []).append(receipt)
+    return steps, stages, rejected
 
 
 def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bool = False) -> Credit:

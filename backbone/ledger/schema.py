@@ -31,6 +31,11 @@ Tables::
                    computed over the run's held-out examples with the parameters of a step, their
                    fingerprint and the held-out set's digest; a step's loss is the cross-check of
                    its rows (backbone.ledger.evaluations), computed when read
+    stage_steps    one row per (stage, step) a swarm run's stage really took (schema 9): as ``steps``,
+                   per pipeline stage (each stage counts its own steps); ``samples`` and
+                   ``target_batch`` are stage-samples (backbone.ledger.accounting, "Swarm runs")
+    stage_receipts part receipts of stage aggregators that count, one per (sender, stage, step) ever
+                   (schema 9): as ``receipts``, counted once their (stage, step) is in ``stage_steps``
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -96,12 +101,14 @@ __all__ = [
     "Relayed",
     "Report",
     "SchemaVersion",
+    "StageReceipt",
+    "StageStep",
     "Step",
     "User",
     "create_schema",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -297,6 +304,44 @@ class Step(Base):
     target_batch: Mapped[int | None] = mapped_column(Integer)
 
 
+class StageStep(Base):
+    """A step a swarm run's stage ``stage`` took (schema 9): ``steps``' columns, in stage-samples."""
+
+    __tablename__ = "stage_steps"
+
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    finished_at: Mapped[float]
+    loss: Mapped[float | None]
+    samples: Mapped[int]
+    peers: Mapped[int] = mapped_column(Integer)
+    #: ``tracker`` (a backbone saw the stage take it) or ``receipts`` (a counting receipt, at or below
+    #: the highest step of the stage a backbone saw taken)
+    source: Mapped[str] = mapped_column(String(16), default="tracker")
+    #: the run's target batch when the tracker recorded it (NULL: receipts)
+    target_batch: Mapped[int | None] = mapped_column(Integer)
+
+
+class StageReceipt(Base):
+    """A receipt of a stage aggregator that counts (schema 9): ``aggregator`` (a peer of another user)
+    averaged ``sender``'s parts of stage ``stage``'s ``step`` with ``weight`` stage-samples."""
+
+    __tablename__ = "stage_receipts"
+    __table_args__ = (Index(None, "held", "stage", "step"), Index(None, "stage", "step"))
+
+    sender: Mapped[str] = mapped_column(String(64), primary_key=True)
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    aggregator: Mapped[str] = mapped_column(String(64))
+    weight: Mapped[float]
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+    #: 1: not credited (kept for stage discards; no report lists those yet: accounting, "Swarm runs")
+    discarded: Mapped[int] = mapped_column(Integer, default=0)
+    #: 1 while (stage, step) is not in ``stage_steps``
+    held: Mapped[int] = mapped_column(Integer, default=0)
+
+
 class EvaluationRecord(Base):
     """``peer_id`` (of user ``user_id`` when it arrived) computed held-out loss ``loss`` over ``examples``
     examples (digest ``eval_set``) with the parameters of ``step`` (fingerprint ``params``); the signed
@@ -433,6 +478,11 @@ def _migrate_7_to_8(conn: Connection) -> None:
     _add_column(conn, "reports", "credited_bytes_relayed", "DOUBLE PRECISION NOT NULL DEFAULT 0")
 
 
+def _migrate_8_to_9(conn: Connection) -> None:
+    """Version 9 (issue 17 item 6): a swarm run's stage steps and stage receipts, two new tables (made by
+    ``create_all``); no old row changes, so data-parallel credit is untouched."""
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -449,6 +499,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     5: _migrate_5_to_6,
     6: _migrate_6_to_7,
     7: _migrate_7_to_8,
+    8: _migrate_8_to_9,
 }
 
 

@@ -68,7 +68,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, SQLAlchemy
 from protocols.evaluation import Evaluation, SignedEvaluation
 from protocols.ledger import Capabilities, ContributionReport, SignedReport
 from protocols.peer_id import peer_id_from_public_key
-from protocols.receipts import PartReceipt
+from protocols.receipts import MAX_STAGES, PartReceipt
 from shared.errors import ConfigError
 
 from .accounting import (
@@ -80,7 +80,7 @@ from .accounting import (
     credit_due,
     reason_codes,
     relay_evidence,
-    valid_receipts,
+    sorted_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
 from .evaluations import Claim, StepEvaluation, summarize
@@ -94,6 +94,8 @@ from .schema import (
     Receipt,
     Relayed,
     Report,
+    StageReceipt,
+    StageStep,
     Step,
     User,
     create_schema,
@@ -689,7 +691,8 @@ class LedgerStore:
         now: float,
     ) -> Verdict | None:
         values = _report_values(signed, report, now)
-        receipts, rejected = valid_receipts(report, report.run_id)  # signatures: outside the write lock
+        # signatures: outside the write lock
+        receipts, stage_receipts, rejected = sorted_receipts(report, report.run_id)
         try:
             with self._tx(write=True) as conn:
                 peer = _load_peer(conn, report.peer_id, for_update=True)
@@ -710,16 +713,24 @@ class LedgerStore:
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
+                notes += _store_stage_receipts(conn, report, stage_receipts, peer.user_id, report_id)
                 relays, relay_notes = _store_relayed(
                     conn, report, peer.user_id, report_id, counts=assessment.credited
                 )
                 notes += relay_notes
                 evidenced = _record_evidenced_steps(conn, now)
                 _refresh_evidenced_samples(conn, set(receipts) | evidenced)
+                stage_evidenced = _record_evidenced_stage_steps(conn, now)
+                _refresh_evidenced_stage_samples(conn, set(stage_receipts) | stage_evidenced)
                 # Peers whose evidence this report made count: the aggregators of its pull records, and
                 # everyone with receipts or pulls of the steps it just recorded. Credited below, each in
                 # its own transaction (one row lock at a time: no deadlock between two backbones).
-                settle = _evidenced_peers(conn, evidenced) | {p.aggregator for p in report.pulled} | relays
+                settle = (
+                    _evidenced_peers(conn, evidenced)
+                    | _stage_evidenced_peers(conn, stage_evidenced)
+                    | {p.aggregator for p in report.pulled}
+                    | relays
+                )
                 credit = (
                     _credit(conn, report.peer_id, debit=bool(report.discarded))
                     if assessment.credited
@@ -867,6 +878,83 @@ class LedgerStore:
             raise
         self._settle(settle)
         return True
+
+    def record_stage_step(
+        self,
+        stage: int,
+        step: int,
+        *,
+        finished_at: float,
+        loss: float | None,
+        samples: int,
+        peers: int,
+        target_batch: int | None = None,
+    ) -> bool:
+        """Record that a backbone saw stage ``stage`` of a swarm run take ``step`` (``source =
+        'tracker'``; ``samples`` and ``target_batch`` in stage-samples): :meth:`record_step`, per stage
+        (accounting's docstring, "Swarm runs"). Stage receipts of it held until now count from now on,
+        and those of the stage's steps below it the tracker jumped over record their steps.
+
+        Returns:
+            True if recorded now, False if the stage's step was recorded before (nothing changed).
+
+        Raises:
+            ValueError: a negative number, a target batch below 1, or a stage out of range.
+        """
+        if not 0 <= stage < MAX_STAGES:
+            raise ValueError(f"stage {stage} is outside [0, {MAX_STAGES})")
+        if min(step, samples, peers) < 0 or (target_batch is not None and target_batch < 1):
+            raise ValueError(f"negative stage step record: {step=}, {samples=}, {peers=}, {target_batch=}")
+        if loss is not None and not math.isfinite(loss):
+            loss = None
+        values = {
+            "finished_at": finished_at,
+            "loss": loss,
+            "samples": samples,
+            "peers": peers,
+            "target_batch": target_batch,
+        }
+        mine = (StageStep.stage == stage, StageStep.step == step)
+        try:
+            with self._tx(write=True) as conn:
+                source = conn.execute(select(StageStep.source).where(*mine)).scalar_one_or_none()
+                if source == "receipts":  # evidenced by receipts first: the tracker knows more of it
+                    conn.execute(update(StageStep).where(*mine).values(source="tracker", **values))
+                elif source is not None:
+                    return False
+                else:
+                    conn.execute(insert(StageStep).values(stage=stage, step=step, source="tracker", **values))
+                conn.execute(
+                    update(StageReceipt)
+                    .where(StageReceipt.stage == stage, StageReceipt.step == step, StageReceipt.held == 1)
+                    .values(held=0)
+                )
+                evidenced = _record_evidenced_stage_steps(conn, finished_at)
+                _refresh_evidenced_stage_samples(conn, evidenced)
+                settle = _stage_evidenced_peers(conn, {(stage, step)} | evidenced)
+        except _Conflict:
+            if self._exists(lambda conn: _stage_step_exists(conn, stage, step)):
+                return False
+            raise
+        self._settle(settle)
+        return True
+
+    def swarm_stages(self) -> list[int]:
+        """The pipeline stages with recorded steps (a swarm run's; empty: a data-parallel run)."""
+        with self._tx(write=False) as conn:
+            found = conn.execute(select(StageStep.stage).distinct().order_by(StageStep.stage)).scalars()
+            return [int(k) for k in found]
+
+    def stage_steps(self, stage: int | None = None) -> list[tuple[int, int, int, int | None, str]]:
+        """The recorded steps of a swarm run's stages (of ``stage``; None: all), as ``(stage, step,
+        samples, target_batch, source)``, by stage and step."""
+        query = select(
+            StageStep.stage, StageStep.step, StageStep.samples, StageStep.target_batch, StageStep.source
+        ).order_by(StageStep.stage, StageStep.step)
+        if stage is not None:
+            query = query.where(StageStep.stage == stage)
+        with self._tx(write=False) as conn:
+            return [(r[0], r[1], r[2], r[3], r[4]) for r in conn.execute(query).all()]
 
     def recent_steps(self, limit: int = 100) -> list[StepRow]:
         """The ``limit`` most recent finished steps, newest first."""
@@ -1468,6 +1556,7 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
         .join(Step, Step.global_step == Receipt.step)
         .where(Receipt.sender == peer_id, Receipt.discarded == 0)
     ).scalar_one()
+    weights += _stage_weights(conn, peer_id)
     pulled = conn.execute(
         select(func.coalesce(func.sum(sql_cast(Pull.nbytes, Double)), 0.0))
         .select_from(Pull)
@@ -1609,6 +1698,205 @@ def _record_evidenced_steps(conn: Connection, now: float) -> set[int]:
         steps = [row[0] for row in rows]
         conn.execute(update(Receipt).where(Receipt.held == 1, Receipt.step.in_(steps)).values(held=0))
     return recorded_now
+
+
+# ----------------------------------------------------------------- swarm stages (accounting: "Swarm runs")
+
+
+def _stage_step_exists(conn: Connection, stage: int, step: int) -> bool:
+    found = conn.execute(select(StageStep.step).where(StageStep.stage == stage, StageStep.step == step))
+    return found.first() is not None
+
+
+def _stage_frontiers(conn: Connection) -> dict[int, int]:
+    """Per stage, the highest step a backbone saw it take (stages without one: absent)."""
+    rows = conn.execute(
+        select(StageStep.stage, func.max(StageStep.step))
+        .where(StageStep.source != "receipts")
+        .group_by(StageStep.stage)
+    ).all()
+    return {int(stage): int(top) for stage, top in rows}
+
+
+def _stage_step_cap() -> ColumnElement[float]:
+    """The most one receipt of a recorded stage step may weigh: the larger of its batch and target."""
+    larger = case(
+        (StageStep.samples > StageStep.target_batch, StageStep.samples), else_=StageStep.target_batch
+    )
+    return case(
+        (StageStep.target_batch.is_not(None), sql_cast(larger, Double)),
+        else_=sql_cast(StageStep.samples, Double),
+    )
+
+
+def _largest_stage_batches(conn: Connection) -> dict[int, float]:
+    """Per stage, the largest receipt cap of a step of it a backbone recorded."""
+    rows = conn.execute(
+        select(StageStep.stage, func.max(_stage_step_cap()))
+        .where(StageStep.source != "receipts")
+        .group_by(StageStep.stage)
+    ).all()
+    return {int(stage): float(cap or 0) for stage, cap in rows}
+
+
+def _stage_weights(conn: Connection, peer_id: str) -> float:
+    """The sum of ``peer_id``'s counted stage receipt weights, each capped by its stage step's cap (a
+    step only receipts evidence, or recorded without samples nor target: by the largest cap of its
+    stage; no cap known: uncapped, as for data-parallel steps before the tracker recorded any)."""
+    largest = (
+        select(StageStep.stage.label("stage"), func.max(_stage_step_cap()).label("cap"))
+        .where(StageStep.source != "receipts")
+        .group_by(StageStep.stage)
+        .subquery()
+    )
+    unknown = (StageStep.source == "receipts") | (StageStep.target_batch.is_(None) & (StageStep.samples <= 0))
+    bound = case((unknown, func.coalesce(largest.c.cap, 0.0)), else_=_stage_step_cap())
+    capped = case(((bound > 0) & (StageReceipt.weight > bound), bound), else_=StageReceipt.weight)
+    total = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
+        .select_from(StageReceipt)
+        .join(StageStep, (StageStep.stage == StageReceipt.stage) & (StageStep.step == StageReceipt.step))
+        .outerjoin(largest, largest.c.stage == StageReceipt.stage)
+        .where(StageReceipt.sender == peer_id, StageReceipt.discarded == 0)
+    ).scalar_one()
+    return float(total)
+
+
+def _store_stage_receipts(
+    conn: Connection,
+    report: ContributionReport,
+    valid: dict[tuple[int, int], list[PartReceipt]],
+    user_id: int,
+    report_id: int,
+) -> Counter[str]:
+    """Store the report's verified stage receipts (``valid``, by ``(stage, step)``) once per ``(sender,
+    stage, step)``, signed by an admitted peer of another user; returns how many did not count, by code
+    (``stage_receipt_held``: stored, counted once its stage step is recorded)."""
+    notes: Counter[str] = Counter()
+    if not valid:
+        return notes
+    users = _users_of(conn, {r.aggregator for receipts in valid.values() for r in receipts})
+    frontiers = _stage_frontiers(conn)
+    for (stage, step), receipts in sorted(valid.items()):
+        others = []
+        for candidate in receipts:
+            aggregator_user = users.get(candidate.aggregator)
+            if aggregator_user is None:
+                notes["stage_receipt_unknown_aggregator"] += 1
+            elif aggregator_user == user_id:
+                notes["stage_receipt_same_user"] += 1
+            else:
+                others.append(candidate)
+        if not others:
+            continue
+        receipt = max(others, key=lambda r: r.weight)
+        notes["stage_receipt_duplicate"] += len(others) - 1
+        mine = (StageReceipt.sender == report.peer_id, StageReceipt.stage == stage, StageReceipt.step == step)
+        if conn.execute(select(StageReceipt.step).where(*mine)).first() is not None:
+            notes["stage_receipt_duplicate"] += 1
+            continue
+        recorded = _stage_step_exists(conn, stage, step)
+        if not recorded and step > frontiers.get(stage, -1):
+            notes["stage_receipt_held"] += 1
+        conn.execute(
+            insert(StageReceipt).values(
+                sender=report.peer_id,
+                stage=stage,
+                step=step,
+                aggregator=receipt.aggregator,
+                weight=receipt.weight,
+                nbytes=receipt.nbytes,
+                report_id=report_id,
+                discarded=0,
+                held=int(not recorded),
+            )
+        )
+    return notes
+
+
+def _record_evidenced_stage_steps(conn: Connection, now: float) -> set[tuple[int, int]]:
+    """Record the stage steps at or below their stage's frontier that held stage receipts evidence and
+    ``stage_steps`` lacks (``source = 'receipts'``), and mark held receipts of recorded steps counted
+    (:func:`_record_evidenced_steps`, per stage). Returns the ``(stage, step)`` recorded now."""
+    frontiers = _stage_frontiers(conn)
+    if not frontiers:
+        return set()
+    rows = conn.execute(
+        select(
+            StageReceipt.stage,
+            StageReceipt.step,
+            func.count(func.distinct(StageReceipt.sender)),
+            func.count(func.distinct(StageReceipt.aggregator)),
+            func.count(StageStep.step),  # 0: the stage step is not recorded
+        )
+        .select_from(StageReceipt)
+        .outerjoin(StageStep, (StageStep.stage == StageReceipt.stage) & (StageStep.step == StageReceipt.step))
+        .where(
+            StageReceipt.held == 1,
+            StageReceipt.discarded == 0,
+            StageReceipt.weight > 0,
+            or_(*((StageReceipt.stage == k) & (StageReceipt.step <= top) for k, top in frontiers.items())),
+        )
+        .group_by(StageReceipt.stage, StageReceipt.step)
+        .order_by(StageReceipt.stage, StageReceipt.step)
+        .limit(_EVIDENCED_PER_REPORT)
+    ).all()
+    recorded_now: set[tuple[int, int]] = set()
+    for stage, step, senders, aggregators, recorded in rows:
+        if recorded == 0:
+            recorded_now.add((int(stage), int(step)))
+            conn.execute(
+                _insert_ignore(conn, StageStep).values(
+                    stage=stage,
+                    step=step,
+                    finished_at=now,
+                    loss=None,
+                    samples=0,
+                    peers=max(2, int(senders), int(aggregators)),
+                    source="receipts",
+                )
+            )
+        conn.execute(
+            update(StageReceipt)
+            .where(StageReceipt.held == 1, StageReceipt.stage == stage, StageReceipt.step == step)
+            .values(held=0)
+        )
+    return recorded_now
+
+
+def _refresh_evidenced_stage_samples(conn: Connection, steps: set[tuple[int, int]]) -> None:
+    """A stage step only receipts evidence holds the samples of its counted receipts (each capped by its
+    stage's largest recorded batch) and their distinct senders (:func:`_refresh_evidenced_samples`)."""
+    if not steps:
+        return
+    largest = _largest_stage_batches(conn)
+    for stage, step in sorted(steps):
+        mine = (StageStep.stage == stage, StageStep.step == step, StageStep.source == "receipts")
+        peers = conn.execute(select(StageStep.peers).where(*mine)).scalar_one_or_none()
+        if peers is None:
+            continue
+        rows = conn.execute(
+            select(StageReceipt.sender, StageReceipt.weight).where(
+                StageReceipt.stage == stage, StageReceipt.step == step, StageReceipt.discarded == 0
+            )
+        ).all()
+        cap = largest.get(stage, 0.0)
+        samples = sum(min(w, cap) if cap > 0 else w for _, w in rows)
+        senders = len({sender for sender, _ in rows})
+        conn.execute(update(StageStep).where(*mine).values(samples=round(samples), peers=max(peers, senders)))
+
+
+def _stage_evidenced_peers(conn: Connection, steps: set[tuple[int, int]]) -> set[str]:
+    """The senders of stage receipts of ``steps`` (``(stage, step)``)."""
+    senders: set[str] = set()
+    for stage, step in sorted(steps):
+        found = conn.execute(
+            select(StageReceipt.sender)
+            .where(StageReceipt.stage == stage, StageReceipt.step == step)
+            .distinct()
+        ).scalars()
+        senders.update(found)
+    return senders
 
 
 def _insert_ignore(conn: Connection, table: Any) -> Any:

@@ -50,8 +50,9 @@ until every member has fetched its slice or the deadline passes.
 * once the whole slice is averaged, the aggregator signs a :class:`~protocols.receipts.PartReceipt` for
   every sender it averaged in (the weight it used, the encoded bytes it accepted) and returns it with each
   averaged part that sender pulls (``AveragedHeader.receipt``). The member verifies signature and fields
-  (signer = the aggregator, sender = itself, this run, step, group and round, weight at most its plan
-  weight) and keeps it in ``RoundResult.receipts``; a bad receipt is logged and counted, never kept.
+  (signer = the aggregator, sender = itself, this run, step, group and round, the averager's pipeline
+  ``stage`` in a swarm run (None otherwise), weight at most its plan weight) and keeps it in
+  ``RoundResult.receipts``; a bad receipt is logged and counted, never kept.
 
 **Departures** (issue 10; seed 000 §3.2). A member that leaves mid-round must cost the others seconds,
 not the round's deadline, and the round's result names it (``RoundResult.departed``) so the caller
@@ -477,8 +478,11 @@ class _Held:
 class Averager:
     """Runs all-reduce rounds for this node and serves its aggregator duties (one per host)."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, *, stage: int | None = None) -> None:
         self.host = host
+        #: the swarm run's pipeline stage whose collaboration this averager's rounds belong to (None: a
+        #: data-parallel run): stated in the receipts we sign and expected in those we get
+        self.stage = stage
         self.history = WeightHistory()
         self.stats = AveragerStatistics()
         self._duties: dict[tuple[bytes, int], _Aggregation] = {}
@@ -992,7 +996,15 @@ class Averager:
         if not verify_by_peer_id(aggregator, signed.signature, receipt_payload(signed.receipt)):
             raise ProtocolError("receipt signature does not verify against the aggregator")
         receipt = decode_receipt(signed.receipt)
-        expected = (self.host.run_id, aggregator, self.host.peer_id, step, plan.group_id, plan.round)
+        expected = (
+            self.host.run_id,
+            aggregator,
+            self.host.peer_id,
+            step,
+            plan.group_id,
+            plan.round,
+            self.stage,
+        )
         actual = (
             receipt.run_id,
             receipt.aggregator,
@@ -1000,6 +1012,7 @@ class Averager:
             receipt.step,
             receipt.group_id,
             receipt.round,
+            receipt.stage,
         )
         if actual != expected:
             raise ProtocolError(f"receipt is for {actual}, not {expected}")
@@ -1280,6 +1293,7 @@ class Averager:
                 weight=weight,
                 nbytes=duty.accepted_bytes.get(peer, 0),
                 issued_at=time.time(),
+                stage=self.stage,
             )
             duty.receipts[peer] = sign_receipt(receipt, identity.sign)
             self.stats.receipts_issued += 1

@@ -271,3 +271,17 @@ def test_ledger_shows_compute_and_online_time_and_aggregation_in_readable_units(
     assert row["online_hours"] == pytest.approx(180 / 3600)
     assert row["compute_hours"] == pytest.approx(2.5 / 3600)
     assert row["bytes_aggregated"] == 49_572
+
+
+def test_ledger_says_a_swarm_runs_samples_are_stage_samples(tmp_path: Path) -> None:
+    """Issue 17 item 6: a swarm run's credit is in stage-samples; the leaderboard says so (only then)."""
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        store.add_user("alice", now=T0)
+    code, output = ledger(tmp_path)
+    assert code == 0 and "stage-samples" not in output, output
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for stage in (0, 1, 2):
+            store.record_stage_step(stage, 1, finished_at=T0, loss=None, samples=16, peers=2, target_batch=16)
+    code, output = ledger(tmp_path)
+    assert code == 0, output
+    assert "a swarm run of 3 stages: samples are stage-samples" in " ".join(output.split())

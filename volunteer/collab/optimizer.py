@@ -89,6 +89,8 @@ class CollaborativeOptimizer:
     previous_life: int | None = None
     #: the DHT keys of this collaboration (a swarm run's stage: protocols.swarm.stage_training_keys)
     keys: TrainingKeys = TRAINING_KEYS
+    #: the swarm run's pipeline stage this collaboration is (None: data-parallel): its receipts say so
+    stage: int | None = None
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:
@@ -148,6 +150,7 @@ class CollaborativeOptimizer:
             on_step=self._record_step,
             after_step=self._after_step,
             receipts=self.receipts,
+            stage=self.stage,
             waiting=self._waiting,
             lone=self.evidence.verdict,
             averaging_prefix=self.keys.averaging,

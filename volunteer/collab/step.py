@@ -170,11 +170,13 @@ class BatchStep:
     lone: Callable[[int], Awaitable[LoneStep]] | None = None
     receipts: ReceiptBook | None = None  # where each finished round's receipts and pull records go
     averaging_prefix: str = AVERAGING_PREFIX  # the rounds' matchmaking keys (TrainingKeys.averaging)
+    #: a swarm run's pipeline stage this collaboration is (None: data-parallel): signed into receipts
+    stage: int | None = None
     stats: StepStats = field(default_factory=StepStats)
     waiting: Callable[[str | None], None] = lambda _: None
 
     def __post_init__(self) -> None:
-        self.averager = Averager(self.node.host)
+        self.averager = Averager(self.node.host, stage=self.stage)
         self.matchmaker = Matchmaker(
             self.node.dht,
             prefix=self.averaging_prefix,
@@ -433,10 +435,14 @@ class BatchStep:
             self._quota = (step + 1, quotas(rates, target)[self.node.peer_id])
         result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
         if self.receipts is not None:
+            # a stage's pull records are not reported: a PulledSlice has no stage (backbone.ledger
+            # .accounting, "Swarm runs")
+            pulled = [] if self.stage is not None else result.pulled
             self.receipts.add(
                 step + 1,
                 list(result.receipts),
-                [PulledSlice(aggregator, step + 1, nbytes) for aggregator, nbytes in result.pulled],
+                [PulledSlice(aggregator, step + 1, nbytes) for aggregator, nbytes in pulled],
+                stage=self.stage,
             )
         for j, why in result.refused.items():
             logger.warning("step %d: refused the average of %s: %s", step + 1, plan.members[j].peer_id, why)

@@ -64,6 +64,7 @@ from shared.swarm.rebalance import (
 )
 
 from ..collab.optimizer import CollabConfig, StepRecord
+from ..receipts import ReceiptBook
 from ..tasks.base import Task
 from .formation import FormationConfig, FormationOutcome, estimate_workload, form
 from .server import StageServerConfig
@@ -132,13 +133,15 @@ async def serve_swarm(
     on_step: Callable[[StepRecord], None] | None = None,
     leave: trio.Event | None = None,
     formation: FormationConfig | None = None,
+    receipts: ReceiptBook | None = None,
 ) -> None:
     """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled or the
     stage we serve reached the run's step limit. ``hysteresis``: the relative throughput gain a move must
     promise (refilling an empty stage always does); ``on_step``: called after each step of the stage we
     serve (:func:`~.stage_service.serve_stage`); ``leave``: once set, we hand the stage over (module
     docstring, "Leaving") and return; ``formation``: place us by the scheduler when the run is forming
-    (module docstring, 1)."""
+    (module docstring, 1); ``receipts``: where the receipts of every stage we serve go (the reporter's
+    book, for the ledger's credit)."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
@@ -165,7 +168,8 @@ async def serve_swarm(
             await serve_stage(
                 node, task, spec, run_id, stage, stages,
                 data_dir=data_dir, backbones=backbones, collab_config=collab_config,
-                server_config=server_config, device=device, on_step=on_step, task_status=task_status,
+                server_config=server_config, device=device, on_step=on_step, receipts=receipts,
+                task_status=task_status,
             )  # fmt: skip
             ended.set()  # the run's step limit: serve_stage returns only then
 

@@ -26,9 +26,16 @@ a step short then get :data:`FINISH_GRACE` seconds.
 
 **What is written.** ``steps.jsonl`` gets one line per step the stage we serve took here, with the
 stage's index (``"stage"``); ``status.json`` as in every mode, and ``swarm.json`` (:meth:`SwarmSession
-.status`: our stage, moves and trainers' samples). **Credit**: the session opens in the
-ledger and is kept alive like any volunteer's, but the stages' steps are not reported as the run's
-global steps (each stage counts its own steps; the ledger's per-stage credit is not built yet).
+.status`: our stage, moves and trainers' samples).
+
+**Credit** (:mod:`backbone.ledger.accounting`, "Swarm runs"). The session opens in the ledger and is kept
+alive like any volunteer's. Each step the stage we serve takes here goes into our contribution reports
+(:meth:`~volunteer.reporting.Reporter.record`): its samples are the samples our stage step accumulated
+(*stage-samples*: a sample through one stage), its step the stage's step (a report's ``global_step`` is
+then the stage's, not a global one). The stage's rounds leave the receipts its aggregators signed for
+our parts, stating the stage, in the reporter's book, and the reports carry them; the backbone records
+each stage's steps, so they count. Trainers are not credited (they average with nobody, and the
+servers sign nothing for them).
 """
 
 from __future__ import annotations
@@ -177,6 +184,7 @@ class SwarmSession(TrainingSession):
             on_step=self._on_stage_step,
             leave=leave,
             formation=FormationConfig(window=window) if (window := self.spec.sync.formation_window) else None,
+            receipts=self.reporter.book,
         )
         if not leave.is_set():
             limit.set()
@@ -230,6 +238,7 @@ class SwarmSession(TrainingSession):
     # ------------------------------------------------------------------------------------- reporting
 
     def _on_stage_step(self, record: StepRecord) -> None:
+        self.reporter.record(record)  # our stage-samples of this stage step (module docstring, "Credit")
         stage = self.member.stage
         if stage is not None:
             self.stage_steps[stage] = max(self.stage_steps.get(stage, 0), record.step)

@@ -30,6 +30,13 @@ unbounded, a round of a few seconds under a fast swarm of trainers gathered many
 progress record claiming more than ``MAX_SAMPLES_FACTOR`` target batches is not plausible to the stage's
 other servers (:func:`shared.progress.plausible`), which then believed themselves alone.
 
+**Credit** (:mod:`backbone.ledger.accounting`, "Swarm runs"). The stage's aggregators sign each
+member's receipt with the stage's index (``PartReceipt.stage``), and each member keeps the receipts of
+its parts in ``receipts`` (the session's reporter's book), keyed by ``(stage, step)``; the session claims
+the samples each stage step accumulated here (stage-samples) in its contribution reports. The backbone
+records each stage's steps, so those receipts count. The stage's pull records are not reported, and a
+stage fork's steps are not reported discarded (both: the accounting docstring).
+
 **Rates.** Samples reach a server at the trainers' pace, not at a rate of the server's own: a server
 publishes no samples-per-second (``counted(..., seconds=None)``), so the stage's estimate of its batch is
 the counted samples, never an extrapolation. The stage steps once its servers' records show the target
@@ -53,6 +60,7 @@ from shared.node import Node
 from ..collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from ..collab.phase import Phase
 from ..collab.torch_thread import run_torch
+from ..receipts import ReceiptBook
 from ..tasks.base import Task
 from .server import StageServer, StageServerConfig, announce_forever
 from .stage_trainer import StageTrainer
@@ -116,11 +124,14 @@ async def serve_stage(
     server_config: StageServerConfig | None = None,
     device: str = "cpu",
     on_step: Callable[[StepRecord], None] | None = None,
+    receipts: ReceiptBook | None = None,
     task_status: trio.TaskStatus[StageService] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve stage ``index`` of ``stages`` on ``node`` until cancelled or the run's step limit (module
     docstring); ``task_status.started`` gets the :class:`StageService`. ``on_step`` is called after each
     step the stage takes here (the collaboration's :class:`~volunteer.collab.optimizer.StepRecord`).
+    ``receipts``: where the stage's rounds leave the receipts signed for our parts (module docstring,
+    "Credit").
 
     Raises:
         ConfigError: the task cannot be split so.
@@ -138,6 +149,8 @@ async def serve_stage(
         backbones=backbones,
         keys=stage_training_keys(index),
         on_step=on_step,
+        receipts=receipts,
+        stage=index,
     )
 
     def counted(samples: int, loss: float | None) -> None:
