@@ -784,6 +784,10 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
     limit = max(last, CURVE_STEPS)
     with _ledger(data_dir, database_url) as store:
         rows = store.recent_steps(limit=limit)  # newest first
+        stage_rows = store.stage_steps() if not rows else []
+    if stage_rows and not as_json:  # a swarm run: its stages step, the run takes no global step
+        _stage_steps_table(stage_rows, last)
+        return
     recent = sorted(rows[:last], key=lambda r: r.global_step)
     curve = loss_curve(rows, CURVE_POINTS)
     batches = [r.samples for r in recent if r.samples > 0]
@@ -850,6 +854,26 @@ def _ledger_steps(data_dir: Path, database_url: str | None, last: int, as_json: 
         f"loss at step {first.global_step}: {first.loss:.4f}; at step {final.global_step}: {final.loss:.4f}",
         highlight=False,
     )
+
+
+def _stage_steps_table(rows: Sequence[tuple[int, int, int, int | None, str]], last: int) -> None:
+    """A swarm run's recorded stage steps (``LedgerStore.stage_steps`` rows): per stage, how many, the
+    last one and the batch of the last ``last`` against the target."""
+    by_stage: dict[int, list[tuple[int, int, int | None, str]]] = {}
+    for stage, step, samples, target, source in rows:
+        by_stage.setdefault(stage, []).append((step, samples, target, source))
+    table = Table(title=f"a swarm run: the steps of its {len(by_stage)} stages (no global step)")
+    for column in ("stage", "steps recorded", "last step", f"median batch (last {last})", "target"):
+        table.add_column(column, justify="right")
+    for stage, steps in sorted(by_stage.items()):
+        recent = steps[-last:]
+        batches = [samples for _, samples, _, _ in recent if samples > 0]
+        target = next((t for _, _, t, _ in reversed(recent) if t is not None), None)
+        median = f"{statistics.median(batches):,.0f}" if batches else "—"
+        table.add_row(
+            str(stage), f"{len(steps):,}", str(steps[-1][0]), median, "—" if target is None else f"{target:,}"
+        )
+    out.print(table)
 
 
 def _eval_loss(row: StepRow) -> str:

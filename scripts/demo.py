@@ -77,7 +77,8 @@ SWARM_PERIOD = 8.0  # --sync swarm: seconds between rebalancing decisions
 SWARM_FORMATION = 15.0  # --sync swarm: seconds the run's first servers measure links before placement
 RECIPES = Path(__file__).resolve().parents[1] / "deploy" / "recipes"  # the manifests --recipe names
 
-console = Console()
+# not on a terminal (a log, CI): wide enough that the live table's columns need no abbreviation
+console = Console(width=None if sys.stdout.isatty() else 120)
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 

@@ -285,3 +285,27 @@ def test_ledger_says_a_swarm_runs_samples_are_stage_samples(tmp_path: Path) -> N
     code, output = ledger(tmp_path)
     assert code == 0, output
     assert "a swarm run of 3 stages: samples are stage-samples" in " ".join(output.split())
+
+
+def test_ledger_steps_of_a_swarm_run_lists_its_stages_steps(tmp_path: Path) -> None:
+    """A swarm run takes no global step: ``--steps`` shows each stage's recorded steps instead of an empty
+    table of global steps."""
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for stage, steps in ((0, 3), (1, 5), (2, 4)):
+            for step in range(1, steps + 1):
+                store.record_stage_step(
+                    stage,
+                    step,
+                    finished_at=T0 + step,
+                    loss=None,
+                    samples=16 + stage,
+                    peers=2,
+                    target_batch=16,
+                )
+    code, output = ledger(tmp_path, "--steps", "--last", "2")
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert "the steps of its 3 stages (no global step)" in text, output
+    cells = [line.replace("│", " ").split() for line in output.splitlines() if line.startswith("│")]
+    # stage, steps recorded, last step, median batch of the last 2, target
+    assert cells == [["0", "3", "3", "16", "16"], ["1", "5", "5", "17", "16"], ["2", "4", "4", "18", "16"]]
