@@ -305,6 +305,7 @@ __all__ = [
     "RelayEvidence",
     "ReceiptRejected",
     "ReportRejected",
+    "SortedReceipts",
     "assess",
     "cap_capabilities",
     "check_capabilities",
@@ -314,6 +315,7 @@ __all__ = [
     "relay_evidence",
     "reason_codes",
     "sorted_receipts",
+    "split_receipts",
     "valid_receipts",
     "verify_receipt",
     "verify_report",
@@ -484,9 +486,29 @@ def sorted_receipts(
 ) -> tuple[dict[int, list[PartReceipt]], dict[tuple[int, int], list[PartReceipt]], Counter[str]]:
     """The report's receipts that pass :func:`verify_receipt`: the data-parallel ones by step, those of a
     swarm run's stages by ``(stage, step)`` (module docstring, "Swarm runs"), and how many did not, by
-    code."""
+    code. A trainer's receipts (``carried``) are in neither: :func:`split_receipts`."""
+    sorted_ = split_receipts(report, run_id)
+    return sorted_.steps, sorted_.stages, sorted_.rejected
+
+
+@dataclass(frozen=True)
+class SortedReceipts:
+    """A report's receipts that pass :func:`verify_receipt`, by kind, and how many did not, by code."""
+
+    #: data-parallel part receipts, by global step
+    steps: dict[int, list[PartReceipt]]
+    #: stage aggregators' part receipts, by ``(stage, step)``
+    stages: dict[tuple[int, int], list[PartReceipt]]
+    #: stage servers' receipts for this peer as a trainer (``carried``), by ``(stage, step)``
+    carried: dict[tuple[int, int], list[PartReceipt]]
+    rejected: Counter[str]
+
+
+def split_receipts(report: ContributionReport, run_id: str) -> SortedReceipts:
+    """:func:`sorted_receipts` with the trainer's receipts too (module docstring, "Swarm trainers")."""
     steps: dict[int, list[PartReceipt]] = {}
     stages: dict[tuple[int, int], list[PartReceipt]] = {}
+    carried: dict[tuple[int, int], list[PartReceipt]] = {}
     rejected: Counter[str] = Counter()
     for signed in report.receipts:
         try:
@@ -496,9 +518,11 @@ def sorted_receipts(
             continue
         if receipt.stage is None:
             steps.setdefault(receipt.step, []).append(receipt)
+        elif receipt.carried:
+            carried.setdefault((receipt.stage, receipt.step), []).append(receipt)
         else:
             stages.setdefault((receipt.stage, receipt.step), []).append(receipt)
-    return steps, stages, rejected
+    return SortedReceipts(steps, stages, carried, rejected)
 
 
 def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bool = False) -> Credit:
