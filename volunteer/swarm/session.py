@@ -381,6 +381,11 @@ class SwarmSession(TrainingSession):
             "served_samples": None if service is None else service.server.stats.samples,
             "moves": [list(move) for move in self.member.moves],
             "trainer_samples": sum(c.stats.samples for c in self.clients),
+            # servers' receipts of our trainers' backwards: checked and booked, refused (module docstring)
+            "trainer_receipts": sum(c.stats.receipts for c in self.clients),
+            "trainer_bad_receipts": sum(
+                c.stats.bad_receipts + c.stats.missing_receipts for c in self.clients
+            ),
             "stage_steps": {str(k): v for k, v in sorted(self.stage_steps.items())},
             "doing": self.headline,
             "time": time.time(),
