@@ -313,8 +313,13 @@ class SwarmSession(TrainingSession):
         if self.clients:
             samples = sum(c.stats.samples for c in self.clients)
             failures = sum(c.stats.failures + c.stats.refused_answers for c in self.clients)
+            receipts = sum(c.stats.receipts for c in self.clients)
             rows.append(
-                Row("trainers", f"{len(self.clients)} · {samples} samples · {failures} failed requests")
+                Row(
+                    "trainers",
+                    f"{len(self.clients)} · {samples} samples · {failures} failed requests · "
+                    f"{receipts} receipts",
+                )
             )
             for k in range(self.stages):
                 routed: dict[str, int] = {}
