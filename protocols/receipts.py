@@ -30,6 +30,18 @@ their signatures still verify. The stage is signed, so a receipt cannot be moved
 data-parallel receipt into a stage) without breaking its signature. A backbone older than the field
 refuses a stage receipt as malformed (``forbid_unknown_fields``): it credits nothing, as before.
 
+**Trainers' receipts** (issue 17 item 6). A swarm trainer holds no parameters and averages with nobody;
+the evidence of its work is what the stage servers it used saw. When a server of stage ``k`` completes a
+*backward* for trainer ``T`` that asked for a receipt (:class:`protocols.swarm.StageRequest` ``receipt``),
+it answers with a :class:`PartReceipt` with ``carried = True``: ``aggregator`` is the server (the signer),
+``sender`` the trainer, ``stage`` and ``step`` the stage step the micro-batch's samples were counted toward,
+``weight`` the samples and ``nbytes`` the request bytes it received from ``T`` for that stage step,
+*cumulative* over ``T``'s backwards at that server (``group_id`` empty, ``round`` 0). So a trainer keeps
+only the latest receipt per ``(server, stage, step)`` (:class:`volunteer.receipts.ReceiptBook`) and the
+ledger keeps the largest. ``carried`` is signed, so a trainer's receipt is never counted as a stage
+server's part (nor the reverse); it is omitted when False, so every other receipt's bytes are unchanged,
+and a backbone older than the field refuses a carried receipt as malformed: it credits nothing, as before.
+
 Sizes: a signed receipt is at most :data:`MAX_RECEIPT_BYTES` + 64 bytes; a report carries at most
 :data:`MAX_RECEIPTS_PER_REPORT` receipts and :data:`MAX_PULLED_PER_REPORT` pull records, so a report fits
 in :data:`protocols.ledger.MAX_REPORT_BYTES`. A member keeps at most :data:`RECEIPTS_PER_STEP` receipts per
@@ -85,7 +97,8 @@ _Stage = Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
 
 class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """Aggregator ``aggregator`` averaged ``sender``'s parts for ``step`` with weight ``weight`` (of
-    pipeline stage ``stage`` in a swarm run; None: a data-parallel run's global step)."""
+    pipeline stage ``stage`` in a swarm run; None: a data-parallel run's global step); with ``carried``,
+    stage server ``aggregator`` completed backwards of ``weight`` samples for trainer ``sender``."""
 
     run_id: RunIdStr
     aggregator: PeerIdStr  # the signer
@@ -98,8 +111,13 @@ class PartReceipt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     issued_at: _UnixTime
     #: the pipeline stage whose collaboration took ``step`` (swarm runs; module docstring)
     stage: _Stage | None = None
+    #: a stage server's receipt for a trainer that carried ``weight`` samples through it (module
+    #: docstring, "Trainers' receipts"; cumulative over the stage step)
+    carried: bool = False
 
     def __post_init__(self) -> None:
+        if self.carried and self.stage is None:
+            raise ValueError("a trainer's receipt (carried) names its stage")
         if self.stage is not None and not 0 <= self.stage < MAX_STAGES:
             raise ValueError(f"stage {self.stage!r} is not within [0, {MAX_STAGES})")
         if not (math.isfinite(self.weight) and 0 <= self.weight <= _MAX_COUNT):

@@ -41,6 +41,18 @@ the request's bytes were read and dropped. Every other refusal is an ``ErrorRepl
 ``TOO_LARGE``, ``WRONG_RUN`` for another stage), after which the trainer bans the server for this stage
 like a failure.
 
+**Receipts** (issue 17 item 6; :mod:`protocols.receipts`, "Trainers' receipts"). A backward request
+with ``receipt = True`` asks the server for evidence of the trainer's work: when the backward completes
+and is counted, the answer carries a :class:`~protocols.receipts.SignedReceipt` of a ``PartReceipt`` with
+``carried = True``, signed by the server, about the trainer (the request's authenticated peer), of the
+request's stage and the stage step the samples were counted toward, with the samples and the request
+bytes the server received from that trainer for that stage step, cumulative. A forward, a ``busy``
+answer or a request that did not ask carries none. Both fields are omitted at their defaults
+(``omit_defaults``), so requests and answers without them decode on peers older than them; a server
+older than the flag refuses a request that asks (``forbid_unknown_fields``), and a trainer older than the
+field never asks, so it never gets an answer it cannot decode. The receipt is at most
+:data:`~protocols.receipts.MAX_RECEIPT_BYTES` + 64 bytes.
+
 **Bounds** (checked before anything is allocated, DESIGN D10): a request's declared sizes must add up to
 the header's ``nbytes`` exactly and stay under the server's limit (at most :data:`MAX_STAGE_BYTES`);
 every tensor has 1-4 dimensions of 1 to :data:`MAX_DIM` elements and at most :data:`MAX_NUMEL` in all;
@@ -74,6 +86,7 @@ import msgspec
 
 from .averaging import INT8_BLOCK, CodecName
 from .errors import ProtocolError
+from .receipts import SignedReceipt
 from .training import TrainingKeys
 from .types import MultiaddrStr, PeerIdStr
 
@@ -162,7 +175,7 @@ class FieldSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return math.prod(self.shape) * FIELD_DTYPES[self.dtype]
 
 
-class StageRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class StageRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A trainer's request to a stage server (module docstring)."""
 
     stage: _Stage
@@ -173,9 +186,11 @@ class StageRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fields: Annotated[list[FieldSpec], msgspec.Meta(max_length=MAX_FIELDS)] = []
     #: the codec the server should encode its answer with
     answer_codec: CodecName = "none"
+    #: a backward: answer with a signed receipt of the samples carried (module docstring, "Receipts")
+    receipt: bool = False
 
 
-class StageAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class StageAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A stage server's answer (module docstring); the output's bytes follow the ack."""
 
     status: Literal["ok", "busy"]
@@ -185,6 +200,8 @@ class StageAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     output: TensorSpec | None = None
     #: the micro-batch's mean loss (a backward of the last stage)
     loss: float | None = None
+    #: the server's receipt for the trainer, when the backward's request asked (module docstring)
+    receipt: SignedReceipt | None = None
 
 
 class StageRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -144,11 +144,64 @@ one sample whose activations went forward and gradients backward through one sta
   collaboration therefore reports no discards (its ``on_discard`` is not wired): a server on a stage
   fork keeps the credit of that fork's receipts, at most one stage batch per step per receipt from an
   aggregator of another user -- what a sender hiding its discards gains in a data-parallel run (Limits).
-* *not credited yet*: trainers (they hold no parameters and are averaged with nobody: the evidence of
-  their work would be signed by the stage servers they used, which sign nothing for them today), the
-  bytes stage aggregators serve (stage rounds' pull records are not put in reports: a ``PulledSlice`` has
-  no stage, and a stage step's pull would be matched against the data-parallel steps), and bytes a
-  trainer or server sends over the bulk lane.
+* *not credited yet*: the bytes stage aggregators serve (stage rounds' pull records are not put in
+  reports: a ``PulledSlice`` has no stage, and a stage step's pull would be matched against the
+  data-parallel steps), and bytes a trainer or server sends over the bulk lane (a trainer's receipts
+  state them, see below; they are stored, not credited: ``credited_bytes_*`` has no column for them).
+
+**Swarm trainers** (issue 17 item 6). A trainer (:mod:`volunteer.swarm.client`) holds no parameters and
+averages with nobody; its work is carrying micro-batches forward and backward through one server per
+stage. The evidence is what those servers saw:
+
+* *receipts*: a trainer asks (``StageRequest.receipt``) and a stage server that completes a *backward*
+  for it (the micro-batch's work at that stage is done and counted toward the stage's step) answers with
+  a signed :class:`~protocols.receipts.PartReceipt` with ``carried = True`` (:mod:`protocols.receipts`,
+  "Trainers' receipts"): the server, the trainer, the stage, the stage step the samples were counted
+  toward, the samples and the bytes received from that trainer, *cumulative* per ``(server, trainer,
+  stage, step)``, so the trainer's book keeps only the latest per key and a lost or replayed receipt is
+  superseded by the next. The trainer verifies it (signed by the server it called, about itself, of the
+  request's stage, ``carried``) and drops a bad one, counting it.
+* *unit*: **stage-samples carried**: a micro-batch of ``b`` samples carried through ``S`` stages is
+  ``b * S``, evidenced by one receipt per stage. Chosen over "samples, credited once from stage 0's
+  backward receipts" (a sample's journey ends there) because (1) a swarm run's leaderboard is in
+  stage-samples already (the servers'), so a trainer's and a server's numbers add up in one column and
+  a volunteer that does both (the ``auto`` role) reports one ``samples`` claim in one unit; (2) a trainer
+  that skips stages (sends stage 0 a made-up gradient) is evidenced only for the stages it engaged, where
+  the stage-0 design would credit the whole journey for one request. The cost is a signature per
+  backward at every stage and ``S`` receipts per stage step in the trainer's book (bounded, below).
+* *claims*: the trainer claims ``b * S`` stage-samples per micro-batch it carried to the end, in the
+  existing ``samples`` field (:meth:`volunteer.reporting.Reporter.record`, compute 0: a trainer's device
+  does no training work worth timing). No new report field: an older backbone still accepts its reports
+  and refuses the carried receipts alone as malformed (``forbid_unknown_fields`` on ``PartReceipt``), so it
+  credits the trainer nothing, as before. Credit is ``min(claims, evidence)`` as everywhere.
+* *ledger* (table ``trainer_receipts``, schema 10): a carried receipt counts iff :func:`verify_receipt`
+  passes (this run, about the reporter, signed by a server other than it) and the server is an admitted
+  peer of *another user* than the trainer's (``trainer_receipt_same_user``: in a demo each volunteer both
+  serves and trains, and its own server's receipts must not count; ``trainer_receipt_unknown_server``).
+  Each ``(trainer, server, stage, step)`` is stored once; a later receipt of the key replaces it only with
+  a larger weight (the cumulative value grew), so a replay adds nothing (``trainer_receipt_duplicate``).
+  It is credited only for a recorded stage step (``stage_steps``; until then it is stored and counted from
+  the moment the step is recorded, ``trainer_receipt_held``, and the trainer is settled then like a
+  server with late evidence); carried receipts never *record* a step themselves (a trainer and one
+  server would otherwise invent steps). Capped: per ``(trainer, stage, step)`` the weights of all servers'
+  receipts together are at most the stage step's cap (the larger of its batch and target; a step only
+  receipts evidence: the largest cap of its stage), since one trainer's samples of a stage step are part of
+  that step's batch.
+* *one claim, two kinds of evidence*: a volunteer that serves and trains claims its stage steps' and its
+  micro-batches' stage-samples in one ``samples`` total, and ``S`` sums its stage and carried receipts; a
+  surplus of one kind (a backward sent again after a lost answer is counted by two servers) can then
+  cover a shortfall of the other. What it can cover is bounded by the caps above, so no peer is credited
+  more than its claims nor more than the capped evidence others signed.
+* *the wire*: the trainer's ``receipt`` flag and the server's ``StageAnswer.receipt`` are omitted at
+  their defaults, so a trainer that does not ask and a server that signs nothing exchange the same bytes
+  as before; a server older than the flag refuses a request that asks (``forbid_unknown_fields``) and is
+  banned by that trainer like a failing one. The swarm mode has no released version (issue 17 is open),
+  so every peer of a swarm run runs one version; :attr:`volunteer.swarm.client.SwarmClientConfig
+  .receipts` turns asking off.
+* *the book*: a trainer's receipts wait in the reporter's :class:`~volunteer.receipts.ReceiptBook`
+  (at most :data:`~volunteer.receipts.CARRIED_PER_STEP` servers per ``(stage, step)``, the latest
+  receipt of each; the book's step bound as for all receipts), journaled with the others
+  (:mod:`volunteer.journal`) and put back when a report fails.
 
 **Late evidence** (a receipt held until its step is recorded, a pull of this peer's slice in another
 peer's report) is credited as soon as it counts, not with the peer's next report: when a step is
@@ -191,7 +244,9 @@ unflagged intervals (which do not overlap), as aggregation bytes are bounded onl
 
 **Limits.** Receipts stop a peer from vouching for itself, not two *users* from vouching for each other:
 colluding users can credit each other at most one recorded batch per sender and step (samples; in a
-swarm run per sender, stage and step, in stage-samples), and
+swarm run per sender, stage and step, in stage-samples; a trainer per stage and step whatever the number
+of colluding servers, so at most the stage-samples the run recorded: ``sum over recorded stage steps of
+their caps``), and
 aggregation bytes as large as their pull records say (the ledger does not know the model's size), and
 relayed bytes as large as their relay records say (within a link's ceiling per second of interval).
 Catching that needs the cross-checks between groups of the robust-averaging work (``shared.averaging``).
@@ -250,6 +305,7 @@ __all__ = [
     "RelayEvidence",
     "ReceiptRejected",
     "ReportRejected",
+    "SortedReceipts",
     "assess",
     "cap_capabilities",
     "check_capabilities",
@@ -259,6 +315,7 @@ __all__ = [
     "relay_evidence",
     "reason_codes",
     "sorted_receipts",
+    "split_receipts",
     "valid_receipts",
     "verify_receipt",
     "verify_report",
@@ -429,9 +486,29 @@ def sorted_receipts(
 ) -> tuple[dict[int, list[PartReceipt]], dict[tuple[int, int], list[PartReceipt]], Counter[str]]:
     """The report's receipts that pass :func:`verify_receipt`: the data-parallel ones by step, those of a
     swarm run's stages by ``(stage, step)`` (module docstring, "Swarm runs"), and how many did not, by
-    code."""
+    code. A trainer's receipts (``carried``) are in neither: :func:`split_receipts`."""
+    sorted_ = split_receipts(report, run_id)
+    return sorted_.steps, sorted_.stages, sorted_.rejected
+
+
+@dataclass(frozen=True)
+class SortedReceipts:
+    """A report's receipts that pass :func:`verify_receipt`, by kind, and how many did not, by code."""
+
+    #: data-parallel part receipts, by global step
+    steps: dict[int, list[PartReceipt]]
+    #: stage aggregators' part receipts, by ``(stage, step)``
+    stages: dict[tuple[int, int], list[PartReceipt]]
+    #: stage servers' receipts for this peer as a trainer (``carried``), by ``(stage, step)``
+    carried: dict[tuple[int, int], list[PartReceipt]]
+    rejected: Counter[str]
+
+
+def split_receipts(report: ContributionReport, run_id: str) -> SortedReceipts:
+    """:func:`sorted_receipts` with the trainer's receipts too (module docstring, "Swarm trainers")."""
     steps: dict[int, list[PartReceipt]] = {}
     stages: dict[tuple[int, int], list[PartReceipt]] = {}
+    carried: dict[tuple[int, int], list[PartReceipt]] = {}
     rejected: Counter[str] = Counter()
     for signed in report.receipts:
         try:
@@ -441,9 +518,11 @@ def sorted_receipts(
             continue
         if receipt.stage is None:
             steps.setdefault(receipt.step, []).append(receipt)
+        elif receipt.carried:
+            carried.setdefault((receipt.stage, receipt.step), []).append(receipt)
         else:
             stages.setdefault((receipt.stage, receipt.step), []).append(receipt)
-    return steps, stages, rejected
+    return SortedReceipts(steps, stages, carried, rejected)
 
 
 def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bool = False) -> Credit:

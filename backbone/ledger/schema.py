@@ -36,6 +36,10 @@ Tables::
                    ``target_batch`` are stage-samples (backbone.ledger.accounting, "Swarm runs")
     stage_receipts part receipts of stage aggregators that count, one per (sender, stage, step) ever
                    (schema 9): as ``receipts``, counted once their (stage, step) is in ``stage_steps``
+    trainer_receipts
+                   stage servers' receipts for swarm trainers that count (schema 10), one per
+                   (trainer, server, stage, step), holding the largest cumulative weight seen; counted
+                   while their (stage, step) is in ``stage_steps`` (accounting, "Swarm trainers")
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -104,11 +108,12 @@ __all__ = [
     "StageReceipt",
     "StageStep",
     "Step",
+    "TrainerReceipt",
     "User",
     "create_schema",
 ]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -342,6 +347,24 @@ class StageReceipt(Base):
     held: Mapped[int] = mapped_column(Integer, default=0)
 
 
+class TrainerReceipt(Base):
+    """A stage server's receipt for a swarm trainer that counts (schema 10): ``server`` (a peer of another
+    user than ``trainer``'s) completed backwards of ``weight`` samples (cumulative) for ``trainer`` at stage
+    ``stage`` toward its ``step``, receiving ``nbytes`` request bytes; ``report_id``: the report that
+    brought the stored (largest) weight."""
+
+    __tablename__ = "trainer_receipts"
+    __table_args__ = (Index(None, "stage", "step"),)
+
+    trainer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    server: Mapped[str] = mapped_column(String(64), primary_key=True)
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    weight: Mapped[float]
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+
+
 class EvaluationRecord(Base):
     """``peer_id`` (of user ``user_id`` when it arrived) computed held-out loss ``loss`` over ``examples``
     examples (digest ``eval_set``) with the parameters of ``step`` (fingerprint ``params``); the signed
@@ -483,6 +506,11 @@ def _migrate_8_to_9(conn: Connection) -> None:
     ``create_all``); no old row changes, so data-parallel credit is untouched."""
 
 
+def _migrate_9_to_10(conn: Connection) -> None:
+    """Version 10 (issue 17 item 6): swarm trainers' receipts, a new table (made by ``create_all``); no
+    old row changes."""
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -500,6 +528,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     6: _migrate_6_to_7,
     7: _migrate_7_to_8,
     8: _migrate_8_to_9,
+    9: _migrate_9_to_10,
 }
 
 

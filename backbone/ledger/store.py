@@ -80,7 +80,7 @@ from .accounting import (
     credit_due,
     reason_codes,
     relay_evidence,
-    sorted_receipts,
+    split_receipts,
 )
 from .errors import InviteRejected, LedgerError, UnknownPeer, UnknownUser
 from .evaluations import Claim, StepEvaluation, summarize
@@ -97,6 +97,7 @@ from .schema import (
     StageReceipt,
     StageStep,
     Step,
+    TrainerReceipt,
     User,
     create_schema,
 )
@@ -692,7 +693,8 @@ class LedgerStore:
     ) -> Verdict | None:
         values = _report_values(signed, report, now)
         # signatures: outside the write lock
-        receipts, stage_receipts, rejected = sorted_receipts(report, report.run_id)
+        split = split_receipts(report, report.run_id)
+        receipts, stage_receipts, rejected = split.steps, split.stages, split.rejected
         try:
             with self._tx(write=True) as conn:
                 peer = _load_peer(conn, report.peer_id, for_update=True)
@@ -714,6 +716,7 @@ class LedgerStore:
                 _store_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
                 notes += _store_stage_receipts(conn, report, stage_receipts, peer.user_id, report_id)
+                notes += _store_trainer_receipts(conn, report, split.carried, peer.user_id, report_id)
                 relays, relay_notes = _store_relayed(
                     conn, report, peer.user_id, report_id, counts=assessment.credited
                 )
@@ -1556,7 +1559,7 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
         .join(Step, Step.global_step == Receipt.step)
         .where(Receipt.sender == peer_id, Receipt.discarded == 0)
     ).scalar_one()
-    weights += _stage_weights(conn, peer_id)
+    weights += _stage_weights(conn, peer_id) + _carried_weights(conn, peer_id)
     pulled = conn.execute(
         select(func.coalesce(func.sum(sql_cast(Pull.nbytes, Double)), 0.0))
         .select_from(Pull)
@@ -1887,7 +1890,8 @@ def _refresh_evidenced_stage_samples(conn: Connection, steps: set[tuple[int, int
 
 
 def _stage_evidenced_peers(conn: Connection, steps: set[tuple[int, int]]) -> set[str]:
-    """The senders of stage receipts of ``steps`` (``(stage, step)``)."""
+    """The senders of stage receipts of ``steps`` (``(stage, step)``), and the trainers with receipts of
+    them (accounting, "Swarm trainers": their evidence counts once the step is recorded)."""
     senders: set[str] = set()
     for stage, step in sorted(steps):
         found = conn.execute(
@@ -1896,7 +1900,103 @@ def _stage_evidenced_peers(conn: Connection, steps: set[tuple[int, int]]) -> set
             .distinct()
         ).scalars()
         senders.update(found)
+        trainers = conn.execute(
+            select(TrainerReceipt.trainer)
+            .where(TrainerReceipt.stage == stage, TrainerReceipt.step == step)
+            .distinct()
+        ).scalars()
+        senders.update(trainers)
     return senders
+
+
+# ------------------------------------------------------------- swarm trainers (accounting: "Swarm trainers")
+
+
+def _store_trainer_receipts(
+    conn: Connection,
+    report: ContributionReport,
+    valid: dict[tuple[int, int], list[PartReceipt]],
+    user_id: int,
+    report_id: int,
+) -> Counter[str]:
+    """Store the report's verified trainer's receipts (``valid``, by ``(stage, step)``): one row per
+    ``(trainer, server, stage, step)``, signed by an admitted peer of another user, replaced only by a
+    larger (cumulative) weight; returns how many did not count or add anything, by code
+    (``trainer_receipt_held``: stored, counted once its stage step is recorded)."""
+    notes: Counter[str] = Counter()
+    if not valid:
+        return notes
+    users = _users_of(conn, {r.aggregator for receipts in valid.values() for r in receipts})
+    for (stage, step), receipts in sorted(valid.items()):
+        largest: dict[str, PartReceipt] = {}
+        for candidate in receipts:
+            server_user = users.get(candidate.aggregator)
+            if server_user is None:
+                notes["trainer_receipt_unknown_server"] += 1
+            elif server_user == user_id:
+                notes["trainer_receipt_same_user"] += 1
+            else:
+                held = largest.get(candidate.aggregator)
+                if held is not None:
+                    notes["trainer_receipt_duplicate"] += 1
+                if held is None or candidate.weight > held.weight:
+                    largest[candidate.aggregator] = candidate
+        recorded = _stage_step_exists(conn, stage, step) if largest else True
+        for server, receipt in sorted(largest.items()):
+            mine = (
+                TrainerReceipt.trainer == report.peer_id,
+                TrainerReceipt.server == server,
+                TrainerReceipt.stage == stage,
+                TrainerReceipt.step == step,
+            )
+            stored = conn.execute(select(TrainerReceipt.weight).where(*mine)).scalar_one_or_none()
+            values = {"weight": receipt.weight, "nbytes": receipt.nbytes, "report_id": report_id}
+            if stored is None:
+                conn.execute(
+                    insert(TrainerReceipt).values(
+                        trainer=report.peer_id, server=server, stage=stage, step=step, **values
+                    )
+                )
+            elif receipt.weight > stored:
+                conn.execute(update(TrainerReceipt).where(*mine).values(**values))
+            else:
+                notes["trainer_receipt_duplicate"] += 1
+                continue
+            if not recorded:
+                notes["trainer_receipt_held"] += 1
+    return notes
+
+
+def _carried_weights(conn: Connection, peer_id: str) -> float:
+    """The sum of ``peer_id``'s counted trainer's receipt weights: per recorded ``(stage, step)``, the
+    weights of all its servers' receipts together, capped by the stage step's cap as in
+    :func:`_stage_weights`."""
+    per_step = (
+        select(
+            TrainerReceipt.stage.label("stage"),
+            TrainerReceipt.step.label("step"),
+            func.sum(sql_cast(TrainerReceipt.weight, Double)).label("weight"),
+        )
+        .where(TrainerReceipt.trainer == peer_id)
+        .group_by(TrainerReceipt.stage, TrainerReceipt.step)
+        .subquery()
+    )
+    largest = (
+        select(StageStep.stage.label("stage"), func.max(_stage_step_cap()).label("cap"))
+        .where(StageStep.source != "receipts")
+        .group_by(StageStep.stage)
+        .subquery()
+    )
+    unknown = (StageStep.source == "receipts") | (StageStep.target_batch.is_(None) & (StageStep.samples <= 0))
+    bound = case((unknown, func.coalesce(largest.c.cap, 0.0)), else_=_stage_step_cap())
+    capped = case(((bound > 0) & (per_step.c.weight > bound), bound), else_=per_step.c.weight)
+    total = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(capped, Double)), 0.0))
+        .select_from(per_step)
+        .join(StageStep, (StageStep.stage == per_step.c.stage) & (StageStep.step == per_step.c.step))
+        .outerjoin(largest, largest.c.stage == per_step.c.stage)
+    ).scalar_one()
+    return float(total)
 
 
 def _insert_ignore(conn: Connection, table: Any) -> Any:

@@ -40,13 +40,23 @@ A backward that a server ran but whose answer was lost (the connection broke, or
 after it accumulated) is sent again elsewhere: its samples are then counted twice at that stage. SWARM
 accepts the same; here it can only follow a broken connection or a timeout (a refusal accumulated
 nothing), and it is counted (:attr:`SwarmStatistics.uncertain_backwards`).
+
+**Receipts** (issue 17 item 6; :mod:`backbone.ledger.accounting`, "Swarm trainers"). A client built with
+``on_carried`` (and :attr:`SwarmClientConfig.receipts` on) asks every server it sends a backward to for a
+receipt (``StageRequest.receipt``). Each answer's receipt is checked
+(:func:`shared.swarm.carried.check_carried`: signed by the server called, about this peer, of the
+request's stage, at least the backward's samples) and handed to ``on_carried(stage, step, server,
+receipt)`` at once, so the evidence of a micro-batch that later fails at a lower stage is kept too (its
+stages did the work). A refused receipt is dropped and counted (``bad_receipts``), a missing one too
+(``missing_receipts``): the answer itself is good, so the server is not banned for either.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -57,6 +67,7 @@ import trio
 from protocols.averaging import CodecName
 from protocols.errors import ProjectError, ProtocolError
 from protocols.peer_id import PeerId
+from protocols.receipts import SignedReceipt
 from protocols.swarm import (
     FIELD_DTYPES,
     STAGE_TOPIC,
@@ -72,10 +83,20 @@ from shared.errors import PeerUnavailable
 from shared.net.host import CALL_FAILURES
 from shared.node import Node
 from shared.swarm.answers import AnswerCheck, AnswerLimits
+from shared.swarm.carried import check_carried
 from shared.swarm.directory import StageServerEntry, find_stage_servers
 from shared.swarm.wiring import NoServer, Pick, StageRouter, Wait, WiringConfig
 
-__all__ = ["NoStageServer", "SwarmClient", "SwarmClientConfig", "SwarmStatistics", "field_specs"]
+__all__ = [
+    "NoStageServer",
+    "SwarmClient",
+    "SwarmClientConfig",
+    "SwarmStatistics",
+    "field_specs",
+    "micro_batch_samples",
+]
+
+logger = logging.getLogger(__name__)
 
 
 class NoStageServer(ProjectError):
@@ -92,6 +113,8 @@ class SwarmClientConfig:
     patience: float = 60.0
     wiring: WiringConfig = field(default_factory=WiringConfig)
     limits: AnswerLimits = field(default_factory=AnswerLimits)
+    #: ask servers for receipts of our backwards (when the client has somewhere to put them)
+    receipts: bool = True
 
     def __post_init__(self) -> None:
         for name in ("timeout", "refresh_period", "patience"):
@@ -113,6 +136,10 @@ class SwarmStatistics:
     routed: dict[int, dict[str, int]] = field(default_factory=dict)
     #: the last failure's reason
     last_failure: str | None = None
+    #: servers' receipts of our backwards: checked and handed on, refused, missing (module docstring)
+    receipts: int = 0
+    bad_receipts: int = 0
+    missing_receipts: int = 0
 
 
 @dataclass
@@ -133,12 +160,21 @@ class _Stage:
 class SwarmClient:
     """Routes micro-batches through a run's stage servers (module docstring)."""
 
-    def __init__(self, node: Node, stages: int, config: SwarmClientConfig | None = None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        stages: int,
+        config: SwarmClientConfig | None = None,
+        on_carried: Callable[[int, int, str, SignedReceipt], None] | None = None,
+    ) -> None:
         if stages < 1:
             raise ValueError(f"need at least one stage, got {stages}")
         self.node = node
         self.stages = stages
         self.config = config or SwarmClientConfig()
+        #: ``(stage, step, server, receipt)`` of each checked receipt (module docstring, "Receipts")
+        self.on_carried = on_carried
+        self._asks = on_carried is not None and self.config.receipts
         self.stats = SwarmStatistics()
         self._stage = [
             _Stage(
@@ -158,7 +194,7 @@ class SwarmClient:
         """
         fields = field_specs(batch)
         raw = b"".join(_field_bytes(batch[f.name], f) for f in fields)
-        samples = fields[0].shape[0] if fields else 0
+        samples = micro_batch_samples(batch)
         if samples < 1:
             raise ValueError("a micro-batch needs at least one field with one sample")
         inputs: list[torch.Tensor | None] = [None]
@@ -193,7 +229,7 @@ class SwarmClient:
         grad_spec = None if grad is None else TensorSpec(shape=list(grad.shape), codec=codec)
         request = StageRequest(
             stage=k, op=op, samples=samples, hidden=hidden_spec, grad=grad_spec,  # type: ignore[arg-type]
-            fields=fields, answer_codec=codec,
+            fields=fields, answer_codec=codec, receipt=op == "backward" and self._asks,
         )  # fmt: skip
         payload = b"".join([_encode(hidden, codec), _encode(grad, codec), raw])
         meta = msgspec.msgpack.encode(request)
@@ -256,7 +292,31 @@ class SwarmClient:
                 state.warm.add(server)
             routed = self.stats.routed.setdefault(k, {})
             routed[server] = routed.get(server, 0) + 1
+            if request.receipt:
+                self._take_receipt(k, server, samples, answer)
             return answer, output
+
+    def _take_receipt(self, k: int, server: str, samples: int, answer: StageAnswer) -> None:
+        """Check the receipt a backward's answer carries and hand it on (module docstring, "Receipts")."""
+        if answer.receipt is None:
+            self.stats.missing_receipts += 1
+            return
+        try:
+            receipt = check_carried(
+                answer.receipt,
+                run_id=self.node.host.run_id,
+                server=server,
+                trainer=self.node.peer_id,
+                stage=k,
+                samples=samples,
+            )
+        except ProtocolError as exc:
+            self.stats.bad_receipts += 1
+            logger.debug("receipt of %s for stage %d refused: %s", server[:12], k, exc)
+            return
+        self.stats.receipts += 1
+        assert self.on_carried is not None  # we asked
+        self.on_carried(k, receipt.step, server, answer.receipt)
 
     def _check(
         self,
@@ -322,6 +382,13 @@ class SwarmClient:
             announced = {str(peer): entry.announced for peer, entry in state.servers.items()}
             for router in state.routers.values():
                 router.announce(announced)
+
+
+def micro_batch_samples(batch: Mapping[str, torch.Tensor]) -> int:
+    """The samples of a collated micro-batch: its first field's first dimension (0 without fields)."""
+    for value in batch.values():
+        return int(value.shape[0]) if value.dim() else 0
+    return 0
 
 
 def field_specs(batch: Mapping[str, torch.Tensor]) -> list[FieldSpec]:

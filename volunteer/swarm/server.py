@@ -15,7 +15,10 @@ The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~
 3. reads the payload, decodes the tensors with their codecs (a malformed encoding is the request's
    ``BAD_REQUEST``), bounds their scale and runs the stage on the one torch thread
    (:func:`~volunteer.collab.torch_thread.run_torch`);
-4. answers with the output encoded with the codec the trainer asked for.
+4. answers with the output encoded with the codec the trainer asked for, and, for a backward whose
+   request asked (``receipt``), a receipt signed for the trainer (the request's authenticated peer): its
+   samples and request bytes toward the stage step the backward counted for, cumulative
+   (:class:`shared.swarm.carried.CarriedTally`; :mod:`protocols.swarm`, "Receipts").
 
 **Bounding what a trainer sends** (DESIGN D10: a trainer is a stranger). Non-finite inputs never reach
 the accumulators (the stage trainer refuses them whole). A finite but absurd input is bounded as trainers
@@ -79,6 +82,7 @@ from shared.net.bulk import BulkReader, BulkReply
 from shared.net.rpc import RequestContext
 from shared.node import Node
 from shared.swarm.answers import AnswerCheck, AnswerLimits
+from shared.swarm.carried import CarriedTally
 
 from ..collab.torch_thread import run_torch
 from .stage_trainer import StageInputError, StageTrainer
@@ -125,6 +129,7 @@ class StageServerStatistics:
     refused: int = 0  # requests answered BAD_REQUEST / TOO_LARGE
     bytes_received: int = 0
     bytes_sent: int = 0
+    receipts: int = 0  # trainers' receipts signed (module docstring, "Receipts")
     refusals: dict[str, int] = field(default_factory=dict)  # by reason's first words
 
 
@@ -160,6 +165,10 @@ class StageServer:
         self._inputs = {"hidden": AnswerCheck(self.config.limits), "grad": AnswerCheck(self.config.limits)}
         self.closed = False
         self._device = trio.Lock()  # an emulated device runs one request at a time (module docstring)
+        #: trainers' cumulative counts, for the receipts their backwards ask for (module docstring)
+        self.carried = CarriedTally(
+            node.host.run_id, node.peer_id, trainer.stage.index, node.host.endpoint.identity.sign
+        )
         node.host.bulk_handlers[STAGE_TOPIC] = self._on_request
 
     def close(self) -> None:
@@ -232,19 +241,26 @@ class StageServer:
                     if emulated:
                         await trio.sleep_until(started + emulated * request.samples)
                         self._count_emulated(request.op, emulated)
+                receipt = None
                 if request.op == "forward":
                     self.stats.forwards += 1
                 else:
                     self.stats.backwards += 1
                     self.stats.samples += request.samples
+                    toward = self.trainer.step + 1  # the stage step these samples count toward
                     self.on_counted(request.samples, loss)
+                    if request.receipt:
+                        receipt = self.carried.receipt(
+                            str(ctx.peer_id), toward, request.samples, header.nbytes
+                        )
+                        self.stats.receipts += 1
             except StageInputError as exc:
                 self._refuse(str(exc))
                 raise ProtocolError(str(exc), ErrorCode.BAD_REQUEST) from exc
         finally:
             self.queued -= 1
         spec, data = _encode_output(out, request.answer_codec)
-        answer = StageAnswer(status="ok", step=self.trainer.step, output=spec, loss=loss)
+        answer = StageAnswer(status="ok", step=self.trainer.step, output=spec, loss=loss, receipt=receipt)
         self.stats.bytes_sent += len(data)
         return BulkReply(msgspec.msgpack.encode(answer), memoryview(data))
 

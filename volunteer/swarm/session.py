@@ -34,8 +34,10 @@ alive like any volunteer's. Each step the stage we serve takes here goes into ou
 (*stage-samples*: a sample through one stage), its step the stage's step (a report's ``global_step`` is
 then the stage's, not a global one). The stage's rounds leave the receipts its aggregators signed for
 our parts, stating the stage, in the reporter's book, and the reports carry them; the backbone records
-each stage's steps, so they count. Trainers are not credited (they average with nobody, and the
-servers sign nothing for them).
+each stage's steps, so they count. Our trainers ask the servers they use for receipts
+(:mod:`.client`, "Receipts"), which go into the same book as they arrive, and each micro-batch they
+carry to the end is claimed as ``samples * stages`` stage-samples (compute 0) in our reports
+(:meth:`SwarmSession._carried`; :mod:`backbone.ledger.accounting`, "Swarm trainers").
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ import math
 import time
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 from rich.console import Console
 
+from protocols.receipts import SignedReceipt
 from shared.lifecycle import Shutdown
 from shared.panel import LivePanel, PanelView, Row
 from shared.swarm.directory import find_stage_servers
@@ -61,7 +65,7 @@ from ..data import BackboneShards, Prefetcher, open_examples
 from ..session import TrainingSession
 from ..tasks.base import Task
 from ..training import STOP_GRACE, batches
-from .client import NoStageServer, SwarmClient
+from .client import NoStageServer, SwarmClient, micro_batch_samples
 from .formation import FormationConfig
 from .member import SwarmMember, serve_swarm
 
@@ -78,6 +82,17 @@ LIMIT_CHECK = 2.0  # seconds between reads of the stages' steps (a run with a st
 #: once a stage reached the step limit, how long the micro-batches in flight and the stages still one
 #: step short may take to finish (module docstring, "When it ends")
 FINISH_GRACE = 30.0
+
+
+@dataclass(frozen=True)
+class CarriedBatch:
+    """What the reporter notes of one micro-batch our trainer carried (its claim: module docstring)."""
+
+    step: int
+    samples: int  # stage-samples: the micro-batch's samples times the stages
+    finished_at: float
+    compute_seconds: float = 0.0
+    bytes_aggregated: int = 0
 
 
 class SwarmSession(TrainingSession):
@@ -137,7 +152,7 @@ class SwarmSession(TrainingSession):
                         serving.start_soon(self._serve, task, limit, shutdown.requested)
                     async with trio.open_nursery() as trainers:
                         for index in range(self.trainers):
-                            client = SwarmClient(self.node, self.stages)
+                            client = SwarmClient(self.node, self.stages, on_carried=self._book_carried)
                             self.clients.append(client)
                             trainers.start_soon(self._train, index, client, prefetch)
                         await _first(shutdown.requested, limit)
@@ -208,6 +223,7 @@ class SwarmSession(TrainingSession):
             while True:
                 try:
                     await client.process(batch)
+                    self._carried(batch)
                     break
                 except NoStageServer as exc:
                     if self._enough.is_set():
@@ -236,6 +252,17 @@ class SwarmSession(TrainingSession):
             await trio.sleep(LIMIT_CHECK)
 
     # ------------------------------------------------------------------------------------- reporting
+
+    def _book_carried(self, stage: int, step: int, server: str, receipt: SignedReceipt) -> None:
+        """A server's receipt for one of our trainers' backwards: into the reporter's book."""
+        self.reporter.book.add(step, [(server, receipt)], stage=stage)
+
+    def _carried(self, batch: Mapping[str, Any]) -> None:
+        """Claim a micro-batch our trainer carried through every stage (module docstring, "Credit")."""
+        samples = micro_batch_samples(batch)
+        if samples > 0:
+            step = max(self.stage_steps.values(), default=0)
+            self.reporter.record(CarriedBatch(step, samples * self.stages, time.time()))
 
     def _on_stage_step(self, record: StepRecord) -> None:
         self.reporter.record(record)  # our stage-samples of this stage step (module docstring, "Credit")
@@ -286,8 +313,13 @@ class SwarmSession(TrainingSession):
         if self.clients:
             samples = sum(c.stats.samples for c in self.clients)
             failures = sum(c.stats.failures + c.stats.refused_answers for c in self.clients)
+            receipts = sum(c.stats.receipts for c in self.clients)
             rows.append(
-                Row("trainers", f"{len(self.clients)} · {samples} samples · {failures} failed requests")
+                Row(
+                    "trainers",
+                    f"{len(self.clients)} · {samples} samples · {failures} failed requests · "
+                    f"{receipts} receipts",
+                )
             )
             for k in range(self.stages):
                 routed: dict[str, int] = {}
@@ -354,6 +386,11 @@ class SwarmSession(TrainingSession):
             "served_samples": None if service is None else service.server.stats.samples,
             "moves": [list(move) for move in self.member.moves],
             "trainer_samples": sum(c.stats.samples for c in self.clients),
+            # servers' receipts of our trainers' backwards: checked and booked, refused (module docstring)
+            "trainer_receipts": sum(c.stats.receipts for c in self.clients),
+            "trainer_bad_receipts": sum(
+                c.stats.bad_receipts + c.stats.missing_receipts for c in self.clients
+            ),
             "stage_steps": {str(k): v for k, v in sorted(self.stage_steps.items())},
             "doing": self.headline,
             "time": time.time(),
