@@ -669,7 +669,8 @@ def ledger(
     if stages:  # a swarm run (backbone.ledger.accounting, "Swarm runs")
         out.print(
             f"a swarm run of {len(stages)} stages: samples are stage-samples, a sample through one stage "
-            "(a sample through every stage counts once for each stage's server)",
+            "(a sample through every stage counts once for each stage's server, and once per stage for the "
+            "trainer that carried it)",
             highlight=False,
             soft_wrap=True,
         )
