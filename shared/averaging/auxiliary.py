@@ -16,12 +16,13 @@ it a slice in proportion to its bandwidth (its traffic is ``k x_j`` each way for
 enter (they read the tickets one matchmaking window after storing theirs), waits for a computing peer's
 ticket, then forms the group with them (:meth:`.matchmaking.Matchmaker.assemble_auxiliary`).
 
-*Attempts.* Computing peers retry a failed round under the next attempt's key and, after
-``attempts`` failures, start again at ``a0`` (:class:`volunteer.collab.step.BatchStep`). The aggregator
-follows the same cycle, whatever its own round's outcome (its slice may have been averaged while another
-member's failed): after a round under ``a<k>`` it joins ``a<k+1 mod attempts>`` of the same step, and
-stops waiting there as soon as the collaboration's step moves past ``s``. A key it joined before only
-counts tickets stored after its own (the earlier attempt's tickets are still there).
+*Attempts.* Computing peers retry a failed round under their next key of the step, which only moves
+forward (:mod:`.attempts`; :class:`volunteer.collab.step.BatchStep`). The aggregator follows the same
+rule, whatever its own round's outcome (its slice may have been averaged while another member's failed):
+after a round under ``a<k>`` it moves on to ``a<k+1>`` of the same step, unless it read at most one
+computing ticket there (it stays for a second one), and stops waiting as soon as the collaboration's step
+moves past ``s``. A key it joined before only counts tickets stored after its own (the earlier attempt's
+tickets are still there).
 
 **Bandwidth: configured, not measured.** Its ticket states ``upload_bps`` and ``download_bps`` from its
 configuration: a volunteer measures its link against a backbone's probe service
@@ -64,6 +65,7 @@ from ..net.host import CALL_FAILURES
 from ..progress import summarize
 from ..progress_records import read_progress_with_users
 from .allreduce import Averager
+from .attempts import AttemptKeys, attempt_key
 from .matchmaking import Matchmaker, MatchmakingConfig
 
 __all__ = ["DEFAULT_BPS", "AuxiliaryAggregator", "AuxiliaryConfig", "AuxiliaryStatistics"]
@@ -84,7 +86,6 @@ class AuxiliaryConfig:
         max_numel: the longest vector it aggregates a slice of (elements).
         window: seconds between the first computing peer's ticket and reading the group (the computing
             peers' matchmaking window).
-        attempts: the computing peers' attempts per step before they start again at ``a0``.
         poll_period: seconds between reads of the progress records.
     """
 
@@ -93,7 +94,6 @@ class AuxiliaryConfig:
     max_numel: int = 2**31
     window: float = 1.0
     plan_wait: float = 10.0
-    attempts: int = 3
     poll_period: float = 0.5
     prefix: str = TRAINING_PREFIX
 
@@ -102,8 +102,8 @@ class AuxiliaryConfig:
             value = getattr(self, name)
             if not 0 < value <= 1e13:
                 raise ValueError(f"{name} must be in (0, 1e13] bytes/s, got {value!r}")
-        if self.max_numel < 1 or self.attempts < 1:
-            raise ValueError("max_numel and attempts must be at least 1")
+        if self.max_numel < 1:
+            raise ValueError("max_numel must be at least 1")
 
 
 @dataclass
@@ -187,7 +187,7 @@ class AuxiliaryAggregator:
     async def serve_forever(self) -> None:
         """Follow the collaboration and aggregate every step's rounds (module docstring), until cancelled."""
         joined: set[tuple[int, int]] = set()  # (step, attempt) keys we stored a ticket under
-        attempt, current = 0, None
+        attempts = AttemptKeys()
         while True:
             try:
                 step = await self.collaboration_step()
@@ -198,13 +198,12 @@ class AuxiliaryAggregator:
             if step is None or ticket is None:
                 await trio.sleep(self.config.poll_period)
                 continue
-            if step != current:
-                current, attempt = step, 0
-                joined = {key for key in joined if key[0] >= step}
+            attempt = attempts.next(step)
+            joined = {key for key in joined if key[0] >= step}
             rejoin = (step, attempt) in joined
             joined.add((step, attempt))
             await self.serve_round(step, attempt, ticket, rejoin)
-            attempt = (attempt + 1) % self.config.attempts
+            attempts.done(step, attempt, alone=self.matchmaker.alone)
 
     async def serve_round(self, step: int, attempt: int, ticket: JoinTicket, rejoin: bool = False) -> bool:
         """One attempt of ``step``'s round as an auxiliary aggregator; True if we averaged our slice.
@@ -213,7 +212,7 @@ class AuxiliaryAggregator:
             plan = await self.matchmaker.assemble_auxiliary(
                 step,
                 ticket,
-                f"a{attempt}",
+                attempt_key(attempt),
                 self.config.max_numel,
                 stop_waiting=lambda: self._moved_past(step),
                 rejoin=rejoin,

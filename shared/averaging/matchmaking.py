@@ -50,15 +50,23 @@ a follower's plan check and the leader's solve see the same members. An aux peer
 with :meth:`Matchmaker.assemble_auxiliary`, which adopts the length that at least two computing members'
 tickets state (never one stranger's claim) and at most ``max_numel``, before anything is sized by it.
 
-**Stale plans.** Members retry a failed round under the next attempt's key and, after the last attempt,
-start again at the first: a key's stored plan may be an earlier, finished round's. A member whose own
-earlier attempt a stored plan names joins again (rule 1) but never adopts that very record: its round
+**Which key an attempt uses** (:mod:`.attempts`). A member's keys of a step only move forward, one by
+one: after an attempt it stays at the key only if it read no other peer's ticket there
+(:attr:`Matchmaker.alone`; while alone it lingers with the same ticket, ``linger``), and otherwise moves
+on to the next. Keys are no longer reused by a cycle of attempts, but the two rules below still matter: a
+member that comes to a key after a round ran there (late, or behind the others) finds that round's plan
+and tickets, and one that stays at a key after lingering stores a new ticket beside plans made from its
+old one.
+
+**Stale plans.** A key's stored plan may be an earlier round's (see above; before keys only moved
+forward, a member came back to a finished round's key after its last attempt). A member whose own
+earlier ticket a stored plan names joins again (rule 1) but never adopts that very record: its round
 already ran for the others (its aggregators may even still serve their averages of it), and joining it
 alone would average our own slice with nobody and fork the step (seen in the churn test when a restarted
 backbone aggregated: one member failed the backbone's slice, the others had stepped). The leader's new
 plan is a new record (a new expiry and signature), adopted as usual.
 
-**Stale tickets and group ids.** Wrapping around also finds the earlier round's *tickets* under the key,
+**Stale tickets and group ids.** Coming to such a key also finds the earlier round's *tickets* under it,
 alive for minutes: members that finished that round stepped and moved on, but their tickets still name
 them. Counted as members, they made a group of one live peer and several absent ones; with no slices of
 their own (client mode) the absent members only "left", the round completed with the live peer's gradient
@@ -154,6 +162,9 @@ class MatchmakingConfig:
     codec: CodecName = "none"
     part_numel: int = 0  # 0: chosen from the plan's slices (auto_part_numel)
     max_weight: float = MAX_WEIGHT  # no member weighs more (the run's target batch + one micro-batch)
+    #: seconds a member that found no other peer's ticket under its key waits there with the same ticket
+    #: for one to appear (:mod:`.attempts`, "Lingering"); 0: it returns at once
+    linger: float = 0.0
     averaging: AveragingSpec = field(default_factory=AveragingSpec)  # from our own manifest
 
 
@@ -168,6 +179,9 @@ class Matchmaker:
     #: the members of the last plan we adopted and the throughput their signed tickets claim (identical on
     #: every member: the next step's shares of the target batch, shared.progress.quotas); empty if unknown
     last_rates: dict[str, float] = field(default_factory=dict)
+    #: the last attempt's read of its key showed fewer than two computing tickets, ours included, consumed
+    #: or not (also while it lingered): the next attempt stays at that key (:mod:`.attempts`, rule 2)
+    alone: bool = False
 
     def record_round(self, predicted: float, measured: float) -> None:
         """Feed a finished round's timing back into the deadlines of the next ones."""
@@ -188,16 +202,21 @@ class Matchmaker:
         """
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
+        self.alone = False
         stale: set[bytes] = set()
         if await self._formed(key, me, stale):
             logger.info("round %d: the group under %s already formed; not joining it", round_, key)
             return None
-        expiry = time.time() + self.config.window + self.config.plan_wait + 600
+        expiry = time.time() + self.config.window + self.config.plan_wait + self.config.linger + 600
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         mine = self._own_signature(key)
         await faults.point("matchmaking.joined")
         await trio.sleep(self.config.window)
         signed = await self._signed_tickets(key, numel)
+        if _computing(signed, me) == 0 and await self._linger(key, numel):
+            await trio.sleep(self.config.window)  # as after our own ticket: the others' come in meanwhile
+            signed = await self._signed_tickets(key, numel)
+        self.alone = _computing(signed, me) == 0
         signed[me] = (ticket, mine)  # our own store may not be readable yet; we certainly joined
         return await self._form(
             round_, key, await self._unconsumed(round_, key, signed), numel, expiry, stale
@@ -228,6 +247,7 @@ class Matchmaker:
             raise ValueError("assemble_auxiliary takes an auxiliary ticket")
         key = f"{self.prefix}.{round_}.{group_key}"
         me = self.dht.host.peer_id
+        self.alone = False
         stale: set[bytes] = set()
         if await self._formed(key, me, stale):
             return None
@@ -264,13 +284,15 @@ class Matchmaker:
             found: list[bool] = []
             nursery.start_soon(arrived)
             nursery.start_soon(gave_up)
-        if found:
+        if found:  # no (new) computing ticket came before the step moved on
+            self.alone = True
             return None
         expiry = time.time() + lease  # the round forms now: a full lease for it
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         mine = self._own_signature(key)
         await trio.sleep(self.config.window)
         signed = await self._signed_tickets(key)
+        self.alone = _computing(signed, me) < 2  # we stay for a second computing member (attempts, rule 2)
         signed[me] = (ticket, mine)
         everyone = {p: t for p, (t, _) in (await self._unconsumed(round_, key, signed)).items()}
         numel = agreed_numel(everyone.values())
@@ -287,6 +309,17 @@ class Matchmaker:
             return None
         kept = {p: signed[p] for p, t in everyone.items() if t.numel in (0, numel)}
         return await self._form(round_, key, kept, numel, expiry, stale)
+
+    async def _linger(self, key: str, numel: int) -> bool:
+        """Wait up to ``linger`` seconds for another peer's ticket under ``key`` (ours stays as it is:
+        :mod:`.attempts`, "Lingering"); True once one is there."""
+        me = self.dht.host.peer_id
+        with trio.move_on_after(self.config.linger):
+            while True:
+                if _computing(await self._signed_tickets(key, numel), me):
+                    return True
+                await trio.sleep(AUX_POLL_PERIOD)
+        return False
 
     async def _form(
         self,
@@ -655,6 +688,12 @@ class Matchmaker:
             raise PlanRefused(
                 f"deadline {assembly.deadline:.1f} s exceeds the bound from {own.deadline:.1f} s"
             )
+
+
+def _computing(signed: Mapping[PeerId, tuple[JoinTicket, bytes]], me: PeerId) -> int:
+    """How many computing (non-``aux``) tickets of peers other than ``me`` a read found, consumed or not
+    (:mod:`.attempts`, rule 2)."""
+    return sum(1 for peer, (ticket, _) in signed.items() if peer != me and not ticket.aux)
 
 
 def agreed_numel(tickets: Iterable[JoinTicket]) -> int | None:

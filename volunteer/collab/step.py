@@ -17,8 +17,11 @@ protocol beside :class:`BatchStep`; they read the view from the progress board a
 3. if every slice was averaged, apply the group's mean gradient: one optimizer step, identical on every
    member (the all-reduce's results are bit-identical and so are the optimizer states);
 4. if the round failed (a member died, a slice's aggregator vanished), the gradients go back into the
-   accumulators and the survivors retry the round (a new matchmaking key per attempt): no accumulated
-   sample is lost. A peer left out of the round while others stepped re-downloads the state.
+   accumulators and the survivors retry the round: no accumulated sample is lost. A peer left out of the
+   round while others stepped re-downloads the state. Each attempt matchmakes under the member's next key
+   of the step, which only moves forward, also across calls, and stays put only while the member finds
+   no other computing member's ticket there (:mod:`shared.averaging.attempts`: keys reused by a fixed
+   cycle of attempts left members out of phase failing one round for ever).
 5. Alone in the run (no other credible peer), we step with our own gradient at once, without
    matchmaking; alone at our step after a matchmaking that found nobody, likewise -- but only with
    evidence that we *are* alone (``lone``: :func:`shared.alone.lone_step`, fed by
@@ -70,6 +73,7 @@ from protocols.training import AVERAGING_PREFIX, TrainingSpec
 from shared import faults
 from shared.alone import LoneStep
 from shared.averaging.allreduce import Averager, GroupPlan
+from shared.averaging.attempts import AttemptKeys, attempt_key
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.averaging.round_length import round_length
 from shared.errors import ProjectError
@@ -89,6 +93,8 @@ __all__ = ["BatchStep", "StepMode", "StepRecord", "StepStats"]
 
 logger = logging.getLogger(__name__)
 LONE_RETRY = 1.0  # seconds before looking again when a lone step is not allowed
+#: matchmaking windows a member alone under its key waits there for another (shared.averaging.attempts)
+LINGER_WINDOWS = 3.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,7 @@ class BatchStep:
             prefix=self.averaging_prefix,
             config=MatchmakingConfig(
                 window=self.matchmaking_window,
+                linger=LINGER_WINDOWS * self.matchmaking_window,
                 codec=self.spec.codec,
                 # nobody accumulates more than the target batch plus the micro-batch that crossed it
                 max_weight=float(self.spec.target_batch + self.spec.local_batch),
@@ -192,6 +199,7 @@ class BatchStep:
         self._quota: tuple[int, int] | None = None  # (step, our share of the samples toward step + 1)
         self._planned: tuple[int, int] | None = None  # (step, the round's samples toward step + 1)
         self._done_at: float | None = None  # when our share of this step was done (time.monotonic())
+        self.attempts = AttemptKeys()  # which key the step's next attempt matchmakes under
 
     # ------------------------------------------------------------------ when
 
@@ -402,19 +410,25 @@ class BatchStep:
             overflow=overflow,
             numel=self.trainer.numel,  # auxiliary aggregators adopt the length computing members agree on
         )
+        index = self.attempts.next(step)  # shared.averaging.attempts
         try:
             with self.averager.joining(step):  # a member that started before us gets PENDING, not NOT_FOUND
                 plan = await self.matchmaker.assemble(
-                    step, ticket, self.trainer.numel, group_key=f"a{attempt}"
+                    step, ticket, self.trainer.numel, group_key=attempt_key(index)
                 )
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
+            self.attempts.done(step, index, alone=False)
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
             self.waiting(_round_failure(str(exc)))
             return None
+        # whatever comes of the round, we leave this key, unless no other computing member was there
+        self.attempts.done(step, index, alone=plan is None and self.matchmaker.alone)
         if plan is None:
             if alone and taken.samples > 0:
                 return await self._alone(step, taken)
-            logger.info("step %d: no group this time (attempt %d)", step + 1, attempt + 1)
+            logger.info(
+                "step %d: no group this time (attempt %d, key %s)", step + 1, attempt + 1, attempt_key(index)
+            )
             return None
         claimed = any(m.overflow for m in plan.members)
         if believed(self.trainer.loss_scale, claimed):  # every member of the plan skips: no averaging
