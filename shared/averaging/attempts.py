@@ -17,7 +17,22 @@ for computing members (:class:`volunteer.collab.step.BatchStep`) and auxiliary a
    members, and a computing member alone with it has nobody to average with), and the aggregator follows
    the same rule: it stays while it read at most one computing ticket;
 3. no key is skipped: a member visits its step's keys one by one, leaving a ticket under each (alive
-   for minutes, :meth:`.matchmaking.Matchmaker.assemble`).
+   for minutes, :meth:`.matchmaking.Matchmaker.assemble`);
+4. **restart**: a member that stayed alone at one key for :data:`RESTART_AFTER` seconds (its attempts
+   there all read no other computing ticket) starts the step's keys again at ``a0`` and walks them by
+   rule 2, as a newcomer would.
+
+*Why rule 4.* Rules 1-3 let a member behind catch up only while the tickets of the members ahead are alive
+at the keys they passed (about ten minutes). A member waiting alone at ``a<n>`` longer than that (the
+others left mid-step) leaves ``a0 .. a<n-1>`` empty behind it: a member that joins the step then finds
+nobody at ``a0``, stays there (rule 2), and the two wait for ever at two keys. With rule 4 a member waits
+alone at most ``RESTART_AFTER`` (well below a ticket's life) before walking from ``a0`` again, renewing a
+ticket at every key up to where it stops, so the tickets below a waiting member are always alive: a
+newcomer walks to it, or it comes back to the newcomer waiting at ``a0``. A restart forms no group by
+itself (the matchmaking rules are unchanged), and a member that restarts while another walks towards its
+old key meets it further on: that one moves past the old key (our ticket is still there) and waits at the
+next, which our walk reaches. A restart costs an alone member nothing (it had nobody to average with),
+and a member that passes others' stale tickets on its walk spends one attempt at each.
 
 There is no second judgement beside rule 2: whether a ticket was *consumed* by an earlier plan
 (:mod:`.matchmaking`, "Stale tickets and group ids") decides who is in a group, never which key is next.
@@ -77,7 +92,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AttemptKeys", "attempt_key"]
+__all__ = ["RESTART_AFTER", "AttemptKeys", "attempt_key"]
+
+#: Seconds a member stays alone at one key before walking the step's keys again from ``a0`` (rule 4):
+#: far below a ticket's life (about ten minutes), far above a window or a plan's wait.
+RESTART_AFTER = 120.0
 
 
 def attempt_key(index: int) -> str:
@@ -89,19 +108,35 @@ def attempt_key(index: int) -> str:
 
 @dataclass
 class AttemptKeys:
-    """One member's attempt index for the step it averages (module docstring, rules 1 and 2)."""
+    """One member's attempt index for the step it averages (module docstring, rules 1, 2 and 4)."""
 
     step: int | None = None
     index: int = 0
+    restart_after: float = RESTART_AFTER
+    #: (index, since when) of the key we have been alone at, across attempts (rule 4)
+    alone_at: tuple[int, float] | None = None
+    restarts: int = 0
 
     def next(self, step: int) -> int:
         """The index of ``step``'s next attempt (its key: :func:`attempt_key`); 0 at a new step."""
         if step != self.step:
-            self.step, self.index = step, 0
+            self.step, self.index, self.alone_at = step, 0, None
         return self.index
 
-    def done(self, step: int, index: int, *, alone: bool) -> None:
-        """The attempt under ``index`` of ``step`` ended without a step: move past it, unless its read
-        showed no other peer's ticket (rule 2). An attempt of another step changes nothing."""
-        if step == self.step:
-            self.index = max(self.index, index if alone else index + 1)
+    def done(self, step: int, index: int, *, alone: bool, now: float) -> None:
+        """The attempt under ``index`` of ``step`` ended without a step at time ``now`` (any monotonic
+        clock): move past it, unless its read showed no other peer's ticket (rule 2); back to ``a0`` after
+        ``restart_after`` seconds alone at one key (rule 4). An attempt of another step changes nothing."""
+        if step != self.step:
+            return
+        if not alone:
+            self.alone_at = None
+            self.index = max(self.index, index + 1)
+            return
+        if self.alone_at is None or self.alone_at[0] != index:
+            self.alone_at = (index, now)
+        elif now - self.alone_at[1] >= self.restart_after:
+            self.index, self.alone_at = 0, None
+            self.restarts += 1
+            return
+        self.index = max(self.index, index)

@@ -203,7 +203,7 @@ class AuxiliaryAggregator:
             rejoin = (step, attempt) in joined
             joined.add((step, attempt))
             await self.serve_round(step, attempt, ticket, rejoin)
-            attempts.done(step, attempt, alone=self.matchmaker.alone)
+            attempts.done(step, attempt, alone=self.matchmaker.alone, now=trio.current_time())
 
     async def serve_round(self, step: int, attempt: int, ticket: JoinTicket, rejoin: bool = False) -> bool:
         """One attempt of ``step``'s round as an auxiliary aggregator; True if we averaged our slice.

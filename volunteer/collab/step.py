@@ -417,12 +417,12 @@ class BatchStep:
                     step, ticket, self.trainer.numel, group_key=attempt_key(index)
                 )
         except (*CALL_FAILURES, ValueError, ProjectError) as exc:
-            self.attempts.done(step, index, alone=False)
+            self.attempts.done(step, index, alone=False, now=trio.current_time())
             logger.warning("step %d: matchmaking failed: %s", step + 1, exc)
             self.waiting(_round_failure(str(exc)))
             return None
         # whatever comes of the round, we leave this key, unless no other computing member was there
-        self.attempts.done(step, index, alone=plan is None and self.matchmaker.alone)
+        self.attempts.done(step, index, alone=plan is None and self.matchmaker.alone, now=trio.current_time())
         if plan is None:
             if alone and taken.samples > 0:
                 return await self._alone(step, taken)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols.averaging import JoinTicket
-from shared.averaging.attempts import AttemptKeys, attempt_key
+from shared.averaging.attempts import RESTART_AFTER, AttemptKeys, attempt_key
 from shared.averaging.groups import leader_of
 from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.node import Node
@@ -36,9 +36,9 @@ def test_a_members_index_only_grows_and_stays_only_after_being_alone(
         before = keys.index if step == keys.step else 0  # a new step starts at a0
         index = keys.next(step)
         assert index == before
-        keys.done(step, index, alone=alone)
+        keys.done(step, index, alone=alone, now=0.0)
         assert keys.index == (index if alone else index + 1)
-        keys.done(step + 1, index + 5, alone=False)  # another step's attempt changes nothing
+        keys.done(step + 1, index + 5, alone=False, now=0.0)  # another step's attempt changes nothing
         assert keys.index == (index if alone else index + 1)
     assert AttemptKeys().next(4) == 0 and attempt_key(3) == "a3"
     with pytest.raises(ValueError, match="at least 0"):
@@ -58,7 +58,7 @@ def test_a_member_stays_only_at_a_key_no_other_member_has_passed(members: int, o
         index = keys[m].next(0)
         tickets.setdefault(index, set()).add(m)
         alone = tickets[index] == {m}
-        keys[m].done(0, index, alone=alone)
+        keys[m].done(0, index, alone=alone, now=0.0)
         return alone
 
     for m in (m % members for m in order):
@@ -72,6 +72,64 @@ def test_a_member_stays_only_at_a_key_no_other_member_has_passed(members: int, o
     assert {k.next(0) for k in keys} == {front}
 
 
+def test_a_member_alone_at_one_key_for_restart_after_walks_again_from_a0() -> None:
+    """Rule 4: alone at one key for RESTART_AFTER seconds, across attempts, the next attempt is at a0;
+    being alone at another key, or not alone, starts the count again."""
+    keys = AttemptKeys(step=3, index=5)
+    keys.done(3, keys.next(3), alone=True, now=1000.0)
+    keys.done(3, keys.next(3), alone=True, now=1000.0 + RESTART_AFTER - 1)
+    assert keys.next(3) == 5 and keys.restarts == 0
+    keys.done(3, keys.next(3), alone=False, now=1000.0 + RESTART_AFTER)  # someone came: count again
+    assert keys.next(3) == 6
+    keys.done(3, 6, alone=True, now=2000.0)
+    keys.done(3, 6, alone=True, now=2000.0 + RESTART_AFTER)
+    assert keys.next(3) == 0 and keys.restarts == 1
+    keys.done(3, 0, alone=True, now=3000.0)  # alone at a0 now: it waits there as long as it takes
+    keys.done(3, 0, alone=True, now=3000.0 + 10 * RESTART_AFTER)
+    assert keys.next(3) == 0
+
+
+@given(st.integers(1, 12))
+def test_a_newcomer_meets_a_member_waiting_after_the_tickets_below_it_expired(front: int) -> None:
+    """The deadlock rule 4 ends, on a model of the DHT with ticket expiry: a member waited alone at key
+    ``front`` for longer than a ticket lives (the others of the step left), so its tickets at the keys
+    below are gone; a newcomer finds nobody at a0 and waits there. Without rule 4 both wait for ever; with
+    it, the waiting member walks from a0 and meets the newcomer."""
+    life = 600.0  # a ticket's life (matchmaking stores them for about ten minutes)
+    tickets: dict[int, dict[str, float]] = {}  # key -> member -> stored at
+    waiting = AttemptKeys(step=0, index=front)
+    newcomer = AttemptKeys()
+    now = 0.0
+    tickets[front] = {"old": now}
+    waiting.alone_at = (front, now)
+    now += life + 1  # every ticket below `front` expired; ours at `front` is renewed by lingering
+
+    members = {"old": waiting, "new": newcomer}
+
+    def attempt(name: str) -> bool:
+        """One attempt; True if it met the other member: its ticket is live at our key and it waits
+        there (both read each other's tickets within the window: a group forms)."""
+        keys = members[name]
+        index = keys.next(0)
+        live = {m for m, at in tickets.get(index, {}).items() if now - at < life}
+        tickets.setdefault(index, {})[name] = now
+        other = "new" if name == "old" else "old"
+        if other in live and members[other].next(0) == index:
+            return True
+        keys.done(0, index, alone=live <= {name}, now=now)
+        return False
+
+    met = False
+    for _ in range(200):
+        now += 5.0
+        if attempt("old") or attempt("new"):
+            met = True
+            break
+    assert met, (waiting.next(0), newcomer.next(0), waiting.restarts)
+    assert waiting.restarts == 1
+    assert now < life + 1 + RESTART_AFTER + 20  # within about RESTART_AFTER
+
+
 async def attempts_until_a_plan(
     node: Node, matchmaker: Matchmaker, round_: int, keys: AttemptKeys, limit: int = 6
 ) -> tuple[int, object]:
@@ -79,7 +137,7 @@ async def attempts_until_a_plan(
     for _ in range(limit):
         index = keys.next(round_)
         plan = await matchmaker.assemble(round_, ticket(node, 1.0), NUMEL, attempt_key(index))
-        keys.done(round_, index, alone=plan is None and matchmaker.alone)
+        keys.done(round_, index, alone=plan is None and matchmaker.alone, now=0.0)
         if plan is not None:
             return index, plan
     raise AssertionError(f"no plan in {limit} attempts (at key a{keys.index})")
@@ -126,7 +184,7 @@ async def test_consumed_tickets_of_a_plan_whose_member_vanished_move_a_member_on
     index = keys.next(7)
     assert await late.assemble(7, ticket(nodes[3], 1.0), NUMEL, attempt_key(index)) is None
     assert not late.alone  # two computing tickets were there, consumed or not
-    keys.done(7, index, alone=late.alone)
+    keys.done(7, index, alone=late.alone, now=0.0)
     assert keys.next(7) == index + 1
 
 
