@@ -39,6 +39,31 @@ dial back a lane for each chunk request (:mod:`protocols.reversal`): checkpoints
 NATed peer, and a run whose state only NATed peers hold still gets it onto a backbone, where newcomers
 download it.
 
+**Swarm runs** (``[sync] mode = "swarm"``; issue 17, "a departure may cost seconds, never a lost step").
+Each pipeline stage is a collaboration of its own, under its own keys
+(:func:`protocols.swarm.stage_training_keys`): its servers publish progress and announce states there,
+and the run has no data-parallel state at all. The backbone then keeps, instead of the run's
+checkpoints, one :class:`Checkpointer` per stage (:func:`checkpoint_scopes`), each by exactly the rules
+above applied to its stage alone: it reads the stage's progress records (credible step, survivor, forks)
+and state announcements, stores the stage's verified states in a directory of its own,
+``<checkpoints>/stage-<k>`` (:func:`scope_directory`; keep-last-``spec.keep_checkpoints`` and the disk
+checks per stage), and announces the newest under the stage's state key, ``backbone=True``, so that a
+server refilling a stage whose last server died downloads the stage's state at its last stored step,
+as a newcomer of a data-parallel run whose volunteers all left resumes from the run's
+(:meth:`volunteer.collab.sync.StateSync.resume_if_behind`). All of them serve through the node's one
+:class:`~shared.state.StateServer` (a host has one handler for the state topic), each offering and
+forgetting only its own stored digests.
+
+*A stage's checkpoint is never another stage's* (DESIGN D10). The keys are disjoint by construction
+(``swarm.s<k>.state``), but an announcement under stage ``k``'s key is a stranger's claim, so the state
+itself must say it: a stage's state blob carries ``stage = "<k>/<S>"`` in its metadata
+(:func:`protocols.swarm.stage_tag`, written by the stage's trainer), and a downloaded state is stored
+under a scope only if its ``stage`` entry is that scope's (:func:`check_scope`; the run's data-parallel
+checkpoints must carry none). A mismatch is the state's fault: its announcers are refused, as for a
+state of another step. So no stage's directory holds, and no stage's key announces, another stage's
+state; the digest that names a stored blob then names one stage's state only, and the shared server
+cannot serve one scope's checkpoint as another's.
+
 An announced size is checked before anything is allocated or requested: against
 :class:`CheckpointLimits` ``max_state_bytes``; against :data:`~shared.state.limits.STATE_GROWTH` times
 the largest kept checkpoint when only one user vouches for it (a state is the model plus optimizer slots
@@ -55,16 +80,20 @@ not tried again until its writer announces something else (a DHT record may live
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
-from protocols.training import Progress, StateAnnouncement, TrainingSpec
+from protocols.swarm import stage_tag, stage_training_keys
+from protocols.training import TRAINING_KEYS, Progress, StateAnnouncement, TrainingKeys, TrainingSpec
 from shared.errors import ConfigError, StateError, StateUnavailable
 from shared.merge import Collaboration
 from shared.net.addresses import PeerAddress
@@ -89,7 +118,19 @@ from shared.state.trust import Announced, support_of
 
 from .checkpoints import CheckpointEntry, CheckpointStore
 
-__all__ = ["DEFAULT_MAX_STATE_BYTES", "POLL_PERIOD", "CheckpointLimits", "Checkpointer", "keep_checkpoints"]
+__all__ = [
+    "DEFAULT_MAX_STATE_BYTES",
+    "POLL_PERIOD",
+    "CheckpointLimits",
+    "CheckpointScope",
+    "Checkpointer",
+    "check_scope",
+    "checkpoint_scopes",
+    "keep_checkpoints",
+    "keep_scoped_checkpoints",
+    "open_stores",
+    "scope_directory",
+]
 
 logger = logging.getLogger("backbone.checkpoints")
 
@@ -127,6 +168,79 @@ class CheckpointLimits:
     disk_reserve: int = DISK_RESERVE
 
 
+@dataclass(frozen=True)
+class CheckpointScope:
+    """Whose states a :class:`Checkpointer` keeps (module docstring, "Swarm runs").
+
+    Attributes:
+        keys: the collaboration's DHT keys (progress records and state announcements are read there, and
+            the newest checkpoint is announced there).
+        stage: the index of the pipeline stage, or None for the run's data-parallel collaboration.
+        stages: the run's stage count (0 for a data-parallel run).
+    """
+
+    keys: TrainingKeys = TRAINING_KEYS
+    stage: int | None = None
+    stages: int = 0
+
+    @property
+    def tag(self) -> str | None:
+        """The ``stage`` metadata entry this scope's states carry (None: they carry none)."""
+        return None if self.stage is None else stage_tag(self.stage, self.stages)
+
+    @property
+    def name(self) -> str:
+        """For logs: ``"run"`` or ``"stage k"``."""
+        return "run" if self.stage is None else f"stage {self.stage}"
+
+
+def checkpoint_scopes(spec: TrainingSpec) -> list[CheckpointScope]:
+    """The collaborations whose states a backbone keeps: one per stage in a swarm run, else the run's."""
+    if spec.sync.mode == "swarm" and spec.sync.stages > 0:
+        stages = spec.sync.stages
+        return [CheckpointScope(stage_training_keys(k), k, stages) for k in range(stages)]
+    return [CheckpointScope()]
+
+
+def scope_directory(root: Path, scope: CheckpointScope) -> Path:
+    """Where ``scope``'s checkpoints live under the backbone's checkpoint directory ``root``: ``root``
+    itself for the run's, ``root/stage-<k>`` for stage ``k``'s (the run's store ignores directories)."""
+    return Path(root) if scope.stage is None else Path(root) / f"stage-{scope.stage}"
+
+
+def check_scope(metadata: Mapping[str, str], scope: CheckpointScope) -> None:
+    """Raise :class:`~shared.errors.StateError` unless a state with ``metadata`` is ``scope``'s: its
+    ``stage`` entry is the scope's stage tag (none for the run's)."""
+    found = metadata.get("stage")
+    if found != scope.tag:
+        what = "the run's data-parallel state" if scope.tag is None else f"stage {scope.tag}"
+        claim = "no stage" if found is None else f"stage {found[:16]!r}"
+        raise StateError(f"a state of {claim}, not {what}")
+
+
+def open_stores(root: Path, spec: TrainingSpec) -> list[tuple[CheckpointScope, CheckpointStore]]:
+    """Open (create) the store of every scope of the run (:func:`checkpoint_scopes`) under ``root``,
+    each keeping the last ``spec.keep_checkpoints``. Blocking: call it in a worker thread.
+
+    Raises:
+        ConfigError: a directory cannot be created or read.
+    """
+    return [
+        (scope, CheckpointStore(scope_directory(root, scope), spec.keep_checkpoints))
+        for scope in checkpoint_scopes(spec)
+    ]
+
+
+class _Prefixed(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Log lines naming the stage (nothing is added for the run's own checkpoints)."""
+
+    def process(
+        self, msg: object, kwargs: MutableMapping[str, Any]
+    ) -> tuple[object, MutableMapping[str, Any]]:
+        prefix = (self.extra or {}).get("prefix", "")
+        return f"{prefix}{msg}", kwargs
+
+
 class Checkpointer:
     """Decides which announced state to store and keeps the server and the DHT in line with the store."""
 
@@ -137,12 +251,15 @@ class Checkpointer:
         store: CheckpointStore,
         spec: TrainingSpec,
         limits: CheckpointLimits | None = None,
+        scope: CheckpointScope | None = None,
     ) -> None:
         self.node = node
         self.server = server
         self.store = store
         self.spec = spec
         self.limits = limits or CheckpointLimits()
+        self.scope = scope or CheckpointScope()
+        self.log = _Prefixed(logger, {"prefix": "" if self.scope.stage is None else f"{self.scope.name}: "})
         self.book = SourceBook()  # failed sources, refused announcements
         self.changed = trio.Event()  # set when the newest checkpoint changes (announce it at once)
         self._offered: set[bytes] = set()
@@ -170,7 +287,7 @@ class Checkpointer:
             newest = self.sync_offers()
             if newest is not None:
                 with self.node.tolerated.around("checkpoint.announce"):
-                    await announce_state(self.node.dht, newest)
+                    await announce_state(self.node.dht, newest, self.scope.keys.state)
             with trio.move_on_after(ANNOUNCE_PERIOD):
                 await self.changed.wait()
             self.changed = trio.Event()
@@ -192,7 +309,7 @@ class Checkpointer:
         min_step = 0 if newest is None else newest.step + self.spec.checkpoint_every
         if newest is not None and 0 < self.spec.max_steps <= min_step and newest.step < self.spec.max_steps:
             min_step = self.spec.max_steps  # the run's final state is always kept
-        announced = await read_announcements(self.node.dht)
+        announced = await read_announcements(self.node.dht, key=self.scope.keys.state)
         announced.pop(self.node.peer_id, None)
         candidates = trusted_state(announced, min_step=min_step)
         if not candidates:
@@ -207,7 +324,7 @@ class Checkpointer:
             if credible is not None and announcement.step > credible:
                 # not refused: the progress we read may merely lag behind a fresh step
                 if _first_time(self._ahead, announcement.digest):
-                    logger.info(
+                    self.log.info(
                         "not (yet) storing the state of step %d: the training peers are at step %d",
                         announcement.step,
                         credible,
@@ -217,7 +334,7 @@ class Checkpointer:
                 # nobody of the surviving collaboration vouches for it: a losing fork's, or a state whose
                 # holders left it (not refused: the same writers may join the survivor and announce again)
                 if _first_time(self._foreign, announcement.digest):
-                    logger.info(
+                    self.log.info(
                         "not storing the state of step %d: none of its %d announcer(s) is in the surviving "
                         "collaboration (step %d, %d users)",
                         announcement.step,
@@ -236,7 +353,7 @@ class Checkpointer:
             usable = [w for w in writers if self.book.usable(w)]
             sources = [(a, announcement) for w in usable for a in self._addresses(w, addresses)]
             if not sources:
-                logger.debug("no usable source for the state of step %d", announcement.step)
+                self.log.debug("no usable source for the state of step %d", announcement.step)
                 continue
             entry = await self._fetch_and_store(announcement, sources, writers, announced, limit)
             if entry is not None:
@@ -256,7 +373,7 @@ class Checkpointer:
         ahead of the others is not credible; with several collaborations, the survivor's step and peers).
         ``peers <= 1`` means nobody is training (then the lone peer's state is the run's, as in
         :mod:`shared.state.trust`)."""
-        records, users = await read_progress_with_users(self.node.dht)
+        records, users = await read_progress_with_users(self.node.dht, self.scope.keys.progress)
         nobody = Progress(step=0, samples=0, samples_per_second=0.0, time=time.time())
         return summarize(
             records,
@@ -282,9 +399,9 @@ class Checkpointer:
             try:
                 await trio.to_thread.run_sync(self.store.discard, entry.digest, limiter=STATE_IO)
             except OSError as exc:
-                logger.error("could not discard the checkpoint of step %d: %r", entry.step, exc)
+                self.log.error("could not discard the checkpoint of step %d: %r", entry.step, exc)
                 continue
-            logger.warning(
+            self.log.warning(
                 "discarded the checkpoint of step %d (%s…): the surviving collaboration (%d users) is at "
                 "step %d, so it was a fork's",
                 entry.step,
@@ -318,7 +435,7 @@ class Checkpointer:
         free = await trio.to_thread.run_sync(_free_bytes, self.store.directory, limiter=STATE_IO)
         if announcement.nbytes > free - self.limits.disk_reserve:
             if _first_time(self._short_of_disk, announcement.digest):
-                logger.error(
+                self.log.error(
                     "no disk for the state of step %d (%d bytes; %d free, %d kept in reserve)",
                     announcement.step,
                     announcement.nbytes,
@@ -339,6 +456,7 @@ class Checkpointer:
             step = state_step(metadata)
             if step != announcement.step:
                 raise StateError(f"announced as step {announcement.step}, its header says {step}")
+            check_scope(metadata, self.scope)  # never another stage's state (module docstring)
             entry = await trio.to_thread.run_sync(
                 self.store.save_file, path, announcement.digest, step, limiter=STATE_IO
             )
@@ -347,16 +465,16 @@ class Checkpointer:
                 self.book.refuse(writer, announced[writer].announcement, f"state {prefix}: {exc}")
             return None
         except StateUnavailable as exc:  # each source's failure is in the book
-            logger.info("could not download the state of step %d: %s", announcement.step, exc)
+            self.log.info("could not download the state of step %d: %s", announcement.step, exc)
             return None
         except _CANDIDATE_FAILURES as exc:
-            logger.error("could not store the state of step %d (%s): %r", announcement.step, prefix, exc)
+            self.log.error("could not store the state of step %d (%s): %r", announcement.step, prefix, exc)
             return None
         finally:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()  # still there unless it was moved into the store
-        logger.info("stored checkpoint of step %d (%.1f MB, %s…)", step, entry.nbytes / 1e6, prefix)
+        self.log.info("stored checkpoint of step %d (%.1f MB, %s…)", step, entry.nbytes / 1e6, prefix)
         self.changed.set()
         return entry
 
@@ -382,13 +500,15 @@ async def keep_checkpoints(
     spec: TrainingSpec,
     *,
     limits: CheckpointLimits | None = None,
+    scope: CheckpointScope | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve, announce and collect checkpoints until cancelled (see the module docstring)."""
-    checkpointer = Checkpointer(node, server, store, spec, limits)
+    """Serve, announce and collect ``scope``'s checkpoints (default: the run's) until cancelled (see the
+    module docstring)."""
+    checkpointer = Checkpointer(node, server, store, spec, limits, scope)
     newest = store.newest()
     if newest is not None:
-        logger.info(
+        checkpointer.log.info(
             "serving checkpoint of step %d (%.1f MB, %s…)",
             newest.step,
             newest.nbytes / 1e6,
@@ -404,3 +524,22 @@ async def keep_checkpoints(
             except CALL_FAILURES as exc:
                 checkpointer.node.tolerated.note("checkpoint.poll", exc)  # counted in the node's status
             await trio.sleep(POLL_PERIOD)
+
+
+async def keep_scoped_checkpoints(
+    node: Node,
+    server: StateServer,
+    stores: Sequence[tuple[CheckpointScope, CheckpointStore]],
+    spec: TrainingSpec,
+    *,
+    limits: CheckpointLimits | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """:func:`keep_checkpoints` for each ``(scope, store)`` of :func:`open_stores` (a swarm run: one per
+    stage), all through ``server``; started once every one serves its stored checkpoints."""
+    async with trio.open_nursery() as nursery:
+        for scope, store in stores:
+            await nursery.start(
+                functools.partial(keep_checkpoints, limits=limits, scope=scope), node, server, store, spec
+            )
+        task_status.started()

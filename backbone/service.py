@@ -5,8 +5,8 @@ itself an access token, serves the API (join, refresh, manifest, revocations, le
 capabilities, admin), and turns every user the allowlist revokes — through the API or ``backbone allow
 remove`` in another process — into an authority-signed revocation in the DHT within a second or two.
 Open runs (``--open``): no authority, no API, no admission; for local experiments.
-Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` and serve them to peers
-(:mod:`backbone.checkpointer`).
+Both keep the run's recent checkpoints in ``<data dir>/checkpoints`` (a swarm run's: each stage's in
+``<data dir>/checkpoints/stage-<k>``) and serve them to peers (:mod:`backbone.checkpointer`).
 Both serve bandwidth and reachability probes (:mod:`shared.net.probe`) for volunteers measuring themselves,
 and relay slots for the ones behind NAT unless started with ``--no-relay`` (:mod:`shared.net.relay`).
 Both take aggregation slices of the volunteers' averaging rounds unless started with ``--no-aggregate``
@@ -67,8 +67,7 @@ from shared.state.transfer import StateServer
 
 from .aggregator import DEFAULT_AGGREGATE_MBPS, backbone_aggregator, write_status
 from .api import DB_READ, ApiState, build_app
-from .checkpointer import keep_checkpoints
-from .checkpoints import CheckpointStore
+from .checkpointer import keep_scoped_checkpoints, open_stores
 from .dashboard import serve_dashboard
 from .ledger import BACKBONE_USERNAME, RESERVED_USERNAMES, LedgerStore
 from .live import LiveSources
@@ -290,11 +289,12 @@ async def _serve_node(
         nursery.start_soon(_report_forever, node, options.data_dir, aggregator)
         if aggregator is not None:
             nursery.start_soon(aggregator.serve_forever)
-        checkpoints = live.checkpoints = await trio.to_thread.run_sync(
-            CheckpointStore, options.data_dir / CHECKPOINTS_DIR, options.training.keep_checkpoints
-        )
+        stores = await trio.to_thread.run_sync(
+            open_stores, options.data_dir / CHECKPOINTS_DIR, options.training
+        )  # the run's, or each stage's in a swarm run (backbone.checkpointer, "Swarm runs")
+        live.checkpoints = stores[0][1] if stores[0][0].stage is None else None
         server = StateServer(node.host, backbone=True)
-        await nursery.start(keep_checkpoints, node, server, checkpoints, options.training)
+        await nursery.start(keep_scoped_checkpoints, node, server, stores, options.training)
         shutdown.ready()
         await shutdown.requested.wait()
         logger.info("leaving the run")

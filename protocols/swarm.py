@@ -117,6 +117,7 @@ __all__ = [
     "encoded_nbytes",
     "request_nbytes",
     "stage_key",
+    "stage_tag",
     "stage_training_keys",
 ]
 
@@ -239,6 +240,15 @@ def stage_training_keys(stage: int) -> TrainingKeys:
     state announcements, averaging rounds): ``swarm.s<k>.progress``, ``.state`` and ``.avg``."""
     stage_key(stage)  # the same bounds
     return TrainingKeys(f"swarm.s{stage}.progress", f"swarm.s{stage}.state", f"swarm.s{stage}.avg")
+
+
+def stage_tag(stage: int, stages: int) -> str:
+    """What a state of ``stage`` of a ``stages``-stage run says it is: the ``stage`` entry of its blob's
+    metadata (``"<k>/<S>"``). A stage server refuses to load a state of another stage, and a backbone to
+    store one as this stage's checkpoint (:mod:`backbone.checkpointer`, "Swarm runs")."""
+    if not 0 <= stage < stages <= MAX_STAGES:
+        raise ValueError(f"stage {stage} of {stages} stages (at most {MAX_STAGES})")
+    return f"{stage}/{stages}"
 
 
 def stage_key(stage: int) -> str:

@@ -146,8 +146,8 @@ async def test_a_member_late_to_a_failed_round_meets_the_others_under_the_next_k
     """The same start, but alice is late once only: the others' plan under the first key names her stale
     ticket and fails; she, late to it, finds their tickets there and moves on to the next key, where she
     waits (lingers) and the others come after their failure: she is in the group that steps (before,
-    whether they met was luck of timing). A member whose failure ended later than the other's may find the group formed without it
-    (it follows by the state sync), so the test asks for alice and one other."""
+    whether they met was luck of timing). A member whose failure ended later than the other's may find the
+    group formed without it (it follows by the state sync), so the test asks for alice and one other."""
     peers = await three_peers(nursery)
     alice = peers[0]
     with trio.fail_after(30):

@@ -10,7 +10,8 @@
    links with the other forming servers and serves the stage the scheduler gives it
    (:mod:`.formation`; seed 002 §3).
 2. **Serving** that stage with :func:`~.stage_service.serve_stage` (which downloads the stage's state when
-   the stage is ahead of us, as any newcomer of a collaboration does).
+   the stage is ahead of us, or a backbone announces a stored state of it beyond ours, as any newcomer
+   of a collaboration does).
 3. **Rebalancing.** Every ``period`` seconds (App. D's ``T``) it reads the records again, turns each into
    a :class:`~shared.swarm.rebalance.ServerReport` (rate: the samples per second of busy time the server
    publishes, bounded by :func:`~shared.swarm.rebalance.bound_rates` against a stranger's inflated claim;
@@ -24,9 +25,18 @@
 **What a move costs.** The samples we had accumulated toward our old stage's next step go with us (the
 stage's other servers count on without them: the step waits for more samples from trainers instead);
 the new stage's state is downloaded and verified like any state. A stage whose last server died has no
-state to download: its records show no step, so the peer that refills it starts the stage from the run's
-initial parameters at step 0 -- a backbone's stored checkpoints of the stage are what prevents that loss
-(not built yet: backbones store the data-parallel state only).
+server left to download from: its backbones do. A backbone keeps each stage's recent checkpoints and
+announces the newest under the stage's state key (:mod:`backbone.checkpointer`, "Swarm runs"), so the
+peer that refills the stage finds it as any newcomer finds a run's state when nobody trains
+(:meth:`~volunteer.collab.sync.StateSync.resume_if_behind`, then
+:meth:`~volunteer.collab.sync.StateSync.sync_state`: verified, and refused if it is not this stage's),
+and the stage continues from the checkpoint's step. What is lost is what the backbone had not stored yet:
+the steps since the stage's last announced state (servers announce every ``checkpoint_every`` steps) and
+the samples accumulated toward the next step. When the dead server's progress record still shows a later
+step than the checkpoint's, the refill first waits for that step's state (the high-water mark,
+:mod:`shared.alone`) and takes the newest there is once the mark expires: seconds to minutes, not steps.
+Only a run without a backbone (or whose backbone stored nothing of the stage) refills a dead stage from
+the run's initial parameters at step 0.
 
 **Leaving** (``leave`` set: Ctrl+C or SIGTERM) must not lose a stage's state the way a death does.
 :func:`hand_over` closes our server (trainers' requests fail over to the stage's other servers at once)

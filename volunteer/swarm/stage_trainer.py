@@ -36,6 +36,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from protocols.swarm import stage_tag
 from protocols.training import TrainingSpec
 from shared.errors import ConfigError, StateError
 from shared.state.blob import decode_state
@@ -129,7 +130,7 @@ class StageTrainer(LocalTrainer):
         return {**super()._metadata(), "stage": self._stage_tag()}
 
     def _stage_tag(self) -> str:
-        return f"{self.stage.index}/{self.stage.count}"
+        return stage_tag(self.stage.index, self.stage.count)
 
     def forward(self, hidden: torch.Tensor | None, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The stage's output for the next stage (not the last stage's loss: see the module docstring)."""
