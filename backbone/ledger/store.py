@@ -39,7 +39,7 @@ import os
 import secrets
 import sqlite3
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -1429,15 +1429,7 @@ def _store_evidence(
     users = _users_of(conn, aggregators | {p.aggregator for p in report.pulled})
     recorded = _recorded_steps(conn, set(valid) | {p.step for p in report.pulled})
     for step, receipts in sorted(valid.items()):
-        others = []
-        for candidate in receipts:
-            aggregator_user = users.get(candidate.aggregator)
-            if aggregator_user is None:
-                notes["receipt_unknown_aggregator"] += 1
-            elif aggregator_user == user_id:
-                notes["receipt_same_user"] += 1
-            else:
-                others.append(candidate)
+        others = _of_other_users(receipts, users, user_id, notes, "receipt", "aggregator")
         if not others:
             continue
         receipt = max(others, key=lambda r: r.weight)
@@ -1497,6 +1489,29 @@ def _store_evidence(
             )
         )
     return notes
+
+
+def _of_other_users(
+    receipts: Iterable[PartReceipt],
+    users: Mapping[str, int],
+    user_id: int,
+    notes: Counter[str],
+    kind: str,
+    signer: str,
+) -> list[PartReceipt]:
+    """The receipts signed by an admitted peer of another user than ``user_id`` (``users``: signer peer id
+    -> user id); the others are counted in ``notes`` as ``<kind>_unknown_<signer>`` and
+    ``<kind>_same_user`` (accounting's docstring: one user cannot vouch for themself)."""
+    counted = []
+    for receipt in receipts:
+        owner = users.get(receipt.aggregator)
+        if owner is None:
+            notes[f"{kind}_unknown_{signer}"] += 1
+        elif owner == user_id:
+            notes[f"{kind}_same_user"] += 1
+        else:
+            counted.append(receipt)
+    return counted
 
 
 def _store_relayed(
@@ -1781,15 +1796,7 @@ def _store_stage_receipts(
     users = _users_of(conn, {r.aggregator for receipts in valid.values() for r in receipts})
     frontiers = _stage_frontiers(conn)
     for (stage, step), receipts in sorted(valid.items()):
-        others = []
-        for candidate in receipts:
-            aggregator_user = users.get(candidate.aggregator)
-            if aggregator_user is None:
-                notes["stage_receipt_unknown_aggregator"] += 1
-            elif aggregator_user == user_id:
-                notes["stage_receipt_same_user"] += 1
-            else:
-                others.append(candidate)
+        others = _of_other_users(receipts, users, user_id, notes, "stage_receipt", "aggregator")
         if not others:
             continue
         receipt = max(others, key=lambda r: r.weight)
@@ -1929,18 +1936,12 @@ def _store_trainer_receipts(
     users = _users_of(conn, {r.aggregator for receipts in valid.values() for r in receipts})
     for (stage, step), receipts in sorted(valid.items()):
         largest: dict[str, PartReceipt] = {}
-        for candidate in receipts:
-            server_user = users.get(candidate.aggregator)
-            if server_user is None:
-                notes["trainer_receipt_unknown_server"] += 1
-            elif server_user == user_id:
-                notes["trainer_receipt_same_user"] += 1
-            else:
-                held = largest.get(candidate.aggregator)
-                if held is not None:
-                    notes["trainer_receipt_duplicate"] += 1
-                if held is None or candidate.weight > held.weight:
-                    largest[candidate.aggregator] = candidate
+        for candidate in _of_other_users(receipts, users, user_id, notes, "trainer_receipt", "server"):
+            held = largest.get(candidate.aggregator)
+            if held is not None:
+                notes["trainer_receipt_duplicate"] += 1
+            if held is None or candidate.weight > held.weight:
+                largest[candidate.aggregator] = candidate
         recorded = _stage_step_exists(conn, stage, step) if largest else True
         for server, receipt in sorted(largest.items()):
             mine = (
