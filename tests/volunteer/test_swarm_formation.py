@@ -81,7 +81,9 @@ async def test_servers_that_start_together_are_placed_by_the_scheduler(nursery: 
                 collab_config=CollabConfig(poll_period=0.1),
             )
         )  # fmt: skip
-    await trio.sleep(0.5)
+    with trio.fail_after(60):  # every server joined (its record is out) before the liar's join time
+        while not set(site) <= set(await read_link_records(seed, STAGES)):
+            await trio.sleep(0.05)
     # the liar joins late (so it is the formation's leftover), claims absurd links: to itself, to a
     # stranger, twice to one peer, and the longest round trip the type allows to everyone
     stranger = "12D3KooW" + "x" * 44
