@@ -82,6 +82,9 @@ STATE_IO = trio.CapacityLimiter(4)
 DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
 #: Blobs a server keeps in memory; older offers are dropped (files are not counted: they cost no memory).
 MAX_BLOBS_IN_MEMORY = 2
+#: Downloaders whose progress a server tracks per offered state (:meth:`StateServer.copies`); more are
+#: not tracked (a stranger opening many identities costs each state a bounded table, never memory).
+MAX_TRACKED_COPIES = 256
 #: A state announcement lives this long in the DHT and is re-published every ``ANNOUNCE_PERIOD`` seconds.
 ANNOUNCE_TTL = 60.0
 ANNOUNCE_PERIOD = 20.0
@@ -128,6 +131,8 @@ class StateServer:
         self._chunks = self._bytes = self._refused = 0
         #: the volunteer that downloaded a chunk from us last, and when (trio time)
         self._last_download: tuple[str, float] | None = None
+        #: per offered digest, per downloader: the bytes it was served contiguously from offset 0
+        self._copies: dict[bytes, dict[str, int]] = {}
         host.bulk_handlers[STATE_TOPIC] = self._on_get
 
     def offer(self, step: int, blob: bytes, *, digest: bytes | None = None) -> StateAnnouncement:
@@ -143,7 +148,10 @@ class StateServer:
         self._blobs.pop(digest, None)
         self._blobs[digest] = offer
         while len(self._blobs) > MAX_BLOBS_IN_MEMORY:
-            del self._blobs[next(iter(self._blobs))]
+            dropped = next(iter(self._blobs))
+            del self._blobs[dropped]
+            if dropped not in self._files:
+                self._copies.pop(dropped, None)
         return offer.announcement
 
     def offer_file(self, step: int, path: Path, digest: bytes, nbytes: int) -> StateAnnouncement:
@@ -158,6 +166,7 @@ class StateServer:
         """Stop serving ``digest`` (chunks already being sent still complete)."""
         self._blobs.pop(digest, None)
         self._files.pop(digest, None)
+        self._copies.pop(digest, None)
 
     def offered(self) -> list[StateAnnouncement]:
         """What this server can serve, newest step first."""
@@ -172,6 +181,16 @@ class StateServer:
             return None
         peer, at = self._last_download
         return peer if trio.current_time() - at <= within else None
+
+    def copies(self, digest: bytes) -> set[str]:
+        """The peers that were served every byte of the offered state ``digest`` by us, in order from
+        offset 0 (a download's order, :func:`fetch_state`): they hold a copy of it, as far as we saw. A
+        peer that took part of it from another source is not counted (what it holds, we did not see)."""
+        offer = self._blobs.get(digest) or self._files.get(digest)
+        if offer is None:
+            return set()
+        total = offer.announcement.nbytes
+        return {peer for peer, done in self._copies.get(digest, {}).items() if done >= total}
 
     def statistics(self) -> StateServerStatistics:
         return StateServerStatistics(
@@ -190,7 +209,7 @@ class StateServer:
 
     async def _on_get(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
         try:
-            reply = await self._serve(header)
+            reply = await self._serve(header, str(ctx.peer_id))
         except (ProtocolError, RemoteError):
             self._refused += 1
             raise
@@ -198,7 +217,7 @@ class StateServer:
             self._last_download = (ctx.peer_id, trio.current_time())
         return reply
 
-    async def _serve(self, header: BulkHeader) -> BulkReply:
+    async def _serve(self, header: BulkHeader, peer: str) -> BulkReply:
         if header.nbytes:
             raise ProtocolError(f"a state request carries no payload, got {header.nbytes} bytes")
         request = decode_state_request(header.meta)
@@ -227,7 +246,19 @@ class StateServer:
         meta = encode_state_meta(StateChunk(digest=request.digest, offset=request.offset, total=total))
         self._chunks += 1
         self._bytes += length
+        self._served(request.digest, peer, request.offset, length)
         return BulkReply(meta, data)
+
+    def _served(self, digest: bytes, peer: str, offset: int, length: int) -> None:
+        """Extend ``peer``'s contiguous prefix of ``digest`` (:meth:`copies`) by a chunk we served."""
+        progress = self._copies.setdefault(digest, {})
+        done = progress.get(peer)
+        if done is None:
+            if offset != 0 or len(progress) >= MAX_TRACKED_COPIES:
+                return  # a download resumed from another source's bytes, or too many to track
+            done = 0
+        if offset <= done:
+            progress[peer] = max(done, offset + length)
 
 
 def _read_range(path: Path, offset: int, length: int) -> bytes:

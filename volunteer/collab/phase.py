@@ -67,6 +67,9 @@ class PeerState:
     #: showed another user at our step with our fingerprint); steps after it are ours alone until then
     agreed_step: int = 0
     agreed_before_load: int = 0  # ``agreed_step`` just before the last state load replaced it
+    #: (step, the other members' peer ids) of the last complete round we stepped with: each of them
+    #: applied the same average, so holds our state of that step (a leaver hands it over to one of them)
+    stepped_with: tuple[int, frozenset[str]] = (-1, frozenset())
 
     def enter(self, phase: Phase) -> Phase:
         """Move to ``phase``; returns the phase we left. Entering the current phase is a no-op."""

@@ -481,7 +481,9 @@ class BatchStep:
         self.matchmaker.record_round(plan.predicted_seconds, result.seconds)
         senders = sum(1 for m in plan.members if m.weight > 0)
         batch = round(sum(m.weight for m in plan.members))  # the weights averaged: the step's batch
-        return _Outcome(vector, len(plan.members), share * 4 * senders, batch, overflow=claimed)
+        others = frozenset(str(m.peer_id) for m in plan.members if m.peer_id != self.node.peer_id)
+        aggregated = share * 4 * senders
+        return _Outcome(vector, len(plan.members), aggregated, batch, overflow=claimed, others=others)
 
     async def _alone(self, step: int, taken: Accumulated) -> _Outcome | None:
         """Our own mean gradient as the step's, when the evidence says we are alone (no lone forks:
@@ -512,6 +514,7 @@ class BatchStep:
         self.peer.loss = None
         if peers > 1:  # stepped with a group: our state is theirs (a lone step is ours alone)
             self.peer.agreed_step = new_step
+            self.peer.stepped_with = (new_step, outcome.others)
         logger.info(
             "step %d %s: %d peers, %d local samples, loss %s, averaging %.2f s, params %s",
             new_step,
@@ -548,13 +551,15 @@ class BatchStep:
 @dataclass(frozen=True)
 class _Outcome:
     """A round's result: the vector to apply (None: nothing finite to apply), the members, the bytes we
-    aggregated, the step's global batch, and whether a member claimed overflow (identical on all)."""
+    aggregated, the step's global batch, whether a member claimed overflow (identical on all), and who
+    the other members were."""
 
     vector: np.ndarray | None
     peers: int
     aggregated: int
     batch: int
     overflow: bool = False
+    others: frozenset[str] = frozenset()  # the group's other members (peer ids)
 
 
 def _norm(vector: np.ndarray) -> float:

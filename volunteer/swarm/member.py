@@ -39,17 +39,20 @@ Only a run without a backbone (or whose backbone stored nothing of the stage) re
 the run's initial parameters at step 0.
 
 **Leaving** (``leave`` set: Ctrl+C or SIGTERM) must not lose a stage's state the way a death does.
-:func:`hand_over` closes our server (trainers' requests fail over to the stage's other servers at once)
-and stops renewing our stage record, while the stage's collaboration keeps running: our progress record
-and state stay available. If another server of the stage is at our step, we leave at once. If we were
-its last server, our record expires within :data:`~protocols.swarm.STAGE_RECORD_TTL`, the stage shows
-no server, and at the next rebalancing period a server of another stage moves in (refilling an empty
-stage is the rule's first move), finds the stage's step ahead of its own and downloads our state,
-verified like any; once its record shows our step, we leave. A leaver waits at most
-``max(HAND_OVER_MIN, TTL + 3 periods)``, and not at all once no other stage has two servers to spare
-(nobody could take it: every server of the run is leaving, say); after that its state leaves with it, as
-a dead server's does. A stage still at step 0 is left at once (its state is the run's initial one).
-The samples it had accumulated toward the stage's next step are lost in either case.
+:func:`hand_over` closes our server (trainers' requests fail over to the stage's other servers at once) and
+stops renewing our stage record, while the stage's collaboration keeps running: our progress record and state
+stay available. If another server of the stage is at our step and we saw it take our state (it was a member of
+the round that produced our step, or our state server sent it every byte of our state of that step,
+:meth:`~shared.state.transfer.StateServer.copies`), we leave at once. A record's step alone is a claim, not
+evidence: a stranger's record at our step or beyond, without our state, would otherwise send the stage's only
+copy away with us. If we were its last server, our record expires within
+:data:`~protocols.swarm.STAGE_RECORD_TTL`, the stage shows no server, and at the next rebalancing period a
+server of another stage moves in (refilling an empty stage is the rule's first move), finds the stage's step
+ahead of its own and downloads our state, verified like any; once its record shows our step, we leave. A
+leaver waits at most ``max(HAND_OVER_MIN, TTL + 3 periods)``, and not at all once no other stage has two
+servers to spare (nobody could take it: every server of the run is leaving, say); after that its state leaves
+with it, as a dead server's does. A stage still at step 0 is left at once (its state is the run's initial
+one). The samples it had accumulated toward the stage's next step are lost in either case.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from shared.swarm.rebalance import (
     plan_rebalance,
 )
 
-from ..collab.optimizer import CollabConfig, StepRecord
+from ..collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from ..receipts import ReceiptBook
 from ..tasks.base import Task
 from .formation import FormationConfig, FormationOutcome, estimate_workload, form
@@ -234,8 +237,11 @@ async def hand_over(node: Node, service: StageService, stages: int, within: floa
         while True:
             with node.tolerated.around("swarm hand-over read"):
                 reports, entries = await read_reports(node, stages)
-                if any(peer != me and e.record.step >= step for peer, e in entries[stage].items()):
-                    logger.info("stage %d (step %d) is served by another peer now: leaving it", stage, step)
+                holders = _holders(collab, step)
+                served = [p for p, e in entries[stage].items() if p != me and e.record.step >= step]
+                taker = next((p for p in served if p in holders), None)
+                if taker is not None:
+                    logger.info("stage %d (step %d) is served by %s now: leaving it", stage, step, taker)
                     return True
                 if not _can_refill(reports, stage, me):
                     logger.warning(
@@ -254,6 +260,17 @@ async def hand_over(node: Node, service: StageService, stages: int, within: floa
         step,
     )
     return False
+
+
+def _holders(collab: CollaborativeOptimizer, step: int) -> set[str]:
+    """The peers we saw take our state of ``step`` (module docstring, "Leaving"): the other members of
+    the round that produced it, and the peers that downloaded all of it from us."""
+    with_us, others = collab.peer.stepped_with
+    holders = set(others) if with_us == step else set()
+    for offer in collab.sync.server.offered():
+        if offer.step == step:
+            holders |= collab.sync.server.copies(offer.digest)
+    return holders
 
 
 def _can_refill(reports: Sequence[ServerReport], stage: int, me: str) -> bool:

@@ -12,6 +12,7 @@ import trio
 
 from protocols.bulk import BulkHeader
 from protocols.codes import ErrorCode
+from protocols.errors import ProtocolError
 from protocols.peer_id import PeerId
 from protocols.state import (
     MAX_CHUNK_BYTES,
@@ -503,3 +504,37 @@ async def test_the_server_remembers_which_volunteer_downloaded_its_state_lately(
     assert server.recent_downloader(30.0) == "V"
     await trio.sleep(0.05)
     assert server.recent_downloader(0.01) is None  # not lately
+
+
+async def test_the_server_counts_a_copy_only_for_a_peer_it_sent_every_byte_in_order() -> None:
+    """A leaving stage server hands its state over only to a peer it saw take all of it
+    (volunteer.swarm.member, "Leaving"): every byte from offset 0, in order; a peer that skipped a range
+    (it had it from elsewhere, or never asked) holds no copy we saw, and neither does one whose request
+    was refused. A forgotten offer forgets its copies."""
+    host = Host(Identity.generate(), "copies-test", HostConfig())
+    server = StateServer(host)
+    blob = make_blob(3, numel=16)
+    digest = server.offer(3, blob).digest
+
+    def ask(offset: int, length: int, of: bytes = digest) -> BulkHeader:
+        request = StateRequest(digest=of, offset=offset, length=length)
+        return BulkHeader(topic=STATE_TOPIC, nbytes=0, meta=msgspec.msgpack.encode(request))
+
+    def ctx(peer: str) -> RequestContext:
+        return RequestContext(PeerId(peer), (), username="alice")
+
+    half = len(blob) // 2
+    for offset in range(0, len(blob), 64):  # "A": the whole state, in order
+        await server._on_get(ctx("A"), ask(offset, 64), None)  # type: ignore[arg-type]
+    await server._on_get(ctx("B"), ask(0, half), None)  # type: ignore[arg-type]  # "B": the first half
+    await server._on_get(ctx("C"), ask(half, len(blob)), None)  # type: ignore[arg-type]  # the rest only
+    await server._on_get(ctx("D"), ask(0, 8), None)  # type: ignore[arg-type]  # a gap, then the end
+    await server._on_get(ctx("D"), ask(half, len(blob)), None)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):  # beyond the state: refused, nothing served
+        await server._on_get(ctx("E"), ask(len(blob), 8), None)  # type: ignore[arg-type]
+    assert server.copies(digest) == {"A"}
+    await server._on_get(ctx("B"), ask(half, len(blob)), None)  # type: ignore[arg-type]
+    assert server.copies(digest) == {"A", "B"}
+    assert server.copies(bytes(32)) == set()  # not offered
+    server.forget(digest)
+    assert server.copies(digest) == set()
