@@ -54,11 +54,16 @@ forgotten, on disk too -- when all of these hold:
 1. *Nobody we see holds it*: no peer in our view is at ``H`` or later. (A peer whose state download failed
    and that has not published a record since is not in the view: :mod:`volunteer.collab.progress_board`.
    Its last record would otherwise keep it "at ``H``" for ``PROGRESS_TTL`` after its death.)
-2. *Its holders failed us*: at least one state of step ``H`` or later is announced, and every writer of
-   every such announcement failed the last download we tried from it (connection refused or reset,
-   stalled). This is a witness, not an absence of news: a peer on the other half of a split DHT reads no
-   announcement of ``H`` at all, so it never concludes that ``H`` is lost and rule (b) keeps it waiting;
-   and a holder that is alive serves the download (a split DHT does not stop a direct connection).
+2. *Its holders are gone, and we saw them go* -- a witness, not an absence of news. Nobody serves it:
+   every writer of every announced state of step ``H`` or later failed the last download we tried from
+   it (connection refused or reset, stalled); and either (A) at least one such state is announced (its
+   holders failed us), or (B) every peer that held ``H`` when the collaboration last showed it to us
+   (the surviving collaboration's members then, kept with the mark in memory) failed us, or is in our
+   view holding an older state (it restarted: its state died with its process) or has left; we count
+   ourselves among those when our own state is older. A peer on the other half of a split DHT reads no
+   announcement of ``H`` and does not see the holders at all, so it never concludes that ``H`` is lost
+   and rule (b) keeps it waiting; a holder that is alive serves the download (a split DHT does not stop
+   a direct connection). A mark read back from disk after a restart has no holders: only (A) applies.
 3. *We are not alone*: another peer is in our view (the survivors see each other). A peer that sees
    nobody keeps rule (b) whatever it witnessed: it may be the one that is cut off, and one peer must not
    train alone on an old state.
@@ -233,6 +238,8 @@ def state_lost(
     failing: Callable[[str], bool],
     *,
     company: bool,
+    holders: Iterable[str] = (),
+    gone: Callable[[str], bool] = lambda _: False,
 ) -> bool:
     """Rule (d): the state of ``mark_step`` died with its holders (see the module docstring).
 
@@ -241,13 +248,20 @@ def state_lost(
     Args:
         mark_step: the high-water mark's step.
         announced: ``(step, writers)`` of every state announced now.
-        failing: whether the last download we tried from a writer failed.
+        failing: whether the last download we tried from a peer failed.
         company: another peer is in our view (condition 3).
+        holders: the peers that held the mark's step when it was last shown to us (witness (B)).
+        gone: whether a holder is in our view holding an older state, or left (or is us, behind it).
     """
     if not company:
         return False
-    holders = [list(writers) for step, writers in announced if step >= mark_step]
-    return bool(holders) and all(failing(w) for writers in holders for w in writers)
+    writers = [w for step, ws in announced if step >= mark_step for w in ws]
+    if not all(failing(w) for w in writers):
+        return False  # someone may still serve it
+    if writers:
+        return True  # (A): its announced holders failed us
+    known = list(holders)
+    return bool(known) and all(failing(h) or gone(h) for h in known)  # (B)
 
 
 _DECODER = msgspec.json.Decoder(HighWater)

@@ -215,3 +215,19 @@ def test_the_marks_state_is_lost_only_when_its_announced_holders_failed_us_and_w
     # one holder of step >= H that did not fail us: the state is there
     assert not state_lost(9, [(9, ["dead", "alive"]), (1, ["backbone"])], failed, company=True)
     assert not state_lost(9, [(10, ["alive"]), *died], failed, company=True)
+
+
+def test_the_marks_state_is_lost_when_every_peer_that_held_it_restarted_or_failed_us() -> None:
+    """Rule (d), witness (B): nothing of step >= H is announced, and every peer that held H when the
+    collaboration last showed it to us is seen holding an older state (restarted), left, or failed us."""
+    failed = {"dead"}.__contains__
+    restarted = {"v1", "v2"}.__contains__
+    assert state_lost(9, [(1, ["backbone"])], failed, company=True, holders=["v1", "v2"], gone=restarted)
+    assert state_lost(9, [], failed, company=True, holders=["v1", "dead"], gone=restarted)
+    # one holder we do not see at all (the other half of a split?): no witness
+    assert not state_lost(9, [], failed, company=True, holders=["v1", "v3"], gone=restarted)
+    # no holders known (a mark read back from disk), or alone: no witness
+    assert not state_lost(9, [], failed, company=True, holders=[], gone=restarted)
+    assert not state_lost(9, [], failed, company=False, holders=["v1"], gone=restarted)
+    # somebody still announces it and did not fail us: it is there
+    assert not state_lost(9, [(9, ["alive"])], failed, company=True, holders=["v1"], gone=restarted)

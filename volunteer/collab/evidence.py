@@ -66,6 +66,9 @@ class Evidence:
     readings: list[Reading] = field(default_factory=list)
     read_at: float = 0.0  # unix time the latest readings started
     mark: HighWater | None = None
+    #: the surviving collaboration's members when the mark was last set from a view (shared.alone, rule
+    #: (d), witness (B)); in memory only: a mark read back from disk has none
+    holders: frozenset[str] = frozenset()
     #: a peer that downloaded our state within JOINING_GRACE seconds (shared.alone, rule (c)), if any
     joining: Callable[[], str | None] = lambda: None
 
@@ -138,6 +141,8 @@ class Evidence:
             and view.collaborations <= 1
         ):
             shown = self.mark.step  # confirmed, not lowered
+        elif shown is not None and view.survivor is not None:
+            self.holders = view.survivor.peers
         self.mark = observe(self.mark, shown, self.run_id, time.time())
         if self.data_dir is not None and self.mark is not None and worth_saving(self._saved, self.mark):
             mark, data_dir = self.mark, self.data_dir
@@ -177,6 +182,7 @@ class Evidence:
             self.mark.step,
         )
         self.mark = self._saved = None
+        self.holders = frozenset()
         if self.data_dir is not None:
             path = self.data_dir / HIGH_WATER_FILE
             try:

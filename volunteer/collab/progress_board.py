@@ -58,6 +58,8 @@ class ProgressBoard:
     view: CollabView | None = None
     #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
     users: dict[str, str] = field(default_factory=dict)
+    #: the records the view was summarized from (those of peers that failed us left out)
+    records: dict[str, Progress] = field(default_factory=dict)
     view_at: float = 0.0  # when the view was taken (time.time())
     view_own_samples: int = 0  # our samples then (to extrapolate between reads)
     _changed: trio.Event = field(default_factory=trio.Event)
@@ -87,6 +89,7 @@ class ProgressBoard:
             if peer in self._gone and progress.time > self._gone[peer]:
                 del self._gone[peer]  # it published since it failed us: alive
         records = {peer: progress for peer, progress in records.items() if peer not in self._gone}
+        self.records = records
         mine = self.own()
         self.users = users
         self.view_at, self.view_own_samples = time.time(), mine.samples

@@ -19,9 +19,10 @@ downloading, e.g. the restarted volunteers whose source just died): the view's s
 high-water mark, if it binds, is the target (:mod:`shared.alone`, rule (b)), else the newest announced
 state is (a run resuming from a checkpoint). A peer that fails us in a download is left out of the view
 until it publishes again (:meth:`~.progress_board.ProgressBoard.gone`), and when the mark's state died
-with its holders (rule (d): they all failed us, nobody we see holds it, another peer is with us) the mark
-is forgotten -- after :data:`~shared.alone.LOSS_CONFIRM` seconds when that makes us load an older state
--- and the survivors resume together from the newest state still announced (a backbone's checkpoint).
+with its holders (rule (d): they failed us or restarted, nobody we see holds it, another peer is with
+us) the mark is forgotten -- after :data:`~shared.alone.LOSS_CONFIRM` seconds when that makes us load an
+older state -- and the survivors resume together from the newest state still announced (a backbone's
+checkpoint).
 
 **Handing over** (:meth:`StateSync.hand_over_final_state`): at the run's step limit the last volunteers
 keep serving the final state until a backbone confirms storing it.
@@ -251,7 +252,18 @@ class StateSync:
         answering the peers that ask for our state, and from a lone step after the others leave)."""
         assert self.evidence is not None
         announced = [(a.step, writers) for a, writers in candidates]
-        if not state_lost(mark, announced, self.sources.failing, company=not alone):
+        me, records = self.node.peer_id, self.board.records
+
+        def gone(peer: str) -> bool:  # restarted (holds an older state), left, or us (behind the mark)
+            if peer == me:
+                return self.trainer.step < mark
+            record = records.get(peer)
+            return record is not None and (record.left or record.step < mark)
+
+        evidence = self.evidence
+        if not state_lost(
+            mark, announced, self.sources.failing, company=not alone, holders=evidence.holders, gone=gone
+        ):
             self._loss_since = None
             return False
         now = trio.current_time()
@@ -260,7 +272,7 @@ class StateSync:
         if unheld and now - self._loss_since < LOSS_CONFIRM:
             return False
         self._loss_since = None
-        await self.evidence.lose_mark()
+        await evidence.lose_mark()
         return True
 
     async def _download(
