@@ -177,7 +177,7 @@ class Evidence:
         if self.mark is None:
             return
         logger.warning(
-            "the state of step %d died with its holders (they failed us, nobody else has it): "
+            "the state of step %d died with its holders (they failed us or restarted; nobody we see has it): "
             "going on from the newest state there is",
             self.mark.step,
         )
