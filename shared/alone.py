@@ -41,7 +41,40 @@ seen for far longer than its records live (``PROGRESS_TTL``) and a healing DHT n
 state at ``H`` is taken to be gone with its holders, and a run resuming from an older backbone checkpoint
 resumes -- after at most :data:`HIGH_WATER_TTL` seconds. If the others were alive after all (a partition
 longer than that), the fork this starts is one user's, and the merge rule (:mod:`shared.merge`) sends it
-back to the others when they meet.
+back to the others when they meet. Where the survivors saw the holders of ``H`` fail, rule (d) ends the
+wait within seconds instead.
+
+**When the mark's state died with its holders** (rule (d), :func:`state_lost`). The peers that held
+the state of ``H`` may all die while the others are downloading it (the two-backbone soak under load: the
+only holder of step 9 was SIGKILLed while two restarted volunteers downloaded from it, a backbone held the
+checkpoint of step 1). Nobody can serve that state again, and waiting :data:`HIGH_WATER_TTL` for it
+stalls the run for minutes. The mark's state is **lost** -- the mark stops binding at once and is
+forgotten, on disk too -- when all of these hold:
+
+1. *Nobody we see holds it*: no peer in our view is at ``H`` or later. (A peer whose state download failed
+   and that has not published a record since is not in the view: :mod:`volunteer.collab.progress_board`.
+   Its last record would otherwise keep it "at ``H``" for ``PROGRESS_TTL`` after its death.)
+2. *Its holders are gone, and we saw them go* -- a witness, not an absence of news. Nobody serves it:
+   every writer of every announced state of step ``H`` or later failed the last download we tried from
+   it (connection refused or reset, stalled); and either (A) at least one such state is announced (its
+   holders failed us), or (B) every peer that held ``H`` when the collaboration last showed it to us
+   (the surviving collaboration's members then, kept with the mark in memory) failed us, or is in our
+   view holding an older state (it restarted: its state died with its process) or has left; we count
+   ourselves among those when our own state is older. A peer on the other half of a split DHT reads no
+   announcement of ``H`` and does not see the holders at all, so it never concludes that ``H`` is lost
+   and rule (b) keeps it waiting; a holder that is alive serves the download (a split DHT does not stop
+   a direct connection). A mark read back from disk after a restart has no holders: only (A) applies.
+3. *We are not alone*: another peer is in our view (the survivors see each other). A peer that sees
+   nobody keeps rule (b) whatever it witnessed: it may be the one that is cut off, and one peer must not
+   train alone on an old state.
+
+Before loading an older state because of (d), the caller sees the verdict hold for :data:`LOSS_CONFIRM`
+seconds (a live holder that merely failed one download republishes its record well within that, and is
+in the view again). The survivors then take the newest state that is still announced (a backbone's
+checkpoint); :func:`shared.state.trust.trusted_state`'s order makes it the same state for all of them,
+and whoever loads it first becomes the member that the others follow (:mod:`shared.merge`). What could
+still fork: two peers on one half of a split that each witnessed every announced holder fail; the
+holders are then unreachable for them too, and the merge rule (most users) decides when the halves meet.
 
 **Cost.** The reads are the caller's, at most every few seconds in the background (they are valid
 :data:`EVIDENCE_MAX_AGE` seconds), never one per step: the lone path stays as cheap as before.
@@ -52,7 +85,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -70,6 +103,7 @@ __all__ = [
     "HIGH_WATER_FILE",
     "HIGH_WATER_TTL",
     "JOINING_GRACE",
+    "LOSS_CONFIRM",
     "SAVE_PERIOD",
     "HighWater",
     "LoneStep",
@@ -79,6 +113,7 @@ __all__ = [
     "lone_step",
     "observe",
     "save_high_water",
+    "state_lost",
     "worth_saving",
 ]
 
@@ -90,6 +125,9 @@ HIGH_WATER_TTL = 4 * PROGRESS_TTL
 EVIDENCE_MAX_AGE = 5.0
 #: Seconds after a peer downloaded our state during which we do not step alone (rule (c)).
 JOINING_GRACE = 30.0
+#: Seconds rule (d)'s verdict must hold before an older state is loaded (a live peer republishes its
+#: progress record every second or so, so a holder that failed one download is back in view well before).
+LOSS_CONFIRM = 5.0
 #: The mark's file in the volunteer's data dir.
 HIGH_WATER_FILE = "high-water.json"
 #: A confirmation of an unchanged mark is written at most this often.
@@ -192,6 +230,38 @@ def lone_step(
             f"{now - mark.seen:.0f} s ago; waiting for it (at most {wait:.0f} s more)",
         )
     return LoneStep(True, f"alone in {len(answered)} read(s)")
+
+
+def state_lost(
+    mark_step: int,
+    announced: Iterable[tuple[int, Iterable[str]]],
+    failing: Callable[[str], bool],
+    *,
+    company: bool,
+    holders: Iterable[str] = (),
+    gone: Callable[[str], bool] = lambda _: False,
+) -> bool:
+    """Rule (d): the state of ``mark_step`` died with its holders (see the module docstring).
+
+    The caller has already found nobody in its view at ``mark_step`` or later (condition 1).
+
+    Args:
+        mark_step: the high-water mark's step.
+        announced: ``(step, writers)`` of every state announced now.
+        failing: whether the last download we tried from a peer failed.
+        company: another peer is in our view (condition 3).
+        holders: the peers that held the mark's step when it was last shown to us (witness (B)).
+        gone: whether a holder is in our view holding an older state, or left (or is us, behind it).
+    """
+    if not company:
+        return False
+    writers = [w for step, ws in announced if step >= mark_step for w in ws]
+    if not all(failing(w) for w in writers):
+        return False  # someone may still serve it
+    if writers:
+        return True  # (A): its announced holders failed us
+    known = list(holders)
+    return bool(known) and all(failing(h) or gone(h) for h in known)  # (B)
 
 
 _DECODER = msgspec.json.Decoder(HighWater)

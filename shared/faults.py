@@ -33,8 +33,9 @@ passed. Points in use: ``matchmaking.joined`` (our ticket is stored, the plan no
 ``allreduce.after_push`` (once per round, when all our parts went out), ``allreduce.after_serve`` (an
 averaged part of our slice was sent to a member), ``allreduce.before_result`` (every
 exchange of the round ended, before the averages are written back), ``state.mid_download`` (after each
-chunk of a state download but the last), ``state.before_load`` (downloaded and checked, not loaded yet),
-``step.after_apply`` (stepped; nothing reported or published yet).
+chunk of a state download but the last), ``state.serve`` (a peer asked us for a chunk of a state, before
+it is served), ``state.before_load`` (downloaded and checked, not loaded yet), ``step.after_apply``
+(stepped; nothing reported or published yet).
 """
 
 from __future__ import annotations

@@ -170,6 +170,11 @@ class SourceBook:
         entry = self._peers.get(peer)
         return entry is None or entry.until <= self.clock()
 
+    def failing(self, peer: str) -> bool:
+        """Whether the last download we tried from ``peer`` failed (it has not served us since)."""
+        entry = self._peers.get(peer)
+        return entry is not None and entry.streak > 0
+
     def failed(self, peer: str, reason: str, *, fault: bool = False) -> None:
         """Count a failed download from ``peer``; log the first of a streak; skip the peer for a while."""
         entry = self._peers.pop(peer, None) or _Peer()

@@ -208,6 +208,7 @@ class StateServer:
         )
 
     async def _on_get(self, ctx: RequestContext, header: BulkHeader, reader: BulkReader) -> BulkReply:
+        await faults.point("state.serve")  # a peer asked us for a chunk of a state
         try:
             reply = await self._serve(header, str(ctx.peer_id))
         except (ProtocolError, RemoteError):

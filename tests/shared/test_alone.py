@@ -25,6 +25,7 @@ from shared.alone import (
     lone_step,
     observe,
     save_high_water,
+    state_lost,
     worth_saving,
 )
 from shared.auth.keys import Identity
@@ -198,3 +199,35 @@ async def test_a_split_dht_is_read_through_the_other_sides_backbone(nursery: tri
     now = time.time()
     assert lone_step(own_only, me.peer_id, 90, None, now=now, read_at=now, target_batch=TARGET).allowed
     assert not lone_step(readings, me.peer_id, 90, None, now=now, read_at=now, target_batch=TARGET).allowed
+
+
+def test_the_marks_state_is_lost_only_when_its_announced_holders_failed_us_and_we_are_not_alone() -> None:
+    """Rule (d): a witness (every announced holder of step >= H failed our download), not an absence."""
+    failed = {"dead", "liar"}.__contains__
+    died = [(9, ["dead"]), (1, ["backbone"])]
+    assert state_lost(9, died, failed, company=True)
+    assert state_lost(9, [(12, ["liar"]), *died], failed, company=True)  # every holder of >= H failed
+    # alone: whatever we witnessed, we may be the one cut off (rule (b) keeps us waiting)
+    assert not state_lost(9, died, failed, company=False)
+    # nothing of step >= H announced: no witness (a split DHT's half reads no announcement of H at all)
+    assert not state_lost(9, [(1, ["backbone"])], failed, company=True)
+    assert not state_lost(9, [], failed, company=True)
+    # one holder of step >= H that did not fail us: the state is there
+    assert not state_lost(9, [(9, ["dead", "alive"]), (1, ["backbone"])], failed, company=True)
+    assert not state_lost(9, [(10, ["alive"]), *died], failed, company=True)
+
+
+def test_the_marks_state_is_lost_when_every_peer_that_held_it_restarted_or_failed_us() -> None:
+    """Rule (d), witness (B): nothing of step >= H is announced, and every peer that held H when the
+    collaboration last showed it to us is seen holding an older state (restarted), left, or failed us."""
+    failed = {"dead"}.__contains__
+    restarted = {"v1", "v2"}.__contains__
+    assert state_lost(9, [(1, ["backbone"])], failed, company=True, holders=["v1", "v2"], gone=restarted)
+    assert state_lost(9, [], failed, company=True, holders=["v1", "dead"], gone=restarted)
+    # one holder we do not see at all (the other half of a split?): no witness
+    assert not state_lost(9, [], failed, company=True, holders=["v1", "v3"], gone=restarted)
+    # no holders known (a mark read back from disk), or alone: no witness
+    assert not state_lost(9, [], failed, company=True, holders=[], gone=restarted)
+    assert not state_lost(9, [], failed, company=False, holders=["v1"], gone=restarted)
+    # somebody still announces it and did not fail us: it is there
+    assert not state_lost(9, [(9, ["alive"])], failed, company=True, holders=["v1"], gone=restarted)

@@ -12,6 +12,8 @@
   is below it. The optimizer then treats us as behind (we re-sync, flagged ``syncing``, and never announce
   our state as current). :meth:`Evidence.give_up_mark` drops a mark that expired while no state could be
   had: the run then goes on from what there is (the run resumed from an older checkpoint, or from scratch).
+  :meth:`Evidence.lose_mark` forgets it at once, on disk too, when its state died with its holders
+  (:mod:`shared.alone`, rule (d); the state sync judges it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import trio
 from protocols.training import PROGRESS_KEY
 from shared.alone import (
     EVIDENCE_MAX_AGE,
+    HIGH_WATER_FILE,
     HighWater,
     LoneStep,
     Reading,
@@ -63,6 +66,9 @@ class Evidence:
     readings: list[Reading] = field(default_factory=list)
     read_at: float = 0.0  # unix time the latest readings started
     mark: HighWater | None = None
+    #: the surviving collaboration's members when the mark was last set from a view (shared.alone, rule
+    #: (d), witness (B)); in memory only: a mark read back from disk has none
+    holders: frozenset[str] = frozenset()
     #: a peer that downloaded our state within JOINING_GRACE seconds (shared.alone, rule (c)), if any
     joining: Callable[[], str | None] = lambda: None
 
@@ -135,6 +141,8 @@ class Evidence:
             and view.collaborations <= 1
         ):
             shown = self.mark.step  # confirmed, not lowered
+        elif shown is not None and view.survivor is not None:
+            self.holders = view.survivor.peers
         self.mark = observe(self.mark, shown, self.run_id, time.time())
         if self.data_dir is not None and self.mark is not None and worth_saving(self._saved, self.mark):
             mark, data_dir = self.mark, self.data_dir
@@ -162,6 +170,25 @@ class Evidence:
                 time.time() - self.mark.seen,
             )
             self.mark = None
+
+    async def lose_mark(self) -> None:
+        """Forget the mark now, on disk too: its state died with its holders (:mod:`shared.alone`, rule
+        (d)). A restart must not bring it back; the next view that shows another user sets a new one."""
+        if self.mark is None:
+            return
+        logger.warning(
+            "the state of step %d died with its holders (they failed us or restarted; nobody we see has it): "
+            "going on from the newest state there is",
+            self.mark.step,
+        )
+        self.mark = self._saved = None
+        self.holders = frozenset()
+        if self.data_dir is not None:
+            path = self.data_dir / HIGH_WATER_FILE
+            try:
+                await trio.to_thread.run_sync(path.unlink, True)  # missing_ok
+            except OSError as exc:
+                self.tolerated.note("evidence.save", exc)
 
 
 def _listed(backbones: Sequence[str]) -> list[PeerAddress]:

@@ -9,6 +9,15 @@ often as the target batch nears, so peers enter a round together) and summarized
 :func:`shared.progress.summarize` into :attr:`ProgressBoard.view`. After each read, ``after_read`` runs
 (the state sync answers peers that ask for a state there).
 
+**A peer that failed us is out of the view until it publishes again** (:meth:`ProgressBoard.gone`). When
+a state download from a peer fails (refused, reset, stalled), the state sync tells the board; the board
+leaves that peer's record out of the view until it reads a *newer* record of it (a ``time`` later than
+the one it held at the failure: the writer's own clock against itself, so clock skew does not matter). A
+live peer republishes every ``publish_period`` and is back within a second or two; a dead one's last
+record no longer keeps it in the view -- at the step it held, as a holder of a state nobody can serve --
+for the ``PROGRESS_TTL`` it takes that record to expire (:mod:`shared.alone`, rule (d)). At most
+:data:`MAX_GONE` such peers are remembered (oldest forgotten first).
+
 The board knows nothing of steps or states: what we publish comes from the ``own`` callable, whether our
 state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period retries --
 and counted (:class:`~shared.tolerated.Tolerated`).
@@ -33,6 +42,7 @@ __all__ = ["ProgressBoard"]
 
 LEAVE_DEADLINE = 3.0  # seconds to tell the others we left (best effort)
 MIN_POLL = 0.05
+MAX_GONE = 1024  # peers left out of the view after a failed download, remembered at most
 
 
 @dataclass
@@ -48,10 +58,14 @@ class ProgressBoard:
     view: CollabView | None = None
     #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
     users: dict[str, str] = field(default_factory=dict)
+    #: the records the view was summarized from (those of peers that failed us left out)
+    records: dict[str, Progress] = field(default_factory=dict)
     view_at: float = 0.0  # when the view was taken (time.time())
     view_own_samples: int = 0  # our samples then (to extrapolate between reads)
     _changed: trio.Event = field(default_factory=trio.Event)
     _quiet: bool = False
+    _read: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record we last read
+    _gone: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record when it failed us
 
     async def run(
         self,
@@ -70,6 +84,12 @@ class ProgressBoard:
     async def refresh(self) -> CollabView:
         """Read everyone's records now and summarize them (raises the DHT's CALL_FAILURES)."""
         records, users = await read_progress_with_users(self.node.dht, self.key)
+        self._read = {peer: progress.time for peer, progress in records.items()}
+        for peer, progress in records.items():
+            if peer in self._gone and progress.time > self._gone[peer]:
+                del self._gone[peer]  # it published since it failed us: alive
+        records = {peer: progress for peer, progress in records.items() if peer not in self._gone}
+        self.records = records
         mine = self.own()
         self.users = users
         self.view_at, self.view_own_samples = time.time(), mine.samples
@@ -84,6 +104,17 @@ class ProgressBoard:
             min_target=self.spec.sync.min_round,
         )
         return self.view
+
+    def gone(self, peer: str) -> None:
+        """A state download from ``peer`` failed: leave its record out of the view until it publishes a
+        newer one (see the module docstring). A peer whose record we never read is not in the view anyway."""
+        at = self._read.get(peer)
+        if at is None or peer == self.node.peer_id:
+            return
+        self._gone.pop(peer, None)
+        self._gone[peer] = at  # newest last
+        while len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
 
     async def try_refresh(self) -> CollabView | None:
         """:meth:`refresh`, tolerating (and counting) a failed read; returns the view we have."""

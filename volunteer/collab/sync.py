@@ -13,6 +13,17 @@ another when one fails, refusing anything whose SHA-256 differs, never more than
 this run's model) and load it. A state beyond the collaboration's credible step is a lone claim: refused
 while peers train; with nobody training it is how a run resumes (:meth:`StateSync.resume_if_behind`).
 
+*Nobody holds a state* (the view has no surviving collaboration: every peer we see is a newcomer or is
+downloading, e.g. the restarted volunteers whose source just died): the view's step is then nobody's
+(with everyone downloading it is our own step 0), so it is no target. We are then as good as alone: the
+high-water mark, if it binds, is the target (:mod:`shared.alone`, rule (b)), else the newest announced
+state is (a run resuming from a checkpoint). A peer that fails us in a download is left out of the view
+until it publishes again (:meth:`~.progress_board.ProgressBoard.gone`), and when the mark's state died
+with its holders (rule (d): they failed us or restarted, nobody we see holds it, another peer is with
+us) the mark is forgotten -- after :data:`~shared.alone.LOSS_CONFIRM` seconds when that makes us load an
+older state -- and the survivors resume together from the newest state still announced (a backbone's
+checkpoint).
+
 **Handing over** (:meth:`StateSync.hand_over_final_state`): at the run's step limit the last volunteers
 keep serving the final state until a backbone confirms storing it.
 """
@@ -28,6 +39,7 @@ import trio
 
 from protocols.training import CHECKPOINT_KEY, StateAnnouncement, TrainingSpec
 from shared import faults
+from shared.alone import LOSS_CONFIRM, state_lost
 from shared.errors import StateError, StateUnavailable
 from shared.net.addresses import PeerAddress
 from shared.node import Node
@@ -81,6 +93,7 @@ class StateSync:
     key: str = CHECKPOINT_KEY  # where this collaboration's state announcements live (TrainingKeys.state)
     _announced_step: int = -1
     _max_state_bytes: int | None = None  # the largest state of this run's model
+    _loss_since: float | None = None  # trio time since which the mark's state looks lost (rule (d))
 
     def __post_init__(self) -> None:
         self.server = StateServer(self.node.host)
@@ -133,20 +146,27 @@ class StateSync:
         started = trio.current_time()
         errors: list[str] = []
         loaded = False
+        self._loss_since = None
         try:
             while True:
                 view = await self.board.try_refresh()
                 minority_seen = minority_seen or (view is not None and (view.minority or view.diverged))
                 target = view.step if view is not None else 0
                 alone = view is None or view.peers <= 1
+                # nobody we see holds a state (newcomers, downloads): the view's step is nobody's
+                unheld = view is None or view.survivor is None
+                candidates = trusted_state(await self._announcements(), min_step=0)
                 mark = self.evidence.above(target) if self.evidence is not None else None
-                # The mark guards a peer that sees nobody (it may be in half of a split DHT). With other
-                # peers in view, the collaboration's view decides: when every holder of the mark's state
-                # died, the peers left resume together from the newest state there is, after patience.
-                binding = alone and self.evidence is not None and self.evidence.holds_back(target)
+                if mark is None:
+                    self._loss_since = None
+                elif await self._mark_lost(mark, candidates, alone=alone, unheld=unheld):
+                    mark = None
+                # The mark guards a peer that sees nobody holding a state (it may be in half of a split
+                # DHT). With a surviving collaboration in view, its view decides: when every holder of the
+                # mark's state died, the peers left resume together from the newest state there is.
+                binding = (alone or unheld) and self.evidence is not None and self.evidence.holds_back(target)
                 if binding and mark is not None:
                     target = mark  # the collaboration showed us this step: nothing older will do
-                candidates = trusted_state(await self._announcements(), min_step=0)
                 patient = trio.current_time() - started < self.patience
                 # Wait for a state at the collaboration's step; past our patience take the newest there is.
                 # A state beyond the collaboration's credible step is a lone claim: refused while peers
@@ -156,7 +176,7 @@ class StateSync:
                 usable = usable_states(
                     candidates,
                     target=target,
-                    alone=alone,
+                    alone=alone or unheld,  # nobody trains: as a run resumes
                     patient=patient or binding,
                     survivor=view.survivor.peers if view is not None and view.survivor is not None else None,
                 )
@@ -176,6 +196,9 @@ class StateSync:
                     except StateUnavailable as exc:
                         errors.append(str(exc))
                         logger.info("state of step %d: %s", announcement.step, exc)
+                        for writer in writers:
+                            if self.sources.failing(writer):
+                                self.board.gone(writer)  # out of the view until it publishes again
                     except StateError as exc:
                         errors.append(str(exc))
                         for writer in writers:
@@ -213,6 +236,44 @@ class StateSync:
             self.download = None
             self.waiting(None)
             self.board.publish_soon()
+
+    async def _mark_lost(
+        self,
+        mark: int,
+        candidates: list[tuple[StateAnnouncement, list[str]]],
+        *,
+        alone: bool,
+        unheld: bool,
+    ) -> bool:
+        """Rule (d) of :mod:`shared.alone` for a mark above everyone we see: forget it when its state died
+        with its holders. Where that makes us load an older state (nobody we see holds one), the verdict
+        must first hold for :data:`~shared.alone.LOSS_CONFIRM` seconds; with a surviving collaboration in
+        view, whose state we load anyway, the mark is forgotten at once (it would otherwise keep us from
+        answering the peers that ask for our state, and from a lone step after the others leave)."""
+        assert self.evidence is not None
+        announced = [(a.step, writers) for a, writers in candidates]
+        me, records = self.node.peer_id, self.board.records
+
+        def gone(peer: str) -> bool:  # restarted (holds an older state), left, or us (behind the mark)
+            if peer == me:
+                return self.trainer.step < mark
+            record = records.get(peer)
+            return record is not None and (record.left or record.step < mark)
+
+        evidence = self.evidence
+        if not state_lost(
+            mark, announced, self.sources.failing, company=not alone, holders=evidence.holders, gone=gone
+        ):
+            self._loss_since = None
+            return False
+        now = trio.current_time()
+        if self._loss_since is None:
+            self._loss_since = now
+        if unheld and now - self._loss_since < LOSS_CONFIRM:
+            return False
+        self._loss_since = None
+        await evidence.lose_mark()
+        return True
 
     async def _download(
         self,
