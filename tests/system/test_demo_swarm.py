@@ -79,7 +79,7 @@ def test_demo_in_swarm_mode_trains_stages_and_refills_the_one_a_volunteer_left(t
         f"stage {stage} restarted below step {left_at}: {later[:3]}"
     )
     log = (work / f"{departed}.log").read_text()
-    assert "is served by another peer now: leaving it" in log, log[-3000:]
+    assert re.search(r"is served by \S+ now: leaving it", log), log[-3000:]
 
     # rebalancing moved someone (a stage left alone was refilled), and every volunteer carried samples
     facts = {name: json.loads((work / name / "swarm.json").read_text()) for name in rows}
