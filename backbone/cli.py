@@ -603,7 +603,8 @@ def ledger(
 
     The leaderboard: per user, the samples, compute time, time online and bytes aggregated that receipts
     of other users' peers back, and how many reports were flagged and why (rule codes). In a swarm run the
-    samples are stage-samples: a sample through one pipeline stage. With --steps: the
+    samples are stage-samples: a sample through one pipeline stage, and "sent" the pipeline bytes
+    (activations, gradients) its peers sent that the receiving peers signed. With --steps: the
     run's last global steps (finished at, loss, held-out loss, batch against the target, peers) and its loss
     curve. With --flags: each flagged report, the rules it broke and the details.
 
@@ -628,9 +629,11 @@ def ledger(
         print(msgspec.json.encode(rows).decode())
         return
     relaying = any(row.bytes_relayed for row in rows)  # credited relaying (accounting: "Relayed bytes")
+    sending = bool(stages) or any(row.bytes_sent for row in rows)  # a swarm run's pipeline bytes
     table = Table(title="contributions", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     columns = ["user", "samples", "compute", "online", "aggregated"]
     columns += ["relayed"] if relaying else []
+    columns += ["sent"] if sending else []
     columns += ["peers", "last seen", "flagged"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("user", "last seen") else "right", no_wrap=True)
@@ -643,6 +646,7 @@ def ledger(
             _size(row.bytes_aggregated),
         ]
         cells += [_size(row.bytes_relayed)] if relaying else []
+        cells += [_size(row.bytes_sent)] if sending else []
         cells += [str(row.peers), _short_when(row.last_seen), str(row.flagged_reports)]
         table.add_row(*cells)
     out.print(table)
@@ -670,7 +674,8 @@ def ledger(
         out.print(
             f"a swarm run of {len(stages)} stages: samples are stage-samples, a sample through one stage "
             "(a sample through every stage counts once for each stage's server, and once per stage for the "
-            "trainer that carried it)",
+            "trainer that carried it); sent: the activations and gradients its servers and trainers sent, "
+            "as far as the receiving peers of other users signed they received them",
             highlight=False,
             soft_wrap=True,
         )

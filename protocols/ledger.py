@@ -25,6 +25,19 @@ a backbone older than the field (the volunteer gives it up: a later report carri
 claim and receipts, while its relay evidence is dropped, since resending it would have every later report
 refused too).
 
+**Swarm bytes** (issue 17 item 6). In a swarm run, ``bytes_sent`` is what this peer sent over the
+pipeline's bulk lane in the interval (a claim): as a stage server, the payload bytes of its answers
+(activations forward, input gradients backward); as a trainer, the payload bytes of its requests that a
+server answered (inputs, activations, output gradients). ``received_from`` is the evidence of *other*
+peers' sending: per stage server peer id, the answer payload bytes this peer's trainers received from it
+and accepted in the interval (:class:`ReceivedBytes`; at most :data:`MAX_RECEIVED_PER_REPORT` servers,
+each listed once). A trainer's sending is evidenced by the servers instead, in the ``nbytes`` of the
+carried receipts they sign (:mod:`protocols.receipts`, "Trainers' receipts"). The ledger credits
+``min(claim, what peers of other users signed they received)`` (:mod:`backbone.ledger.accounting`, "Swarm
+bytes"). Compatibility: both are omitted at their defaults, so every other report's bytes are unchanged;
+a report with them is refused by a backbone older than the fields (the swarm mode has no released
+version, so every peer of a swarm run runs one version).
+
 ``(peer_id, seq)`` is the idempotency key: ``seq`` counts a peer's reports from 0 upwards, and a report
 sent twice (a retry after a lost reply, a second backbone) is credited once.
 
@@ -60,11 +73,13 @@ __all__ = [
     "MAX_DISCARDED_PER_REPORT",
     "MAX_INTERVAL_S",
     "MAX_REPORT_AGE_S",
+    "MAX_RECEIVED_PER_REPORT",
     "MAX_RELAYED_PER_REPORT",
     "MAX_REPORT_BYTES",
     "Capabilities",
     "CapabilitiesReceipt",
     "ContributionReport",
+    "ReceivedBytes",
     "RelayedBytes",
     "SignedCapabilities",
     "SignedReport",
@@ -86,6 +101,8 @@ MAX_COUNT = 2**53
 MAX_DISCARDED_PER_REPORT = 16
 #: Relays one report names (a peer behind NAT holds a reservation at a few; reachable peers need none).
 MAX_RELAYED_PER_REPORT = 16
+#: Stage servers one report names in ``received_from`` (the busiest; the rest waits for the next report).
+MAX_RECEIVED_PER_REPORT = 32
 #: Unix times beyond this (year ~33658) are garbage, not clocks.
 _MAX_TIME = 1e12
 #: Capability ceilings, far above any real device or link (1e13 B/s = 80 Tbit/s).
@@ -128,6 +145,17 @@ class RelayedBytes(msgspec.Struct, frozen=True, forbid_unknown_fields=True, arra
         _check("nbytes", self.nbytes, 0, MAX_COUNT)
 
 
+class ReceivedBytes(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """In a swarm trainer's report: it received and accepted ``nbytes`` of answers from stage server
+    ``server`` in the interval (module docstring, "Swarm bytes")."""
+
+    server: PeerIdStr
+    nbytes: Count
+
+    def __post_init__(self) -> None:
+        _check("nbytes", self.nbytes, 0, MAX_COUNT)
+
+
 class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One peer's work over ``[interval_start, interval_end]`` (unix seconds), report number ``seq``."""
 
@@ -149,9 +177,13 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     discarded: Annotated[list[StepRange], msgspec.Meta(max_length=MAX_DISCARDED_PER_REPORT)] = []
     #: bytes this peer received through each relay (evidence of *their* relaying; module docstring)
     relayed_through: Annotated[list[RelayedBytes], msgspec.Meta(max_length=MAX_RELAYED_PER_REPORT)] = []
+    #: swarm runs: bytes this peer sent over the pipeline in the interval (a claim; module docstring)
+    bytes_sent: Count = 0
+    #: swarm runs: answer bytes our trainers received from each stage server (evidence of *their* sending)
+    received_from: Annotated[list[ReceivedBytes], msgspec.Meta(max_length=MAX_RECEIVED_PER_REPORT)] = []
 
     def __post_init__(self) -> None:
-        for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed"):
+        for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed", "bytes_sent"):
             _check(name, getattr(self, name), 0, MAX_COUNT)
         _check("compute_seconds", self.compute_seconds, 0, _MAX_TIME)
         _check("interval_start", self.interval_start, -_MAX_TIME, _MAX_TIME)
@@ -168,6 +200,11 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         relays = [r.relay for r in self.relayed_through]
         if len(set(relays)) != len(relays):
             raise ValueError("a report names each relay at most once")
+        if len(self.received_from) > MAX_RECEIVED_PER_REPORT:
+            raise ValueError(f"a report names at most {MAX_RECEIVED_PER_REPORT} stage servers")
+        servers = [r.server for r in self.received_from]
+        if len(set(servers)) != len(servers):
+            raise ValueError("a report names each stage server at most once")
         if self.interval_end < self.interval_start:
             raise ValueError(
                 f"interval_end {self.interval_end!r} is before interval_start {self.interval_start!r}"

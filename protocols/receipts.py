@@ -35,12 +35,14 @@ the evidence of its work is what the stage servers it used saw. When a server of
 *backward* for trainer ``T`` that asked for a receipt (:class:`protocols.swarm.StageRequest` ``receipt``),
 it answers with a :class:`PartReceipt` with ``carried = True``: ``aggregator`` is the server (the signer),
 ``sender`` the trainer, ``stage`` and ``step`` the stage step the micro-batch's samples were counted toward,
-``weight`` the samples and ``nbytes`` the request bytes it received from ``T`` for that stage step,
-*cumulative* over ``T``'s backwards at that server (``group_id`` empty, ``round`` 0). So a trainer keeps
-only the latest receipt per ``(server, stage, step)`` (:class:`volunteer.receipts.ReceiptBook`) and the
-ledger keeps the largest. ``carried`` is signed, so a trainer's receipt is never counted as a stage
-server's part (nor the reverse); it is omitted when False, so every other receipt's bytes are unchanged,
-and a backbone older than the field refuses a carried receipt as malformed: it credits nothing, as before.
+``weight`` the samples and ``nbytes`` the request bytes it received from ``T`` for that stage step (its
+backwards' and forwards' payloads: the evidence of the trainer's sending, :mod:`backbone.ledger
+.accounting`, "Swarm bytes"), *cumulative* over ``T``'s requests at that server (``group_id`` empty,
+``round`` 0). So a trainer keeps only the latest receipt per ``(server, stage, step)``
+(:class:`volunteer.receipts.ReceiptBook`) and the ledger keeps the largest. ``carried`` is signed, so a
+trainer's receipt is never counted as a stage server's part (nor the reverse); it is omitted when False, so
+every other receipt's bytes are unchanged, and a backbone older than the field refuses a carried receipt as
+malformed: it credits nothing, as before.
 
 Sizes: a signed receipt is at most :data:`MAX_RECEIPT_BYTES` + 64 bytes; a report carries at most
 :data:`MAX_RECEIPTS_PER_REPORT` receipts and :data:`MAX_PULLED_PER_REPORT` pull records, so a report fits

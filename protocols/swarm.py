@@ -41,16 +41,16 @@ the request's bytes were read and dropped. Every other refusal is an ``ErrorRepl
 ``TOO_LARGE``, ``WRONG_RUN`` for another stage), after which the trainer bans the server for this stage
 like a failure.
 
-**Receipts** (issue 17 item 6; :mod:`protocols.receipts`, "Trainers' receipts"). A backward request
-with ``receipt = True`` asks the server for evidence of the trainer's work: when the backward completes
-and is counted, the answer carries a :class:`~protocols.receipts.SignedReceipt` of a ``PartReceipt`` with
+**Receipts** (issue 17 item 6; :mod:`protocols.receipts`, "Trainers' receipts"). A backward request with
+``receipt = True`` asks the server for evidence of the trainer's work: when the backward completes and is
+counted, the answer carries a :class:`~protocols.receipts.SignedReceipt` of a ``PartReceipt`` with
 ``carried = True``, signed by the server, about the trainer (the request's authenticated peer), of the
 request's stage and the stage step the samples were counted toward, with the samples and the request
-bytes the server received from that trainer for that stage step, cumulative. A forward, a ``busy``
-answer or a request that did not ask carries none. Both fields are omitted at their defaults
-(``omit_defaults``), so requests and answers without them decode on peers older than them; a server
-older than the flag refuses a request that asks (``forbid_unknown_fields``), and a trainer older than the
-field never asks, so it never gets an answer it cannot decode. The receipt is at most
+bytes the server received from that trainer for that stage step (of its forwards too), cumulative. A
+forward, a ``busy`` answer or a request that did not ask carries none. Both fields are omitted at their
+defaults (``omit_defaults``), so requests and answers without them decode on peers older than them; a
+server older than the flag refuses a request that asks (``forbid_unknown_fields``), and a trainer older
+than the field never asks, so it never gets an answer it cannot decode. The receipt is at most
 :data:`~protocols.receipts.MAX_RECEIPT_BYTES` + 64 bytes.
 
 **Bounds** (checked before anything is allocated, DESIGN D10): a request's declared sizes must add up to

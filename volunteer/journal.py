@@ -19,7 +19,9 @@ the steps that were never reported, and carries on. What is journaled:
                evidence too)
 ``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive)
 ``relayed``    bytes our relay service spliced (``claim``) and bytes we received through each relay
-               (``through``) since the previous such entry: what the next report claims and evidences
+               (``through``) since the previous such entry: what the next report claims and evidences;
+               in a swarm run also the pipeline bytes we sent (``sent``) and the answer bytes our
+               trainers received from each stage server (``received``; ``Reporter.swarm_traffic``)
 ``state``      written by compaction: the next seq and where the next interval begins
 =============  ============================================================================================
 
@@ -69,6 +71,7 @@ __all__ = [
     "Replayed",
     "ReportJournal",
     "merge_ranges",
+    "take_received",
     "take_relayed",
 ]
 
@@ -114,6 +117,8 @@ class _Done(msgspec.Struct, frozen=True, tag="done", tag_field="k"):
 class _Relayed(msgspec.Struct, frozen=True, tag="relayed", tag_field="k"):
     claim: int = 0
     through: dict[str, int] = {}
+    sent: int = 0  # swarm bytes sent (our claim, ``bytes_sent``)
+    received: dict[str, int] = {}  # swarm answer bytes received per server (``received_from``)
 
 
 class _Discarded(msgspec.Struct, frozen=True, tag="discarded", tag_field="k"):
@@ -147,6 +152,9 @@ class Replayed:
     #: bytes our relay spliced, and bytes received through each relay, not in a report yet
     relay_claim: int = 0
     relay_through: Counter[str] = field(default_factory=Counter)
+    #: swarm bytes we sent, and answer bytes received from each stage server, not in a report yet
+    sent_claim: int = 0
+    received: Counter[str] = field(default_factory=Counter)
     damaged: int = 0  # lines skipped
 
 
@@ -164,6 +172,8 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
         elif isinstance(entry, _Relayed):
             state.relay_claim += entry.claim
             state.relay_through.update(entry.through)
+            state.sent_claim += entry.sent
+            state.received.update(entry.received)
         elif isinstance(entry, _Discarded):  # as Reporter.discard does
             first, last = entry.first, entry.last
             state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
@@ -183,6 +193,8 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.discarded.clear()  # close_interval takes them all
             take_relayed(state.relay_through, report)  # and what the report carried of these
             state.relay_claim = max(0, state.relay_claim - report.bytes_relayed)
+            take_received(state.received, report)
+            state.sent_claim = max(0, state.sent_claim - report.bytes_sent)
             state.seq = max(state.seq, report.seq + 1)
             state.last_end = report.interval_end
             state.last_step = report.global_step
@@ -195,8 +207,10 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                         book.put_back(report.global_step, list(report.receipts), list(report.pulled))
                     if entry.put_back:
                         state.relay_claim += report.bytes_relayed
+                        state.sent_claim += report.bytes_sent
                     if entry.evidence_back:
                         state.relay_through.update({r.relay: r.nbytes for r in report.relayed_through})
+                        state.received.update({r.server: r.nbytes for r in report.received_from})
                     break
     return state
 
@@ -209,6 +223,16 @@ def take_relayed(through: Counter[str], report: ContributionReport) -> None:
             through[record.relay] = left
         else:
             del through[record.relay]
+
+
+def take_received(received: Counter[str], report: ContributionReport) -> None:
+    """Remove what ``report`` carried of the swarm evidence ``received`` (as the reporter took it)."""
+    for record in report.received_from:
+        left = received[record.server] - record.nbytes
+        if left > 0:
+            received[record.server] = left
+        else:
+            del received[record.server]
 
 
 def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
@@ -350,6 +374,8 @@ def compacted(
     discarded: list[tuple[int, int]],
     relay_claim: int = 0,
     relay_through: dict[str, int] | None = None,
+    sent_claim: int = 0,
+    received: dict[str, int] | None = None,
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
     held: list[Entry] = []
@@ -379,7 +405,11 @@ def compacted(
         *held,
         *open_steps,
         *(_Discarded(a, b) for a, b in discarded),
-        *([_Relayed(relay_claim, dict(relay_through or {}))] if relay_claim or relay_through else []),
+        *(
+            [_Relayed(relay_claim, dict(relay_through or {}), sent_claim, dict(received or {}))]
+            if relay_claim or relay_through or sent_claim or received
+            else []
+        ),
     ]
 
 
@@ -395,8 +425,10 @@ def done(seq: int, put_back: bool = False, evidence_back: bool = False) -> Entry
     return _Done(seq, put_back, evidence_back)
 
 
-def relayed(claim: int, through: dict[str, int]) -> Entry:
-    return _Relayed(claim, through)
+def relayed(
+    claim: int, through: dict[str, int], sent: int = 0, received: dict[str, int] | None = None
+) -> Entry:
+    return _Relayed(claim, through, sent, dict(received or {}))
 
 
 def booked(

@@ -30,6 +30,13 @@ no step, an interval closes after ``interval`` seconds. A report given up becaus
 puts its claim and evidence back; one the backbone *refused* puts back the claim only, since its
 evidence may be what an older backbone refuses (``relayed_through`` is newer), and resending it would
 have every later report refused as well.
+
+**Swarm bytes** (issue 17 item 6; the ledger's rule: :mod:`backbone.ledger.accounting`, "Swarm bytes"). A
+third delta-readable source, ``swarm_traffic`` (:attr:`Reporter.swarm_traffic`, set by the swarm session),
+returns the pipeline bytes this process sent since its previous call (our claim, ``bytes_sent``) and the
+answer bytes our trainers received from each stage server (the evidence of *their* sending,
+``received_from``). It is read, journaled, carried (the busiest ``MAX_RECEIVED_PER_REPORT`` servers per
+report) and put back exactly as the relay sources.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ from protocols.ledger import (
     MAX_COUNT,
     MAX_DISCARDED_PER_REPORT,
     MAX_INTERVAL_S,
+    MAX_RECEIVED_PER_REPORT,
     MAX_RELAYED_PER_REPORT,
     ContributionReport,
+    ReceivedBytes,
     RelayedBytes,
     SignedReport,
     StepRange,
@@ -116,6 +125,7 @@ class Reporter:
         *,
         relay_traffic: Callable[[], Mapping[str, int]] | None = None,
         relayed: Callable[[], int] | None = None,
+        swarm_traffic: Callable[[], tuple[int, Mapping[str, int]]] | None = None,
     ) -> None:
         self.run_id = run_id
         self.identity = identity
@@ -125,6 +135,8 @@ class Reporter:
         self.relay_traffic = relay_traffic
         #: bytes our relay service spliced since the previous call, or None (we relay nothing)
         self.relayed = relayed
+        #: swarm bytes sent, and answer bytes received per stage server, since the previous call, or None
+        self.swarm_traffic = swarm_traffic
         self._seq_path = data_dir / "report.seq"
         self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
         self._open: list[JournaledStep] = []  # steps not in a report yet
@@ -151,10 +163,12 @@ class Reporter:
         self._open = list(state.open_steps)
         self._relay_claim = state.relay_claim  # read from the sources, not in a report yet
         self._relay_through: Counter[str] = Counter(state.relay_through)
+        self._sent_claim = state.sent_claim  # swarm bytes sent, not in a report yet
+        self._received: Counter[str] = Counter(state.received)
         self._last_end = state.last_end if state.last_end is not None else time.time()
         self.recovered = len(state.unsent), len(state.open_steps)
         self._compact()
-        if self._open or self._discarded or self._relay_claim or self._relay_through:
+        if self._open or self._discarded or self._has_relayed():
             self.close_interval()  # the steps (and relayed bytes) a killed process never reported
         if any(self.recovered):
             logger.info(
@@ -196,6 +210,8 @@ class Reporter:
                 self._discarded,
                 self._relay_claim,
                 dict(self._relay_through),
+                self._sent_claim,
+                dict(self._received),
             )
         )
 
@@ -203,11 +219,15 @@ class Reporter:
         """Read the relay sources (module docstring) and journal what they returned."""
         claim = self.relayed() if self.relayed is not None else 0
         through = {r: n for r, n in (self.relay_traffic() if self.relay_traffic else {}).items() if n > 0}
-        if claim <= 0 and not through:
+        sent, received = self.swarm_traffic() if self.swarm_traffic is not None else (0, {})
+        received = {s: n for s, n in received.items() if n > 0}
+        if claim <= 0 and not through and sent <= 0 and not received:
             return
-        self.journal.append(journal.relayed(max(0, claim), through))
+        self.journal.append(journal.relayed(max(0, claim), through, max(0, sent), received))
         self._relay_claim += max(0, claim)
         self._relay_through.update(through)
+        self._sent_claim += max(0, sent)
+        self._received.update(received)
 
     def record(self, step: FinishedStep) -> None:
         """Note one step we took part in (called from the optimizer after the step is applied: its round
@@ -256,6 +276,11 @@ class Reporter:
             RelayedBytes(relay, min(n, MAX_COUNT))
             for relay, n in self._relay_through.most_common(MAX_RELAYED_PER_REPORT)
         ]
+        sent = min(self._sent_claim, MAX_COUNT)
+        received = [
+            ReceivedBytes(server, min(n, MAX_COUNT))
+            for server, n in self._received.most_common(MAX_RECEIVED_PER_REPORT)
+        ]
         report = ContributionReport(
             run_id=self.run_id,
             peer_id=self.identity.peer_id,
@@ -271,9 +296,13 @@ class Reporter:
             pulled=pulled,
             discarded=[StepRange(a, b) for a, b in discarded],
             relayed_through=through,
+            bytes_sent=sent,
+            received_from=received,
         )
         self._relay_claim -= claim
         journal.take_relayed(self._relay_through, report)
+        self._sent_claim -= sent
+        journal.take_received(self._received, report)
         self._last_end = end
         self._last_step = report.global_step
         self._seq += 1
@@ -291,7 +320,9 @@ class Reporter:
         self._wakeup.set()
 
     def _has_relayed(self) -> bool:
-        return self._relay_claim > 0 or bool(self._relay_through)
+        return (
+            self._relay_claim > 0 or bool(self._relay_through) or self._sent_claim > 0 or bool(self._received)
+        )
 
     def _give_up(self, report: ContributionReport, *, refused: bool = False) -> None:
         """A report that will never be credited: its receipts and pull records go out with a later one,
@@ -301,8 +332,10 @@ class Reporter:
         if report.receipts or report.pulled:
             self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
         self._relay_claim += report.bytes_relayed
+        self._sent_claim += report.bytes_sent
         if not refused:
             self._relay_through.update({r.relay: r.nbytes for r in report.relayed_through})
+            self._received.update({r.server: r.nbytes for r in report.received_from})
         elif report.relayed_through:
             logger.info("report %s refused: its relay evidence is not sent again", report.seq)
 

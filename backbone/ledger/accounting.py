@@ -97,6 +97,7 @@ Per peer, with sums over its unflagged reports (this one included) and over its 
 
     credited samples  S = min(claimed samples, receipt weights)
     credited bytes    B = min(claimed bytes_aggregated, bytes others pulled from it)
+    (and relayed bytes Y, swarm bytes sent X: below)
     credited compute  C = claimed compute seconds * S / claimed samples     (0 if nothing claimed)
 
 and a report is credited the increase of (S, C, B) over what the peer's earlier reports were credited
@@ -146,8 +147,8 @@ one sample whose activations went forward and gradients backward through one sta
   aggregator of another user -- what a sender hiding its discards gains in a data-parallel run (Limits).
 * *not credited yet*: the bytes stage aggregators serve (stage rounds' pull records are not put in
   reports: a ``PulledSlice`` has no stage, and a stage step's pull would be matched against the
-  data-parallel steps), and bytes a trainer or server sends over the bulk lane (a trainer's receipts
-  state them, see below; they are stored, not credited: ``credited_bytes_*`` has no column for them).
+  data-parallel steps). The bytes servers and trainers send each other over the bulk lane are credited
+  (below, "Swarm bytes").
 
 **Swarm trainers** (issue 17 item 6). A trainer (:mod:`volunteer.swarm.client`) holds no parameters and
 averages with nobody; its work is carrying micro-batches forward and backward through one server per
@@ -202,6 +203,42 @@ stage. The evidence is what those servers saw:
   (at most :data:`~volunteer.receipts.CARRIED_PER_STEP` servers per ``(stage, step)``, the latest
   receipt of each; the book's step bound as for all receipts), journaled with the others
   (:mod:`volunteer.journal`) and put back when a report fails.
+
+**Swarm bytes** (issue 17 item 6; wire: :mod:`protocols.ledger`, "Swarm bytes"). A swarm run's traffic
+is the pipeline's: a trainer sends a stage server inputs, activations and output gradients, the server
+answers with activations (forward) and input gradients (backward). A peer claims in ``bytes_sent`` the
+payload bytes it sent (a server: its answers; a trainer: its requests a server answered). The evidence is
+what the *receiving* side signed, so a peer is never credited more bytes than a counterpart of another
+user says it received from it:
+
+* *a server's sending*: each trainer lists in its own signed report (``received_from``) the answer
+  bytes it received from and accepted of each server in the report's interval. A record counts
+  (:func:`received_evidence`) iff the report is not flagged (``received_flagged``: its interval is not
+  believed), the server is an admitted peer of *another user* than the reporter's (``received_same_user``,
+  ``received_unknown_server``), and it is capped at what a link carries in the interval,
+  ``MAX_BANDWIDTH_BPS * (L + 1 s)`` (``received_capped``), exactly as relay records. Stored once per
+  ``(reporter, seq, server)`` (table ``swarm_received``, schema 11), and the report once per
+  ``(peer_id, seq)``: a replayed report, or the same record twice, adds nothing.
+* *a trainer's sending*: the carried receipts servers sign (above, "Swarm trainers") state, in
+  ``nbytes``, the request bytes the server received from the trainer toward the stage step (forwards and
+  backwards, cumulative per ``(server, trainer, stage, step)``). The stored receipt of each key (the
+  largest weight seen, with its bytes; ``trainer_receipts``) counts with the same rules as its samples:
+  signed by an admitted peer of another user, and only while its stage step is recorded. A replayed or
+  older receipt of a key is not stored again, so its bytes count once.
+
+Per peer, over its unflagged reports and its counted evidence:
+
+    credited sent  X = min(claimed bytes_sent, received_from records naming it + its carried receipts' nbytes)
+
+credited as B and Y (the increase over what its earlier reports were credited), with late evidence: a
+trainer's report naming a server, and a stage step recorded after the carried receipts of it arrived,
+settle the peer at once (``_settle``). A volunteer that serves and trains claims both directions in one
+``bytes_sent`` and its evidence sums both kinds, as for samples. What a liar gains: a peer claiming more
+than it sent gets no more than others signed; a trainer inventing received bytes credits nothing by
+itself (the server must claim them too) and only a server of another user. A colluding pair can credit
+each other as many bytes as their records and receipts say (records within a link's ceiling per second of
+interval; a carried receipt's bytes are not bounded by the model's size, which the ledger does not know),
+as aggregation and relayed bytes (Limits).
 
 **Late evidence** (a receipt held until its step is recorded, a pull of this peer's slice in another
 peer's report) is credited as soon as it counts, not with the peer's next report: when a step is
@@ -302,6 +339,7 @@ __all__ = [
     "Assessment",
     "CapabilitiesRejected",
     "Credit",
+    "ReceivedEvidence",
     "RelayEvidence",
     "ReceiptRejected",
     "ReportRejected",
@@ -314,6 +352,7 @@ __all__ = [
     "relay_cap",
     "relay_evidence",
     "reason_codes",
+    "received_evidence",
     "sorted_receipts",
     "split_receipts",
     "valid_receipts",
@@ -366,12 +405,14 @@ CREDITED = Assessment(credited=True)
 
 @dataclass(frozen=True)
 class Credit:
-    """Samples, compute seconds, bytes aggregated and bytes relayed (claimed, evidence, or credited)."""
+    """Samples, compute seconds, bytes aggregated, bytes relayed and swarm bytes sent (claimed,
+    evidence, or credited)."""
 
     samples: float = 0.0
     compute_seconds: float = 0.0
     bytes_aggregated: float = 0.0
     bytes_relayed: float = 0.0
+    bytes_sent: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -381,6 +422,17 @@ class RelayEvidence:
     reporter: str
     seq: int
     relay: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReceivedEvidence:
+    """One counted record: ``reporter`` received ``nbytes`` from stage server ``server`` in its report
+    ``seq`` (module docstring, "Swarm bytes")."""
+
+    reporter: str
+    seq: int
+    server: str
     nbytes: int
 
 
@@ -530,7 +582,8 @@ def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bo
 
     Args:
         claimed: the peer's claims summed over its unflagged reports, the new one included.
-        evidence: receipt weights (``samples``) and bytes others pulled (``bytes_aggregated``).
+        evidence: receipt weights (``samples``), bytes others pulled (``bytes_aggregated``), relayed
+            through it (``bytes_relayed``) and received from it (``bytes_sent``).
         credited: what its earlier reports were credited.
         debit: the report discards steps, so evidence may have shrunk: samples and compute may come out
             negative (taking back what the discarded steps were credited). Otherwise never negative.
@@ -539,12 +592,14 @@ def credit_due(claimed: Credit, evidence: Credit, credited: Credit, *, debit: bo
     compute = claimed.compute_seconds * samples / claimed.samples if claimed.samples > 0 else 0.0
     aggregated = min(claimed.bytes_aggregated, evidence.bytes_aggregated)
     relayed = min(claimed.bytes_relayed, evidence.bytes_relayed)
+    sent = min(claimed.bytes_sent, evidence.bytes_sent)
     floor = -math.inf if debit else 0.0
     return Credit(
         samples=max(floor, samples - credited.samples),
         compute_seconds=max(floor, compute - credited.compute_seconds),
         bytes_aggregated=max(0.0, aggregated - credited.bytes_aggregated),
         bytes_relayed=max(0.0, relayed - credited.bytes_relayed),
+        bytes_sent=max(0.0, sent - credited.bytes_sent),
     )
 
 
@@ -577,6 +632,35 @@ def relay_evidence(
             if record.nbytes > cap:
                 notes["relay_capped"] += 1
             counted.append(RelayEvidence(report.peer_id, report.seq, record.relay, min(record.nbytes, cap)))
+    return counted, notes
+
+
+def received_evidence(
+    report: ContributionReport, reporter_user: int, users: Mapping[str, int]
+) -> tuple[list[ReceivedEvidence], Counter[str]]:
+    """The report's ``received_from`` records that count (module docstring, "Swarm bytes": the server is
+    an admitted peer of another user; capped by :func:`relay_cap`), and how many did not or were capped,
+    by code. The caller passes no records of a flagged report (``received_flagged``).
+
+    Args:
+        reporter_user: the user of the reporting peer.
+        users: the user of each admitted peer the records name (unknown peers are absent).
+    """
+    counted: list[ReceivedEvidence] = []
+    notes: Counter[str] = Counter()
+    cap = relay_cap(report.interval_end - report.interval_start)
+    for record in report.received_from:
+        server_user = users.get(record.server)
+        if record.server == report.peer_id or server_user == reporter_user:
+            notes["received_same_user"] += 1
+        elif server_user is None:
+            notes["received_unknown_server"] += 1
+        elif record.nbytes > 0:
+            if record.nbytes > cap:
+                notes["received_capped"] += 1
+            counted.append(
+                ReceivedEvidence(report.peer_id, report.seq, record.server, min(record.nbytes, cap))
+            )
     return counted, notes
 
 

@@ -40,6 +40,10 @@ Tables::
                    stage servers' receipts for swarm trainers that count (schema 10), one per
                    (trainer, server, stage, step), holding the largest cumulative weight seen; counted
                    while their (stage, step) is in ``stage_steps`` (accounting, "Swarm trainers")
+    swarm_received swarm trainers' records of the answer bytes they received from stage servers (schema
+                   11): ``reporter``'s report ``seq`` says it received ``nbytes`` from ``server`` (a peer
+                   of another user), one per (reporter, seq, server); the evidence of that server's
+                   ``bytes_sent`` (``reports.credited_bytes_sent``; accounting, "Swarm bytes")
     schema_version exactly one row: the schema version this database has
 
 Portability: every time is a float of unix seconds (``DOUBLE PRECISION`` / ``REAL``), counts are 64-bit
@@ -103,6 +107,7 @@ __all__ = [
     "EvaluationRecord",
     "Receipt",
     "Relayed",
+    "SwarmReceived",
     "Report",
     "SchemaVersion",
     "StageReceipt",
@@ -113,7 +118,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -213,6 +218,8 @@ class Report(Base):
     compute_seconds: Mapped[float]
     bytes_aggregated: Mapped[int]
     bytes_relayed: Mapped[int]
+    #: swarm bytes sent, claimed (schema 11; 0 in older rows and outside swarm runs)
+    bytes_sent: Mapped[int] = mapped_column(default=0)
     interval_start: Mapped[float]
     interval_end: Mapped[float]
     received_at: Mapped[float]
@@ -227,6 +234,8 @@ class Report(Base):
     credited_bytes_aggregated: Mapped[float] = mapped_column(default=0.0)
     #: relayed bytes its relay records backed (schema 8; 0 in older rows: relaying was not credited)
     credited_bytes_relayed: Mapped[float] = mapped_column(default=0.0)
+    #: swarm bytes sent that received records and carried receipts backed (schema 11)
+    credited_bytes_sent: Mapped[float] = mapped_column(default=0.0)
     #: 1: credited by the claims-based rules of schema version 1 (kept as history); 2: by receipts
     scheme: Mapped[int] = mapped_column(Integer, default=2)
     #: receipts and pull records that did not count, ``"code: count; ..."``
@@ -291,6 +300,20 @@ class Relayed(Base):
     reporter: Mapped[str] = mapped_column(String(64), primary_key=True)
     seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     relay: Mapped[str] = mapped_column(String(64), primary_key=True)
+    nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+
+
+class SwarmReceived(Base):
+    """``reporter`` (a swarm trainer) received ``nbytes`` of answers from stage server ``server`` (a peer
+    of another user) in its report ``seq`` (schema 11; see backbone.ledger.accounting, "Swarm bytes")."""
+
+    __tablename__ = "swarm_received"
+    __table_args__ = (Index(None, "server"),)
+
+    reporter: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    server: Mapped[str] = mapped_column(String(64), primary_key=True)
     nbytes: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
 
@@ -511,6 +534,14 @@ def _migrate_9_to_10(conn: Connection) -> None:
     old row changes."""
 
 
+def _migrate_10_to_11(conn: Connection) -> None:
+    """Version 11 (issue 17 item 6): swarm bytes sent are claimed (``reports.bytes_sent``) and credited
+    (``reports.credited_bytes_sent``) from trainers' received records (table ``swarm_received``, made by
+    ``create_all``) and carried receipts' bytes; old reports claimed and were credited none."""
+    _add_column(conn, "reports", "bytes_sent", "BIGINT NOT NULL DEFAULT 0")
+    _add_column(conn, "reports", "credited_bytes_sent", "DOUBLE PRECISION NOT NULL DEFAULT 0")
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -529,6 +560,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     7: _migrate_7_to_8,
     8: _migrate_8_to_9,
     9: _migrate_9_to_10,
+    10: _migrate_10_to_11,
 }
 
 

@@ -2,7 +2,8 @@
 
 Crediting follows :mod:`backbone.ledger.accounting` (its docstring is the design): :meth:`LedgerStore.
 assess_and_record` judges a report's bounds, stores its receipts (once per ``(sender, step)``), pull
-records and relay records (once per ``(reporter, seq, relay)``), and credits it the increase of
+records, relay records (once per ``(reporter, seq, relay)``) and swarm received records (once per
+``(reporter, seq, server)``), and credits it the increase of
 ``min(claims, evidence)``, all in one transaction under the reporting peer's row lock, so two backbones on
 one database cannot credit one receipt twice. A discard (``step_discards``) covers only the receipts of
 its steps that the peer's reports up to the discarding one (by ``seq``) carried; a receipt of a later
@@ -79,6 +80,7 @@ from .accounting import (
     check_capabilities,
     credit_due,
     reason_codes,
+    received_evidence,
     relay_evidence,
     split_receipts,
 )
@@ -97,6 +99,7 @@ from .schema import (
     StageReceipt,
     StageStep,
     Step,
+    SwarmReceived,
     TrainerReceipt,
     User,
     create_schema,
@@ -721,6 +724,10 @@ class LedgerStore:
                     conn, report, peer.user_id, report_id, counts=assessment.credited
                 )
                 notes += relay_notes
+                senders, received_notes = _store_received(
+                    conn, report, peer.user_id, report_id, counts=assessment.credited
+                )
+                notes += received_notes
                 evidenced = _record_evidenced_steps(conn, now)
                 _refresh_evidenced_samples(conn, set(receipts) | evidenced)
                 stage_evidenced = _record_evidenced_stage_steps(conn, now)
@@ -733,6 +740,7 @@ class LedgerStore:
                     | _stage_evidenced_peers(conn, stage_evidenced)
                     | {p.aggregator for p in report.pulled}
                     | relays
+                    | senders
                 )
                 credit = (
                     _credit(conn, report.peer_id, debit=bool(report.discarded))
@@ -747,6 +755,7 @@ class LedgerStore:
                         credited_compute_seconds=credit.compute_seconds,
                         credited_bytes_aggregated=credit.bytes_aggregated,
                         credited_bytes_relayed=credit.bytes_relayed,
+                        credited_bytes_sent=credit.bytes_sent,
                         notes=_format_notes(notes),
                     )
                 )
@@ -764,6 +773,7 @@ class LedgerStore:
             bytes_aggregated=credit.bytes_aggregated,
             notes=_format_notes(notes),
             bytes_relayed=credit.bytes_relayed,
+            bytes_sent=credit.bytes_sent,
         )
 
     def _settle(self, peer_ids: set[str]) -> None:
@@ -1084,6 +1094,7 @@ class LedgerStore:
                         (legacy, sql_cast(Report.bytes_relayed, Double)), else_=Report.credited_bytes_relayed
                     )
                 ).label("bytes_relayed"),
+                total(Report.credited_bytes_sent).label("bytes_sent"),
                 func.sum(case((credited, 0), else_=1)).label("flagged"),
             )
             .group_by(Report.user_id)
@@ -1101,6 +1112,7 @@ class LedgerStore:
                 reports.c.compute_seconds,
                 reports.c.bytes_aggregated,
                 reports.c.bytes_relayed,
+                reports.c.bytes_sent,
                 reports.c.flagged,
                 peers.c.peers,
                 peers.c.last_seen,
@@ -1145,6 +1157,7 @@ class LedgerStore:
                 compute_hours=(row.compute_seconds or 0.0) / 3600.0,
                 bytes_aggregated=round(row.bytes_aggregated or 0),
                 bytes_relayed=round(row.bytes_relayed or 0),
+                bytes_sent=round(row.bytes_sent or 0),
                 peers=int(row.peers or 0),
                 last_seen=row.last_seen,
                 flagged_reports=int(row.flagged or 0),
@@ -1391,6 +1404,7 @@ def _report_values(signed: SignedReport, report: ContributionReport, now: float)
         "compute_seconds": report.compute_seconds,
         "bytes_aggregated": report.bytes_aggregated,
         "bytes_relayed": report.bytes_relayed,
+        "bytes_sent": report.bytes_sent,
         "interval_start": report.interval_start,
         "interval_end": report.interval_end,
         "received_at": now,
@@ -1538,6 +1552,30 @@ def _store_relayed(
     return {r.relay for r in counted}, notes
 
 
+def _store_received(
+    conn: Connection, report: ContributionReport, user_id: int, report_id: int, *, counts: bool
+) -> tuple[set[str], Counter[str]]:
+    """Store the report's swarm received records that count (accounting.received_evidence; none of a
+    flagged report: ``counts`` False), once per ``(reporter, seq, server)``; returns the servers they
+    name (settled at once: late evidence) and how many did not count or were capped, by code."""
+    if not report.received_from:
+        return set(), Counter()
+    if not counts:
+        return set(), Counter({"received_flagged": len(report.received_from)})
+    users = _users_of(conn, {r.server for r in report.received_from})
+    counted, notes = received_evidence(report, user_id, users)
+    for record in counted:
+        statement = _insert_ignore(conn, SwarmReceived).values(
+            reporter=record.reporter,
+            seq=record.seq,
+            server=record.server,
+            nbytes=record.nbytes,
+            report_id=report_id,
+        )
+        conn.execute(statement)
+    return {r.server for r in counted}, notes
+
+
 def _format_notes(notes: Counter[str]) -> str | None:
     return "; ".join(f"{code}: {count}" for code, count in sorted(notes.items())) or None
 
@@ -1556,6 +1594,8 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
             func.coalesce(func.sum(Report.credited_bytes_aggregated), 0.0),
             func.coalesce(func.sum(sql_cast(Report.bytes_relayed, Double)), 0.0),
             func.coalesce(func.sum(Report.credited_bytes_relayed), 0.0),
+            func.coalesce(func.sum(sql_cast(Report.bytes_sent, Double)), 0.0),
+            func.coalesce(func.sum(Report.credited_bytes_sent), 0.0),
         ).where(*mine)
     ).one()
     # A receipt's weight is capped by the larger of its step's batch and target (accounting's
@@ -1584,12 +1624,36 @@ def _credit(conn: Connection, peer_id: str, *, debit: bool = False) -> Credit:
     relayed = conn.execute(
         select(func.coalesce(func.sum(sql_cast(Relayed.nbytes, Double)), 0.0)).where(Relayed.relay == peer_id)
     ).scalar_one()
+    sent = _sent_evidence(conn, peer_id)
     return credit_due(
-        Credit(float(totals[0]), float(totals[1]), float(totals[2]), float(totals[6])),
-        Credit(samples=float(weights), bytes_aggregated=float(pulled), bytes_relayed=float(relayed)),
-        Credit(float(totals[3]), float(totals[4]), float(totals[5]), float(totals[7])),
+        Credit(float(totals[0]), float(totals[1]), float(totals[2]), float(totals[6]), float(totals[8])),
+        Credit(
+            samples=float(weights),
+            bytes_aggregated=float(pulled),
+            bytes_relayed=float(relayed),
+            bytes_sent=sent,
+        ),
+        Credit(float(totals[3]), float(totals[4]), float(totals[5]), float(totals[7]), float(totals[9])),
         debit=debit,
     )
+
+
+def _sent_evidence(conn: Connection, peer_id: str) -> float:
+    """The evidence of ``peer_id``'s swarm bytes sent (accounting, "Swarm bytes"): the counted received
+    records naming it as a server, and the bytes of its counted carried receipts as a trainer (those of a
+    recorded stage step)."""
+    received = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(SwarmReceived.nbytes, Double)), 0.0)).where(
+            SwarmReceived.server == peer_id
+        )
+    ).scalar_one()
+    carried = conn.execute(
+        select(func.coalesce(func.sum(sql_cast(TrainerReceipt.nbytes, Double)), 0.0))
+        .select_from(TrainerReceipt)
+        .join(StageStep, (StageStep.stage == TrainerReceipt.stage) & (StageStep.step == TrainerReceipt.step))
+        .where(TrainerReceipt.trainer == peer_id)
+    ).scalar_one()
+    return float(received) + float(carried)
 
 
 def _frontier(conn: Connection) -> int:
@@ -1627,7 +1691,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
     if latest is None:
         return
     due = _credit(conn, peer_id)
-    if due.samples <= 0 and due.compute_seconds <= 0 and due.bytes_aggregated <= 0 and due.bytes_relayed <= 0:
+    if max(due.samples, due.compute_seconds, due.bytes_aggregated, due.bytes_relayed, due.bytes_sent) <= 0:
         return
     conn.execute(
         update(Report)
@@ -1637,6 +1701,7 @@ def _credit_late(conn: Connection, peer_id: str) -> None:
             credited_compute_seconds=Report.credited_compute_seconds + due.compute_seconds,
             credited_bytes_aggregated=Report.credited_bytes_aggregated + due.bytes_aggregated,
             credited_bytes_relayed=Report.credited_bytes_relayed + due.bytes_relayed,
+            credited_bytes_sent=Report.credited_bytes_sent + due.bytes_sent,
         )
     )
 

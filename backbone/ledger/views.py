@@ -74,6 +74,8 @@ class LeaderboardRow:
     flag_reasons: dict[str, int] = field(default_factory=dict)
     #: receipt weights of steps its peers reported discarded (a fork that did not survive): work done,
     #: shown, not credited (not in ``samples`` nor ``compute_hours``)
+    #: swarm bytes sent that peers of other users signed they received (accounting, "Swarm bytes")
+    bytes_sent: int = 0
     discarded_samples: int = 0
     #: time its volunteer processes were in the run (their sessions, as the backbones saw them: from the
     #: first heartbeat to the leave, a restart or the last heartbeat). ``compute_hours`` is only the
@@ -126,6 +128,8 @@ class Verdict:
     bytes_aggregated: float
     notes: str | None
     bytes_relayed: float = 0.0
+    #: swarm bytes sent (accounting, "Swarm bytes")
+    bytes_sent: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 (issue 17 item 6; the wire is :mod:`protocols.receipts`, "Trainers' receipts", and :mod:`protocols.swarm`,
 "Receipts"; how the ledger credits them: :mod:`backbone.ledger.accounting`, "Swarm trainers").
 
-**Server side.** :class:`CarriedTally` keeps, per ``(trainer, stage step)``, the samples and request bytes
-of the backwards the server completed for that trainer toward that step, so each receipt it signs is
+**Server side.** :class:`CarriedTally` keeps, per ``(trainer, stage step)``, the samples of the backwards
+the server completed for that trainer toward that step and the payload bytes of every request of that
+trainer it answered meanwhile (forwards count bytes, no samples: :meth:`CarriedTally.count` with 0
+samples; they are signed in the next backward's receipt of the key, and the ledger credits them as the
+trainer's bytes sent, :mod:`backbone.ledger.accounting`, "Swarm bytes"), so each receipt it signs is
 *cumulative*: the trainer keeps only the latest per ``(server, stage, step)``, and a receipt that was lost
 (its answer never arrived) is covered by the next one of that key. The tally is bounded: it forgets steps
 more than :data:`KEEP_STEPS` behind the newest it saw (a trainer's backward counts toward the server's
@@ -64,8 +67,8 @@ class CarriedTally:
         return len(self._counts)
 
     def count(self, trainer: str, step: int, samples: int, nbytes: int) -> tuple[int, int]:
-        """Add one completed backward of ``trainer`` toward stage step ``step``; returns the cumulative
-        ``(samples, bytes)`` of that key."""
+        """Add one answered request of ``trainer`` toward stage step ``step`` (a forward: 0 samples);
+        returns the cumulative ``(samples, bytes)`` of that key."""
         if samples < 0 or nbytes < 0 or step < 0:
             raise ValueError(f"negative count: {step=}, {samples=}, {nbytes=}")
         if step > self._newest:

@@ -3,7 +3,10 @@ trainers"; issue 17 item 6): a real pinned backbone API with its ledger, the bac
 the stages' records, two stages of two servers each, and a trainer whose contribution reports
 (volunteer.reporting.Reporter) carry the receipts the servers signed for its backwards. A trainer of a
 third user, served by two users' servers, is credited more than 0 and at most what it carried; a trainer
-of the user whose machines are the only servers is credited 0."""
+of the user whose machines are the only servers is credited 0. The pipeline bytes (accounting, "Swarm
+bytes") likewise: the trainer's bytes sent are credited from the servers' receipts, at most what the
+servers received from it; each server's from the trainer's received records, at most what it sent; all 0
+when the trainer and the servers are one user's."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from volunteer.collab.optimizer import CollabConfig
 from volunteer.swarm.client import SwarmClient, micro_batch_samples
 from volunteer.swarm.session import CarriedBatch
 from volunteer.swarm.stage_service import StageService, serve_stage
+from volunteer.swarm.traffic import TrafficReader
 from volunteer.tasks import make_task
 from volunteer.training import Reporter
 
@@ -58,9 +62,11 @@ async def test_a_trainer_is_credited_what_other_users_servers_saw_it_carry(
         nursery.start_soon(record_steps_forever, backbone, api.store, SPEC, 0.1)
         config = CollabConfig()
         services: list[StageService] = []
+        server_members = []
         for k in range(STAGES):
             for name in servers:  # every server a machine of its user, admitted in the ledger
-                identity = member_client(api, name).identity
+                server_members.append((name, member_client(api, name)))
+                identity = server_members[-1][1].identity
                 node, _ = await start_node(nursery, run, initial, identity=identity)
                 services.append(
                     await nursery.start(
@@ -92,7 +98,8 @@ async def test_a_trainer_is_credited_what_other_users_servers_saw_it_carry(
                 while len(await find_stage_servers(trainer.dht, k, STAGES)) < 2:
                     await trio.sleep(0.05)
         clients = [SwarmClient(trainer, STAGES, on_carried=book) for _ in range(2)]
-        with trio.fail_after(120):
+        reporter.swarm_traffic = TrafficReader(lambda: None, clients)  # as the session sets it
+        with trio.fail_after(300):
             for step in range(STEPS):
                 async with trio.open_nursery() as inner:
                     for i, client in enumerate(clients):
@@ -111,7 +118,32 @@ async def test_a_trainer_is_credited_what_other_users_servers_saw_it_carry(
         assert {b.stage for b in bodies} == set(range(STAGES))
         await reporter.flush()
         assert reporter.pending == 0
-        with trio.fail_after(30):  # the tracker records each stage's steps within a poll
+        claimed_sent = sum(r.bytes_sent for r in reports)  # the trainer's claim: its requests' bytes
+        assert claimed_sent == sum(c.stats.bytes_sent for c in clients) > 0
+        received: dict[str, int] = {}  # per server peer id, the answer bytes the trainer accepted
+        for client in clients:
+            for server, nbytes in client.stats.received.items():
+                received[server] = received.get(server, 0) + nbytes
+        reported: dict[str, int] = {}
+        for r in reports:
+            for record in r.received_from:
+                reported[record.server] = reported.get(record.server, 0) + record.nbytes
+        assert reported == received
+        assert len(received) == len(services)
+        for i, ((_, server_member), service) in enumerate(zip(server_members, services, strict=True)):
+            (tmp_path / f"server{i}").mkdir()
+            server_reporter = Reporter(
+                run,
+                server_member.identity,
+                server_member,
+                tmp_path / f"server{i}",
+                3600.0,
+                swarm_traffic=TrafficReader(lambda service=service: service.server.stats, []),
+            )
+            server_reporter.close_interval()  # a server's claim: the bytes its answers carried
+            await server_reporter.flush()
+            assert server_reporter.pending == 0
+        with trio.fail_after(60):  # the tracker records each stage's steps within a poll
             while any(len(api.store.stage_steps(k)) < 1 for k in range(STAGES)):
                 await trio.sleep(0.1)
         credited: dict[str, int] = {}
@@ -120,12 +152,28 @@ async def test_a_trainer_is_credited_what_other_users_servers_saw_it_carry(
                 credited = {row.username: row.samples for row in api.store.leaderboard()}
                 await trio.sleep(0.2)
         credited = {row.username: row.samples for row in api.store.leaderboard()}
+        sent = {row.username: row.bytes_sent for row in api.store.leaderboard()}
         notes = " ".join(r.notes or "" for r in api.store.peer_reports(member.identity.peer_id))
         if trainer_user in servers:  # its own user's servers vouch for nothing
             assert credited.get(trainer_user, 0) == 0, credited
             assert "trainer_receipt_same_user" in notes
+            assert sent.get(trainer_user, 0) == 0, sent  # neither side's bytes: one user vouches nothing
+            assert "received_same_user" in notes
         else:
             assert 0 < credited[trainer_user] <= carried, (credited, carried)
             assert "same_user" not in notes and "unknown" not in notes
-            assert all(credited.get(name, 0) == 0 for name in servers)  # servers report nothing here
+            assert all(credited.get(name, 0) == 0 for name in servers)  # servers claim no samples here
+            # the trainer's bytes: bounded by what the servers received from it (their receipts say so)
+            servers_received = sum(s.server.stats.bytes_received for s in services)
+            assert 0 < sent[trainer_user] <= min(claimed_sent, servers_received), sent
+            # each server user's bytes: what the trainer received from its servers, within their claims
+            for name in servers:
+                peers = {m.identity.peer_id for n, m in server_members if n == name}
+                got = sum(n for server, n in received.items() if server in peers)
+                claimed = sum(
+                    s.server.stats.bytes_sent
+                    for (n, _), s in zip(server_members, services, strict=True)
+                    if n == name
+                )
+                assert 0 < sent[name] == got <= claimed, (name, sent, got, claimed)
         nursery.cancel_scope.cancel()

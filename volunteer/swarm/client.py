@@ -49,6 +49,12 @@ request's stage, at least the backward's samples) and handed to ``on_carried(sta
 receipt)`` at once, so the evidence of a micro-batch that later fails at a lower stage is kept too (its
 stages did the work). A refused receipt is dropped and counted (``bad_receipts``), a missing one too
 (``missing_receipts``): the answer itself is good, so the server is not banned for either.
+
+**Bytes** (:mod:`backbone.ledger.accounting`, "Swarm bytes"). The client counts the payload bytes of its
+requests a server answered (:attr:`SwarmStatistics.bytes_sent`: the trainer's claim, which the servers'
+receipts evidence) and, per server, the payload bytes of the answers it accepted
+(:attr:`SwarmStatistics.received`: the evidence of that server's sending, which our reports carry). A
+busy answer, a failure or a refused answer counts in neither.
 """
 
 from __future__ import annotations
@@ -140,6 +146,10 @@ class SwarmStatistics:
     receipts: int = 0
     bad_receipts: int = 0
     missing_receipts: int = 0
+    #: payload bytes of our requests that a server answered "ok" (our claim of bytes sent), and per
+    #: server the payload bytes of its answers we accepted (module docstring, "Bytes")
+    bytes_sent: int = 0
+    received: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -292,6 +302,10 @@ class SwarmClient:
                 state.warm.add(server)
             routed = self.stats.routed.setdefault(k, {})
             routed[server] = routed.get(server, 0) + 1
+            self.stats.bytes_sent += len(payload)
+            data = reply.get("data")
+            if isinstance(data, bytearray) and data:
+                self.stats.received[server] = self.stats.received.get(server, 0) + len(data)
             if request.receipt:
                 self._take_receipt(k, server, samples, answer)
             return answer, output

@@ -18,7 +18,10 @@ The wire and its bounds are :mod:`protocols.swarm`; the computation is :class:`~
 4. answers with the output encoded with the codec the trainer asked for, and, for a backward whose
    request asked (``receipt``), a receipt signed for the trainer (the request's authenticated peer): its
    samples and request bytes toward the stage step the backward counted for, cumulative
-   (:class:`shared.swarm.carried.CarriedTally`; :mod:`protocols.swarm`, "Receipts").
+   (:class:`shared.swarm.carried.CarriedTally`; :mod:`protocols.swarm`, "Receipts"); a forward's
+   request bytes are tallied too (no samples), so the next receipt covers them. The answers' payload
+   bytes are :attr:`StageServerStatistics.bytes_sent`, this server's claim of bytes sent in the ledger
+   (:mod:`backbone.ledger.accounting`, "Swarm bytes").
 
 **Bounding what a trainer sends** (DESIGN D10: a trainer is a stranger). Non-finite inputs never reach
 the accumulators (the stage trainer refuses them whole). A finite but absurd input is bounded as trainers
@@ -244,6 +247,8 @@ class StageServer:
                 receipt = None
                 if request.op == "forward":
                     self.stats.forwards += 1
+                    # its bytes go into the trainer's next receipt of the step (module docstring, 4)
+                    self.carried.count(str(ctx.peer_id), self.trainer.step + 1, 0, header.nbytes)
                 else:
                     self.stats.backwards += 1
                     self.stats.samples += request.samples

@@ -37,7 +37,10 @@ our parts, stating the stage, in the reporter's book, and the reports carry them
 each stage's steps, so they count. Our trainers ask the servers they use for receipts
 (:mod:`.client`, "Receipts"), which go into the same book as they arrive, and each micro-batch they
 carry to the end is claimed as ``samples * stages`` stage-samples (compute 0) in our reports
-(:meth:`SwarmSession._carried`; :mod:`backbone.ledger.accounting`, "Swarm trainers").
+(:meth:`SwarmSession._carried`; :mod:`backbone.ledger.accounting`, "Swarm trainers"). The pipeline bytes
+our server's answers and our trainers' requests sent are claimed in our reports' ``bytes_sent``, and the
+answer bytes our trainers received from each server are the evidence of that server's sending
+(:class:`~.traffic.TrafficReader`; accounting, "Swarm bytes").
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from ..training import STOP_GRACE, batches
 from .client import NoStageServer, SwarmClient, micro_batch_samples
 from .formation import FormationConfig
 from .member import SwarmMember, serve_swarm
+from .traffic import TrafficReader
 
 __all__ = ["SWARM_ROLES", "SwarmSession", "limit_reached"]
 
@@ -114,6 +118,8 @@ class SwarmSession(TrainingSession):
         #: current by the panel's loop, for the daemon's status and metrics
         self.collab: Any = None
         self._enough = trio.Event()  # stopping, or the step limit: trainers take no new micro-batch
+        # our pipeline bytes into our reports (module docstring, "Credit")
+        self.reporter.swarm_traffic = TrafficReader(self._server_stats, self.clients)
 
     async def run(self, shutdown: Shutdown, console: Console) -> None:
         """Serve and train until stopped or the run's step limit (module docstring).
@@ -252,6 +258,11 @@ class SwarmSession(TrainingSession):
             await trio.sleep(LIMIT_CHECK)
 
     # ------------------------------------------------------------------------------------- reporting
+
+    def _server_stats(self) -> Any:
+        """The statistics of the stage server we serve now (None: none)."""
+        service = self.member.service
+        return None if service is None else service.server.stats
 
     def _book_carried(self, stage: int, step: int, server: str, receipt: SignedReceipt) -> None:
         """A server's receipt for one of our trainers' backwards: into the reporter's book."""

@@ -8,6 +8,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from protocols.ledger import (
     Capabilities,
     ContributionReport,
+    ReceivedBytes,
     RelayedBytes,
     SignedReport,
     StepRange,
@@ -47,6 +48,8 @@ def make_report(
     pulled: list[PulledSlice] | None = None,
     discarded: list[tuple[int, int]] | None = None,
     relayed: dict[str, int] | None = None,
+    bytes_sent: int = 0,
+    received: dict[str, int] | None = None,
 ) -> ContributionReport:
     """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
     begin = T0 + seq * length if start is None else start
@@ -65,6 +68,8 @@ def make_report(
         pulled=pulled or [],
         discarded=[StepRange(a, b) for a, b in discarded or []],
         relayed_through=[RelayedBytes(relay, n) for relay, n in (relayed or {}).items()],
+        bytes_sent=bytes_sent,
+        received_from=[ReceivedBytes(server, n) for server, n in (received or {}).items()],
     )
 
 
