@@ -320,21 +320,26 @@ class _Replacer:
         return verdict
 
     async def place(self, reports: Sequence[ServerReport]) -> Replacement:
-        """The scheduler's re-placement from the records (raises what the DHT reads raise)."""
+        """The scheduler's re-placement from the records. A failed read of the link or capability records
+        counts as no record (the fill rule's defaults): the others move now, and so do we."""
         work = self.workload
         if work is None:
             work = await trio.to_thread.run_sync(estimate_workload, self.task, self.spec, self.stages)
             self.workload = work
         peers = sorted(r.peer for r in reports)
         measured: dict[str, dict[str, float]] = {}
-        for peer, found in (await read_link_records(self.node, self.stages)).items():
-            if peer in peers:
-                claims: dict[str, float] = {}
-                for sample in found.record.links:  # the first claim per peer counts (bounded_links)
-                    claims.setdefault(sample.peer, sample.rtt)
-                measured[peer] = claims
+        with self.node.tolerated.around("swarm re-placement link records read"):
+            for peer, found in (await read_link_records(self.node, self.stages)).items():
+                if peer in peers:
+                    claims: dict[str, float] = {}
+                    for sample in found.record.links:  # the first claim per peer counts (bounded_links)
+                        claims.setdefault(sample.peer, sample.rtt)
+                    measured[peer] = claims
+        capacities: dict[str, tuple[float, float]] = {}
+        with self.node.tolerated.around("swarm re-placement capability records read"):
+            capacities = await read_capacities(self.node, set(peers))
         rtt = round_trips(peers, measured)
-        bandwidth = bandwidths(peers, await read_capacities(self.node, set(peers)))
+        bandwidth = bandwidths(peers, capacities)
         placed = await trio.to_thread.run_sync(
             lambda: replacement(
                 reports, rtt, bandwidth, work, self.run_id, hysteresis=self.hysteresis,

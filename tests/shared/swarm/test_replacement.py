@@ -115,7 +115,7 @@ def test_a_flapping_basis_holds_single_moves_back_for_patience_only() -> None:
     assert verdicts[:6] == ["wait"] * 6 and verdicts[6:] == ["rebalance"] * 6  # patience 12 s = 6 slots
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(swarms(), st.lists(st.integers(0, 3), min_size=1, max_size=40))
 def test_the_gate_replaces_only_on_many_moves_of_a_settled_basis(
     swarm: tuple[list[ServerReport], int], picks: list[int]
@@ -136,7 +136,7 @@ def test_the_gate_replaces_only_on_many_moves_of_a_settled_basis(
             last = slot
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(swarms())
 def test_the_placement_is_deterministic_keeps_every_served_stage_and_serves_every_stage(
     swarm: tuple[list[ServerReport], int],
@@ -159,7 +159,7 @@ def test_the_placement_is_deterministic_keeps_every_served_stage_and_serves_ever
     }
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.integers(2, 4), st.integers(1, 4), st.floats(0.5, 4.0))
 def test_with_even_rates_the_placement_calls_for_no_further_re_placement(
     stages: int, per_stage: int, rate: float
