@@ -54,7 +54,7 @@ async def test_a_mass_departure_is_re_placed_by_the_scheduler_and_the_run_steps_
     scopes: list[trio.CancelScope] = []
     peers: list[str] = []
     config = ReplacementConfig(settle=SETTLE, patience=3 * SETTLE, workload=WORK)
-    with trio.fail_after(90):
+    with trio.fail_after(240):  # generous: a server's start takes seconds, tens of them on a busy machine
         for i, member in enumerate(members):  # one at a time: each placed by the records before it
             node, scope = await start_node(nursery, RUN_ID, initial)
             scopes.append(scope)
@@ -78,7 +78,7 @@ async def test_a_mass_departure_is_re_placed_by_the_scheduler_and_the_run_steps_
         if i not in survivors:
             scope.cancel()
     live = [members[i] for i in survivors]
-    with trio.fail_after(120):  # records expire (12 s), the basis stands (6 s), the scheduler places
+    with trio.fail_after(180):  # records expire (12 s), the basis stands (6 s), the scheduler places
         while not all(m.replacements for m in live):
             await trio.sleep(0.05)
         placed = live[0].replacements[0]
@@ -101,7 +101,7 @@ async def test_a_mass_departure_is_re_placed_by_the_scheduler_and_the_run_steps_
     assert any(placed.stages[peers[i]] == kept for i in survivors)  # the stage kept one of its servers
 
     client = SwarmClient(seed, STAGES, SwarmClientConfig(refresh_period=0.5, timeout=5.0, patience=10.0))
-    with trio.fail_after(90):
+    with trio.fail_after(180):
         for batch in micro_batches(task, 6, SEED):  # through the re-placed pipeline: every stage steps
             assert math.isfinite(await client.process(batch))
         while not all(any(m.stage == k and m.service and m.service.trainer.step >= 1 for m in live)

@@ -19,8 +19,6 @@
    Every server reads the same records and runs the same pure rule, so they agree on who moves without a
    coordinator (records read at slightly different moments can disagree; the hysteresis margin and one
    move per period keep that from moving two peers for one gap, and the next period corrects a surplus).
-   Periods are aligned to the wall clock (every server reads right after each multiple of ``period``),
-   so that servers read nearly the same records.
    If the plan moves *us*, we leave our stage (its collaboration learns at once that we left) and serve
    the target stage from step 2.
 4. **Re-placement** (``replacement`` set; the session sets it when the run is placed by the scheduler at
@@ -31,7 +29,10 @@
    when the run formed, while they live; pairs without one are filled as at formation) and the capability
    records, compute :func:`~shared.swarm.replacement.replacement` in a worker thread, and move if it names
    another stage for us, exactly as a rebalancing move (the new stage's state is downloaded from the
-   server that kept it, verified).
+   server that kept it, verified). With re-placement on, periods are aligned to the wall clock (every
+   server reads right after each multiple of ``period``), so that servers read nearly the same records,
+   and a leaving last server (below) waits ``settle + period`` longer for a server to take its stage:
+   after a departure the rebalancer's refill waits for the basis to stand.
 
 **What a move costs.** The samples we had accumulated toward our old stage's next step go with us (the
 stage's other servers count on without them: the step waits for more samples from trainers instead);
@@ -57,8 +58,9 @@ its last server, our record expires within :data:`~protocols.swarm.STAGE_RECORD_
 no server, and at the next rebalancing period a server of another stage moves in (refilling an empty
 stage is the rule's first move), finds the stage's step ahead of its own and downloads our state,
 verified like any; once its record shows our step, we leave. A leaver waits at most
-``max(HAND_OVER_MIN, TTL + 3 periods)``, and not at all once no other stage has two servers to spare
-(nobody could take it: every server of the run is leaving, say); after that its state leaves with it, as
+``max(HAND_OVER_MIN, TTL + 3 periods)`` (plus ``settle + period`` with re-placement on, 4), and not at
+all once no other stage has two servers to spare (nobody could take it: every server of the run is
+leaving, say); after that its state leaves with it, as
 a dead server's does. A stage still at step 0 is left at once (its state is the run's initial one).
 The samples it had accumulated toward the stage's next step are lost in either case.
 """
@@ -231,7 +233,10 @@ async def serve_swarm(
             await ended.wait()
             service = member.service
             if leave is not None and leave.is_set() and not service.collab.finished():
-                await hand_over(node, service, stages, max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period))
+                # with re-placement on, a departure makes the rebalancer wait for the basis to stand
+                settle = 0.0 if replacement is None else replacement.settle + period
+                within = max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period + settle)
+                await hand_over(node, service, stages, within)
             if not service.collab.finished():
                 await service.collab.leave()  # the stage's round stops waiting for us
             nursery.cancel_scope.cancel()
@@ -357,12 +362,15 @@ class _Replacer:
 async def _watch(
     node: Node, stages: int, stage: int, period: float, hysteresis: float, replacer: _Replacer | None = None
 ) -> int:
-    """Every ``period`` seconds (aligned to the wall clock), the rebalancing plan, or the re-placement
-    when it is due; returns the stage either moves us to."""
+    """Every ``period`` seconds (aligned to the wall clock with ``replacer``), the rebalancing plan, or the
+    re-placement when it is due; returns the stage either moves us to."""
     me = str(node.peer_id)
     read: int | None = None
     while True:
-        await trio.sleep(period - time.time() % period)
+        if replacer is None:
+            await trio.sleep(period)
+        else:  # aligned: servers that read the same records decide in the same slot
+            await trio.sleep(period - time.time() % period)
         slot = round(time.time() / period)
         if slot == read:  # woken a hair before the boundary: this slot is read already
             continue
