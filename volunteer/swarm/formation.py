@@ -92,6 +92,7 @@ __all__ = [
     "estimate_workload",
     "form",
     "measure_rtt",
+    "read_capacities",
     "read_link_records",
 ]
 
@@ -244,7 +245,7 @@ def _bounded_join(claimed: float, mine: float, now: float, window: float) -> flo
     return max(claimed, mine - window)
 
 
-async def _capacities(node: Node, peers: set[str]) -> dict[str, tuple[float, float]]:
+async def read_capacities(node: Node, peers: set[str]) -> dict[str, tuple[float, float]]:
     """Upload and download (bytes/s) the members' capability records state, if any."""
     found = await node.dht.get(CAPABILITIES_KEY, latest=True)
     out: dict[str, tuple[float, float]] = {}
@@ -332,7 +333,7 @@ async def form(
     peers = sorted(joined)
     capacities: dict[str, tuple[float, float]] = {}
     with node.tolerated.around("swarm capability records read"):
-        capacities = await _capacities(node, set(peers))
+        capacities = await read_capacities(node, set(peers))
     rtt = round_trips(peers, measured)
     bandwidth = bandwidths(peers, capacities)
     placement = await trio.to_thread.run_sync(

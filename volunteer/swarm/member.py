@@ -21,6 +21,18 @@
    move per period keep that from moving two peers for one gap, and the next period corrects a surplus).
    If the plan moves *us*, we leave our stage (its collaboration learns at once that we left) and serve
    the target stage from step 2.
+4. **Re-placement** (``replacement`` set; the session sets it when the run is placed by the scheduler at
+   formation). When the rebalancer's plan would move *many* servers at once, the scheduler re-places the
+   run's servers instead (:mod:`shared.swarm.replacement`: when, which placement, and why every server
+   computes the same one): each period's verdict comes from :func:`~shared.swarm.replacement.gate`; on
+   ``replace`` we read the link records (:func:`~.formation.read_link_records`: those the servers published
+   when the run formed, while they live; pairs without one are filled as at formation) and the capability
+   records, compute :func:`~shared.swarm.replacement.replacement` in a worker thread, and move if it names
+   another stage for us, exactly as a rebalancing move (the new stage's state is downloaded from the
+   server that kept it, verified). With re-placement on, periods are aligned to the wall clock (every
+   server reads right after each multiple of ``period``), so that servers read nearly the same records,
+   and a leaving last server (below) waits ``settle + period`` longer for a server to take its stage:
+   after a departure the rebalancer's refill waits for the basis to stand.
 
 **What a move costs.** The samples we had accumulated toward our old stage's next step go with us (the
 stage's other servers count on without them: the step waits for more samples from trainers instead);
@@ -49,16 +61,18 @@ copy away with us. If we were its last server, our record expires within
 :data:`~protocols.swarm.STAGE_RECORD_TTL`, the stage shows no server, and at the next rebalancing period a
 server of another stage moves in (refilling an empty stage is the rule's first move), finds the stage's step
 ahead of its own and downloads our state, verified like any; once its record shows our step, we leave. A
-leaver waits at most ``max(HAND_OVER_MIN, TTL + 3 periods)``, and not at all once no other stage has two
-servers to spare (nobody could take it: every server of the run is leaving, say); after that its state leaves
-with it, as a dead server's does. A stage still at step 0 is left at once (its state is the run's initial
-one). The samples it had accumulated toward the stage's next step are lost in either case.
+leaver waits at most ``max(HAND_OVER_MIN, TTL + 3 periods)`` (plus ``settle + period`` with re-placement on,
+4), and not at all once no other stage has two servers to spare (nobody could take it: every server of the run
+is leaving, say); after that its state leaves with it, as a dead server's does. A stage still at step 0 is
+left at once (its state is the run's initial one). The samples it had accumulated toward the stage's next step
+are lost in either case.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -68,6 +82,8 @@ from protocols.swarm import STAGE_RECORD_TTL
 from protocols.training import TrainingSpec
 from shared.node import Node
 from shared.swarm.directory import StageServerEntry, find_stage_servers
+from shared.swarm.links import bandwidths, round_trips
+from shared.swarm.placement_cost import Workload
 from shared.swarm.rebalance import (
     DEFAULT_HYSTERESIS,
     ServerReport,
@@ -75,11 +91,19 @@ from shared.swarm.rebalance import (
     place_newcomer,
     plan_rebalance,
 )
+from shared.swarm.replacement import GateState, Replacement, ReplacementConfig, Verdict, gate, replacement
 
 from ..collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
 from ..receipts import ReceiptBook
 from ..tasks.base import Task
-from .formation import FormationConfig, FormationOutcome, estimate_workload, form
+from .formation import (
+    FormationConfig,
+    FormationOutcome,
+    estimate_workload,
+    form,
+    read_capacities,
+    read_link_records,
+)
 from .server import StageServerConfig
 from .stage_service import StageService, serve_stage
 
@@ -98,6 +122,8 @@ class SwarmMember:
         self.service: StageService | None = None
         self.moves: list[tuple[int, int]] = []  # (from, to) of each move made
         self.formation: FormationOutcome | None = None  # the run's formation, if we took part in it
+        self.gate = GateState()  # the re-placement rule's memory (module docstring, 4)
+        self.replacements: list[Replacement] = []  # each re-placement we computed (moving or not)
 
 
 async def read_reports(
@@ -147,6 +173,7 @@ async def serve_swarm(
     leave: trio.Event | None = None,
     formation: FormationConfig | None = None,
     receipts: ReceiptBook | None = None,
+    replacement: ReplacementConfig | None = None,
 ) -> None:
     """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled or the
     stage we serve reached the run's step limit. ``hysteresis``: the relative throughput gain a move must
@@ -154,7 +181,8 @@ async def serve_swarm(
     serve (:func:`~.stage_service.serve_stage`); ``leave``: once set, we hand the stage over (module
     docstring, "Leaving") and return; ``formation``: place us by the scheduler when the run is forming
     (module docstring, 1); ``receipts``: where the receipts of every stage we serve go (the reporter's
-    book, for the ledger's credit)."""
+    book, for the ledger's credit); ``replacement``: let the scheduler re-place the run's servers when
+    rebalancing would move many at once (module docstring, 4)."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
@@ -169,6 +197,9 @@ async def serve_swarm(
         target = member.formation.stage
     else:
         target = place_newcomer(others, stages, tiebreak=me)
+    replacer = None
+    if replacement is not None:
+        replacer = _Replacer(node, task, spec, run_id, stages, replacement, member, hysteresis)
     while True:
         member.stage = target
         logger.info("serving stage %d of %d", target, stages)
@@ -191,7 +222,7 @@ async def serve_swarm(
 
             async def watch(stage: int = target, ended: trio.Event = ended) -> None:
                 nonlocal moved_to
-                moved_to = await _watch(node, stages, stage, period, hysteresis)
+                moved_to = await _watch(node, stages, stage, period, hysteresis, replacer)
                 ended.set()
 
             nursery.start_soon(watch)
@@ -205,7 +236,10 @@ async def serve_swarm(
             await ended.wait()
             service = member.service
             if leave is not None and leave.is_set() and not service.collab.finished():
-                await hand_over(node, service, stages, max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period))
+                # with re-placement on, a departure makes the rebalancer wait for the basis to stand
+                settle = 0.0 if replacement is None else replacement.settle + period
+                within = max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period + settle)
+                await hand_over(node, service, stages, within)
             if not service.collab.finished():
                 await service.collab.leave()  # the stage's round stops waiting for us
             nursery.cancel_scope.cancel()
@@ -283,15 +317,94 @@ def _can_refill(reports: Sequence[ServerReport], stage: int, me: str) -> bool:
     return counts.get(stage, 0) > 0 or any(n >= 2 for k, n in counts.items() if k != stage)
 
 
-async def _watch(node: Node, stages: int, stage: int, period: float, hysteresis: float) -> int:
-    """Every ``period`` seconds, the rebalancing plan; returns the stage the plan moves us to."""
+class _Replacer:
+    """Re-placement by the scheduler for one server (module docstring, 4); its memory is the member's."""
+
+    def __init__(
+        self,
+        node: Node,
+        task: Task,
+        spec: TrainingSpec,
+        run_id: str,
+        stages: int,
+        config: ReplacementConfig,
+        member: SwarmMember,
+        hysteresis: float,
+    ) -> None:
+        self.node, self.task, self.spec, self.run_id, self.stages = node, task, spec, run_id, stages
+        self.config, self.member, self.hysteresis = config, member, hysteresis
+        self.workload: Workload | None = config.workload
+
+    def verdict(self, slot: int, period: float, reports: Sequence[ServerReport]) -> Verdict:
+        verdict, self.member.gate = gate(
+            self.member.gate, slot, period, reports, self.stages, self.config, hysteresis=self.hysteresis
+        )
+        return verdict
+
+    async def place(self, reports: Sequence[ServerReport]) -> Replacement:
+        """The scheduler's re-placement from the records. A failed read of the link or capability records
+        counts as no record (the fill rule's defaults): the others move now, and so do we."""
+        work = self.workload
+        if work is None:
+            work = await trio.to_thread.run_sync(estimate_workload, self.task, self.spec, self.stages)
+            self.workload = work
+        peers = sorted(r.peer for r in reports)
+        measured: dict[str, dict[str, float]] = {}
+        with self.node.tolerated.around("swarm re-placement link records read"):
+            for peer, found in (await read_link_records(self.node, self.stages)).items():
+                if peer in peers:
+                    claims: dict[str, float] = {}
+                    for sample in found.record.links:  # the first claim per peer counts (bounded_links)
+                        claims.setdefault(sample.peer, sample.rtt)
+                    measured[peer] = claims
+        capacities: dict[str, tuple[float, float]] = {}
+        with self.node.tolerated.around("swarm re-placement capability records read"):
+            capacities = await read_capacities(self.node, set(peers))
+        rtt = round_trips(peers, measured)
+        bandwidth = bandwidths(peers, capacities)
+        placed = await trio.to_thread.run_sync(
+            lambda: replacement(
+                reports, rtt, bandwidth, work, self.run_id, hysteresis=self.hysteresis,
+                generations=self.config.generations,
+            )
+        )  # fmt: skip
+        self.member.replacements.append(placed)
+        logger.info(
+            "re-placement by the scheduler: %d servers, %d moves (%d measured by link records)",
+            len(peers), len(placed.moves), len(measured),
+        )  # fmt: skip
+        return placed
+
+
+async def _watch(
+    node: Node, stages: int, stage: int, period: float, hysteresis: float, replacer: _Replacer | None = None
+) -> int:
+    """Every ``period`` seconds (aligned to the wall clock with ``replacer``), the rebalancing plan, or the
+    re-placement when it is due; returns the stage either moves us to."""
     me = str(node.peer_id)
+    read: int | None = None
     while True:
-        await trio.sleep(period)
+        if replacer is None:
+            await trio.sleep(period)
+        else:  # aligned: servers that read the same records decide in the same slot
+            await trio.sleep(period - time.time() % period)
+        slot = round(time.time() / period)
+        if slot == read:  # woken a hair before the boundary: this slot is read already
+            continue
+        read = slot
         with node.tolerated.around("swarm rebalancing read"):
             reports, _ = await read_reports(node, stages)
             if not any(r.peer == me for r in reports):  # our own record is not readable yet
                 continue
+            if replacer is not None:
+                verdict = replacer.verdict(slot, period, reports)
+                if verdict == "wait":
+                    continue
+                if verdict == "replace":
+                    placed = await replacer.place(reports)
+                    if placed.stages.get(me, stage) != stage:
+                        return placed.stages[me]
+                    continue
             plan = plan_rebalance(reports, stages, hysteresis=hysteresis)
             if plan.moves:
                 logger.debug("rebalancing plan from %d reports: %s", len(reports), plan)

@@ -61,6 +61,7 @@ from protocols.receipts import SignedReceipt
 from shared.lifecycle import Shutdown
 from shared.panel import LivePanel, PanelView, Row
 from shared.swarm.directory import find_stage_servers
+from shared.swarm.replacement import ReplacementConfig
 
 from ..collab.optimizer import StepRecord
 from ..collab.phase import Phase
@@ -205,6 +206,7 @@ class SwarmSession(TrainingSession):
             on_step=self._on_stage_step,
             leave=leave,
             formation=FormationConfig(window=window) if (window := self.spec.sync.formation_window) else None,
+            replacement=ReplacementConfig() if self.spec.sync.formation_window else None,
             receipts=self.reporter.book,
         )
         if not leave.is_set():
