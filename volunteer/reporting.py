@@ -149,6 +149,7 @@ class Reporter:
         self._pending.extend(state.unsent)
         self._discarded = list(state.discarded)
         self._open = list(state.open_steps)
+        self._lineage = state.lineage  # of the steps recorded with a fingerprint (volunteer.journal)
         self._relay_claim = state.relay_claim  # read from the sources, not in a report yet
         self._relay_through: Counter[str] = Counter(state.relay_through)
         self._last_end = state.last_end if state.last_end is not None else time.time()
@@ -196,6 +197,7 @@ class Reporter:
                 self._discarded,
                 self._relay_claim,
                 dict(self._relay_through),
+                self._lineage,
             )
         )
 
@@ -209,15 +211,22 @@ class Reporter:
         self._relay_claim += max(0, claim)
         self._relay_through.update(through)
 
-    def record(self, step: FinishedStep) -> None:
+    def record(self, step: FinishedStep, fingerprint: bytes | None = None) -> None:
         """Note one step we took part in (called from the optimizer after the step is applied: its round
-        completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing."""
+        completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing. With the
+        ``fingerprint`` of the parameters after it (a data-parallel step), it joins :attr:`lineage`."""
         entry = JournaledStep(
-            step.step, step.samples, step.compute_seconds, step.bytes_aggregated, step.finished_at
+            step.step,
+            step.samples,
+            step.compute_seconds,
+            step.bytes_aggregated,
+            step.finished_at,
+            fingerprint,
         )
         self.poll_relays()
         self.journal.append(entry)
         self._open.append(entry)
+        self._lineage = journal.with_step(self._lineage, entry)
         if step.finished_at - self._last_end >= self.interval or self._book_full():
             self.close_interval()
 
@@ -228,6 +237,7 @@ class Reporter:
         if last < first:
             return
         self._open = [s for s in self._open if not first <= s.step <= last]
+        self._lineage = journal.without_range(self._lineage, first, last)  # reported once
         self._discarded = journal.merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
         self.journal.append(journal.discarded_steps(first, last))
         self._wakeup.set()
@@ -379,6 +389,12 @@ class Reporter:
     def last_step(self) -> int:
         """The highest step this data dir ever took part in (reported, or journaled and not yet reported)."""
         return max([self._last_step, *(s.step for s in self._open)])
+
+    @property
+    def lineage(self) -> dict[int, bytes]:
+        """The fingerprints of the last steps recorded with one and not discarded (``volunteer.journal``):
+        after a restart, the earlier process's, for :class:`volunteer.collab.sync.StateSync`."""
+        return dict(self._lineage)
 
     @property
     def pending(self) -> int:
