@@ -14,7 +14,11 @@ Everything the reporter holds is journaled as it happens (:mod:`volunteer.journa
 in the data dir): a process killed without warning loses no step whose round completed, and the next
 process in the same data dir reports it. The reporter also owns this process's *session* in the ledger:
 a heartbeat every quarter of the backbone's session timeout (the first opens it) and a leave notice
-after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`).
+after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`). It
+journals the fingerprint of each data-parallel step it records and keeps their :attr:`Reporter.lineage`
+(bounded, less the steps discarded since): after a restart, the earlier process's, which
+:mod:`volunteer.collab.sync` compares with the first state loaded to discard the earlier steps the
+collaboration took again differently.
 
 **Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
 delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
