@@ -10,7 +10,8 @@ the steps that were never reported, and carries on. What is journaled:
 =============  ============================================================================================
 ``opened``     a reporter started at ``t`` (its first report's interval begins there)
 ``stepped``    one step we took part in, recorded *after* its round completed and the step was applied:
-               samples accumulated but never averaged are not run progress and are never journaled
+               samples accumulated but never averaged are not run progress and are never journaled;
+               with the step's ``fingerprint`` when the caller gave one (the step's parameters: see below)
 ``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
 ``queued``     a report was closed: its signed bytes and signature (it took the open steps and one
                report's worth of the book, exactly as replaying ``take()`` on the replayed book does)
@@ -22,8 +23,17 @@ the steps that were never reported, and carries on. What is journaled:
                (``through``) since the previous such entry: what the next report claims and evidences;
                in a swarm run also the pipeline bytes we sent (``sent``) and the answer bytes our
                trainers received from each stage server (``received``; ``Reporter.swarm_traffic``)
-``state``      written by compaction: the next seq and where the next interval begins
+``state``      written by compaction: the next seq, where the next interval begins, and the lineage
 =============  ============================================================================================
+
+**Lineage** (:attr:`Replayed.lineage`): the fingerprints of the last
+:data:`~shared.state.lineage.LINEAGE_STEPS` steps journaled with one, minus those discarded since
+(``extend_lineage`` as each step is journaled; a ``discarded`` entry drops its range; compaction keeps
+it in the ``state`` entry as ``encode_lineage`` text, at most :data:`~shared.state.lineage.MAX_TEXT`
+characters, anything malformed read as none). A restarted volunteer compares it with the lineage of the
+first state it loads, so that its earlier process's steps that were taken again differently after a
+rollback are reported discarded (:mod:`volunteer.collab.sync`). Journals of older versions have no
+fingerprints and no lineage: they load, with an empty lineage (the step numbers alone then decide).
 
 **Line format**: ``<crc32 of the JSON, 8 hex digits> <JSON>\\n``. Replay reads line by line and skips
 (counting them) lines whose checksum or JSON does not check out: a torn last line after SIGKILL, or
@@ -60,6 +70,7 @@ from protocols.ledger import MAX_DISCARDED_PER_REPORT, ContributionReport, Signe
 from protocols.receipts import PulledSlice, SignedReceipt, decode_receipt
 from shared.errors import ProtocolError
 from shared.portable import fdatasync
+from shared.state.lineage import FINGERPRINT_BYTES, decode_lineage, encode_lineage, extend_lineage
 
 from .receipts import ReceiptBook
 
@@ -82,7 +93,7 @@ MAX_JOURNAL_BYTES = 16 << 20
 _REPORT_DECODER = msgspec.msgpack.Decoder(ContributionReport)
 
 
-class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k"):
+class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k", omit_defaults=True):
     """What a report needs of one step (``volunteer.collab``'s StepRecord without loss and timing)."""
 
     step: int
@@ -90,6 +101,7 @@ class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k"):
     compute_seconds: float
     bytes_aggregated: int
     finished_at: float
+    fingerprint: bytes | None = None  # of the parameters after the step (module docstring, "Lineage")
 
 
 class _Opened(msgspec.Struct, frozen=True, tag="opened", tag_field="k"):
@@ -126,10 +138,11 @@ class _Discarded(msgspec.Struct, frozen=True, tag="discarded", tag_field="k"):
     last: int
 
 
-class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k"):
+class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k", omit_defaults=True):
     seq: int
     last_end: float
     last_step: int
+    lineage: str = ""  # encode_lineage of Replayed.lineage (absent in journals of older versions)
 
 
 Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _State | _Relayed
@@ -155,6 +168,8 @@ class Replayed:
     #: swarm bytes we sent, and answer bytes received from each stage server, not in a report yet
     sent_claim: int = 0
     received: Counter[str] = field(default_factory=Counter)
+    #: fingerprints of the last steps journaled with one, not discarded since (module docstring)
+    lineage: dict[int, bytes] = field(default_factory=dict)
     damaged: int = 0  # lines skipped
 
 
@@ -167,6 +182,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                 state.last_end = max(state.last_end or entry.t, entry.t)
         elif isinstance(entry, JournaledStep):
             state.open_steps.append(entry)
+            state.lineage = with_step(state.lineage, entry)
         elif isinstance(entry, _Booked):
             book.add(entry.step, entry.receipts, entry.pulled, stage=entry.stage)
         elif isinstance(entry, _Relayed):
@@ -178,10 +194,12 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             first, last = entry.first, entry.last
             state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
             state.discarded = merge_ranges([*state.discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
+            state.lineage = without_range(state.lineage, first, last)
         elif isinstance(entry, _State):
             state.seq = max(state.seq, entry.seq)
             state.last_end = max(state.last_end or entry.last_end, entry.last_end)
             state.last_step = entry.last_step
+            state.lineage = decode_lineage(entry.lineage)
         elif isinstance(entry, _Queued):
             try:
                 report = _REPORT_DECODER.decode(entry.report)
@@ -213,6 +231,18 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                         state.received.update({r.server: r.nbytes for r in report.received_from})
                     break
     return state
+
+
+def with_step(lineage: dict[int, bytes], step: JournaledStep) -> dict[int, bytes]:
+    """``lineage`` with ``step``'s fingerprint (unchanged for a step journaled without one)."""
+    if step.fingerprint is None or len(step.fingerprint) != FINGERPRINT_BYTES:
+        return lineage
+    return extend_lineage(lineage, step.step, step.fingerprint)
+
+
+def without_range(lineage: dict[int, bytes], first: int, last: int) -> dict[int, bytes]:
+    """``lineage`` without the steps ``first..last`` (discarded: reported once, never compared again)."""
+    return {s: f for s, f in lineage.items() if not first <= s <= last}
 
 
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:
@@ -376,6 +406,7 @@ def compacted(
     relay_through: dict[str, int] | None = None,
     sent_claim: int = 0,
     received: dict[str, int] | None = None,
+    lineage: dict[int, bytes] | None = None,
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
     held: list[Entry] = []
@@ -401,10 +432,12 @@ def compacted(
     # no-op), then the held steps are booked; the state after the queue overrides what it set.
     return [
         *queued,
-        _State(seq, last_end, last_step),
+        _State(seq, last_end, last_step, encode_lineage(lineage or {})),
         *held,
-        *open_steps,
+        # discards before the open steps: an open step in a pending discard's range is that step taken
+        # again after the discard (replayed after it, it would be dropped from the claim and the lineage)
         *(_Discarded(a, b) for a, b in discarded),
+        *open_steps,
         *(
             [_Relayed(relay_claim, dict(relay_through or {}), sent_claim, dict(received or {}))]
             if relay_claim or relay_through or sent_claim or received

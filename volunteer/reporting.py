@@ -14,7 +14,11 @@ Everything the reporter holds is journaled as it happens (:mod:`volunteer.journa
 in the data dir): a process killed without warning loses no step whose round completed, and the next
 process in the same data dir reports it. The reporter also owns this process's *session* in the ledger:
 a heartbeat every quarter of the backbone's session timeout (the first opens it) and a leave notice
-after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`).
+after the last report when leaving (:meth:`Reporter.close_all`, then :meth:`Reporter.flush`). It
+journals the fingerprint of each data-parallel step it records and keeps their :attr:`Reporter.lineage`
+(bounded, less the steps discarded since): after a restart, the earlier process's, which
+:mod:`volunteer.collab.sync` compares with the first state loaded to discard the earlier steps the
+collaboration took again differently.
 
 **Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
 delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
@@ -161,6 +165,7 @@ class Reporter:
         self._pending.extend(state.unsent)
         self._discarded = list(state.discarded)
         self._open = list(state.open_steps)
+        self._lineage = state.lineage  # of the steps recorded with a fingerprint (volunteer.journal)
         self._relay_claim = state.relay_claim  # read from the sources, not in a report yet
         self._relay_through: Counter[str] = Counter(state.relay_through)
         self._sent_claim = state.sent_claim  # swarm bytes sent, not in a report yet
@@ -212,6 +217,7 @@ class Reporter:
                 dict(self._relay_through),
                 self._sent_claim,
                 dict(self._received),
+                self._lineage,
             )
         )
 
@@ -229,15 +235,22 @@ class Reporter:
         self._sent_claim += max(0, sent)
         self._received.update(received)
 
-    def record(self, step: FinishedStep) -> None:
+    def record(self, step: FinishedStep, fingerprint: bytes | None = None) -> None:
         """Note one step we took part in (called from the optimizer after the step is applied: its round
-        completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing."""
+        completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing. With the
+        ``fingerprint`` of the parameters after it (a data-parallel step), it joins :attr:`lineage`."""
         entry = JournaledStep(
-            step.step, step.samples, step.compute_seconds, step.bytes_aggregated, step.finished_at
+            step.step,
+            step.samples,
+            step.compute_seconds,
+            step.bytes_aggregated,
+            step.finished_at,
+            fingerprint,
         )
         self.poll_relays()
         self.journal.append(entry)
         self._open.append(entry)
+        self._lineage = journal.with_step(self._lineage, entry)
         if step.finished_at - self._last_end >= self.interval or self._book_full():
             self.close_interval()
 
@@ -248,6 +261,7 @@ class Reporter:
         if last < first:
             return
         self._open = [s for s in self._open if not first <= s.step <= last]
+        self._lineage = journal.without_range(self._lineage, first, last)  # reported once
         self._discarded = journal.merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
         self.journal.append(journal.discarded_steps(first, last))
         self._wakeup.set()
@@ -412,6 +426,12 @@ class Reporter:
     def last_step(self) -> int:
         """The highest step this data dir ever took part in (reported, or journaled and not yet reported)."""
         return max([self._last_step, *(s.step for s in self._open)])
+
+    @property
+    def lineage(self) -> dict[int, bytes]:
+        """The fingerprints of the last steps recorded with one and not discarded (``volunteer.journal``):
+        after a restart, the earlier process's, for :class:`volunteer.collab.sync.StateSync`."""
+        return dict(self._lineage)
 
     @property
     def pending(self) -> int:

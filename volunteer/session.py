@@ -170,6 +170,7 @@ class TrainingSession:
                 backbones=self.initial_peers,
                 on_discard=self.reporter.discard,
                 previous_life=self.reporter.last_step or None,
+                previous_lineage=self.reporter.lineage,  # its steps taken again differently: discarded
                 **_receipts_argument(self.reporter.book),
             )
             self.collab = collab
@@ -381,7 +382,7 @@ class TrainingSession:
                     await self._publish(caps)
 
     def _on_step(self, record: StepRecord) -> None:
-        self.reporter.record(record)
+        self.reporter.record(record, fingerprint=record.fingerprint)
         if self.evaluator is not None:
             self.evaluator.step_done(record.step)
         line = {

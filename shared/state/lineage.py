@@ -27,6 +27,17 @@ If the two lineages share no step (a state from before this format, or a gap of 
 :data:`LINEAGE_STEPS` steps), they are not :func:`comparable` and the caller falls back to what it knew
 before (who it stepped with).
 
+**An earlier life** (:func:`earlier_life_replaced`). A restarted volunteer starts fresh: it has no state
+to compare, but its report journal kept the lineage of the steps its earlier process reported (the last
+:data:`LINEAGE_STEPS`, :mod:`volunteer.journal`), and the highest of them, ``last``. When it loads a state
+at step ``L``, the same rule applies with that journaled lineage as ``ours`` and ``last`` as ``s``: its
+earlier steps from the first one whose fingerprint differs from the loaded lineage's (or, forked before
+the loaded lineage begins, from the first it journaled) up to ``last`` are not the collaboration's, and
+so are those above ``L`` (the loaded lineage cannot vouch for a step it does not reach). Steps both
+lineages agree on are kept. With no journaled lineage (a journal of an older version) or none in common
+with the loaded one (a gap of more than :data:`LINEAGE_STEPS` steps), only the steps above ``L`` are
+(what the step numbers alone show): a long absence is not evidence of a fork.
+
 *Proof sketch.* The fingerprint covers the step and a fixed sample of every parameter, so two states with
 equal fingerprints at the same step are the same state up to an 8-byte hash collision. Parameters at step
 ``k + 1`` are a deterministic function of those at ``k`` and the round's average; once two histories differ
@@ -44,10 +55,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 __all__ = [
+    "FINGERPRINT_BYTES",
     "LINEAGE_STEPS",
     "MAX_TEXT",
     "comparable",
     "decode_lineage",
+    "earlier_life_replaced",
     "encode_lineage",
     "extend_lineage",
     "fork_start_known",
@@ -57,9 +70,9 @@ __all__ = [
 #: How many steps a lineage remembers: the merge rule's chain length (``shared.merge``), so that any two
 #: states the merge rule counts as one collaboration can be compared.
 LINEAGE_STEPS = 32
-_FINGERPRINT_BYTES = 8
+FINGERPRINT_BYTES = 8
 #: The longest lineage text parsed: ``LINEAGE_STEPS`` entries of a 20-digit step, ':' and 16 hex digits.
-MAX_TEXT = LINEAGE_STEPS * (20 + 1 + 2 * _FINGERPRINT_BYTES + 1)
+MAX_TEXT = LINEAGE_STEPS * (20 + 1 + 2 * FINGERPRINT_BYTES + 1)
 
 
 def extend_lineage(lineage: Mapping[int, bytes], step: int, fingerprint: bytes) -> dict[int, bytes]:
@@ -81,7 +94,7 @@ def decode_lineage(text: str) -> dict[int, bytes]:
     lineage: dict[int, bytes] = {}
     for entry in text.split(",")[:LINEAGE_STEPS]:
         step_text, _, hex_text = entry.partition(":")
-        if not step_text.isdecimal() or len(step_text) > 20 or len(hex_text) != 2 * _FINGERPRINT_BYTES:
+        if not step_text.isdecimal() or len(step_text) > 20 or len(hex_text) != 2 * FINGERPRINT_BYTES:
             return {}
         try:
             lineage[int(step_text)] = bytes.fromhex(hex_text)
@@ -117,3 +130,14 @@ def fork_start_known(ours: Mapping[int, bytes], theirs: Mapping[int, bytes]) -> 
         return False
     first = min(common)
     return ours[first] == theirs[first] or min(ours) == first
+
+
+def earlier_life_replaced(
+    life: Mapping[int, bytes], last: int, theirs: Mapping[int, bytes], loaded_step: int
+) -> tuple[int, int] | None:
+    """The steps ``(first, last)`` of a restarted peer's earlier process (journaled lineage ``life``,
+    highest step ``last``) that a loaded state at ``loaded_step`` with lineage ``theirs`` did not keep,
+    or None (module docstring, "An earlier life")."""
+    if life and comparable(life, theirs):
+        return replaced_steps(life, last, theirs, loaded_step)
+    return (loaded_step + 1, last) if last > loaded_step else None

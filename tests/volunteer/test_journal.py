@@ -4,6 +4,7 @@ state it replays to, the file stays bounded, and discarded steps survive a resta
 from __future__ import annotations
 
 import time
+import zlib
 from pathlib import Path
 
 import msgspec
@@ -125,3 +126,59 @@ def test_a_receipt_book_replays_as_it_was(tmp_path: Path) -> None:
         book.add(number, [(BOB.peer_id, signed)])
     state = journal.replay_into(entries, ReceiptBook(ALICE.peer_id))
     assert state.book.held() == book.held()
+
+
+def fingerprinted(reporter: Reporter, first: int, last: int, history: str, start: float) -> None:
+    for number in range(first, last + 1):
+        reporter.record(step(number, start + number), fingerprint=fp(history, number))
+
+
+def fp(history: str, number: int) -> bytes:
+    return f"{history[:4]:<4}{number:04d}".encode()
+
+
+def test_the_lineage_of_reported_steps_survives_a_restart_and_compaction_less_its_discards(
+    tmp_path: Path,
+) -> None:
+    start = time.time()
+    first = Reporter(RUN, ALICE, None, tmp_path, interval=2.5)
+    fingerprinted(first, 1, 6, "old", start)
+    assert first.lineage == {n: fp("old", n) for n in range(1, 7)}
+    first.discard(5, 6)  # a state we loaded replaced steps 5, 6: reported once, never compared again
+    fingerprinted(first, 5, 5, "new", start + 10)  # step 5 taken again, open while the discard is pending
+    expected = {**{n: fp("old", n) for n in range(1, 5)}, 5: fp("new", 5)}
+    assert first.lineage == expected
+    restarted = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)  # replays, compacts, closes a report
+    assert restarted.lineage == expected
+    assert Reporter(RUN, ALICE, None, tmp_path).lineage == expected  # from the compacted journal
+    [*_, last] = decoded(restarted)
+    assert [(r.first, r.last) for r in last.discarded] == [(5, 6)] and last.samples == 32  # the new 5
+
+
+def test_a_retaken_open_step_survives_compaction_of_a_pending_discard(tmp_path: Path) -> None:
+    start = time.time()
+    reporter = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)
+    fingerprinted(reporter, 1, 4, "old", start)
+    reporter.discard(3, 4)
+    fingerprinted(reporter, 3, 3, "new", start + 10)  # taken again, then the journal is compacted
+    reporter._compact()
+    replayed = reporter.journal.replay(ReceiptBook(ALICE.peer_id))
+    assert [s.step for s in replayed.open_steps] == [1, 2, 3] and replayed.discarded == [(3, 4)]
+    assert replayed.lineage == {1: fp("old", 1), 2: fp("old", 2), 3: fp("new", 3)}
+
+
+def test_a_journal_of_an_older_version_without_fingerprints_loads_with_no_lineage(tmp_path: Path) -> None:
+    start = time.time()
+    old_step = (
+        b'{"k":"stepped","step":7,"samples":32,"compute_seconds":0.5,"bytes_aggregated":0,"finished_at":%f}'
+    )
+    lines = [
+        b'{"k":"state","seq":3,"last_end":%f,"last_step":6}' % start,
+        old_step % (start + 1),
+    ]
+    (tmp_path / JOURNAL_FILE).write_bytes(b"".join(b"%08x %s\n" % (zlib.crc32(body), body) for body in lines))
+    reporter = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)
+    assert reporter.lineage == {} and reporter.last_step == 7 and reporter._seq == 4
+    assert [r.samples for r in decoded(reporter)] == [32]  # the open step was reported
+    reporter.record(step(8, start + 2), fingerprint=fp("run", 8))
+    assert Reporter(RUN, ALICE, None, tmp_path).lineage == {8: fp("run", 8)}

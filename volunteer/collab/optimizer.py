@@ -87,6 +87,8 @@ class CollaborativeOptimizer:
     on_discard: Callable[[int, int], None] | None = None
     #: the highest step this data dir took part in before a restart (the report journal's), if any
     previous_life: int | None = None
+    #: the fingerprints of the steps it reported then (the journal's; volunteer.collab.sync)
+    previous_lineage: Mapping[int, bytes] = field(default_factory=dict)
     #: the DHT keys of this collaboration (a swarm run's stage: protocols.swarm.stage_training_keys)
     keys: TrainingKeys = TRAINING_KEYS
     #: the swarm run's pipeline stage this collaboration is (None: data-parallel): its receipts say so
@@ -128,6 +130,7 @@ class CollaborativeOptimizer:
             evidence=self.evidence,
             on_discard=self._discard,
             previous_life=self.previous_life,
+            previous_lineage=self.previous_lineage,
             key=self.keys.state,
         )
         self.evidence.joining = lambda: self.sync.server.recent_downloader(JOINING_GRACE)

@@ -24,6 +24,15 @@ us) the mark is forgotten -- after :data:`~shared.alone.LOSS_CONFIRM` seconds wh
 older state -- and the survivors resume together from the newest state still announced (a backbone's
 checkpoint).
 
+*A restarted volunteer* (``previous_life``, ``previous_lineage``: the report journal's highest step and
+the fingerprints of its last reported steps) reports its earlier process's steps that the first state it
+loads did not keep as discarded, once, through ``on_discard`` (the ledger then stops crediting them):
+those above the loaded step, and those from the first step whose fingerprint differs from the loaded
+lineage's (:func:`shared.state.lineage.earlier_life_replaced`). E.g. it held step 9 and was killed, the
+survivors resumed from a checkpoint of step 1 and took steps 2 and 3 again: loading that step 3, its
+own steps 2..9 are discarded, not only 4..9. A journal without fingerprints (an older version) gives
+the steps above the loaded one only.
+
 **Handing over** (:meth:`StateSync.hand_over_final_state`): at the run's step limit the last volunteers
 keep serving the final state until a backbone confirms storing it.
 """
@@ -31,7 +40,7 @@ keep serving the final state until a backbone confirms storing it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +55,7 @@ from shared.node import Node
 from shared.state.blob import read_metadata, state_digest, state_step
 from shared.state.limits import SourceBook, state_size_bound
 from shared.state.lineage import MAX_TEXT as LINEAGE_MAX_TEXT
-from shared.state.lineage import comparable, fork_start_known, replaced_steps
+from shared.state.lineage import comparable, earlier_life_replaced, fork_start_known, replaced_steps
 from shared.state.transfer import (
     StateServer,
     announce_state,
@@ -87,6 +96,9 @@ class StateSync:
     #: the step this data dir reached before a restart (from the report journal): a fresh peer that then
     #: loads an older state lost the steps in between with its earlier process, and reports them discarded
     previous_life: int | None = None
+    #: the fingerprints of the steps the earlier process reported (the journal's, bounded): which of them
+    #: the loaded state's lineage shows were taken differently (module docstring)
+    previous_lineage: Mapping[int, bytes] = field(default_factory=dict)
     evidence: Evidence | None = None  # the high-water mark: no older state is loaded while it binds
     #: called with (first, last) when a loaded state replaced steps only we took (a fork that lost)
     on_discard: Callable[[int, int], None] | None = None
@@ -214,9 +226,11 @@ class StateSync:
                                 discarded = exact
                             elif exact is not None:
                                 discarded = (min(exact[0], discarded[0]), ours)
-                        if ours is None and self.previous_life is not None and self.previous_life > step:
-                            discarded = (step + 1, self.previous_life)  # died with our earlier process
-                        self.previous_life = None
+                        if ours is None and self.previous_life is not None:  # our earlier process's
+                            discarded = earlier_life_replaced(
+                                self.previous_lineage, self.previous_life, self.trainer.lineage, step
+                            )
+                        self.previous_life, self.previous_lineage = None, {}  # reported once
                         if discarded is not None and self.on_discard is not None:
                             self.on_discard(*discarded)
                         if self._announced_step != -1:  # we announced another state: that is over

@@ -102,3 +102,21 @@ def test_the_issue_case_behind_by_one_after_a_split_round() -> None:
     assert replaced_steps(retried, 106, survivors, 107) == (106, 106)
     honest_laggard = chain("x", 80, 105, common_until=105)
     assert replaced_steps(honest_laggard, 105, survivors, 107) is None
+
+
+def test_an_earlier_life_loses_its_steps_taken_again_differently_and_those_above_the_loaded_state() -> None:
+    from shared.state.lineage import earlier_life_replaced
+
+    run = chain("run", 0, 3)  # the survivors resumed from step 1 and took steps 2, 3 again
+    life = chain("lost", 0, 9, common_until=1)  # our earlier process's steps 2..9: another history
+    assert earlier_life_replaced(life, 9, run, 3) == (2, 9)  # not only 4..9
+    assert earlier_life_replaced(chain("run", 0, 9), 9, run, 3) == (4, 9)  # 1..3 were the run's
+    assert earlier_life_replaced(chain("run", 0, 3), 3, run, 3) is None  # nothing lost
+    assert earlier_life_replaced(chain("lost", 0, 3, common_until=1), 3, run, 3) == (2, 3)
+    # the loaded state is ahead and its window starts after a fork of ours: none of ours is vouched for
+    ahead = chain("run", 50, 50 + LINEAGE_STEPS - 1)
+    assert earlier_life_replaced(chain("lost", 40, 60, common_until=10), 60, ahead, 81) == (40, 60)
+    # no lineage journaled (an older version), or none in common (a long absence): the step numbers
+    assert earlier_life_replaced({}, 9, run, 3) == (4, 9)
+    assert earlier_life_replaced({}, 3, run, 3) is None
+    assert earlier_life_replaced(chain("run", 0, 9), 9, ahead, 81) is None
