@@ -74,6 +74,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import trio  # noqa: E402
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
 from protocols.training import (  # noqa: E402
     OptimizerSpec,
     OptionValue,
@@ -388,6 +391,20 @@ async def train(
     }
 
 
+def run_trio(fn: Any, *args: Any) -> Any:
+    """``trio.run(fn, *args)``, raising a :class:`BenchError` from inside a nursery as itself (trio wraps
+    it in an exception group), so that it ends the benchmark as one line, not a traceback."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        errors, _ = group.split(BenchError)
+        while isinstance(errors, BaseExceptionGroup):
+            errors = errors.exceptions[0]
+        if errors is None:
+            raise
+        raise errors from group
+
+
 def budget_of(name: str, args: argparse.Namespace) -> int:
     """The task's budget of samples per configuration.
 
@@ -439,7 +456,7 @@ def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
-        result = trio.run(train, task, spec, streams, steps, held, args.limit)
+        result = run_trio(train, task, spec, streams, steps, held, args.limit)
         runs[label] = {"round_samples": spec.target_batch, "codec": codec, **result}
     base = runs["batch"]
     for label, rounds, _ in configurations[1:]:

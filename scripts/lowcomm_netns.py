@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
             nursery.cancel_scope.cancel()
 
     try:
-        trio.run(main)
+        bench.run_trio(main)
     except bench.BenchError as exc:
         print(f"peer {args.rank}: {exc}", file=sys.stderr)
         sys.exit(2)
