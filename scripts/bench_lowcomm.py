@@ -31,7 +31,8 @@ of the final global parameters (``θ`` of the last round: :meth:`LocalTrainer.co
 peer's final fingerprint must agree (``identical``).
 
 Reported per configuration: ``heldout_loss``, ``bytes_sent_per_peer`` (``mean``, ``max``: everything the
-host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time),
+host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time; the
+DiLoCo mode reads and publishes progress at most every 3 s far from a round's end),
 ``wall_s``, ``steps`` (global steps: optimizer steps for ``batch``, rounds for DiLoCo), ``samples``,
 ``compute_s`` (the peers' seconds in forward/backward and inner steps, summed), ``failed_attempts``,
 ``state_downloads`` and ``samples_lost`` (a member that stalls under load is left out of a round; it
@@ -47,11 +48,19 @@ shared machine: noisy, compare within one run. Loopback has no bandwidth limit, 
 averaging's fixed costs (matchmaking, round trips), not link time. Prints ONE JSON object on stdout and a
 table on stderr.
 
+**On shaped links** (``--netns``, :mod:`scripts.lowcomm_netns`): the same peers as separate processes in
+network namespaces with ``tc``-shaped links of ``--netns-mbps`` (default 20 Mbit/s up and down), each an
+emulated device of a fixed speed (``--netns-pace``: a micro-batch takes at least 0.25 s), for the batch
+mode and DiLoCo (default ``--rounds 64`` on tiny-mlm): each peer's **compute utilization**, the wall seconds
+it spent in its compute phase over its wall time (the definition, and why a paced device, are in that
+module), beside the bytes, loss and wall time; about 8 minutes on this machine. Needs root.
+
 Examples::
 
     python scripts/bench_lowcomm.py                          # both tasks, about 10 minutes on 2 cores
     python scripts/bench_lowcomm.py --tasks tiny-mlm --full
     python scripts/bench_lowcomm.py --tasks tiny-mlm --budget 512 --rounds 2,4 --heldout 32   # seconds
+    python scripts/bench_lowcomm.py --netns                  # utilization on 20 Mbit/s links (root)
 """
 
 from __future__ import annotations
@@ -108,11 +117,14 @@ FULL_ROUNDS = (4, 16, 64)  # ... 8 rounds of the --full budgets
 NETNS_ROUNDS = (64,)  # --netns: 2 rounds of the default tiny-mlm budget
 COUNTING_CAP = 1e12  # bytes/s: an upload cap that only counts (Uploads)
 MAX_ATTEMPTS = 20  # failed averaging calls in a row by one peer before the run is declared broken
-#: the in-process peers' timing: a volunteer's defaults (``CollabConfig()``, as ``volunteer.session`` uses:
-#: progress read every 0.3 s, published every 1 s; they are what the bytes of both modes include), except a
-#: shorter matchmaking window (the default 1 s would add minutes of waiting to the batch mode's hundreds of
-#: steps; 0.3 s let late tickets split rounds) and state-sync patience
-CONFIG = CollabConfig(matchmaking_window=0.5, sync_patience=10.0)
+#: the in-process peers' timing: the tests' loopback settings (the default matchmaking window of 1 s would
+#: add minutes of waiting to the batch mode's hundreds of steps; 0.3 s let late tickets split rounds). With a
+#: volunteer's own periods (``CollabConfig()``: read 0.3 s, publish 1 s) the batch mode's rounds failed 20
+#: times in a row on this 2-core machine under a load average of 9 (peers of one process stall each other).
+#: The DiLoCo mode reads and publishes at most every 3 s far from a round's end whatever these are
+#: (``volunteer.collab.progress_board``, "Long rounds"); the faster reads add about 26 KB/s per peer to the
+#: batch mode's bytes (45 against 19 KB/s, measured idle), a few percent of its gradients.
+CONFIG = CollabConfig(poll_period=0.1, publish_period=0.5, matchmaking_window=0.5, sync_patience=10.0)
 
 
 class BenchError(Exception):
