@@ -63,7 +63,7 @@ DEFINITION = (
     "device of fixed speed, padded by a sleep, all compute; cpu_share and compute_cpu_s show the CPU time "
     "actually received)"
 )
-STARTUP_S = 120.0  # a peer must report its address, then see the others, within this (tokenizer, torch)
+STARTUP_S = 300.0  # a peer must report its address, then see the others, within this (torch imports under load)
 SCRIPT = Path(__file__).resolve()
 
 
