@@ -63,7 +63,7 @@ DEFINITION = (
     "device of fixed speed, padded by a sleep, all compute; cpu_share and compute_cpu_s show the CPU time "
     "actually received)"
 )
-STARTUP_S = 300.0  # a peer must report its address, then see the others, within this (torch imports under load)
+STARTUP_S = 300.0  # to start and see the other peers (four torch imports under load)
 SCRIPT = Path(__file__).resolve()
 
 
