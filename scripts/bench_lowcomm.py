@@ -31,7 +31,8 @@ of the final global parameters (``θ`` of the last round: :meth:`LocalTrainer.co
 peer's final fingerprint must agree (``identical``).
 
 Reported per configuration: ``heldout_loss``, ``bytes_sent_per_peer`` (``mean``, ``max``: everything the
-host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time),
+host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time; the
+DiLoCo mode reads and publishes progress at most every 3 s far from a round's end),
 ``wall_s``, ``steps`` (global steps: optimizer steps for ``batch``, rounds for DiLoCo), ``samples``,
 ``compute_s`` (the peers' seconds in forward/backward and inner steps, summed), ``failed_attempts``,
 ``state_downloads`` and ``samples_lost`` (a member that stalls under load is left out of a round; it
@@ -47,11 +48,19 @@ shared machine: noisy, compare within one run. Loopback has no bandwidth limit, 
 averaging's fixed costs (matchmaking, round trips), not link time. Prints ONE JSON object on stdout and a
 table on stderr.
 
+**On shaped links** (``--netns``, :mod:`scripts.lowcomm_netns`): the same peers as separate processes in
+network namespaces with ``tc``-shaped links of ``--netns-mbps`` (default 20 Mbit/s up and down), each an
+emulated device of a fixed speed (``--netns-pace``: a micro-batch takes at least 0.25 s), for the batch
+mode and DiLoCo (default ``--rounds 64`` on tiny-mlm): each peer's **compute utilization**, the wall seconds
+it spent in its compute phase over its wall time (the definition, and why a paced device, are in that
+module), beside the bytes, loss and wall time; about 8 minutes on this machine. Needs root.
+
 Examples::
 
     python scripts/bench_lowcomm.py                          # both tasks, about 10 minutes on 2 cores
     python scripts/bench_lowcomm.py --tasks tiny-mlm --full
     python scripts/bench_lowcomm.py --tasks tiny-mlm --budget 512 --rounds 2,4 --heldout 32   # seconds
+    python scripts/bench_lowcomm.py --netns                  # utilization on 20 Mbit/s links (root)
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -72,6 +82,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import trio  # noqa: E402
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 from protocols.training import (  # noqa: E402
     OptimizerSpec,
@@ -101,10 +114,16 @@ LOSS_BOUND_PCT = 2.0  # issue 16's targets
 BYTES_TARGET = 100.0
 DEFAULT_ROUNDS = (4, 16, 32)  # the longest makes 4 rounds of the default budgets
 FULL_ROUNDS = (4, 16, 64)  # ... 8 rounds of the --full budgets
+NETNS_ROUNDS = (64,)  # --netns: 2 rounds of the default tiny-mlm budget
 COUNTING_CAP = 1e12  # bytes/s: an upload cap that only counts (Uploads)
 MAX_ATTEMPTS = 20  # failed averaging calls in a row by one peer before the run is declared broken
 #: the in-process peers' timing: the tests' loopback settings (the default matchmaking window of 1 s would
-#: add minutes of waiting to the batch mode's hundreds of steps; 0.3 s let late tickets split rounds)
+#: add minutes of waiting to the batch mode's hundreds of steps; 0.3 s let late tickets split rounds). With a
+#: volunteer's own periods (``CollabConfig()``: read 0.3 s, publish 1 s) the batch mode's rounds failed 20
+#: times in a row on this 2-core machine under a load average of 9 (peers of one process stall each other).
+#: The DiLoCo mode reads and publishes at most every 3 s far from a round's end whatever these are
+#: (``volunteer.collab.progress_board``, "Long rounds"); the faster reads add about 26 KB/s per peer to the
+#: batch mode's bytes (45 against 19 KB/s, measured idle), a few percent of its gradients.
 CONFIG = CollabConfig(poll_period=0.1, publish_period=0.5, matchmaking_window=0.5, sync_patience=10.0)
 
 
@@ -237,14 +256,16 @@ class Uploads:
         limit.acquire = counted  # type: ignore[method-assign]
 
 
-async def start_node(nursery: trio.Nursery, initial: Sequence[str]) -> tuple[Node, Uploads]:
+async def start_node(
+    nursery: trio.Nursery, initial: Sequence[str], listen: str = "127.0.0.1"
+) -> tuple[Node, Uploads]:
     async def run(task_status: trio.TaskStatus[tuple[Node, Uploads]]) -> None:
         async with (
             open_node(
                 Identity.generate(),
                 RUN_ID,
                 "volunteer",
-                listen=["/ip4/127.0.0.1/tcp/0"],
+                listen=[f"/ip4/{listen}/tcp/0"],
                 initial_peers=initial,
                 host_config=HostConfig(max_upload_bps=COUNTING_CAP),
             ) as node,
@@ -256,6 +277,51 @@ async def start_node(nursery: trio.Nursery, initial: Sequence[str]) -> tuple[Nod
 
     started: tuple[Node, Uploads] = await nursery.start(run)
     return started
+
+
+@dataclass
+class PeerCounters:
+    failed: int = 0  # averaging attempts that took no step
+    lost: int = 0  # samples the peer computed but dropped when it had to download the state
+    downloads: int = 0
+
+
+async def run_peer(
+    collab: CollaborativeOptimizer,
+    stream: Iterator[dict[str, Any]],
+    steps: int,
+    share: int,
+    counters: PeerCounters,
+    rank: int,
+) -> None:
+    """One peer's lockstep loop: compute ``share`` samples of each global step, then average, until
+    ``steps``; a peer left out of a round downloads the others' state (its share of that round is lost)."""
+    in_a_row = 0
+    while collab.trainer.step < steps:
+        if collab.behind():  # left out of a round (a stall): the others' state, our share lost
+            counters.lost += collab.trainer.samples
+            try:
+                await collab.sync_state()
+                counters.downloads += 1
+            except StateUnavailable:
+                await trio.sleep(0.5)
+            continue
+        if collab.trainer.samples < share:
+            batch = next(stream, None)
+            if batch is None:
+                raise BenchError(f"peer {rank}'s data stream ended")
+            await collab.accumulate(batch)
+            continue
+        await collab.refresh_view()
+        if await collab.average_and_step():
+            in_a_row = 0
+            continue
+        counters.failed += 1
+        in_a_row += 1
+        if in_a_row >= MAX_ATTEMPTS:
+            raise BenchError(f"peer {rank}: step {collab.trainer.step + 1} failed {in_a_row} times")
+        await trio.sleep(random.uniform(0.0, 0.5))  # peers that all retry at once may miss again
+        await collab.refresh_view()
 
 
 async def train(
@@ -301,43 +367,11 @@ async def train(
         began = time.perf_counter()
         share = spec.target_batch // peers  # samples of each peer per global step
 
-        failed = [0] * peers  # averaging attempts that took no step
-        lost = [0] * peers  # samples a peer computed but dropped when it had to download the state
-        downloads = [0] * peers
-
-        async def peer(i: int) -> None:
-            collab, stream = collabs[i], streams[i]
-            in_a_row = 0
-            while collab.trainer.step < steps:
-                if collab.behind():  # left out of a round (a stall): the others' state, our share lost
-                    lost[i] += collab.trainer.samples
-                    try:
-                        await collab.sync_state()
-                        downloads[i] += 1
-                    except StateUnavailable:
-                        await trio.sleep(0.5)
-                    continue
-                if collab.trainer.samples < share:
-                    batch = next(stream, None)
-                    if batch is None:
-                        raise BenchError(f"peer {i}'s data stream ended")
-                    await collab.accumulate(batch)
-                    continue
-                await collab.refresh_view()
-                if await collab.average_and_step():
-                    in_a_row = 0
-                    continue
-                failed[i] += 1
-                in_a_row += 1
-                if in_a_row >= MAX_ATTEMPTS:
-                    raise BenchError(f"peer {i}: step {collab.trainer.step + 1} failed {in_a_row} times")
-                await trio.sleep(random.uniform(0.0, 0.5))  # peers that all retry at once may miss again
-                await collab.refresh_view()
-
+        counters = [PeerCounters() for _ in range(peers)]
         with trio.move_on_after(limit_s) as limit:
             async with trio.open_nursery() as peers_running:
                 for i in range(peers):
-                    peers_running.start_soon(peer, i)
+                    peers_running.start_soon(run_peer, collabs[i], streams[i], steps, share, counters[i], i)
         wall = time.perf_counter() - began
         if limit.cancelled_caught:
             where = "; ".join(
@@ -363,10 +397,24 @@ async def train(
         "compute_s": round(sum(compute), 2),
         "identical": len(prints) == 1 and len(final) == 1,
         # rounds that went wrong on this shared machine (a member stalled; it downloads the state after)
-        "failed_attempts": sum(failed),
-        "state_downloads": sum(downloads),
-        "samples_lost": sum(lost),
+        "failed_attempts": sum(c.failed for c in counters),
+        "state_downloads": sum(c.downloads for c in counters),
+        "samples_lost": sum(c.lost for c in counters),
     }
+
+
+def run_trio(fn: Any, *args: Any) -> Any:
+    """``trio.run(fn, *args)``, raising a :class:`BenchError` from inside a nursery as itself (trio wraps
+    it in an exception group), so that it ends the benchmark as one line, not a traceback."""
+    try:
+        return trio.run(fn, *args)
+    except BaseExceptionGroup as group:
+        errors, _ = group.split(BenchError)
+        while isinstance(errors, BaseExceptionGroup):
+            errors = errors.exceptions[0]
+        if errors is None:
+            raise
+        raise errors from group
 
 
 def budget_of(name: str, args: argparse.Namespace) -> int:
@@ -385,18 +433,24 @@ def budget_of(name: str, args: argparse.Namespace) -> int:
     return budget
 
 
+def task_tokenizer(name: str) -> Any:
+    """The task's tokenizer, trained here on other text than the training and held-out streams (None: the
+    task needs none); deterministic, so every peer process trains the same one."""
+    setup = TASKS[name]
+    if setup.tokenizer.kind == "none":
+        return None
+    from shared.tokenizer import train_tokenizer
+
+    corpus = (e["text"] for e in itertools.islice(texts(TOKENIZER_SEED), TOKENIZER_TEXTS))
+    return train_tokenizer(setup.tokenizer, corpus, masked_lm=name != "hf-clm")
+
+
 def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
     setup = TASKS[name]
     budget = budget_of(name, args)
     heldout = args.heldout or setup.heldout
     target = args.peers * setup.local_batch
-    if setup.tokenizer.kind != "none":
-        from shared.tokenizer import train_tokenizer
-
-        corpus = (e["text"] for e in itertools.islice(texts(TOKENIZER_SEED), TOKENIZER_TEXTS))
-        tokenizer = train_tokenizer(setup.tokenizer, corpus, masked_lm=name != "hf-clm")
-    else:
-        tokenizer = None
+    tokenizer = task_tokenizer(name)
     configurations: list[tuple[str, int | None, str]] = [("batch", None, args.batch_codec)]
     configurations += [(f"diloco-{k}", k, args.diloco_codec) for k in args.rounds]
     runs: dict[str, Any] = {}
@@ -414,7 +468,7 @@ def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
             file=sys.stderr,
             flush=True,
         )
-        result = trio.run(train, task, spec, streams, steps, held, args.limit)
+        result = run_trio(train, task, spec, streams, steps, held, args.limit)
         runs[label] = {"round_samples": spec.target_batch, "codec": codec, **result}
     base = runs["batch"]
     for label, rounds, _ in configurations[1:]:
@@ -500,6 +554,73 @@ def positive_ints(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def netns_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--netns``: the compute utilization of both modes on shaped links (:mod:`scripts.lowcomm_netns`)."""
+    from scripts import lowcomm_netns
+
+    explicit = {a for a in sys.argv[1:] if a.startswith("--")}
+    if "--tasks" not in explicit:
+        args.tasks = "tiny-mlm"
+    if args.rounds is None:
+        args.rounds = list(NETNS_ROUNDS)
+    started = time.perf_counter()
+    try:
+        names = check_arguments(args)
+        if not 0 < args.netns_mbps < 1e5:
+            raise BenchError("--netns-mbps must be in (0, 100000)")
+        if not 0 <= args.netns_pace <= 60:
+            raise BenchError("--netns-pace must be in [0, 60]")
+        lowcomm_netns.check_environment()
+        results = []
+        for name in names:
+            heldout = args.heldout or TASKS[name].heldout
+            results.append(lowcomm_netns.run_task(name, args, budget_of(name, args), heldout))
+            print(lowcomm_netns.table(results), file=sys.stderr, flush=True)
+    except (BenchError, lowcomm_netns.NetnsError) as exc:
+        print(f"bench_lowcomm: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(
+        json.dumps(
+            {
+                "netns": True,
+                "peers": args.peers,
+                "link_mbps": args.netns_mbps,
+                "rounds_x": args.rounds,
+                "batch_codec": args.batch_codec,
+                "diloco_codec": args.diloco_codec,
+                "torch_threads_per_peer": 1,
+                "cpus": os.cpu_count(),
+                "utilization": lowcomm_netns.DEFINITION,
+                "total_s": round(time.perf_counter() - started, 1),
+                "tasks": results,
+            },
+            indent=2,
+        )
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> list[str]:
+    """The task names; ``BenchError`` for any argument that cannot run."""
+    names = [n.strip() for n in args.tasks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise BenchError(f"--tasks: unknown {unknown or args.tasks!r}; choose from {', '.join(TASKS)}")
+    if args.peers < 2:
+        raise BenchError("--peers must be >= 2")
+    if args.budget < 0 or args.heldout < 0:
+        raise BenchError("--budget and --heldout must be >= 0")
+    for codec in (args.batch_codec, args.diloco_codec):
+        from shared.averaging.compression import codec_by_name
+
+        try:
+            codec_by_name(codec)
+        except ValueError as exc:
+            raise BenchError(f"unknown codec {codec!r}: {exc}") from None
+    for name in names:
+        budget_of(name, args)  # every task's, before the first one runs
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -531,27 +652,29 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1; 0: torch's own choice)"
     )
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="peers as processes in network namespaces with tc-shaped links: compute utilization "
+        f"(scripts/lowcomm_netns.py; default --tasks tiny-mlm --rounds {','.join(map(str, NETNS_ROUNDS))})",
+    )
+    parser.add_argument(
+        "--netns-mbps", type=float, default=20.0, help="--netns: each peer's upload and download (Mbit/s)"
+    )
+    parser.add_argument(
+        "--netns-pace",
+        type=float,
+        default=0.25,
+        help="--netns: the least wall seconds one micro-batch takes (an emulated device; 0: unpaced)",
+    )
     args = parser.parse_args()
+    if args.netns:
+        netns_main(parser, args)
+        return
     if args.rounds is None:
         args.rounds = list(FULL_ROUNDS if args.full else DEFAULT_ROUNDS)
     try:
-        names = [n.strip() for n in args.tasks.split(",") if n.strip()]
-        unknown = [n for n in names if n not in TASKS]
-        if unknown or not names:
-            raise BenchError(f"--tasks: unknown {unknown or args.tasks!r}; choose from {', '.join(TASKS)}")
-        if args.peers < 2:
-            raise BenchError("--peers must be >= 2")
-        if args.budget < 0 or args.heldout < 0:
-            raise BenchError("--budget and --heldout must be >= 0")
-        for codec in (args.batch_codec, args.diloco_codec):
-            from shared.averaging.compression import codec_by_name
-
-            try:
-                codec_by_name(codec)
-            except ValueError as exc:
-                raise BenchError(f"unknown codec {codec!r}: {exc}") from None
-        for name in names:
-            budget_of(name, args)  # every task's, before the first one runs
+        names = check_arguments(args)
         if args.threads:
             torch.set_num_threads(args.threads)
         started = time.perf_counter()

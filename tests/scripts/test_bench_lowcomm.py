@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scripts.bench_lowcomm import BYTES_TARGET, LOSS_BOUND_PCT, judge
+from scripts.lowcomm_netns import summarize
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_lowcomm.py"
@@ -68,6 +69,9 @@ def test_the_verdict_is_the_rule_of_the_issue(diloco: list[tuple[int, float, flo
         (["--tasks", "tiny-mlm", "--budget", "128", "--rounds", "4"], "fewer than 2 rounds"),
         (["--tasks", "nope"], "--tasks: unknown"),
         (["--tasks", "tiny-mlm", "--diloco-codec", "int3"], "unknown codec"),
+        (["--netns", "--netns-mbps", "0"], "--netns-mbps must be"),
+        (["--netns", "--netns-pace", "-1"], "--netns-pace must be"),
+        (["--netns", "--budget", "4096", "--rounds", "64"], "fewer than 2 rounds"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
@@ -119,3 +123,30 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
     )
     assert task["target"]["met"] in (True, False) and "why" in task["target"]
     assert "target (2.0 % loss, 100x bytes)" in proc.stderr
+
+
+def report(rank: int, compute_s: float, wall_s: float, sent: int, fingerprint: str = "ab") -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "steps": 2,
+        "samples": 64,
+        "wall_s": wall_s,
+        "compute_s": compute_s,
+        "compute_cpu_s": compute_s / 4,
+        "cpu_s": wall_s / 2,
+        "bytes_sent": sent,
+        "fingerprint": fingerprint,
+        "heldout_loss": 4.5 if rank == 0 else None,
+        "failed_attempts": 0,
+        "state_downloads": 0,
+        "samples_lost": 0,
+    }
+
+
+def test_netns_utilization_is_each_peers_compute_over_its_wall_time() -> None:
+    summary = summarize([report(0, 9.0, 10.0, 100), report(1, 7.0, 10.0, 300)])
+    assert summary["compute_utilization"] == {"mean": 0.8, "min": 0.7, "per_peer": [0.9, 0.7]}
+    assert summary["bytes_sent_per_peer"] == {"mean": 200, "max": 300}
+    assert summary["cpu_share"] == 0.5 and summary["heldout_loss"] == 4.5 and summary["samples"] == 128
+    assert summary["identical"]
+    assert not summarize([report(0, 9.0, 10.0, 100), report(1, 7.0, 10.0, 300, "cd")])["identical"]

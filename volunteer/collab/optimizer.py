@@ -41,6 +41,7 @@ from ..receipts import ReceiptBook
 from .evidence import Evidence
 from .phase import PeerState, Phase
 from .progress_board import ProgressBoard
+from .progress_board import periods as board_periods
 from .step import BatchStep, StepMode, StepRecord
 from .sync import StateSync
 from .torch_thread import run_torch
@@ -98,6 +99,9 @@ class CollaborativeOptimizer:
     def __post_init__(self) -> None:
         self.peer = PeerState()
         self.tolerated = Tolerated(logger)
+        longest_poll, publish_period = board_periods(
+            self.spec, self.config.poll_period, self.config.publish_period
+        )
         self.board = ProgressBoard(
             self.node,
             self.spec,
@@ -105,7 +109,8 @@ class CollaborativeOptimizer:
             anchored=lambda: self.peer.anchored or self.trainer.step > 0,
             tolerated=self.tolerated,
             poll_period=self.config.poll_period,
-            publish_period=self.config.publish_period,
+            publish_period=publish_period,
+            longest_poll=longest_poll,
             key=self.keys.progress,
         )
         self.evidence = Evidence(

@@ -13,10 +13,24 @@ often as the target batch nears, so peers enter a round together) and summarized
 a state download from a peer fails (refused, reset, stalled), the state sync tells the board; the board
 leaves that peer's record out of the view until it reads a *newer* record of it (a ``time`` later than
 the one it held at the failure: the writer's own clock against itself, so clock skew does not matter). A
-live peer republishes every ``publish_period`` and is back within a second or two; a dead one's last
+live peer republishes every ``publish_period`` and is back within a few seconds; a dead one's last
 record no longer keeps it in the view -- at the step it held, as a holder of a state nobody can serve --
 for the ``PROGRESS_TTL`` it takes that record to expire (:mod:`shared.alone`, rule (d)). At most
 :data:`MAX_GONE` such peers are remembered (oldest forgotten first).
+
+**Long rounds read less** (:func:`poll_interval`). The next read comes half the time to the target from
+now (``eta / 2``, never sooner than :data:`MIN_POLL`), and at the latest after ``poll_period`` -- or,
+with ``longest_poll`` above ``poll_period``, after ``longest_poll``. The DiLoCo mode sets both
+``longest_poll`` and ``publish_period`` to :data:`~shared.progress.MAX_EXTRAPOLATION` (3 s) at least
+(:func:`periods`): its rounds last many batch-mode steps, and reading everyone's records every 0.3 s and
+publishing ours every second made the DHT traffic of a round several times the averaging's own bytes
+(issue 16's benchmark: about 19 KB/s per peer against a round's 170 KB). Reading or publishing more often
+than every 3 s tells little more: a reader extrapolates each record by its throughput for 3 s after it was
+written (:func:`shared.progress.summarize`), so records published every 3 s are counted in full, and read
+every 3 s the estimate never stalls; near the round's end ``eta / 2`` takes over, so the round is entered
+as promptly as before; events worth telling at once (a share done, a round entered, a download) are still
+published at once (:meth:`ProgressBoard.publish_soon`). What waits longer: a peer's state request is seen
+(and answered) up to 3 s after it was published instead of 0.3 s, well inside a downloader's patience.
 
 The board knows nothing of steps or states: what we publish comes from the ``own`` callable, whether our
 state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period retries --
@@ -34,15 +48,35 @@ import trio
 
 from protocols.training import PROGRESS_KEY, PROGRESS_TTL, Progress, TrainingSpec
 from shared.node import Node
-from shared.progress import CollabView, summarize
+from shared.progress import MAX_EXTRAPOLATION, CollabView, summarize
 from shared.progress_records import read_progress_with_users
 from shared.tolerated import Tolerated
 
-__all__ = ["ProgressBoard"]
+__all__ = ["ProgressBoard", "periods", "poll_interval"]
 
 LEAVE_DEADLINE = 3.0  # seconds to tell the others we left (best effort)
 MIN_POLL = 0.05
 MAX_GONE = 1024  # peers left out of the view after a failed download, remembered at most
+#: the DiLoCo mode's longest poll and shortest publishing period (module docstring, "Long rounds")
+LONG_ROUND_PERIOD = MAX_EXTRAPOLATION
+
+
+def poll_interval(poll_period: float, eta: float | None, longest_poll: float = 0.0) -> float:
+    """Seconds until the next read of everyone's records: ``poll_period`` while nobody computes (``eta``
+    None), else half the time to the target, at least :data:`MIN_POLL` and at most the larger of
+    ``poll_period`` and ``longest_poll`` (module docstring)."""
+    if eta is None:
+        return poll_period
+    return min(max(poll_period, longest_poll), max(MIN_POLL, eta / 2))
+
+
+def periods(spec: TrainingSpec, poll_period: float, publish_period: float) -> tuple[float, float]:
+    """``(longest_poll, publish_period)`` of the board of a run of ``spec``, whose volunteer configured
+    these periods: the DiLoCo mode reads and publishes at most every :data:`LONG_ROUND_PERIOD` seconds
+    while a round's end is far (module docstring, "Long rounds"); the batch mode as configured."""
+    if spec.sync.mode == "diloco":
+        return max(poll_period, LONG_ROUND_PERIOD), max(publish_period, LONG_ROUND_PERIOD)
+    return poll_period, publish_period
 
 
 @dataclass
@@ -54,6 +88,8 @@ class ProgressBoard:
     tolerated: Tolerated
     poll_period: float = 0.3
     publish_period: float = 1.0
+    #: with an eta, polls may be this far apart (0: ``poll_period``; :func:`poll_interval`)
+    longest_poll: float = 0.0
     key: str = PROGRESS_KEY  # where this collaboration's records live (TrainingKeys.progress)
     view: CollabView | None = None
     #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
@@ -148,9 +184,7 @@ class ProgressBoard:
         while True:
             # Read more often as the target nears, so peers enter the round together, close to the target.
             eta = self.view.eta(self.spec.target_batch) if self.view is not None else None
-            await trio.sleep(
-                self.poll_period if eta is None else min(self.poll_period, max(MIN_POLL, eta / 2))
-            )
+            await trio.sleep(poll_interval(self.poll_period, eta, self.longest_poll))
             await self.try_refresh()
             if after_read is not None:
                 await after_read()
