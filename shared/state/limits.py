@@ -134,6 +134,7 @@ class SourceBookStatistics:
 class _Peer:
     streak: int = 0
     until: float = 0.0
+    unreachable: bool = False  # the last failure was no answer at all (refused, reset, stalled)
 
 
 class SourceBook:
@@ -171,15 +172,20 @@ class SourceBook:
         return entry is None or entry.until <= self.clock()
 
     def failing(self, peer: str) -> bool:
-        """Whether the last download we tried from ``peer`` failed (it has not served us since)."""
+        """Whether the last download we tried from ``peer`` failed without an answer (connection refused
+        or reset, stalled) and it has not served us since. A peer that answered -- "no such state here",
+        say, because it moved on from the state it announced -- is alive, and is not failing: it may hold
+        a newer state (:func:`shared.alone.state_lost` must not take it for a dead holder)."""
         entry = self._peers.get(peer)
-        return entry is not None and entry.streak > 0
+        return entry is not None and entry.streak > 0 and entry.unreachable
 
-    def failed(self, peer: str, reason: str, *, fault: bool = False) -> None:
-        """Count a failed download from ``peer``; log the first of a streak; skip the peer for a while."""
+    def failed(self, peer: str, reason: str, *, fault: bool = False, unreachable: bool = False) -> None:
+        """Count a failed download from ``peer``; log the first of a streak; skip the peer for a while.
+        ``unreachable``: it gave no answer at all (:meth:`failing`)."""
         entry = self._peers.pop(peer, None) or _Peer()
         self._peers[peer] = entry  # most recently failing last
         entry.streak += 1
+        entry.unreachable = unreachable
         self._failures += 1
         if fault:
             self._faults += 1

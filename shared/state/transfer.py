@@ -381,8 +381,9 @@ async def _fetch(
                     await download.chunk_from(host, address, chunk_bytes)
                 except CALL_FAILURES as exc:
                     fault = isinstance(exc, ProtocolError | AuthError)
+                    answered = fault or isinstance(exc, RemoteError)  # alive: it answered, even if "no"
                     if book is not None:  # counted there, logged once per streak
-                        book.failed(_peer(address), f"{name}: {exc}", fault=fault)
+                        book.failed(_peer(address), f"{name}: {exc}", fault=fault, unreachable=not answered)
                     else:
                         logger.info("%s: %s failed (%s); trying the next source", name, address, exc)
                     reasons.append(f"{address}: {exc}")

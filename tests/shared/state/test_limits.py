@@ -114,3 +114,20 @@ def test_source_book_remembers_a_refused_announcement_until_it_changes() -> None
     for writer in ("a", "b"):  # bounded: the oldest is forgotten
         book.refuse(writer, huge, "too large")
     assert not book.refused("w", huge) and book.refused("b", huge)
+
+
+def test_a_source_that_answered_no_is_not_failing_only_one_that_gave_no_answer() -> None:
+    """Rule (d) of shared.alone takes a failing holder for a dead one: a peer that answered "no such
+    state here" (it moved on from what it announced) is alive; only a refused, reset or stalled
+    download makes it failing, until it serves us again."""
+    book = SourceBook()
+    book.failed("moved-on", "NOT_FOUND: no state here")
+    book.failed("dead", "connection refused", unreachable=True)
+    assert not book.failing("moved-on")
+    assert book.failing("dead")
+    assert not book.failing("never-asked")
+    book.failed("dead", "NOT_FOUND: no state here")  # it answered this time: alive again
+    assert not book.failing("dead")
+    book.failed("dead", "stalled", unreachable=True)
+    book.succeeded("dead")
+    assert not book.failing("dead")
