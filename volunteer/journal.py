@@ -61,6 +61,7 @@ import logging
 import os
 import zlib
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -247,22 +248,22 @@ def without_range(lineage: dict[int, bytes], first: int, last: int) -> dict[int,
 
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:
     """Remove what ``report`` carried of the relay evidence ``through`` (as the reporter took it)."""
-    for record in report.relayed_through:
-        left = through[record.relay] - record.nbytes
-        if left > 0:
-            through[record.relay] = left
-        else:
-            del through[record.relay]
+    _take(through, ((r.relay, r.nbytes) for r in report.relayed_through))
 
 
 def take_received(received: Counter[str], report: ContributionReport) -> None:
     """Remove what ``report`` carried of the swarm evidence ``received`` (as the reporter took it)."""
-    for record in report.received_from:
-        left = received[record.server] - record.nbytes
+    _take(received, ((r.server, r.nbytes) for r in report.received_from))
+
+
+def _take(counts: Counter[str], carried: Iterable[tuple[str, int]]) -> None:
+    """Subtract each carried ``(peer, bytes)`` from ``counts``, dropping peers that reach zero."""
+    for peer, nbytes in carried:
+        left = counts[peer] - nbytes
         if left > 0:
-            received[record.server] = left
+            counts[peer] = left
         else:
-            del received[record.server]
+            del counts[peer]
 
 
 def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
