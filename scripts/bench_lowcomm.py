@@ -218,8 +218,11 @@ def heldout_loss(task: Task, model: torch.nn.Module, held: Sequence[dict[str, An
 # ----------------------------------------------------------------------------------------------- runs
 
 
-def make_spec(name: str, setup: TaskSetup, peers: int, rounds: int | None, codec: str) -> TrainingSpec:
-    """The batch mode (``rounds`` None) or DiLoCo with rounds of ``rounds`` batch-mode target batches."""
+def make_spec(
+    name: str, setup: TaskSetup, peers: int, rounds: int | None, codec: str, overlap: bool = False
+) -> TrainingSpec:
+    """The batch mode (``rounds`` None) or DiLoCo with rounds of ``rounds`` batch-mode target batches
+    (``overlap``: with ``[sync] overlap``)."""
     target = peers * setup.local_batch
     return TrainingSpec(
         task=name,
@@ -231,7 +234,7 @@ def make_spec(name: str, setup: TaskSetup, peers: int, rounds: int | None, codec
         codec=codec,  # type: ignore[arg-type]
         tokenizer=setup.tokenizer,
         checkpoint_every=10**6,
-        sync=SyncSpec(mode="diloco" if rounds else "batch"),
+        sync=SyncSpec(mode="diloco", overlap=overlap) if rounds else SyncSpec(mode="batch"),
     )
 
 
@@ -295,7 +298,11 @@ async def run_peer(
     rank: int,
 ) -> None:
     """One peer's lockstep loop: compute ``share`` samples of each global step, then average, until
-    ``steps``; a peer left out of a round downloads the others' state (its share of that round is lost)."""
+    ``steps``; a peer left out of a round downloads the others' state (its share of that round is lost).
+    With DiLoCo's overlap the round's averaging runs in the background (:func:`run_overlapped`)."""
+    if collab.overlaps:
+        await run_overlapped(collab, stream, steps, share, counters, rank)
+        return
     in_a_row = 0
     while collab.trainer.step < steps:
         if collab.behind():  # left out of a round (a stall): the others' state, our share lost
@@ -322,6 +329,54 @@ async def run_peer(
             raise BenchError(f"peer {rank}: step {collab.trainer.step + 1} failed {in_a_row} times")
         await trio.sleep(random.uniform(0.0, 0.5))  # peers that all retry at once may miss again
         await collab.refresh_view()
+
+
+async def run_overlapped(
+    collab: CollaborativeOptimizer,
+    stream: Iterator[dict[str, Any]],
+    steps: int,
+    share: int,
+    counters: PeerCounters,
+    rank: int,
+) -> None:
+    """:func:`run_peer` with ``[sync] overlap``, as the real loop (:mod:`volunteer.training`) runs it: when
+    our share of a round is done its averaging starts in the background and we compute our share of the next
+    round meanwhile; with that share done too we wait for the averaging. While the *last* round averages we
+    compute on as well (a run that goes on would use those samples; here they train nothing that is
+    evaluated), so the compute phase is the device's steady state, not cut short by the budget's end. A
+    failed round hands its samples back and is retried at once (``failed_attempts``: the rounds' failed
+    attempts)."""
+    stats = collab.mode.stats
+    failed0 = stats.failed_rounds
+
+    async def accumulate() -> None:
+        batch = next(stream, None)
+        if batch is None:
+            raise BenchError(f"peer {rank}'s data stream ended")
+        await collab.accumulate(batch)
+
+    async with trio.open_nursery() as background:
+        while collab.trainer.step < steps:
+            if collab.averaging:
+                if collab.trainer.samples < share:
+                    await accumulate()
+                else:
+                    await trio.sleep(0.01)
+            elif collab.behind():
+                counters.lost += collab.trainer.samples
+                try:
+                    await collab.sync_state()
+                    counters.downloads += 1
+                except StateUnavailable:
+                    await trio.sleep(0.5)
+            elif collab.trainer.samples < share:
+                await accumulate()
+            else:
+                await collab.refresh_view()
+                await collab.start_step(background)
+                if stats.failed_rounds - failed0 >= MAX_ATTEMPTS * max(1, steps):
+                    raise BenchError(f"peer {rank}: {stats.failed_rounds - failed0} failed attempts")
+    counters.failed = stats.failed_rounds - failed0
 
 
 async def train(
@@ -396,6 +451,7 @@ async def train(
         "samples": sum(r.samples for own in mine for r in own),
         "compute_s": round(sum(compute), 2),
         "identical": len(prints) == 1 and len(final) == 1,
+        "overlap": all(c.overlaps for c in collabs),  # the averaging ran in the background
         # rounds that went wrong on this shared machine (a member stalled; it downloads the state after)
         "failed_attempts": sum(c.failed for c in counters),
         "state_downloads": sum(c.downloads for c in counters),
@@ -445,19 +501,30 @@ def task_tokenizer(name: str) -> Any:
     return train_tokenizer(setup.tokenizer, corpus, masked_lm=name != "hf-clm")
 
 
+def configurations_of(args: argparse.Namespace) -> list[tuple[str, int, str, bool]]:
+    """(label, round length in target batches (0: the batch mode), codec, overlap) of each configuration:
+    the batch mode, DiLoCo at each ``--rounds``, and with ``--overlap`` DiLoCo with ``[sync] overlap`` at
+    each round length too (``diloco-K+o``)."""
+    found = [("batch", 0, args.batch_codec, False)]
+    found += [(f"diloco-{k}", k, args.diloco_codec, False) for k in args.rounds]
+    if args.overlap:
+        found += [(f"diloco-{k}+o", k, args.diloco_codec, True) for k in args.rounds]
+    return found
+
+
 def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
     setup = TASKS[name]
     budget = budget_of(name, args)
     heldout = args.heldout or setup.heldout
     target = args.peers * setup.local_batch
     tokenizer = task_tokenizer(name)
-    configurations: list[tuple[str, int | None, str]] = [("batch", None, args.batch_codec)]
-    configurations += [(f"diloco-{k}", k, args.diloco_codec) for k in args.rounds]
+    configurations = [(label, k, codec) for label, k, codec, _ in configurations_of(args)]
+    overlaps = {label: overlap for label, _, _, overlap in configurations_of(args)}
     runs: dict[str, Any] = {}
     seen: set[str] = set()
     held_texts: set[str] = set()
     for label, rounds, codec in configurations:
-        spec = make_spec(name, setup, args.peers, rounds, codec)
+        spec = make_spec(name, setup, args.peers, rounds or None, codec, overlaps[label])
         task = make_task(spec, tokenizer)
         if not held_texts:
             held, held_texts = heldout_batches(task, heldout, setup.local_batch)
@@ -469,7 +536,11 @@ def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
         result = run_trio(train, task, spec, streams, steps, held, args.limit)
-        runs[label] = {"round_samples": spec.target_batch, "codec": codec, **result}
+        runs[label] = {
+            "round_samples": spec.target_batch,
+            "codec": codec,
+            **result,
+        }
     base = runs["batch"]
     for label, rounds, _ in configurations[1:]:
         run = runs[label]
@@ -586,6 +657,7 @@ def netns_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 "peers": args.peers,
                 "link_mbps": args.netns_mbps,
                 "rounds_x": args.rounds,
+                "overlap": args.overlap,
                 "batch_codec": args.batch_codec,
                 "diloco_codec": args.diloco_codec,
                 "torch_threads_per_peer": 1,
@@ -653,6 +725,11 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads (default 1; 0: torch's own choice)"
     )
     parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also run each DiLoCo round length with [sync] overlap (labels diloco-K+o)",
+    )
+    parser.add_argument(
         "--netns",
         action="store_true",
         help="peers as processes in network namespaces with tc-shaped links: compute utilization "
@@ -690,6 +767,7 @@ def main() -> None:
             {
                 "peers": args.peers,
                 "rounds_x": args.rounds,
+                "overlap": args.overlap,
                 "batch_codec": args.batch_codec,
                 "diloco_codec": args.diloco_codec,
                 "torch_threads": torch.get_num_threads(),

@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     setup = bench.TASKS[args.task]
-    spec = bench.make_spec(args.task, setup, args.peers, args.rounds or None, args.codec)
+    spec = bench.make_spec(args.task, setup, args.peers, args.rounds or None, args.codec, args.overlap)
     tokenizer = bench.task_tokenizer(args.task)
     task = make_task(spec, tokenizer)
     stream = bench.train_stream(task, args.rank, setup.local_batch, set())
@@ -305,24 +305,27 @@ def check_environment() -> None:
 
 
 def run_task(name: str, args: argparse.Namespace, budget: int, heldout: int) -> dict[str, Any]:
-    """The batch mode and DiLoCo at each round length of ``rounds`` on one shaped LAN."""
+    """The batch mode and DiLoCo at each round length of ``rounds`` (and with ``--overlap``) on one shaped
+    LAN."""
+    from scripts import bench_lowcomm as bench
     from tests.netns import LinkError, lan
 
     peers, mbps = args.peers, args.netns_mbps
-    configurations = [("batch", 0, args.batch_codec)]
-    configurations += [(f"diloco-{k}", k, args.diloco_codec) for k in args.rounds]
+    configurations = bench.configurations_of(args)
     runs: dict[str, Any] = {}
     try:
         with lan(peers, shape=[(mbps, mbps)] * peers) as hosts:
-            for label, k, codec in configurations:
+            for label, k, codec, overlap in configurations:
                 print(f"bench_lowcomm --netns: {name} {label} ...", file=sys.stderr, flush=True)
                 config = ["--task", name, "--rounds", str(k), "--codec", codec]
+                config += ["--overlap"] if overlap else []
                 config += ["--budget", str(budget), "--heldout", str(heldout), "--pace", str(args.netns_pace)]
                 load_before = os.getloadavg()
                 reports = run_configuration(hosts, config, args.limit)
                 runs[label] = {
                     "round_x": k or None,
                     "codec": codec,
+                    "overlap": overlap,
                     **summarize(reports),
                     "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -330,7 +333,7 @@ def run_task(name: str, args: argparse.Namespace, budget: int, heldout: int) -> 
     except LinkError as exc:
         raise NetnsError(f"emulated link failed: {exc}") from exc
     base = runs["batch"]
-    for label, _, _ in configurations[1:]:
+    for label, _, _, _ in configurations[1:]:
         run = runs[label]
         sent = run["bytes_sent_per_peer"]["mean"]
         run["bytes_ratio"] = round(base["bytes_sent_per_peer"]["mean"] / max(1, sent), 1)
@@ -375,6 +378,7 @@ def worker_main(argv: Sequence[str]) -> None:
     parser.add_argument("--budget", type=int, required=True)
     parser.add_argument("--heldout", type=int, required=True)
     parser.add_argument("--pace", type=float, required=True)
+    parser.add_argument("--overlap", action="store_true")
     worker(parser.parse_args(argv))
 
 

@@ -89,7 +89,7 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         [
             sys.executable,
             str(SCRIPT),
-            *("--tasks", "tiny-mlm", "--budget", "256", "--rounds", "2", "--heldout", "32"),
+            *("--tasks", "tiny-mlm", "--budget", "256", "--rounds", "2", "--heldout", "32", "--overlap"),
         ],
         capture_output=True,
         text=True,
@@ -101,9 +101,10 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
     assert result["peers"] == 4 and result["rounds_x"] == [2]
     (task,) = result["tasks"]
     assert task["task"] == "tiny-mlm" and task["budget_samples"] == 256 and task["heldout_overlap"] == 0
-    assert set(task["runs"]) == {"batch", "diloco-2"}
+    assert set(task["runs"]) == {"batch", "diloco-2", "diloco-2+o"} and result["overlap"]
     batch, diloco = task["runs"]["batch"], task["runs"]["diloco-2"]
-    for run in (batch, diloco):
+    overlapped = task["runs"]["diloco-2+o"]
+    for run in (batch, diloco, overlapped):
         assert run["identical"]
         # every configuration trains on the budget, unless a member stalled on this shared machine (then
         # its share of that round is lost, and it downloads the others' state)
@@ -113,6 +114,11 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         assert 0 < run["bytes_sent_per_peer"]["mean"] <= run["bytes_sent_per_peer"]["max"]
     assert (batch["steps"], batch["round_samples"], batch["codec"]) == (4, 64, "none")
     assert (diloco["steps"], diloco["round_samples"], diloco["codec"]) == (2, 128, "int8-blockwise")
+    # with overlap the rounds average in the background while the next round computes; same data, same
+    # rounds, one global state at the end
+    assert (overlapped["steps"], overlapped["round_samples"]) == (2, 128)
+    assert (batch["overlap"], diloco["overlap"], overlapped["overlap"]) == (False, False, True)
+    assert overlapped["bytes_ratio"] > 1 and overlapped["round_x"] == 2
     # the averaging's bulk bytes are counted: 4 all-reduces of a float32 gradient of this many parameters
     # send at least 3/4 of it per peer each (each peer keeps its own slice)
     assert batch["bytes_sent_per_peer"]["mean"] >= 4 * 0.75 * 4 * task["parameters"]
