@@ -30,13 +30,14 @@ before (who it stepped with).
 **An earlier life** (:func:`earlier_life_replaced`). A restarted volunteer starts fresh: it has no state
 to compare, but its report journal kept the lineage of the steps its earlier process reported (the last
 :data:`LINEAGE_STEPS`, :mod:`volunteer.journal`), and the highest of them, ``last``. When it loads a state
-at step ``L``, the same rule applies with that journaled lineage as ``ours`` and ``last`` as ``s``: its
-earlier steps from the first one whose fingerprint differs from the loaded lineage's (or, forked before
-the loaded lineage begins, from the first it journaled) up to ``last`` are not the collaboration's, and
-so are those above ``L`` (the loaded lineage cannot vouch for a step it does not reach). Steps both
-lineages agree on are kept. With no journaled lineage (a journal of an older version) or none in common
-with the loaded one (a gap of more than :data:`LINEAGE_STEPS` steps), only the steps above ``L`` are
-(what the step numbers alone show): a long absence is not evidence of a fork.
+at step ``L`` (or first steps from its own initial state: ``L`` is 0, its lineage empty), the same rule
+applies with that journaled lineage as ``ours`` and ``last`` as ``s``: its earlier steps from the first
+one whose fingerprint differs from the loaded lineage's (or, forked before the loaded lineage begins,
+from the first it journaled) up to ``last`` are not the collaboration's, and so are those above ``L``
+(the loaded lineage cannot vouch for a step it does not reach). Steps both lineages agree on are kept.
+With no journaled lineage (a journal of an older version) or none in common with the loaded one (a gap
+of more than :data:`LINEAGE_STEPS` steps), only the steps above ``L`` are (what the step numbers alone
+show): a long absence is not evidence of a fork.
 
 *Proof sketch.* The fingerprint covers the step and a fixed sample of every parameter, so two states with
 equal fingerprints at the same step are the same state up to an 8-byte hash collision. Parameters at step

@@ -114,3 +114,20 @@ def test_a_minority_step_every_holder_reported_discarded_is_a_resync_not_a_fork(
     # one holder that did not report it keeps it a fork
     one = sorted(holders)[0]
     assert soak.disagreements(everything, {one: [(106, 106)]}) == ([], [106])
+
+
+def test_lone_steps_lost_with_their_holder_and_reported_discarded_after_its_restart_are_no_fork() -> None:
+    """The two-backbone soak under load: v3 took steps 1..5 alone and was killed with the only copy of
+    step 5; the survivors went on from step 0 (shared.alone, rule (d)), and so did v3's next process,
+    which reported its earlier 1..5 discarded (volunteer.collab.sync, "A restarted volunteer")."""
+    v1 = lines("v1", range(1, 7), [f"n{i}" for i in range(1, 7)], start=10)
+    v2 = lines("v2", range(1, 7), [f"n{i}" for i in range(1, 7)], start=10)
+    v3 = [
+        *lines("v3", range(1, 6), [f"lone{i}" for i in range(1, 6)], start=0),
+        *lines("v3", range(1, 7), [f"n{i}" for i in range(1, 7)], start=10),
+    ]
+    everything = [*v1, *v2, *v3]
+    assert soak.disagreements(everything) == ([], [1, 2, 3, 4, 5])  # unreported: a fork (streak 5)
+    kept, replaced = soak.superseded(everything, {"v3": [(1, 5)]})
+    assert replaced == [1, 2, 3, 4, 5]
+    assert soak.disagreements(kept, {"v3": [(1, 5)]}) == ([], [])

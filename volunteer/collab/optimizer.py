@@ -156,6 +156,7 @@ class CollaborativeOptimizer:
             sync_grace=self.config.sync_grace,
             sync_grace_window=self.config.sync_grace_window,
             on_step=self._record_step,
+            before_stepping=self.sync.settle_earlier_life,
             after_step=self._after_step,
             receipts=self.receipts,
             stage=self.stage,

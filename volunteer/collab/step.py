@@ -170,6 +170,9 @@ class BatchStep:
     download_bps: float = 1e8
     client_mode: bool = False
     on_step: Callable[[StepRecord], None] | None = None
+    #: called when we are about to step from the state we hold: before a round's all-reduce and before a
+    #: step is applied (a restarted volunteer settles its earlier life: volunteer.collab.sync)
+    before_stepping: Callable[[], None] | None = None
     #: called after a step with the new step; the state sync announces the state at checkpoints
     after_step: Callable[[int], Awaitable[None]] | None = None
     #: may we step alone at this step? (shared.alone; None: always, e.g. in tests of the step alone)
@@ -447,6 +450,8 @@ class BatchStep:
             self._planned = (step + 1, target)
         if self.node.peer_id in rates and len(rates) > 1:  # our share of the next step, if this one is taken
             self._quota = (step + 1, quotas(rates, target)[self.node.peer_id])
+        if self.before_stepping is not None:
+            self.before_stepping()
         result = await self.averager.all_reduce(plan, vector, me, step=step + 1)
         if self.receipts is not None:
             # a stage's pull records are not reported: a PulledSlice has no stage (backbone.ledger
@@ -503,6 +508,8 @@ class BatchStep:
         return _Outcome(None, 1, 0, taken.samples, overflow=self.trainer.scales_loss)
 
     async def _apply(self, step: int, taken: Accumulated, outcome: _Outcome, seconds: float) -> None:
+        if self.before_stepping is not None:  # a lone step, or one skipped together, has no all-reduce
+            self.before_stepping()
         peers, aggregated, batch = outcome.peers, outcome.aggregated, outcome.batch
         aimed = self.target()  # before the step moves on
         self.peer.batch = (step + 1, batch)  # published with step + 1, not before (optimizer.progress)

@@ -26,12 +26,19 @@ checkpoint).
 
 *A restarted volunteer* (``previous_life``, ``previous_lineage``: the report journal's highest step and
 the fingerprints of its last reported steps) reports its earlier process's steps that the first state it
-loads did not keep as discarded, once, through ``on_discard`` (the ledger then stops crediting them):
-those above the loaded step, and those from the first step whose fingerprint differs from the loaded
-lineage's (:func:`shared.state.lineage.earlier_life_replaced`). E.g. it held step 9 and was killed, the
-survivors resumed from a checkpoint of step 1 and took steps 2 and 3 again: loading that step 3, its
-own steps 2..9 are discarded, not only 4..9. A journal without fingerprints (an older version) gives
-the steps above the loaded one only.
+trains on did not keep as discarded, once, through ``on_discard`` (the ledger then stops crediting them):
+those above that state's step, and those from the first step whose fingerprint differs from its lineage
+(:func:`shared.state.lineage.earlier_life_replaced`). E.g. it held step 9 and was killed, the survivors
+resumed from a checkpoint of step 1 and took steps 2 and 3 again: loading that step 3, its own steps
+2..9 are discarded, not only 4..9. A journal without fingerprints (an older version) gives the steps
+above the loaded one only. That first state is the first one it loads (:meth:`StateSync.sync_state`,
+even after it computed micro-batches on its initial state), or, when it steps before loading any, its
+own initial state (:meth:`StateSync.settle_earlier_life`, called as its first round or step begins):
+the two-backbone soak's lone volunteer took steps 1..5 alone, was killed with the only copy of step 5,
+and the survivors and its next process all went on from step 0 -- nothing was loaded, and without this
+its lone steps 1..5 would have stayed credited and counted as a fork. It is settled as that first step
+begins (before its round's all-reduce, or before a lone step is applied), so that the discard precedes
+the new step in the report journal (a discard drops the not yet reported steps of its range).
 
 **Handing over** (:meth:`StateSync.hand_over_final_state`): at the run's step limit the last volunteers
 keep serving the final state until a backbone confirms storing it.
@@ -226,10 +233,8 @@ class StateSync:
                                 discarded = exact
                             elif exact is not None:
                                 discarded = (min(exact[0], discarded[0]), ours)
-                        if ours is None and self.previous_life is not None:  # our earlier process's
-                            discarded = earlier_life_replaced(
-                                self.previous_lineage, self.previous_life, self.trainer.lineage, step
-                            )
+                        if self.previous_life is not None:  # our earlier process's (we have not stepped)
+                            discarded = self._earlier_life_replaced()
                         self.previous_life, self.previous_lineage = None, {}  # reported once
                         if discarded is not None and self.on_discard is not None:
                             self.on_discard(*discarded)
@@ -250,6 +255,23 @@ class StateSync:
             self.download = None
             self.waiting(None)
             self.board.publish_soon()
+
+    def settle_earlier_life(self) -> None:
+        """We are about to step from the state we hold without having loaded one (our initial state): the
+        earlier process's steps it does not keep are reported discarded now (module docstring, "A
+        restarted volunteer"); nothing once they were settled by a load or an earlier call."""
+        if self.previous_life is None:
+            return
+        discarded = self._earlier_life_replaced()
+        self.previous_life, self.previous_lineage = None, {}  # reported once
+        if discarded is not None and self.on_discard is not None:
+            self.on_discard(*discarded)
+
+    def _earlier_life_replaced(self) -> tuple[int, int] | None:
+        assert self.previous_life is not None
+        return earlier_life_replaced(
+            self.previous_lineage, self.previous_life, self.trainer.lineage, self.trainer.step
+        )
 
     async def _mark_lost(
         self,
