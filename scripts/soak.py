@@ -435,7 +435,19 @@ def ledger_figures(url: str) -> dict[str, Any]:
                     float(t) for (t,) in conn.execute(text("SELECT received_at FROM reports"))
                 ),
                 "step_times": sorted(
-                    float(t) for (t,) in conn.execute(text("SELECT finished_at FROM steps"))
+                    (int(step), float(t))
+                    for step, t in conn.execute(text("SELECT global_step, finished_at FROM steps"))
+                ),
+                # a step taken again after a rollback keeps its first row in ``steps``; its new receipts
+                # replace the discarded ones, in the reports that brought them
+                "receipt_times": sorted(
+                    (int(step), float(t))
+                    for step, t in conn.execute(
+                        text(
+                            "SELECT receipts.step, reports.received_at FROM receipts JOIN reports"
+                            " ON receipts.report_id = reports.id WHERE receipts.discarded = 0"
+                        )
+                    )
                 ),
             }
     finally:
@@ -788,6 +800,7 @@ def analyse(
     )
     computed = computed_samples(everything)
     report_times, step_times = ledger.pop("report_times"), ledger.pop("step_times")
+    receipt_times = ledger.pop("receipt_times")
     credited_by_peer = ledger.pop("credited_by_peer")
     per_volunteer = {}
     for v in soak.volunteers:
@@ -804,7 +817,12 @@ def analyse(
     if lost_at:
         after_lost = {
             "reports_received": sum(1 for t in report_times if t > lost_at[0]),
-            "steps_recorded": sum(1 for t in step_times if t > lost_at[0]),
+            # steps the ledger recorded, or took counting receipts of, after the loss (a step taken again
+            # after a rollback is recorded by its receipts: its row in ``steps`` is the first one's)
+            "steps_recorded": len(
+                {step for step, t in step_times if t > lost_at[0]}
+                | {step for step, t in receipt_times if t > lost_at[0]}
+            ),
             "volunteer_steps": len({line.step for line in everything if line.time > lost_at[0]}),
         }
     minutes = max(1e-9, (end - t0) / 60)
