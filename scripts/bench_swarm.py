@@ -116,6 +116,7 @@ import trio  # noqa: E402
 from protocols.errors import ProjectError  # noqa: E402
 from protocols.swarm import STAGE_RECORD_TTL  # noqa: E402
 from protocols.training import TrainingSpec  # noqa: E402
+from scripts.netns_peers import PeerError  # noqa: E402
 from shared.auth.keys import Identity  # noqa: E402
 from shared.data.corpus import generate_examples  # noqa: E402
 from shared.node import Node, open_node  # noqa: E402
@@ -802,7 +803,7 @@ def main() -> None:
                 runs[mode] = trio.run(on_loopback, run, args, task, spec, order, batches)
                 runs[mode]["loadavg"] = loads(before)
         fixed, swarm = runs["fixed"], runs["swarm"]
-    except BenchError as exc:
+    except (BenchError, PeerError) as exc:
         print(f"bench_swarm: error: {exc}", file=sys.stderr)
         sys.exit(2)
     model = predicted(args.speeds, order, args.stages, args.seed)

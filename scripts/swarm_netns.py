@@ -367,18 +367,17 @@ def links(args: argparse.Namespace, arrivals: Sequence[int]) -> tuple[list[float
 
 
 def check(args: argparse.Namespace) -> dict[str, Any]:
-    """The link settings for the JSON; ``BenchError`` for bad ones or where namespaces are unavailable."""
+    """The link settings for the JSON; ``PeerError`` for bad ones or where namespaces are unavailable
+    (``PeerError``, not ``bench_swarm.BenchError``: run as a script, that module is ``__main__``)."""
     if len(args.netns_mbps) not in (1, len(args.speeds)):
-        raise bench.BenchError(
-            f"--netns-mbps takes one value or one per peer of --speeds ({len(args.speeds)})"
-        )
+        raise PeerError(f"--netns-mbps takes one value or one per peer of --speeds ({len(args.speeds)})")
     if any(not m < 1e5 for m in args.netns_mbps):
-        raise bench.BenchError("--netns-mbps must be in (0, 100000)")
+        raise PeerError("--netns-mbps must be in (0, 100000)")
     if not 0 <= args.netns_rtt_ms < 40_000:
-        raise bench.BenchError("--netns-rtt-ms must be in [0, 40000)")
+        raise PeerError("--netns-rtt-ms must be in [0, 40000)")
     reason = unavailable()
     if reason is not None:
-        raise bench.BenchError(f"network namespaces with tc shaping are unavailable: {reason}")
+        raise PeerError(f"network namespaces with tc shaping are unavailable: {reason}")
     return {
         "shaped": "tc tbf, each host's upload and download; delay wires (tests/netns.py)",
         "mbps_per_peer": args.netns_mbps if len(args.netns_mbps) > 1 else args.netns_mbps * len(args.speeds),
@@ -401,7 +400,7 @@ def run(
     arrivals: Sequence[int],
 ) -> dict[str, dict[str, Any]]:
     """Each of ``modes`` in turn with the same peer processes on one shaped LAN (module docstring); a mode
-    that kills servers must come last."""
+    that kills servers must come last. Any failure of a peer or a link is one ``PeerError``."""
     from tests.netns import LinkError, lan
 
     servers, trainers = links(args, arrivals)
@@ -411,14 +410,12 @@ def run(
         with lan(len(shape), shape=shape, rtt_ms=args.netns_rtt_ms or None) as hosts:
             return trio.run(_drive, modes, args, order, hosts)
     except LinkError as exc:
-        raise bench.BenchError(f"emulated link failed: {exc}") from exc
+        raise PeerError(f"emulated link failed: {exc}") from exc
     except BaseExceptionGroup as group:
         first = first_error(group)
         if isinstance(first, PeerError):
-            raise bench.BenchError(str(first)) from group
+            raise PeerError(str(first)) from group
         raise
-    except PeerError as exc:
-        raise bench.BenchError(str(exc)) from exc
 
 
 if __name__ == "__main__":
