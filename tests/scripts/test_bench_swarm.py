@@ -135,7 +135,7 @@ def test_a_tiny_netns_run_reports_the_same_figures_and_the_links() -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=420,  # 6 peer processes import torch at once: 2-3 minutes on a busy 2-core machine
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
