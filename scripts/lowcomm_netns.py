@@ -41,19 +41,17 @@ import contextlib
 import json
 import os
 import resource
-import select
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scripts.netns_peers import PeerError, PeerProcess, start, stop, unavailable  # noqa: E402
 
 DEFINITION = (
     "compute utilization = compute_s / wall_s per peer process: compute_s = wall seconds inside "
@@ -67,8 +65,8 @@ STARTUP_S = 300.0  # to start and see the other peers (four torch imports under 
 SCRIPT = Path(__file__).resolve()
 
 
-class NetnsError(Exception):
-    """A failure to report as one line."""
+NetnsError = PeerError
+"""A failure to report as one line (a peer's, or the emulated links')."""
 
 
 # ---------------------------------------------------------------------------------------------- peer side
@@ -171,90 +169,23 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------- coordinator
 
 
-@dataclass
-class Peer:
-    proc: subprocess.Popen[bytes]
-    stderr: IO[bytes]
-    rank: int
-    pending: bytearray = field(default_factory=bytearray)
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write((line + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise NetnsError(f"peer {self.rank} exited ({self.proc.poll()}): {self.stderr_tail()}") from None
-
-    def receive(self, within: float) -> dict[str, Any]:
-        """The next JSON line from the peer; ``NetnsError`` if it dies or stays silent."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + within
-        while b"\n" not in self.pending:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise NetnsError(f"peer {self.rank} silent for {within:.0f} s: {self.stderr_tail()}")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise NetnsError(f"peer {self.rank} exited ({self.proc.wait()}): {self.stderr_tail()}")
-            self.pending += chunk
-        line, _, rest = bytes(self.pending).partition(b"\n")
-        self.pending[:] = rest
-        try:
-            obj: dict[str, Any] = json.loads(line)
-        except json.JSONDecodeError:
-            raise NetnsError(f"peer {self.rank} wrote {line[:200]!r}: {self.stderr_tail()}") from None
-        return obj
-
-    def stderr_tail(self) -> str:
-        self.stderr.flush()
-        self.stderr.seek(0)
-        text = self.stderr.read().decode(errors="replace").strip()
-        return text[-1500:] or "(no stderr)"
-
-
-def _start(host: Any, argv: list[str], rank: int) -> Peer:
-    stderr = tempfile.TemporaryFile()
-    try:
-        proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
-    except BaseException:
-        stderr.close()
-        raise
-    return Peer(proc, stderr, rank)
-
-
 @contextlib.contextmanager
-def peer_group(hosts: Sequence[Any], config: list[str]) -> Iterator[list[Peer]]:
+def peer_group(hosts: Sequence[Any], config: list[str]) -> Iterator[list[PeerProcess]]:
     """One peer process per namespace host, peer 0 first (the others join the DHT through it); every
     process is told to exit, then killed if it does not, and reaped on exit."""
-    peers: list[Peer] = []
+    peers: list[PeerProcess] = []
     base = [sys.executable, str(SCRIPT), "--worker", "--peers", str(len(hosts)), *config]
     try:
-        peers.append(_start(hosts[0], [*base, "--rank", "0", "--listen", hosts[0].address], 0))
+        peers.append(start(hosts[0], [*base, "--rank", "0", "--listen", hosts[0].address], 0))
         first = peers[0].receive(STARTUP_S)["addr"]
         for rank, host in enumerate(hosts[1:], start=1):
             argv = [*base, "--rank", str(rank), "--listen", host.address, "--initial", first]
-            peers.append(_start(host, argv, rank))
+            peers.append(start(host, argv, rank))
         for p in peers[1:]:
             p.receive(STARTUP_S)  # its address
         yield peers
     finally:
-        for p in peers:
-            with contextlib.suppress(OSError, ValueError):
-                assert p.proc.stdin is not None
-                p.proc.stdin.close()
-        end = time.monotonic() + 10.0
-        for p in peers:
-            try:
-                p.proc.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.proc.kill()
-                p.proc.wait()
-            with contextlib.suppress(OSError):
-                assert p.proc.stdout is not None
-                p.proc.stdout.close()
-            p.stderr.close()
+        stop(peers, 10.0)
 
 
 def run_configuration(hosts: Sequence[Any], config: list[str], limit_s: float) -> list[dict[str, Any]]:
@@ -297,9 +228,7 @@ def summarize(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_environment() -> None:
-    from tests.netns import netns_available, tc_available
-
-    reason = netns_available() or tc_available()
+    reason = unavailable()
     if reason is not None:
         raise NetnsError(f"network namespaces with tc shaping are unavailable: {reason}")
 

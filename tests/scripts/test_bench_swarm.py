@@ -116,3 +116,56 @@ def test_a_tiny_run_reports_both_modes_and_the_recovery() -> None:
     assert rec["post_min_fraction"] >= 0 and rec["target"]["met"] in (True, False)
     assert 0 < rec["bound_fraction"] <= 1
     assert result["predicted_samples_per_s"]["swarm_optimum"] == 100.0  # {2, 1} and {1, 1}: 2 / 0.02
+
+
+@pytest.mark.slow
+def test_a_tiny_netns_run_reports_the_same_figures_and_the_links() -> None:
+    from tests.netns import netns_available, tc_available
+
+    reason = netns_available() or tc_available()
+    if reason is not None:
+        pytest.skip(f"network namespaces with tc shaping unavailable: {reason}")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *("--netns", "--netns-mbps", "50,100,100,100", "--netns-rtt-ms", "10"),
+            *("--stages", "2", "--speeds", "2,1,1,1", "--base-seconds", "0.02", "--period", "2"),
+            *("--window", "2", "--observe", "1", "--max-warmup", "2", "--warmup", "1", "--join-gap", "0.2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=420,  # 6 peer processes import torch at once: 2-3 minutes on a busy 2-core machine
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    links = result["links"]
+    assert links["rtt_ms"] == 10.0 and links["trainer_mbps"] == 100.0
+    assert links["mbps_per_peer"] == [50.0, 100.0, 100.0, 100.0]  # in the order of --speeds
+    fixed, swarm = result["fixed"], result["swarm"]
+    assert fixed["samples_per_s"] > 0 and len(fixed["per_pipeline_samples_per_s"]) == 2
+    assert sorted(s for stage in swarm["placement"] for s in stage) == [1.0, 1.0, 1.0, 2.0]
+    for mode in (fixed, swarm):
+        before, after = mode["loadavg"]
+        assert len(before) == len(after) == 3 and mode["cpu_fraction"] > 0
+    rec = swarm["recovery"]
+    assert len(rec["killed_speeds"]) == 1 and rec["pre_samples_per_s"] == swarm["samples_per_s"]
+    assert 0 < rec["bound_fraction"] <= 1 and rec["series"]
+    assert set(rec["target"]) == {"fraction", "periods", "met", "reachable", "met_of_bound"}
+    assert sum(len(stage) for stage in rec["placement_after"]) == 3  # the killed server is gone
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--netns", "--netns-mbps", "1,2"], "one per peer of --speeds"),
+        (["--netns", "--netns-rtt-ms", "-1"], "--netns-rtt-ms must be"),
+    ],
+)
+def test_bad_netns_arguments_are_one_line_errors(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert message in proc.stderr and "Traceback" not in proc.stderr
