@@ -306,18 +306,10 @@ async def run_peer(
     in_a_row = 0
     while collab.trainer.step < steps:
         if collab.behind():  # left out of a round (a stall): the others' state, our share lost
-            counters.lost += collab.trainer.samples
-            try:
-                await collab.sync_state()
-                counters.downloads += 1
-            except StateUnavailable:
-                await trio.sleep(0.5)
+            await catch_up(collab, counters)
             continue
         if collab.trainer.samples < share:
-            batch = next(stream, None)
-            if batch is None:
-                raise BenchError(f"peer {rank}'s data stream ended")
-            await collab.accumulate(batch)
+            await accumulate_next(collab, stream, rank)
             continue
         await collab.refresh_view()
         if await collab.average_and_step():
@@ -329,6 +321,25 @@ async def run_peer(
             raise BenchError(f"peer {rank}: step {collab.trainer.step + 1} failed {in_a_row} times")
         await trio.sleep(random.uniform(0.0, 0.5))  # peers that all retry at once may miss again
         await collab.refresh_view()
+
+
+async def accumulate_next(
+    collab: CollaborativeOptimizer, stream: Iterator[dict[str, Any]], rank: int
+) -> None:
+    batch = next(stream, None)
+    if batch is None:
+        raise BenchError(f"peer {rank}'s data stream ended")
+    await collab.accumulate(batch)
+
+
+async def catch_up(collab: CollaborativeOptimizer, counters: PeerCounters) -> None:
+    """Left out of a round (a stall): download the others' state; our share of that round is lost."""
+    counters.lost += collab.trainer.samples
+    try:
+        await collab.sync_state()
+        counters.downloads += 1
+    except StateUnavailable:
+        await trio.sleep(0.5)
 
 
 async def run_overlapped(
@@ -348,29 +359,17 @@ async def run_overlapped(
     attempts)."""
     stats = collab.mode.stats
     failed0 = stats.failed_rounds
-
-    async def accumulate() -> None:
-        batch = next(stream, None)
-        if batch is None:
-            raise BenchError(f"peer {rank}'s data stream ended")
-        await collab.accumulate(batch)
-
     async with trio.open_nursery() as background:
         while collab.trainer.step < steps:
             if collab.averaging:
                 if collab.trainer.samples < share:
-                    await accumulate()
+                    await accumulate_next(collab, stream, rank)
                 else:
                     await trio.sleep(0.01)
             elif collab.behind():
-                counters.lost += collab.trainer.samples
-                try:
-                    await collab.sync_state()
-                    counters.downloads += 1
-                except StateUnavailable:
-                    await trio.sleep(0.5)
+                await catch_up(collab, counters)
             elif collab.trainer.samples < share:
-                await accumulate()
+                await accumulate_next(collab, stream, rank)
             else:
                 await collab.refresh_view()
                 await collab.start_step(background)
