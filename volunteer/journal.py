@@ -125,9 +125,8 @@ class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k", o
     bytes_aggregated: int
     finished_at: float
     fingerprint: bytes | None = None  # of the parameters after the step (module docstring, "Lineage")
-    stage: int | None = (
-        None  # a swarm run's pipeline stage whose step it is (module docstring, "Stage steps")
-    )
+    #: a swarm run's pipeline stage whose step it is (module docstring, "Stage steps")
+    stage: int | None = None
 
 
 class _Opened(msgspec.Struct, frozen=True, tag="opened", tag_field="k"):

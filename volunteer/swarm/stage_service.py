@@ -42,8 +42,10 @@ steps a stage state it loads replaced, by the batch mode's rules (:mod:`voluntee
 steps (only our side of a partition took them: we re-sync to the survivor's state), and, for a server
 whose earlier process served this stage (``previous_life``: the highest step of the stage the report
 journal holds, :meth:`volunteer.reporting.Reporter.stage_last_step`), the steps above the first state of
-the stage it loads (the stage lost them, e.g. with its last server's death, or took them again without
-us). It calls ``on_discard(first, last)`` once per load, and the session reports them as this stage's
+the stage it loads (the stage lost them, e.g. with its last server's death; stage steps are journaled
+without fingerprints, so a stage that lost them and took as many steps again while we were gone is not
+noticed, as for a data-parallel journal of an older version). It calls ``on_discard(first, last)`` at a
+load that replaced some, and the session reports them as this stage's
 (:meth:`volunteer.reporting.Reporter.discard_stage`). A server that is merely behind, or moves to another
 stage and downloads its state, discards nothing: its steps are the stage's history, or another stage's.
 
