@@ -13,6 +13,17 @@ survive, e.g. a partition's minority) lists its own steps the loaded state repla
 backbones of every version; one with discards is refused by a backbone older than the field (and given
 up by the volunteer, its receipts carried by a later report).
 
+**Discarded stage steps** (issue 17, swarm runs). A stage server whose stage's state it loaded replaced
+stage steps only it (and its side of a partition) took, or that its earlier process took before a
+restart, lists them in ``stage_discarded``: inclusive ranges of *that stage's* steps
+(:class:`StageStepRange`: stage, first, last; at most :data:`MAX_STAGE_DISCARDED_PER_REPORT`). A stage
+counts its own steps, so a data-parallel ``StepRange`` cannot say which stage; and ``StepRange`` gets no
+``stage`` field, since msgspec encodes a defaulted trailing field of an array-like struct and every
+data-parallel discard's bytes would change. The ledger treats them as ``discarded``, per stage
+(:mod:`backbone.ledger.accounting`, "Swarm runs"). Compatibility: omitted when empty, so a report without
+stage discards decodes on backbones of every version; one with them is refused by a backbone older than
+the field (the swarm mode has no released version, so every peer of a swarm run runs one version).
+
 **Relayed bytes.** ``bytes_relayed`` is what this peer's relay service spliced for others in the
 interval (a claim, like ``bytes_aggregated``); ``relayed_through`` is the evidence of *other* peers'
 relaying: per relay peer id, the bytes this peer *received* in the interval over connections that went
@@ -64,7 +75,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from .errors import ProtocolError
-from .receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT, PulledSlice, SignedReceipt
+from .receipts import MAX_PULLED_PER_REPORT, MAX_RECEIPTS_PER_REPORT, MAX_STAGES, PulledSlice, SignedReceipt
 from .types import Bytes64, PeerIdStr, RunIdStr
 
 __all__ = [
@@ -76,6 +87,7 @@ __all__ = [
     "MAX_RECEIVED_PER_REPORT",
     "MAX_RELAYED_PER_REPORT",
     "MAX_REPORT_BYTES",
+    "MAX_STAGE_DISCARDED_PER_REPORT",
     "Capabilities",
     "CapabilitiesReceipt",
     "ContributionReport",
@@ -83,6 +95,7 @@ __all__ = [
     "RelayedBytes",
     "SignedCapabilities",
     "SignedReport",
+    "StageStepRange",
     "StepRange",
     "capabilities_payload",
     "decode_capabilities",
@@ -99,6 +112,8 @@ MAX_REPORT_AGE_S = 24 * 3600.0
 MAX_COUNT = 2**53
 #: Ranges of discarded steps one report lists (a volunteer re-syncs rarely; ranges are merged).
 MAX_DISCARDED_PER_REPORT = 16
+#: Ranges of discarded stage steps one report lists (merged per stage; a server serves one stage at a time).
+MAX_STAGE_DISCARDED_PER_REPORT = 16
 #: Relays one report names (a peer behind NAT holds a reservation at a few; reachable peers need none).
 MAX_RELAYED_PER_REPORT = 16
 #: Stage servers one report names in ``received_from`` (the busiest; the rest waits for the next report).
@@ -131,6 +146,19 @@ class StepRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_l
     last: Count
 
     def __post_init__(self) -> None:
+        _check("first", self.first, 0, MAX_COUNT)
+        _check("last", self.last, self.first, MAX_COUNT)
+
+
+class StageStepRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Steps ``first..last`` (both included) of swarm pipeline stage ``stage`` (module docstring)."""
+
+    stage: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]
+    first: Count
+    last: Count
+
+    def __post_init__(self) -> None:
+        _check("stage", self.stage, 0, MAX_STAGES - 1)
         _check("first", self.first, 0, MAX_COUNT)
         _check("last", self.last, self.first, MAX_COUNT)
 
@@ -181,6 +209,10 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     bytes_sent: Count = 0
     #: swarm runs: answer bytes our trainers received from each stage server (evidence of *their* sending)
     received_from: Annotated[list[ReceivedBytes], msgspec.Meta(max_length=MAX_RECEIVED_PER_REPORT)] = []
+    #: swarm runs: our stage steps that a stage state we loaded replaced (module docstring)
+    stage_discarded: Annotated[
+        list[StageStepRange], msgspec.Meta(max_length=MAX_STAGE_DISCARDED_PER_REPORT)
+    ] = []
 
     def __post_init__(self) -> None:
         for name in ("seq", "global_step", "samples", "bytes_aggregated", "bytes_relayed", "bytes_sent"):
@@ -190,6 +222,10 @@ class ContributionReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         _check("interval_end", self.interval_end, -_MAX_TIME, _MAX_TIME)
         if len(self.discarded) > MAX_DISCARDED_PER_REPORT:
             raise ValueError(f"a report lists at most {MAX_DISCARDED_PER_REPORT} discarded step ranges")
+        if len(self.stage_discarded) > MAX_STAGE_DISCARDED_PER_REPORT:
+            raise ValueError(
+                f"a report lists at most {MAX_STAGE_DISCARDED_PER_REPORT} discarded stage step ranges"
+            )
         if len(self.receipts) > MAX_RECEIPTS_PER_REPORT or len(self.pulled) > MAX_PULLED_PER_REPORT:
             raise ValueError(
                 f"a report carries at most {MAX_RECEIPTS_PER_REPORT} receipts and "

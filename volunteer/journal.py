@@ -11,7 +11,8 @@ the steps that were never reported, and carries on. What is journaled:
 ``opened``     a reporter started at ``t`` (its first report's interval begins there)
 ``stepped``    one step we took part in, recorded *after* its round completed and the step was applied:
                samples accumulated but never averaged are not run progress and are never journaled;
-               with the step's ``fingerprint`` when the caller gave one (the step's parameters: see below)
+               with the step's ``fingerprint`` when the caller gave one (the step's parameters: see below),
+               and in a swarm run the pipeline ``stage`` whose step it is
 ``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
 ``queued``     a report was closed: its signed bytes and signature (it took the open steps and one
                report's worth of the book, exactly as replaying ``take()`` on the replayed book does)
@@ -19,12 +20,27 @@ the steps that were never reported, and carries on. What is journaled:
                receipts and relayed bytes claim went back into the book; ``evidence_back``: its relay
                evidence too)
 ``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive)
+``stage_discarded``
+               in a swarm run, our steps ``first..last`` of pipeline stage ``stage`` were replaced by a
+               stage state we loaded (``Reporter.discard_stage``)
 ``relayed``    bytes our relay service spliced (``claim``) and bytes we received through each relay
                (``through``) since the previous such entry: what the next report claims and evidences;
                in a swarm run also the pipeline bytes we sent (``sent``) and the answer bytes our
                trainers received from each stage server (``received``; ``Reporter.swarm_traffic``)
-``state``      written by compaction: the next seq, where the next interval begins, and the lineage
+``state``      written by compaction: the next seq, where the next interval begins, the lineage, and
+               the highest step of each pipeline stage we served (``stages``)
 =============  ============================================================================================
+
+**Stage steps** (swarm runs): the highest step of each stage this data dir took part in
+(:attr:`Replayed.stage_steps`, from the ``stepped`` entries with a ``stage`` and the ``state`` entry) is
+what a restarted stage server compares with the first state of that stage it loads, to report the
+earlier process's stage steps it lost (:mod:`volunteer.swarm.stage_service`, "Discards"). Pending stage
+discards are merged per stage (:func:`merge_stage_ranges`, at most ``MAX_STAGE_DISCARDED_PER_REPORT``
+ranges per stage); a report carries the first ``MAX_STAGE_DISCARDED_PER_REPORT`` of them and the rest
+waits for the next (a ``queued`` entry takes back exactly what its report carried). The ``stage`` fields
+are omitted when absent and ``stage_discarded`` is a tag of its own, so a journal of a data-parallel run
+has the bytes of the version before them, and a version before them skips (counting it damaged) a stage
+discard rather than reading it as a data-parallel one.
 
 **Lineage** (:attr:`Replayed.lineage`): the fingerprints of the last
 :data:`~shared.state.lineage.LINEAGE_STEPS` steps journaled with one, minus those discarded since
@@ -67,7 +83,12 @@ from pathlib import Path
 
 import msgspec
 
-from protocols.ledger import MAX_DISCARDED_PER_REPORT, ContributionReport, SignedReport
+from protocols.ledger import (
+    MAX_DISCARDED_PER_REPORT,
+    MAX_STAGE_DISCARDED_PER_REPORT,
+    ContributionReport,
+    SignedReport,
+)
 from protocols.receipts import PulledSlice, SignedReceipt, decode_receipt
 from shared.errors import ProtocolError
 from shared.portable import fdatasync
@@ -83,6 +104,7 @@ __all__ = [
     "Replayed",
     "ReportJournal",
     "merge_ranges",
+    "merge_stage_ranges",
     "take_received",
     "take_relayed",
 ]
@@ -103,6 +125,8 @@ class JournaledStep(msgspec.Struct, frozen=True, tag="stepped", tag_field="k", o
     bytes_aggregated: int
     finished_at: float
     fingerprint: bytes | None = None  # of the parameters after the step (module docstring, "Lineage")
+    #: a swarm run's pipeline stage whose step it is (module docstring, "Stage steps")
+    stage: int | None = None
 
 
 class _Opened(msgspec.Struct, frozen=True, tag="opened", tag_field="k"):
@@ -139,14 +163,21 @@ class _Discarded(msgspec.Struct, frozen=True, tag="discarded", tag_field="k"):
     last: int
 
 
+class _StageDiscarded(msgspec.Struct, frozen=True, tag="stage_discarded", tag_field="k"):
+    stage: int
+    first: int
+    last: int
+
+
 class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k", omit_defaults=True):
     seq: int
     last_end: float
     last_step: int
     lineage: str = ""  # encode_lineage of Replayed.lineage (absent in journals of older versions)
+    stages: dict[int, int] = {}  # Replayed.stage_steps (absent in journals of older versions)
 
 
-Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _State | _Relayed
+Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _StageDiscarded | _State | _Relayed
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Entry)
 
@@ -163,6 +194,10 @@ class Replayed:
     #: queued reports not acknowledged, oldest first: (signed, decoded)
     unsent: deque[tuple[SignedReport, ContributionReport]] = field(default_factory=deque)
     discarded: list[tuple[int, int]] = field(default_factory=list)
+    #: swarm runs: ``(stage, first, last)`` ranges of our stage steps discarded, not in a report yet
+    stage_discarded: list[tuple[int, int, int]] = field(default_factory=list)
+    #: swarm runs: per pipeline stage, the highest step of it we took part in (module docstring)
+    stage_steps: dict[int, int] = field(default_factory=dict)
     #: bytes our relay spliced, and bytes received through each relay, not in a report yet
     relay_claim: int = 0
     relay_through: Counter[str] = field(default_factory=Counter)
@@ -184,6 +219,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
         elif isinstance(entry, JournaledStep):
             state.open_steps.append(entry)
             state.lineage = with_step(state.lineage, entry)
+            note_stage_step(state.stage_steps, entry)
         elif isinstance(entry, _Booked):
             book.add(entry.step, entry.receipts, entry.pulled, stage=entry.stage)
         elif isinstance(entry, _Relayed):
@@ -196,11 +232,19 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
             state.discarded = merge_ranges([*state.discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
             state.lineage = without_range(state.lineage, first, last)
+        elif isinstance(entry, _StageDiscarded):  # as Reporter.discard_stage does
+            state.open_steps = without_stage_steps(state.open_steps, entry.stage, entry.first, entry.last)
+            state.stage_discarded = merge_stage_ranges(
+                [*state.stage_discarded, (entry.stage, entry.first, entry.last)],
+                MAX_STAGE_DISCARDED_PER_REPORT,
+            )
         elif isinstance(entry, _State):
             state.seq = max(state.seq, entry.seq)
             state.last_end = max(state.last_end or entry.last_end, entry.last_end)
             state.last_step = entry.last_step
             state.lineage = decode_lineage(entry.lineage)
+            for stage, step in entry.stages.items():
+                state.stage_steps[stage] = max(state.stage_steps.get(stage, step), step)
         elif isinstance(entry, _Queued):
             try:
                 report = _REPORT_DECODER.decode(entry.report)
@@ -210,6 +254,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             book.take()  # what close_interval took from the live book
             state.open_steps.clear()
             state.discarded.clear()  # close_interval takes them all
+            state.stage_discarded = take_stage_discarded(state.stage_discarded, report)
             take_relayed(state.relay_through, report)  # and what the report carried of these
             state.relay_claim = max(0, state.relay_claim - report.bytes_relayed)
             take_received(state.received, report)
@@ -246,6 +291,25 @@ def without_range(lineage: dict[int, bytes], first: int, last: int) -> dict[int,
     return {s: f for s, f in lineage.items() if not first <= s <= last}
 
 
+def note_stage_step(stage_steps: dict[int, int], step: JournaledStep) -> None:
+    """Raise ``stage_steps[stage]`` to ``step``'s step, for a step of a pipeline stage."""
+    if step.stage is not None:
+        stage_steps[step.stage] = max(stage_steps.get(step.stage, step.step), step.step)
+
+
+def without_stage_steps(steps: list[JournaledStep], stage: int, first: int, last: int) -> list[JournaledStep]:
+    """``steps`` without those of ``stage`` in ``first..last`` (discarded: not claimed)."""
+    return [s for s in steps if not (s.stage == stage and first <= s.step <= last)]
+
+
+def take_stage_discarded(
+    pending: list[tuple[int, int, int]], report: ContributionReport
+) -> list[tuple[int, int, int]]:
+    """``pending`` without the stage discards ``report`` carried (as the reporter took them)."""
+    carried = {(r.stage, r.first, r.last) for r in report.stage_discarded}
+    return [r for r in pending if r not in carried]
+
+
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:
     """Remove what ``report`` carried of the relay evidence ``through`` (as the reporter took it)."""
     _take(through, ((r.relay, r.nbytes) for r in report.relayed_through))
@@ -280,6 +344,21 @@ def merge_ranges(ranges: list[tuple[int, int]], limit: int) -> list[tuple[int, i
         i = gaps.index(min(gaps))
         merged[i : i + 2] = [(merged[i][0], merged[i + 1][1])]
     return merged
+
+
+def merge_stage_ranges(ranges: list[tuple[int, int, int]], limit: int) -> list[tuple[int, int, int]]:
+    """``(stage, first, last)`` ranges merged per stage as :func:`merge_ranges` merges (at most ``limit``
+    per stage, the closest joined: more of our own steps, never fewer), sorted by stage and first step.
+    Ranges with ``last < first`` are dropped."""
+    by_stage: dict[int, list[tuple[int, int]]] = {}
+    for stage, first, last in ranges:
+        if first <= last:
+            by_stage.setdefault(stage, []).append((first, last))
+    return [
+        (stage, first, last)
+        for stage in sorted(by_stage)
+        for first, last in merge_ranges(by_stage[stage], limit)
+    ]
 
 
 def encode_line(entry: Entry) -> bytes:
@@ -408,6 +487,8 @@ def compacted(
     sent_claim: int = 0,
     received: dict[str, int] | None = None,
     lineage: dict[int, bytes] | None = None,
+    stage_discarded: list[tuple[int, int, int]] | None = None,
+    stage_steps: dict[int, int] | None = None,
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
     held: list[Entry] = []
@@ -433,11 +514,12 @@ def compacted(
     # no-op), then the held steps are booked; the state after the queue overrides what it set.
     return [
         *queued,
-        _State(seq, last_end, last_step, encode_lineage(lineage or {})),
+        _State(seq, last_end, last_step, encode_lineage(lineage or {}), dict(stage_steps or {})),
         *held,
         # discards before the open steps: an open step in a pending discard's range is that step taken
         # again after the discard (replayed after it, it would be dropped from the claim and the lineage)
         *(_Discarded(a, b) for a, b in discarded),
+        *(_StageDiscarded(k, a, b) for k, a, b in stage_discarded or []),
         *open_steps,
         *(
             [_Relayed(relay_claim, dict(relay_through or {}), sent_claim, dict(received or {}))]
@@ -476,3 +558,7 @@ def booked(
 
 def discarded_steps(first: int, last: int) -> Entry:
     return _Discarded(first, last)
+
+
+def discarded_stage_steps(stage: int, first: int, last: int) -> Entry:
+    return _StageDiscarded(stage, first, last)

@@ -20,6 +20,17 @@ journals the fingerprint of each data-parallel step it records and keeps their :
 :mod:`volunteer.collab.sync` compares with the first state loaded to discard the earlier steps the
 collaboration took again differently.
 
+**Stage discards** (swarm runs; the ledger's rule: :mod:`backbone.ledger.accounting`, "Swarm runs").
+A stage server's collaboration reports the stage steps a stage state it loaded replaced through
+:meth:`Reporter.discard_stage` (a fork's steps after a partition, or a restarted process's steps the
+stage lost: :mod:`volunteer.swarm.stage_service`); they are journaled at once, merged per stage, and the
+next reports list them in ``stage_discarded`` (at most ``MAX_STAGE_DISCARDED_PER_REPORT`` per report, the
+rest in the next), exactly as data-parallel discards go into ``discarded``. A report given up does not put
+them back (as data-parallel discards: one refused by a backbone older than the field would have every
+later report refused too). Steps of the stage we record carry its index (``record(..., stage=k)``), so
+the journal knows the highest step of each stage this data dir took part in
+(:meth:`Reporter.stage_last_step`).
+
 **Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
 delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
 bytes we received through each relay (``host.relay_traffic.take``, :mod:`shared.net.relaytraffic`: the
@@ -64,10 +75,12 @@ from protocols.ledger import (
     MAX_INTERVAL_S,
     MAX_RECEIVED_PER_REPORT,
     MAX_RELAYED_PER_REPORT,
+    MAX_STAGE_DISCARDED_PER_REPORT,
     ContributionReport,
     ReceivedBytes,
     RelayedBytes,
     SignedReport,
+    StageStepRange,
     StepRange,
     report_payload,
 )
@@ -145,6 +158,7 @@ class Reporter:
         self._pending: deque[tuple[SignedReport, ContributionReport]] = deque()
         self._open: list[JournaledStep] = []  # steps not in a report yet
         self._discarded: list[tuple[int, int]] = []  # step ranges not in a report yet
+        self._stage_discarded: list[tuple[int, int, int]] = []  # stage step ranges not in a report yet
         self._wakeup = trio.Event()
         self._sending = trio.Lock()
         self.sent = 0
@@ -164,6 +178,8 @@ class Reporter:
         self._last_step = state.last_step
         self._pending.extend(state.unsent)
         self._discarded = list(state.discarded)
+        self._stage_discarded = list(state.stage_discarded)
+        self._stage_steps = dict(state.stage_steps)  # the highest step of each stage we took part in
         self._open = list(state.open_steps)
         self._lineage = state.lineage  # of the steps recorded with a fingerprint (volunteer.journal)
         self._relay_claim = state.relay_claim  # read from the sources, not in a report yet
@@ -173,7 +189,7 @@ class Reporter:
         self._last_end = state.last_end if state.last_end is not None else time.time()
         self.recovered = len(state.unsent), len(state.open_steps)
         self._compact()
-        if self._open or self._discarded or self._has_relayed():
+        if self._open or self._discarded or self._stage_discarded or self._has_relayed():
             self.close_interval()  # the steps (and relayed bytes) a killed process never reported
         if any(self.recovered):
             logger.info(
@@ -218,6 +234,8 @@ class Reporter:
                 self._sent_claim,
                 dict(self._received),
                 self._lineage,
+                self._stage_discarded,
+                self._stage_steps,
             )
         )
 
@@ -235,10 +253,11 @@ class Reporter:
         self._sent_claim += max(0, sent)
         self._received.update(received)
 
-    def record(self, step: FinishedStep, fingerprint: bytes | None = None) -> None:
+    def record(self, step: FinishedStep, fingerprint: bytes | None = None, stage: int | None = None) -> None:
         """Note one step we took part in (called from the optimizer after the step is applied: its round
         completed; never blocks). Journaled at once, so a SIGKILL right after loses nothing. With the
-        ``fingerprint`` of the parameters after it (a data-parallel step), it joins :attr:`lineage`."""
+        ``fingerprint`` of the parameters after it (a data-parallel step), it joins :attr:`lineage`; with
+        a ``stage`` (a swarm run's stage step), it is that stage's (:meth:`stage_last_step`)."""
         entry = JournaledStep(
             step.step,
             step.samples,
@@ -246,11 +265,13 @@ class Reporter:
             step.bytes_aggregated,
             step.finished_at,
             fingerprint,
+            stage,
         )
         self.poll_relays()
         self.journal.append(entry)
         self._open.append(entry)
         self._lineage = journal.with_step(self._lineage, entry)
+        journal.note_stage_step(self._stage_steps, entry)
         if step.finished_at - self._last_end >= self.interval or self._book_full():
             self.close_interval()
 
@@ -266,6 +287,24 @@ class Reporter:
         self.journal.append(journal.discarded_steps(first, last))
         self._wakeup.set()
 
+    def discard_stage(self, stage: int, first: int, last: int) -> None:
+        """Our steps ``first..last`` of pipeline stage ``stage`` were replaced by a stage state we loaded
+        (module docstring, "Stage discards"): the next report lists them; steps of that stage noted but
+        not yet reported in that range are dropped from the claim."""
+        if last < first:
+            return
+        self._open = journal.without_stage_steps(self._open, stage, first, last)
+        self._stage_discarded = journal.merge_stage_ranges(
+            [*self._stage_discarded, (stage, first, last)], MAX_STAGE_DISCARDED_PER_REPORT
+        )
+        self.journal.append(journal.discarded_stage_steps(stage, first, last))
+        self._wakeup.set()
+
+    def stage_last_step(self, stage: int) -> int | None:
+        """The highest step of pipeline ``stage`` this data dir took part in (journaled, reported or not),
+        or None: what a restarted stage server lost if that stage's state it loads is older."""
+        return self._stage_steps.get(stage)
+
     def _book_full(self) -> bool:
         """The book holds a report's worth of receipts and pull records (a little early at worst)."""
         return len(self.book) >= min(MAX_RECEIPTS_PER_REPORT, MAX_PULLED_PER_REPORT)
@@ -275,7 +314,13 @@ class Reporter:
         report, queued for sending. With no step but receipts (the last round's, arriving after its
         step was noted), the report claims nothing and carries them."""
         self.poll_relays()
-        if not self._open and not len(self.book) and not self._discarded and not self._has_relayed():
+        if (
+            not self._open
+            and not len(self.book)
+            and not self._discarded
+            and not self._stage_discarded
+            and not self._has_relayed()
+        ):
             return
         steps, self._open = self._open, []
         end = max([s.finished_at for s in steps] or [time.time()])
@@ -285,6 +330,7 @@ class Reporter:
         self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
         receipts, pulled = self.book.take()
         discarded, self._discarded = self._discarded, []
+        stage_discarded = self._stage_discarded[:MAX_STAGE_DISCARDED_PER_REPORT]  # the rest: the next report
         claim = min(self._relay_claim, MAX_COUNT)
         through = [
             RelayedBytes(relay, min(n, MAX_COUNT))
@@ -312,7 +358,9 @@ class Reporter:
             relayed_through=through,
             bytes_sent=sent,
             received_from=received,
+            stage_discarded=[StageStepRange(*r) for r in stage_discarded],
         )
+        self._stage_discarded = journal.take_stage_discarded(self._stage_discarded, report)
         self._relay_claim -= claim
         journal.take_relayed(self._relay_through, report)
         self._sent_claim -= sent
@@ -360,8 +408,8 @@ class Reporter:
         self.close_interval()
         # Bounded: with the pending queue full, each report evicts an older one whose receipts return
         # to the book, so "until the book is empty" could loop forever on the trio thread.
-        for _ in range(1 + len(self.book)):
-            if not len(self.book):
+        for _ in range(1 + len(self.book) + len(self._stage_discarded)):
+            if not len(self.book) and not self._stage_discarded:
                 break
             self.close_interval()
         self._wakeup.set()

@@ -137,14 +137,28 @@ one sample whose activations went forward and gradients backward through one sta
   credited as for data-parallel steps.
 * *discards*: a server whose stage's state is replaced *because it is behind* (it downloads the
   stage's state, or moves to another stage and downloads that one) loses nothing of its own: the steps
-  it took are a prefix of the stage's history, or another stage's. Only a *fork* of a stage (steps only
-  its minority took, replaced when it re-syncs) would need a discard, and the report format cannot list
-  stage steps cheaply: ``StepRange`` is an array-like struct, and msgspec (0.22) encodes a defaulted
-  trailing field of one, so adding ``stage`` there would change the bytes of every data-parallel
-  discard; a new report field with its journal and reporter logic is more than this change. The stage
-  collaboration therefore reports no discards (its ``on_discard`` is not wired): a server on a stage
-  fork keeps the credit of that fork's receipts, at most one stage batch per step per receipt from an
-  aggregator of another user -- what a sender hiding its discards gains in a data-parallel run (Limits).
+  it took are a prefix of the stage's history, or another stage's. A *fork* of a stage (steps only its
+  minority took, replaced when it re-syncs: after a partition) and a restart's lost steps (its earlier
+  process's steps of the stage above the state it loads) are discarded exactly as data-parallel steps
+  are (above, "discarded steps"), per stage: the server's report lists them in ``stage_discarded``
+  (``(stage, first, last)`` ranges, :class:`~protocols.ledger.StageStepRange`; a stage counts its own
+  steps, so a ``StepRange`` cannot name them), table ``stage_discards`` (schema 12). A stage discard
+  listed by the sender's report of seq d covers the sender's ``stage_receipts`` of those stage steps
+  *and* its ``trainer_receipts`` of them (a volunteer that serves and trains: its trainers' micro-batches
+  of the forked stage steps went into the fork, on its side of the partition), carried by its reports of
+  seq <= d, stored already or arriving later; they are marked ``discarded``, count as no evidence (also
+  not toward recording a stage step from receipts), and what they were credited is taken back by the
+  discarding report (a debit), as for data-parallel discards. A receipt of a later report replaces a
+  discarded one of its key (the stage step taken again; note ``stage_receipt_retaken``,
+  ``trainer_receipt_retaken``). The leaderboard's ``discarded_samples`` includes their weights. The
+  bytes of discarded carried receipts stay evidence of the trainer's sending (bytes really sent, as
+  pull records of a data-parallel fork's steps stay evidence of aggregation). *Bounds*: a range is two
+  integers (stage below ``MAX_STAGES``, steps at most ``MAX_COUNT``; at most
+  ``MAX_STAGE_DISCARDED_PER_REPORT`` per report, checked when the report decodes), stored as two
+  numbers and applied by a range comparison, never expanded into steps: a lying or huge range costs the
+  ledger nothing, and it discards only receipts *others* signed for *its sender*: it can lower only its
+  sender's own credit, never another peer's (exactly the bounds of ``step_discards``). A sender that
+  hides its stage discards gains what a data-parallel sender hiding its discards gains (Limits).
 * *not credited yet*: the bytes stage aggregators serve (stage rounds' pull records are not put in
   reports: a ``PulledSlice`` has no stage, and a stage step's pull would be matched against the
   data-parallel steps). The bytes servers and trainers send each other over the bulk lane are credited

@@ -35,11 +35,15 @@ Tables::
                    per pipeline stage (each stage counts its own steps); ``samples`` and
                    ``target_batch`` are stage-samples (backbone.ledger.accounting, "Swarm runs")
     stage_receipts part receipts of stage aggregators that count, one per (sender, stage, step) ever
-                   (schema 9): as ``receipts``, counted once their (stage, step) is in ``stage_steps``
+                   (schema 9): as ``receipts``, counted once their (stage, step) is in ``stage_steps``;
+                   ``discarded`` once its sender reported the stage step discarded (schema 12)
     trainer_receipts
                    stage servers' receipts for swarm trainers that count (schema 10), one per
                    (trainer, server, stage, step), holding the largest cumulative weight seen; counted
-                   while their (stage, step) is in ``stage_steps`` (accounting, "Swarm trainers")
+                   while their (stage, step) is in ``stage_steps`` (accounting, "Swarm trainers");
+                   ``discarded`` once the trainer reported the stage step discarded (schema 12)
+    stage_discards stage step ranges a swarm peer reported discarded (schema 12): as ``step_discards``,
+                   per stage, each bounded by the ``seq`` of the report that listed it
     swarm_received swarm trainers' records of the answer bytes they received from stage servers (schema
                    11): ``reporter``'s report ``seq`` says it received ``nbytes`` from ``server`` (a peer
                    of another user), one per (reporter, seq, server); the evidence of that server's
@@ -105,6 +109,7 @@ __all__ = [
     "Pull",
     "Discard",
     "EvaluationRecord",
+    "StageDiscard",
     "Receipt",
     "Relayed",
     "SwarmReceived",
@@ -118,7 +123,7 @@ __all__ = [
     "create_schema",
 ]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 #: pg_advisory_xact_lock key serializing schema creation between processes ("dedloc" in ASCII).
 _SCHEMA_LOCK_KEY = 0x646564_6C6F63
 
@@ -364,7 +369,7 @@ class StageReceipt(Base):
     weight: Mapped[float]
     nbytes: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
-    #: 1: not credited (kept for stage discards; no report lists those yet: accounting, "Swarm runs")
+    #: 1 once the sender reported this stage step discarded (``stage_discards``): not credited
     discarded: Mapped[int] = mapped_column(Integer, default=0)
     #: 1 while (stage, step) is not in ``stage_steps``
     held: Mapped[int] = mapped_column(Integer, default=0)
@@ -385,6 +390,25 @@ class TrainerReceipt(Base):
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     weight: Mapped[float]
     nbytes: Mapped[int]
+    report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
+    #: 1 once the trainer reported this stage step discarded (``stage_discards``, schema 12): its
+    #: samples are not credited (its bytes still are: accounting, "Swarm runs")
+    discarded: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class StageDiscard(Base):
+    """``peer_id`` reported, in its report ``seq``, that its steps ``first_step..last_step`` of pipeline
+    stage ``stage`` were discarded (schema 12): a stage state it loaded replaced them. As a
+    :class:`Discard`, per stage: it covers the peer's stage and trainer's receipts of those stage steps
+    carried by its reports with a seq up to ``seq`` only (``backbone.ledger.accounting``, "Swarm runs")."""
+
+    __tablename__ = "stage_discards"
+
+    peer_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    first_step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    last_step: Mapped[int]
     report_id: Mapped[int] = mapped_column(ForeignKey("reports.id"))
 
 
@@ -542,6 +566,14 @@ def _migrate_10_to_11(conn: Connection) -> None:
     _add_column(conn, "reports", "credited_bytes_sent", "DOUBLE PRECISION NOT NULL DEFAULT 0")
 
 
+def _migrate_11_to_12(conn: Connection) -> None:
+    """Version 12 (issue 17, stage discards): the stage step ranges swarm peers report discarded (table
+    ``stage_discards``, made by ``create_all``) and trainers' receipts that can be discarded
+    (``trainer_receipts.discarded``). No report of an older version listed any, so every old row stays
+    counted as it was."""
+    _add_column(conn, "trainer_receipts", "discarded", "INTEGER NOT NULL DEFAULT 0")
+
+
 def _add_column(conn: Connection, table: str, column: str, kind: str) -> None:
     """``ALTER TABLE table ADD COLUMN column kind`` unless the table has it: a table the upgrade's
     ``create_all`` just made (it did not exist in the old version) is in the newest shape already."""
@@ -561,6 +593,7 @@ MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     8: _migrate_8_to_9,
     9: _migrate_9_to_10,
     10: _migrate_10_to_11,
+    11: _migrate_11_to_12,
 }
 
 

@@ -8,7 +8,8 @@ records, relay records (once per ``(reporter, seq, relay)``) and swarm received 
 one database cannot credit one receipt twice. A discard (``step_discards``) covers only the receipts of
 its steps that the peer's reports up to the discarding one (by ``seq``) carried; a receipt of a later
 report replaces a discarded receipt of its step (the step taken again after re-syncing) instead of being a
-duplicate.
+duplicate. A stage discard (``stage_discards``, swarm runs) does the same per stage, for the peer's stage
+receipts and trainer's receipts.
 
 :class:`LedgerStore` is synchronous and thread-safe (one engine and its connection pool). The trio side
 calls it through ``trio.to_thread.run_sync(store.method, ..., limiter=DB_WRITE)`` with one
@@ -96,6 +97,7 @@ from .schema import (
     Receipt,
     Relayed,
     Report,
+    StageDiscard,
     StageReceipt,
     StageStep,
     Step,
@@ -717,6 +719,7 @@ class LedgerStore:
                 assert key is not None  # a single-row INSERT always has one
                 report_id = int(key[0])
                 _store_discards(conn, report, report_id)
+                _store_stage_discards(conn, report, report_id)
                 notes = rejected + _store_evidence(conn, report, receipts, peer.user_id, report_id)
                 notes += _store_stage_receipts(conn, report, stage_receipts, peer.user_id, report_id)
                 notes += _store_trainer_receipts(conn, report, split.carried, peer.user_id, report_id)
@@ -743,7 +746,7 @@ class LedgerStore:
                     | senders
                 )
                 credit = (
-                    _credit(conn, report.peer_id, debit=bool(report.discarded))
+                    _credit(conn, report.peer_id, debit=bool(report.discarded or report.stage_discarded))
                     if assessment.credited
                     else Credit()
                 )
@@ -1072,6 +1075,17 @@ class LedgerStore:
             ).all()
         return [(r.first_step, r.last_step) for r in rows]
 
+    def stage_discards(self, peer_id: str) -> list[tuple[int, int, int]]:
+        """The stage step ranges ``peer_id`` reported discarded as ``(stage, first, last)``, by stage and
+        first step (each as often as reported)."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(
+                select(StageDiscard.stage, StageDiscard.first_step, StageDiscard.last_step)
+                .where(StageDiscard.peer_id == peer_id)
+                .order_by(StageDiscard.stage, StageDiscard.first_step, StageDiscard.seq)
+            ).all()
+        return [(r.stage, r.first_step, r.last_step) for r in rows]
+
     # ------------------------------------------------------------------ queries
 
     def leaderboard(self) -> list[LeaderboardRow]:
@@ -1138,15 +1152,20 @@ class LedgerStore:
                     .group_by(User.username)
                 ).all()
             )
-            discarded: dict[str, float | None] = dict(
-                conn.execute(
-                    select(User.username, func.sum(sql_cast(Receipt.weight, Double)))
+            discarded: dict[str, float] = {}
+            for table, who in (
+                (Receipt, Receipt.sender),
+                (StageReceipt, StageReceipt.sender),
+                (TrainerReceipt, TrainerReceipt.trainer),
+            ):
+                for username, weight in conn.execute(
+                    select(User.username, func.sum(sql_cast(table.weight, Double)))
                     .join(Peer, Peer.user_id == User.id)
-                    .join(Receipt, Receipt.sender == Peer.peer_id)
-                    .where(Receipt.discarded == 1)
+                    .join(table, who == Peer.peer_id)
+                    .where(table.discarded == 1)
                     .group_by(User.username)
-                ).all()
-            )
+                ).all():
+                    discarded[username] = discarded.get(username, 0.0) + float(weight or 0.0)
         reasons: dict[str, Counter[str]] = {}
         for username, reason in flagged:
             reasons.setdefault(username, Counter()).update(set(reason_codes(reason)))
@@ -1867,25 +1886,27 @@ def _store_stage_receipts(
         receipt = max(others, key=lambda r: r.weight)
         notes["stage_receipt_duplicate"] += len(others) - 1
         mine = (StageReceipt.sender == report.peer_id, StageReceipt.stage == stage, StageReceipt.step == step)
-        if conn.execute(select(StageReceipt.step).where(*mine)).first() is not None:
+        known = conn.execute(select(StageReceipt.discarded).where(*mine)).one_or_none()
+        discarded = _is_stage_discarded(conn, report.peer_id, stage, step, report.seq)
+        if known is not None and (not known.discarded or discarded):
             notes["stage_receipt_duplicate"] += 1
             continue
         recorded = _stage_step_exists(conn, stage, step)
         if not recorded and step > frontiers.get(stage, -1):
             notes["stage_receipt_held"] += 1
-        conn.execute(
-            insert(StageReceipt).values(
-                sender=report.peer_id,
-                stage=stage,
-                step=step,
-                aggregator=receipt.aggregator,
-                weight=receipt.weight,
-                nbytes=receipt.nbytes,
-                report_id=report_id,
-                discarded=0,
-                held=int(not recorded),
-            )
-        )
+        values = {
+            "aggregator": receipt.aggregator,
+            "weight": receipt.weight,
+            "nbytes": receipt.nbytes,
+            "report_id": report_id,
+            "discarded": int(discarded),
+            "held": int(not recorded),
+        }
+        if known is None:
+            conn.execute(insert(StageReceipt).values(sender=report.peer_id, stage=stage, step=step, **values))
+        else:  # the stage step taken again after the peer discarded it: the new receipt replaces the old
+            notes["stage_receipt_retaken"] += 1
+            conn.execute(update(StageReceipt).where(*mine).values(**values))
     return notes
 
 
@@ -2015,17 +2036,28 @@ def _store_trainer_receipts(
                 TrainerReceipt.stage == stage,
                 TrainerReceipt.step == step,
             )
-            stored = conn.execute(select(TrainerReceipt.weight).where(*mine)).scalar_one_or_none()
-            values = {"weight": receipt.weight, "nbytes": receipt.nbytes, "report_id": report_id}
+            stored = conn.execute(
+                select(TrainerReceipt.weight, TrainerReceipt.discarded).where(*mine)
+            ).first()
+            discarded = _is_stage_discarded(conn, report.peer_id, stage, step, report.seq)
+            values = {
+                "weight": receipt.weight,
+                "nbytes": receipt.nbytes,
+                "report_id": report_id,
+                "discarded": int(discarded),
+            }
             if stored is None:
                 conn.execute(
                     insert(TrainerReceipt).values(
                         trainer=report.peer_id, server=server, stage=stage, step=step, **values
                     )
                 )
-            elif receipt.weight > stored:
+            elif stored.discarded and not discarded:  # the stage step taken again after the discard
+                notes["trainer_receipt_retaken"] += 1
                 conn.execute(update(TrainerReceipt).where(*mine).values(**values))
-            else:
+            elif receipt.weight > stored.weight and discarded == bool(stored.discarded):
+                conn.execute(update(TrainerReceipt).where(*mine).values(**values))
+            else:  # not larger, or a discarded step's receipt arriving after the step taken again
                 notes["trainer_receipt_duplicate"] += 1
                 continue
             if not recorded:
@@ -2043,7 +2075,7 @@ def _carried_weights(conn: Connection, peer_id: str) -> float:
             TrainerReceipt.step.label("step"),
             func.sum(sql_cast(TrainerReceipt.weight, Double)).label("weight"),
         )
-        .where(TrainerReceipt.trainer == peer_id)
+        .where(TrainerReceipt.trainer == peer_id, TrainerReceipt.discarded == 0)
         .group_by(TrainerReceipt.stage, TrainerReceipt.step)
         .subquery()
     )
@@ -2107,6 +2139,63 @@ def _store_discards(conn: Connection, report: ContributionReport, report_id: int
                 Receipt.sender == report.peer_id,
                 Receipt.step.between(span.first, span.last),
                 Receipt.report_id.in_(earlier),
+            )
+            .values(discarded=1)
+        )
+
+
+def _is_stage_discarded(conn: Connection, peer_id: str, stage: int, step: int, seq: int) -> bool:
+    """A receipt of ``stage``'s ``step`` carried by ``peer_id``'s report ``seq`` is covered by one of its
+    stage discards: one of that stage listed by a report with a seq at least ``seq`` (:func:`_is_discarded`,
+    per stage)."""
+    found = conn.execute(
+        select(StageDiscard.first_step).where(
+            StageDiscard.peer_id == peer_id,
+            StageDiscard.stage == stage,
+            StageDiscard.seq >= seq,
+            StageDiscard.first_step <= step,
+            StageDiscard.last_step >= step,
+        )
+    ).first()
+    return found is not None
+
+
+def _store_stage_discards(conn: Connection, report: ContributionReport, report_id: int) -> None:
+    """The report's discarded stage step ranges (:func:`_store_discards`, per stage): stored with its seq,
+    and the sender's stored stage receipts and trainer's receipts of those stage steps that its reports
+    up to this one carried marked discarded. A range is two numbers whatever it spans: it is never
+    expanded, and it marks only receipts others signed for this sender (accounting, "Swarm runs")."""
+    if not report.stage_discarded:
+        return
+    earlier = select(Report.id).where(Report.peer_id == report.peer_id, Report.seq <= report.seq)
+    for span in report.stage_discarded:
+        conn.execute(
+            _insert_ignore(conn, StageDiscard).values(
+                peer_id=report.peer_id,
+                seq=report.seq,
+                stage=span.stage,
+                first_step=span.first,
+                last_step=span.last,
+                report_id=report_id,
+            )
+        )
+        conn.execute(
+            update(StageReceipt)
+            .where(
+                StageReceipt.sender == report.peer_id,
+                StageReceipt.stage == span.stage,
+                StageReceipt.step.between(span.first, span.last),
+                StageReceipt.report_id.in_(earlier),
+            )
+            .values(discarded=1)
+        )
+        conn.execute(
+            update(TrainerReceipt)
+            .where(
+                TrainerReceipt.trainer == report.peer_id,
+                TrainerReceipt.stage == span.stage,
+                TrainerReceipt.step.between(span.first, span.last),
+                TrainerReceipt.report_id.in_(earlier),
             )
             .values(discarded=1)
         )

@@ -148,3 +148,31 @@ def test_relayed_bytes_are_bounded_on_construction_too() -> None:
         report(relayed_through=[RelayedBytes(relays[0], 1), RelayedBytes(relays[0], 2)])
     full = report(relayed_through=[RelayedBytes(r, 2**53) for r in relays[:-1]])
     assert len(msgspec.msgpack.encode(full)) < 2048  # 16 relays: well inside MAX_REPORT_BYTES' room
+
+
+class ReportBeforeStageDiscards(OldReport, frozen=True, forbid_unknown_fields=True):
+    """ContributionReport as the version before ``stage_discarded`` defined it (schema 11's backbones)."""
+
+    discarded: list[StepRange] = []
+    relayed_through: list[object] = []
+    bytes_sent: int = 0
+    received_from: list[object] = []
+
+
+def test_a_report_without_stage_discards_decodes_on_the_previous_version_and_one_with_them_is_refused() -> (
+    None
+):
+    from protocols.ledger import ReceivedBytes, StageStepRange
+
+    plain = report(discarded=[StepRange(4, 6)], received_from=[ReceivedBytes(Identity.generate().peer_id, 9)])
+    data = msgspec.msgpack.encode(plain)
+    old = msgspec.msgpack.decode(data, type=ReportBeforeStageDiscards)
+    assert (old.discarded, old.seq) == ([StepRange(4, 6)], 3)  # a data-parallel discard's bytes unchanged
+    new = report(stage_discarded=[StageStepRange(2, 5, 9)])
+    data = msgspec.msgpack.encode(new)
+    with pytest.raises(msgspec.ValidationError, match="stage_discarded"):
+        msgspec.msgpack.decode(data, type=ReportBeforeStageDiscards)
+    assert msgspec.msgpack.decode(data, type=ContributionReport) == new
+    assert msgspec.msgpack.encode(StageStepRange(2, 5, 9)) == msgspec.msgpack.encode([2, 5, 9])
+    with pytest.raises(ValueError, match="last"):
+        StageStepRange(0, 5, 4)

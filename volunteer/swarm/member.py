@@ -70,6 +70,7 @@ are lost in either case.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -174,6 +175,8 @@ async def serve_swarm(
     formation: FormationConfig | None = None,
     receipts: ReceiptBook | None = None,
     replacement: ReplacementConfig | None = None,
+    on_discard: Callable[[int, int, int], None] | None = None,
+    previous_life: Callable[[int], int | None] | None = None,
 ) -> None:
     """Serve a stage of the run, moving as rebalancing decides (module docstring), until cancelled or the
     stage we serve reached the run's step limit. ``hysteresis``: the relative throughput gain a move must
@@ -182,7 +185,10 @@ async def serve_swarm(
     docstring, "Leaving") and return; ``formation``: place us by the scheduler when the run is forming
     (module docstring, 1); ``receipts``: where the receipts of every stage we serve go (the reporter's
     book, for the ledger's credit); ``replacement``: let the scheduler re-place the run's servers when
-    rebalancing would move many at once (module docstring, 4)."""
+    rebalancing would move many at once (module docstring, 4); ``on_discard``: called with ``(stage, first,
+    last)`` when a state of the stage we serve replaced stage steps of ours, and ``previous_life(stage)``:
+    the highest step of ``stage`` our data dir took part in, read each time we start serving a stage
+    (:mod:`.stage_service`, "Discards")."""
     member = member or SwarmMember()
     me = str(node.peer_id)
     reports: list[ServerReport] = []
@@ -209,10 +215,12 @@ async def serve_swarm(
         async def serve(
             task_status: trio.TaskStatus[StageService], stage: int = target, ended: trio.Event = ended
         ) -> None:
+            discard = None if on_discard is None else functools.partial(on_discard, stage)
             await serve_stage(
                 node, task, spec, run_id, stage, stages,
                 data_dir=data_dir, backbones=backbones, collab_config=collab_config,
                 server_config=server_config, device=device, on_step=on_step, receipts=receipts,
+                on_discard=discard, previous_life=previous_life(stage) if previous_life else None,
                 task_status=task_status,
             )  # fmt: skip
             ended.set()  # the run's step limit: serve_stage returns only then

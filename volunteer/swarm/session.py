@@ -40,7 +40,10 @@ carry to the end is claimed as ``samples * stages`` stage-samples (compute 0) in
 (:meth:`SwarmSession._carried`; :mod:`backbone.ledger.accounting`, "Swarm trainers"). The pipeline bytes
 our server's answers and our trainers' requests sent are claimed in our reports' ``bytes_sent``, and the
 answer bytes our trainers received from each server are the evidence of that server's sending
-(:class:`~.traffic.TrafficReader`; accounting, "Swarm bytes").
+(:class:`~.traffic.TrafficReader`; accounting, "Swarm bytes"). The stage steps of ours a stage state we
+load replaced (a fork's after a partition, or what a restart lost) are reported discarded
+(:mod:`.stage_service`, "Discards"; :meth:`~volunteer.reporting.Reporter.discard_stage`), so the ledger
+takes their credit back.
 """
 
 from __future__ import annotations
@@ -208,6 +211,8 @@ class SwarmSession(TrainingSession):
             formation=FormationConfig(window=window) if (window := self.spec.sync.formation_window) else None,
             replacement=ReplacementConfig() if self.spec.sync.formation_window else None,
             receipts=self.reporter.book,
+            on_discard=self.reporter.discard_stage,
+            previous_life=self.reporter.stage_last_step,
         )
         if not leave.is_set():
             limit.set()
@@ -278,8 +283,9 @@ class SwarmSession(TrainingSession):
             self.reporter.record(CarriedBatch(step, samples * self.stages, time.time()))
 
     def _on_stage_step(self, record: StepRecord) -> None:
-        self.reporter.record(record)  # our stage-samples of this stage step (module docstring, "Credit")
         stage = self.member.stage
+        # our stage-samples of this stage step (module docstring, "Credit"), as that stage's
+        self.reporter.record(record, stage=stage)
         if stage is not None:
             self.stage_steps[stage] = max(self.stage_steps.get(stage, 0), record.step)
         line = {

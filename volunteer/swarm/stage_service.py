@@ -34,8 +34,20 @@ other servers (:func:`shared.progress.plausible`), which then believed themselve
 member's receipt with the stage's index (``PartReceipt.stage``), and each member keeps the receipts of
 its parts in ``receipts`` (the session's reporter's book), keyed by ``(stage, step)``; the session claims
 the samples each stage step accumulated here (stage-samples) in its contribution reports. The backbone
-records each stage's steps, so those receipts count. The stage's pull records are not reported, and a
-stage fork's steps are not reported discarded (both: the accounting docstring).
+records each stage's steps, so those receipts count. The stage's pull records are not reported (the
+accounting docstring).
+
+**Discards** (accounting, "Swarm runs", *discards*). The stage's collaboration decides which of our stage
+steps a stage state it loads replaced, by the batch mode's rules (:mod:`volunteer.collab.sync`): a fork's
+steps (only our side of a partition took them: we re-sync to the survivor's state), and, for a server
+whose earlier process served this stage (``previous_life``: the highest step of the stage the report
+journal holds, :meth:`volunteer.reporting.Reporter.stage_last_step`), the steps above the first state of
+the stage it loads (the stage lost them, e.g. with its last server's death; stage steps are journaled
+without fingerprints, so a stage that lost them and took as many steps again while we were gone is not
+noticed, as for a data-parallel journal of an older version). It calls ``on_discard(first, last)`` at a
+load that replaced some, and the session reports them as this stage's
+(:meth:`volunteer.reporting.Reporter.discard_stage`). A server that is merely behind, or moves to another
+stage and downloads its state, discards nothing: its steps are the stage's history, or another stage's.
 
 **Rates.** Samples reach a server at the trainers' pace, not at a rate of the server's own: a server
 publishes no samples-per-second (``counted(..., seconds=None)``), so the stage's estimate of its batch is
@@ -125,13 +137,17 @@ async def serve_stage(
     device: str = "cpu",
     on_step: Callable[[StepRecord], None] | None = None,
     receipts: ReceiptBook | None = None,
+    on_discard: Callable[[int, int], None] | None = None,
+    previous_life: int | None = None,
     task_status: trio.TaskStatus[StageService] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve stage ``index`` of ``stages`` on ``node`` until cancelled or the run's step limit (module
     docstring); ``task_status.started`` gets the :class:`StageService`. ``on_step`` is called after each
     step the stage takes here (the collaboration's :class:`~volunteer.collab.optimizer.StepRecord`).
     ``receipts``: where the stage's rounds leave the receipts signed for our parts (module docstring,
-    "Credit").
+    "Credit"). ``on_discard``: called with ``(first, last)`` when a stage state we load replaced steps of
+    ours; ``previous_life``: the highest step of this stage our data dir took part in before (module
+    docstring, "Discards").
 
     Raises:
         ConfigError: the task cannot be split so.
@@ -151,6 +167,8 @@ async def serve_stage(
         on_step=on_step,
         receipts=receipts,
         stage=index,
+        on_discard=on_discard,
+        previous_life=previous_life,
     )
 
     def counted(samples: int, loss: float | None) -> None:

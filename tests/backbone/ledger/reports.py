@@ -11,6 +11,7 @@ from protocols.ledger import (
     ReceivedBytes,
     RelayedBytes,
     SignedReport,
+    StageStepRange,
     StepRange,
     report_payload,
 )
@@ -50,6 +51,7 @@ def make_report(
     relayed: dict[str, int] | None = None,
     bytes_sent: int = 0,
     received: dict[str, int] | None = None,
+    stage_discarded: list[tuple[int, int, int]] | None = None,
 ) -> ContributionReport:
     """Report ``seq`` of ``who``: by default the ``seq``-th minute after T0, plausible for :data:`CAPS`."""
     begin = T0 + seq * length if start is None else start
@@ -70,6 +72,7 @@ def make_report(
         relayed_through=[RelayedBytes(relay, n) for relay, n in (relayed or {}).items()],
         bytes_sent=bytes_sent,
         received_from=[ReceivedBytes(server, n) for server, n in (received or {}).items()],
+        stage_discarded=[StageStepRange(k, a, b) for k, a, b in stage_discarded or []],
     )
 
 
