@@ -17,13 +17,35 @@ of each server, apart from the part receipts of that step, for at most :data:`CA
 (later servers' are dropped and counted in ``dropped_carried``). A trainer sends a backward to any server
 of a stage, so a stage step of a busy stage can see a few; the step bound above applies to both kinds.
 
+**Discards** (the ledger's rule: :mod:`backbone.ledger.accounting`, "discarded steps"). When the
+volunteer re-syncs and discards its steps ``first..last`` (a fork that did not survive), the report that
+lists the discard (seq ``d``) has the ledger mark discarded every receipt of those steps carried by the
+sender's reports of seq ``<= d``, while those of later reports count (the steps taken again). So the book
+must put no receipt of those steps of *either* history in a report after the discard's, and none of the
+steps taken again in the discard's report or before:
+
+* :meth:`ReceiptBook.drop_steps`, at the discard: the fork's data-parallel part receipts of those steps
+  still held are dropped (counted by the reporter). Sent, they could only ever be marked discarded (in a
+  report of seq ``<= d``) or credited as steps taken again (in a later one: false credit), and kept they
+  would fill the step's :data:`RECEIPTS_PER_STEP` before the receipts of the step taken again. What is
+  lost is their line in the leaderboard's ``discarded_samples`` (work shown apart, never credited).
+  Pull records stay: the ledger never discards them (they are the evidence of *another* user's
+  aggregation work, counted once per ``(puller, aggregator, step)`` for a step the run recorded), and
+  neither do trainers' or stage receipts (a swarm stage reports no discards).
+* :meth:`ReceiptBook.take` with ``hold``, for the report that lists the discards ``hold``: receipts of
+  those steps in the book then were booked after the discard (the steps taken again), so they stay in
+  the book for a later report.
+
+Both are decided by the step each receipt signs (a receipt put back under its report's step is judged by
+its own), so the reporter's journal replays them exactly (:mod:`volunteer.journal`).
+
 Plain Python, no trio, no locks: every call runs on the trio thread.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from protocols.errors import ProtocolError
@@ -36,12 +58,25 @@ from protocols.receipts import (
     decode_receipt,
 )
 
-__all__ = ["CARRIED_PER_STEP", "MAX_HELD_STEPS", "ReceiptBook"]
+__all__ = ["CARRIED_PER_STEP", "MAX_HELD_STEPS", "ReceiptBook", "in_ranges"]
 
 #: Steps whose receipts a volunteer holds before dropping the oldest (hours of steps at 1 step/s).
 MAX_HELD_STEPS = 4096
 #: Servers whose trainer's receipts the book keeps per ``(stage, step)`` (module docstring).
 CARRIED_PER_STEP = 8
+
+
+def in_ranges(signed: SignedReceipt, ranges: Sequence[tuple[int, int]]) -> bool:
+    """``signed`` is a data-parallel part receipt of a step in one of ``ranges`` (``(first, last)``, both
+    included): one a discard of those steps covers (module docstring). Not a stage's or a trainer's
+    receipt, nor bytes that do not decode (the ledger refuses those wherever they go)."""
+    if not ranges:
+        return False
+    try:
+        receipt = decode_receipt(signed.receipt)
+    except ProtocolError:
+        return False
+    return receipt.stage is None and any(first <= receipt.step <= last for first, last in ranges)
 
 
 @dataclass
@@ -117,26 +152,54 @@ class ReceiptBook:
         return rest
 
     def take(
-        self, max_receipts: int = MAX_RECEIPTS_PER_REPORT, max_pulled: int = MAX_PULLED_PER_REPORT
+        self,
+        max_receipts: int = MAX_RECEIPTS_PER_REPORT,
+        max_pulled: int = MAX_PULLED_PER_REPORT,
+        *,
+        hold: Sequence[tuple[int, int]] = (),
     ) -> tuple[list[SignedReceipt], list[PulledSlice]]:
-        """Remove and return the oldest receipts and pull records, at most one report's worth."""
+        """Remove and return the oldest receipts and pull records, at most one report's worth, less the
+        data-parallel part receipts of steps in ``hold`` (the ranges the report discards: module
+        docstring), which stay in the book in their order."""
         receipts: list[SignedReceipt] = []
         pulled: list[PulledSlice] = []
-        while self._steps:
-            key, entry = next(iter(self._steps.items()))
+        for key, entry in list(self._steps.items()):
             room_r, room_p = max_receipts - len(receipts), max_pulled - len(pulled)
             if room_r <= 0 and room_p <= 0:
                 break
-            receipts += entry.receipts[:room_r]
+            left: list[SignedReceipt] = []  # what stays, in order
+            no_room = False
+            for receipt in entry.receipts:
+                if in_ranges(receipt, hold):
+                    left.append(receipt)
+                elif room_r > 0:
+                    receipts.append(receipt)
+                    room_r -= 1
+                else:
+                    left.append(receipt)
+                    no_room = True
+            entry.receipts = left
             pulled += entry.pulled[:room_p]
-            entry.receipts = entry.receipts[room_r:]
             entry.pulled = entry.pulled[room_p:]
             for server in list(entry.carried)[: max(0, max_receipts - len(receipts))]:
                 receipts.append(entry.carried.pop(server)[1])
-            if entry.receipts or entry.pulled or entry.carried:
+            if no_room or entry.pulled or entry.carried:
                 break
-            del self._steps[key]
+            if not entry.receipts:  # else only held receipts are left: on to the next step
+                del self._steps[key]
         return receipts, pulled
+
+    def drop_steps(self, first: int, last: int) -> int:
+        """Remove the data-parallel part receipts of steps ``first..last`` (a fork's: module docstring;
+        pull records, trainers' and stage receipts stay); returns how many."""
+        dropped = 0
+        for key, entry in list(self._steps.items()):
+            kept = [r for r in entry.receipts if not in_ranges(r, [(first, last)])]
+            dropped += len(entry.receipts) - len(kept)
+            entry.receipts = kept
+            if not (entry.receipts or entry.pulled or entry.carried):
+                del self._steps[key]
+        return dropped
 
     def put_back(self, step: int, receipts: list[SignedReceipt], pulled: list[PulledSlice]) -> None:
         """Return what a report that failed to reach any backbone carried (it goes out again later; held
