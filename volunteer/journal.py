@@ -14,12 +14,15 @@ the steps that were never reported, and carries on. What is journaled:
                with the step's ``fingerprint`` when the caller gave one (the step's parameters: see below),
                and in a swarm run the pipeline ``stage`` whose step it is
 ``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
-``queued``     a report was closed: its signed bytes and signature (it took the open steps and one
-               report's worth of the book, exactly as replaying ``take()`` on the replayed book does)
+``queued``     a report was closed: its signed bytes and signature (it took the open steps, the pending
+               discards and one report's worth of the book less the receipts of the discarded steps,
+               exactly as replaying ``take(hold=discards)`` on the replayed book does)
 ``done``       a queued report was acknowledged (recorded or a duplicate) or given up (``put_back``: its
                receipts and relayed bytes claim went back into the book; ``evidence_back``: its relay
                evidence too)
-``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive)
+``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive):
+               replayed as :meth:`~volunteer.reporting.Reporter.discard` does, it drops them from the
+               open steps and the lineage, and the fork's receipts of them from the book (see below)
 ``stage_discarded``
                in a swarm run, our steps ``first..last`` of pipeline stage ``stage`` were replaced by a
                stage state we loaded (``Reporter.discard_stage``)
@@ -50,6 +53,15 @@ characters, anything malformed read as none). A restarted volunteer compares it 
 first state it loads, so that its earlier process's steps that were taken again differently after a
 rollback are reported discarded (:mod:`volunteer.collab.sync`). Journals of older versions have no
 fingerprints and no lineage: they load, with an empty lineage (the step numbers alone then decide).
+
+**Discards and the book** (:mod:`volunteer.receipts`, "Discards"): entries replay in the order they
+happened, so a ``discarded`` entry drops only the receipts booked before it (the fork's), and a
+``queued`` entry holds back those booked after it (the steps taken again, for the next report). A
+compacted journal writes the pending discards *before* the held book and the open steps, which are all
+that is left after the discard (what it dropped is gone, what it did not is the steps taken again).
+A compacted journal of an older version wrote them after the book: replayed now, its receipts of the
+discarded steps are dropped (the older reporter would have sent them with the discard, marked
+discarded by the ledger: no credit lost compared with it).
 
 **Line format**: ``<crc32 of the JSON, 8 hex digits> <JSON>\\n``. Replay reads line by line and skips
 (counting them) lines whose checksum or JSON does not check out: a torn last line after SIGKILL, or
@@ -230,6 +242,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
         elif isinstance(entry, _Discarded):  # as Reporter.discard does
             first, last = entry.first, entry.last
             state.open_steps = [s for s in state.open_steps if not first <= s.step <= last]
+            book.drop_steps(first, last)
             state.discarded = merge_ranges([*state.discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
             state.lineage = without_range(state.lineage, first, last)
         elif isinstance(entry, _StageDiscarded):  # as Reporter.discard_stage does
@@ -251,7 +264,7 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             except (msgspec.MsgspecError, ValueError):
                 state.damaged += 1
                 continue
-            book.take()  # what close_interval took from the live book
+            book.take(hold=state.discarded)  # what close_interval took from the live book
             state.open_steps.clear()
             state.discarded.clear()  # close_interval takes them all
             state.stage_discarded = take_stage_discarded(state.stage_discarded, report)
@@ -515,11 +528,11 @@ def compacted(
     return [
         *queued,
         _State(seq, last_end, last_step, encode_lineage(lineage or {}), dict(stage_steps or {})),
-        *held,
-        # discards before the open steps: an open step in a pending discard's range is that step taken
-        # again after the discard (replayed after it, it would be dropped from the claim and the lineage)
+        # discards before the book and the open steps: a receipt or an open step of a pending discard's
+        # steps is that step taken again after the discard (replayed after it, it would be dropped)
         *(_Discarded(a, b) for a, b in discarded),
         *(_StageDiscarded(k, a, b) for k, a, b in stage_discarded or []),
+        *held,
         *open_steps,
         *(
             [_Relayed(relay_claim, dict(relay_through or {}), sent_claim, dict(received or {}))]

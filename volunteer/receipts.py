@@ -30,14 +30,18 @@ steps taken again in the discard's report or before:
   would fill the step's :data:`RECEIPTS_PER_STEP` before the receipts of the step taken again. What is
   lost is their line in the leaderboard's ``discarded_samples`` (work shown apart, never credited).
   Pull records stay: the ledger never discards them (they are the evidence of *another* user's
-  aggregation work, counted once per ``(puller, aggregator, step)`` for a step the run recorded), and
-  neither do trainers' or stage receipts (a swarm stage reports no discards).
+  aggregation work, counted once per ``(puller, aggregator, step)`` for a step the run recorded).
 * :meth:`ReceiptBook.take` with ``hold``, for the report that lists the discards ``hold``: receipts of
   those steps in the book then were booked after the discard (the steps taken again), so they stay in
   the book for a later report.
 
 Both are decided by the step each receipt signs (a receipt put back under its report's step is judged by
-its own), so the reporter's journal replays them exactly (:mod:`volunteer.journal`).
+its own), so the reporter's journal replays them exactly (:mod:`volunteer.journal`). Only data-parallel
+discards do this so far: a swarm server's *stage* discards (``Reporter.discard_stage``) neither drop nor
+hold its stage or trainers' receipts, which keep the under-credit this fixes for data-parallel steps
+(a stage step taken again before the stage discard's report went out is marked discarded). Stage
+receipts need more thought: the bytes of a trainer's discarded receipts stay evidence of its sending, so
+the fork's cannot simply be dropped.
 
 Plain Python, no trio, no locks: every call runs on the trio thread.
 """
@@ -69,7 +73,8 @@ CARRIED_PER_STEP = 8
 def in_ranges(signed: SignedReceipt, ranges: Sequence[tuple[int, int]]) -> bool:
     """``signed`` is a data-parallel part receipt of a step in one of ``ranges`` (``(first, last)``, both
     included): one a discard of those steps covers (module docstring). Not a stage's or a trainer's
-    receipt, nor bytes that do not decode (the ledger refuses those wherever they go)."""
+    receipt (a stage discard covers those: not handled here yet), nor bytes that do not decode (the
+    ledger refuses those wherever they go)."""
     if not ranges:
         return False
     try:

@@ -31,6 +31,19 @@ later report refused too). Steps of the stage we record carry its index (``recor
 the journal knows the highest step of each stage this data dir took part in
 (:meth:`Reporter.stage_last_step`).
 
+**Discards** (:meth:`Reporter.discard`; the ledger's rule: :mod:`backbone.ledger.accounting`,
+"discarded steps", unchanged). The report that lists a discard of our steps ``first..last`` (seq ``d``)
+has the ledger mark discarded our receipts of those steps in our reports of seq ``<= d``, and credit those
+of later reports as the steps taken again. So no receipt of a step taken again may go out in report ``d``
+or before, and none of the fork's after it (:mod:`volunteer.receipts`, "Discards"): at the discard the
+fork's receipts of those steps still in the book are dropped (counted in :attr:`Reporter.fork_receipts`;
+pull records stay), and the report that lists the discards holds back the receipts of their steps the
+book holds then, which were booked after the discard: the steps taken again, carried by the next report.
+Several discards before a report still go out in that one report (merged), and the steps taken again
+may be *claimed* in it (a discard covers receipts, not claims). The journal replays both, so a process
+killed between the discard and its report neither loses the receipts of the steps taken again nor sends
+them with the discard. Stage discards do not do this yet (:mod:`volunteer.receipts`, "Discards").
+
 **Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
 delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
 bytes we received through each relay (``host.relay_traffic.take``, :mod:`shared.net.relaytraffic`: the
@@ -163,6 +176,8 @@ class Reporter:
         self._sending = trio.Lock()
         self.sent = 0
         self.credited = 0
+        #: receipts of discarded steps dropped from the book at a discard (module docstring, "Discards")
+        self.fork_receipts = 0
         #: this process's session: opened by the first heartbeat, ended by the leave notice
         self.session = secrets.token_hex(16)
         self.session_timeout = SESSION_TIMEOUT_GUESS
@@ -278,9 +293,15 @@ class Reporter:
     def discard(self, first: int, last: int) -> None:
         """Our steps ``first..last`` were replaced by a state we loaded (we had diverged: a fork that did not
         survive); the next report lists them so the ledger does not credit them as run progress.
-        Steps noted but not yet reported in that range are dropped from the claim."""
+        Steps noted but not yet reported in that range are dropped from the claim, and so are the fork's
+        receipts of them still in the book (module docstring, "Discards": the steps taken again before
+        that report are claimed in it, their receipts go out in a later one)."""
         if last < first:
             return
+        dropped = self.book.drop_steps(first, last)  # the journal's discard entry replays it
+        if dropped:
+            self.fork_receipts += dropped
+            logger.info("dropped %d unsent receipts of the discarded steps %d-%d", dropped, first, last)
         self._open = [s for s in self._open if not first <= s.step <= last]
         self._lineage = journal.without_range(self._lineage, first, last)  # reported once
         self._discarded = journal.merge_ranges([*self._discarded, (first, last)], MAX_DISCARDED_PER_REPORT)
@@ -328,7 +349,8 @@ class Reporter:
         # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
         # state download, no peers) covers only the last hour of it, which holds all of its compute.
         self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
-        receipts, pulled = self.book.take()
+        # receipts of the discarded steps in the book now are the steps taken again: the next report's
+        receipts, pulled = self.book.take(hold=self._discarded)  # as the journal's replay takes them
         discarded, self._discarded = self._discarded, []
         stage_discarded = self._stage_discarded[:MAX_STAGE_DISCARDED_PER_REPORT]  # the rest: the next report
         claim = min(self._relay_claim, MAX_COUNT)

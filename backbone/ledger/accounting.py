@@ -80,16 +80,19 @@ was in the run. Older reports flagged ``too_old`` keep that code.
   nothing beyond one batch per step per receipt, as for any colluding pair (see Limits).
 
   The discarding report's *own* receipts are covered (seq <= d): a volunteer discards when it loads
-  the state and lists the discard in its next report (``volunteer.reporting.Reporter.discard``), whose
-  receipts come oldest first from its book, i.e. from before the reload, while taking those step
-  numbers again takes one step each. Receipts of those steps in reports of seq > d are the steps taken
-  *again* with the survivors (the merge rule lets a peer that was ahead load a lower step): new work,
-  credited as any other. Each replaces the stored discarded receipt of its step (note
-  ``receipt_retaken``; the fork's receipt then leaves ``discarded_samples``) instead of being refused as
-  a duplicate; a receipt that is covered itself never replaces anything. A later discard of the same
-  steps (a second fork) covers the receipts taken again as well. The ledger cannot tell a fork's
-  receipt re-sent after the discard from one of the step taken again (same sender and step number), so
-  a sender that does so gains what it would by hiding the discard: one batch per step per receipt.
+  the state and lists the discard in its next report (``volunteer.reporting.Reporter.discard``), which
+  carries no receipt of those steps: the reporter drops the fork's receipts of them still unsent when
+  it discards, and holds back for a later report those booked after the discard (the steps taken again
+  before the discarding report went out; :mod:`volunteer.receipts`, "Discards"). An older reporter sent
+  those with the discard, so they were marked discarded (under-credit, never over-credit). Receipts of
+  those steps in reports of seq > d are the steps taken *again* with the survivors (the merge rule lets
+  a peer that was ahead load a lower step): new work, credited as any other. Each replaces the stored
+  discarded receipt of its step (note ``receipt_retaken``; the fork's receipt then leaves
+  ``discarded_samples``) instead of being refused as a duplicate; a receipt that is covered itself never
+  replaces anything. A later discard of the same steps (a second fork) covers the receipts taken again as
+  well. The ledger cannot tell a fork's receipt re-sent after the discard from one of the step taken again
+  (same sender and step number), so a sender that does so gains what it would by hiding the discard: one
+  batch per step per receipt.
 * **pull records** about aggregator A in reports of peers of *other users* than A's (each
   ``(puller, aggregator, step)`` once, only for recorded steps) are the evidence of A's aggregation work.
 

@@ -131,7 +131,7 @@ def test_drop_steps_drops_only_the_part_receipts_of_those_steps(
 
 
 def test_a_stage_receipt_is_never_held_nor_dropped() -> None:
-    """A swarm stage reports no discards (backbone.ledger.accounting, "Swarm runs")."""
+    """A data-parallel discard covers no stage's receipt (stage discards: module docstring)."""
     book = ReceiptBook(SENDER)
     stage = sign_receipt(
         PartReceipt(

@@ -1,0 +1,121 @@
+"""Steps taken again after a discard are credited (volunteer.reporting, "Discards"; volunteer.receipts,
+"Discards"): the report listing a discard has the ledger mark discarded every receipt of those steps in
+the sender's reports up to it, so the receipts of the steps taken again before that report went out must
+go out in a later one, and the fork's receipts still unsent must never go out after it.
+
+The volunteer here took steps 1-5 on a fork (an aggregator of bob's signed its receipts), reported 1-4,
+re-synced to the survivors' state at step 0 (discarding 1-5) and took steps 1-3 again with carol's
+aggregator before its next report. It used to send the receipts of 1-3 (and the fork's of 5) with the
+discard: the genuine steps 1-3 were never credited."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from backbone.ledger import LedgerStore
+from protocols.ledger import ContributionReport
+from protocols.receipts import decode_receipt
+from shared.auth.keys import Identity
+from tests.backbone.ledger.reports import CAPS, identity, part_receipt
+from volunteer.journal import JournaledStep
+from volunteer.reporting import Reporter
+
+ALICE, BOB, CAROL = identity(71), identity(72), identity(73)
+RUN = "retaken@x"
+SAMPLES = 32
+
+
+def took(reporter: Reporter, aggregator: Identity, first: int, last: int, at: float) -> None:
+    """Steps ``first..last`` taken with ``aggregator``: its receipt booked, then the step recorded."""
+    for number in range(first, last + 1):
+        signed = part_receipt(aggregator, ALICE.peer_id, number, SAMPLES, RUN, 100, at)
+        reporter.book.add(number, [(aggregator.peer_id, signed)])
+        reporter.record(JournaledStep(number, SAMPLES, 0.5, 0, at + number / 10))
+
+
+def forked_then_retaken(data_dir: Path, start: float) -> Reporter:
+    """The scenario of the module docstring, up to (not including) the report after the discard."""
+    reporter = Reporter(RUN, ALICE, None, data_dir, interval=1e9)
+    took(reporter, BOB, 1, 4, start)
+    reporter.close_interval()  # report 0: the fork's steps 1-4 and their receipts
+    took(reporter, BOB, 5, 5, start + 1)  # its receipt still in the book at the discard
+    reporter.discard(1, 5)
+    took(reporter, CAROL, 1, 3, start + 2)  # taken again before the discard's report went out
+    return reporter
+
+
+def reports(reporter: Reporter) -> list[ContributionReport]:
+    return [report for _, report in reporter._pending]
+
+
+def receipts_by_report(reporter: Reporter) -> dict[int, set[tuple[str, int]]]:
+    """Per report seq: (signer, step) of each receipt it carries."""
+    signer: dict[str, str] = {BOB.peer_id: "bob", CAROL.peer_id: "carol"}
+    decoded = {r.seq: [decode_receipt(s.receipt) for s in r.receipts] for r in reports(reporter)}
+    return {seq: {(signer[r.aggregator], r.step) for r in receipts} for seq, receipts in decoded.items()}
+
+
+def test_receipts_of_steps_taken_again_go_out_after_the_discard_and_the_forks_never(tmp_path: Path) -> None:
+    reporter = forked_then_retaken(tmp_path, time.time())
+    reporter.close_all()
+    [fork, discard, *later] = reports(reporter)
+    assert [(r.first, r.last) for r in discard.discarded] == [(1, 5)]
+    assert discard.samples == 3 * SAMPLES  # the steps taken again are claimed with the discard
+    by_seq = receipts_by_report(reporter)
+    assert by_seq[fork.seq] == {("bob", n) for n in range(1, 5)}
+    assert by_seq[discard.seq] == set()
+    assert set().union(*(by_seq[r.seq] for r in later)) == {("carol", n) for n in (1, 2, 3)}
+    assert all(r.seq > discard.seq and not r.discarded for r in later)
+    assert reporter.fork_receipts == 1  # bob's receipt of step 5: unsent at the discard, dropped
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_a_crash_between_the_discard_and_its_report_loses_no_receipt_taken_again(
+    tmp_path: Path, compacted: bool
+) -> None:
+    """Killed before the discard's report was built (the journal as it was written, or compacted): the
+    next process sends the discard first and the receipts of the steps taken again after it."""
+    reporter = forked_then_retaken(tmp_path, time.time())
+    if compacted:
+        reporter._compact()
+    reporter.journal.close()  # a SIGKILL: nothing more is written
+    restarted = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)  # closes the discard's report
+    [_, discard] = reports(restarted)
+    assert [(r.first, r.last) for r in discard.discarded] == [(1, 5)] and not discard.receipts
+    assert len(restarted.book) == 3  # carol's receipts, held for the next report
+    restarted.journal.close()
+    again = Reporter(RUN, ALICE, None, tmp_path, interval=1e9)  # killed once more: still held
+    assert len(again.book) == 3 and len(reports(again)) == 2
+    again.close_all()
+    by_seq = receipts_by_report(again)
+    assert by_seq[discard.seq] == set()
+    assert by_seq[discard.seq + 1] == {("carol", n) for n in (1, 2, 3)}
+    assert ("bob", 5) not in set().union(*by_seq.values())
+
+
+def test_the_ledger_credits_the_steps_taken_again_and_not_the_forks(tmp_path: Path) -> None:
+    """End to end: the reporter's signed reports into a real SQLite ledger."""
+    start = time.time()
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for username, who in (("alice", ALICE), ("bob", BOB), ("carol", CAROL)):
+            store.add_user(username, now=start - 3600)
+            secret = store.create_invite(username, now=start - 3600)
+            store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=start - 3600)
+            store.update_capabilities(who.peer_id, CAPS, now=start - 3600)
+        for number in range(1, 6):  # the run's steps (its own 1-5: the survivors')
+            assert store.record_step(number, finished_at=start, loss=None, samples=0, peers=2)
+        (tmp_path / "alice").mkdir()
+        reporter = forked_then_retaken(tmp_path / "alice", start)
+        reporter.close_all()
+        for signed, report in reporter._pending:
+            assert store.assess_and_record(signed, report, now=time.time() + 60) is not None
+        [alice] = [row for row in store.leaderboard() if row.username == "alice"]
+        # carol's three receipts count (each replaced bob's discarded one of its step); bob's of step 4
+        # stays discarded, and his of step 5 was never sent
+        assert (alice.samples, alice.discarded_samples) == (3 * SAMPLES, SAMPLES)
+        assert store.discards(ALICE.peer_id) == [(1, 5)]
+        notes = [store_report.notes for store_report in store.peer_reports(ALICE.peer_id)]
+        assert "receipt_retaken: 3" in notes
