@@ -18,8 +18,8 @@ the steps that were never reported, and carries on. What is journaled:
                discards and one report's worth of the book less the receipts of the discarded steps,
                exactly as replaying ``take(hold=discards)`` on the replayed book does)
 ``done``       a queued report was acknowledged (recorded or a duplicate) or given up (``put_back``: its
-               receipts and relayed bytes claim went back into the book; ``evidence_back``: its relay
-               evidence too)
+               receipts and relayed bytes claim went back into the book, less the receipts of steps
+               discarded since, :func:`receipts_to_put_back`; ``evidence_back``: its relay evidence too)
 ``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive):
                replayed as :meth:`~volunteer.reporting.Reporter.discard` does, it drops them from the
                open steps and the lineage, and the fork's receipts of them from the book (see below)
@@ -106,7 +106,7 @@ from shared.errors import ProtocolError
 from shared.portable import fdatasync
 from shared.state.lineage import FINGERPRINT_BYTES, decode_lineage, encode_lineage, extend_lineage
 
-from .receipts import ReceiptBook
+from .receipts import ReceiptBook, in_ranges
 
 __all__ = [
     "COMPACT_BYTES",
@@ -117,6 +117,7 @@ __all__ = [
     "ReportJournal",
     "merge_ranges",
     "merge_stage_ranges",
+    "receipts_to_put_back",
     "take_received",
     "take_relayed",
 ]
@@ -281,7 +282,9 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                 if report.seq == entry.seq:
                     del state.unsent[i]
                     if entry.put_back and (report.receipts or report.pulled):
-                        book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+                        later = (queued for _, queued in state.unsent)
+                        receipts, _ = receipts_to_put_back(report, later, state.discarded)
+                        book.put_back(report.global_step, receipts, list(report.pulled))
                     if entry.put_back:
                         state.relay_claim += report.bytes_relayed
                         state.sent_claim += report.bytes_sent
@@ -321,6 +324,25 @@ def take_stage_discarded(
     """``pending`` without the stage discards ``report`` carried (as the reporter took them)."""
     carried = {(r.stage, r.first, r.last) for r in report.stage_discarded}
     return [r for r in pending if r not in carried]
+
+
+def receipts_to_put_back(
+    report: ContributionReport,
+    queued: Iterable[ContributionReport],
+    pending: Iterable[tuple[int, int]],
+) -> tuple[list[SignedReceipt], int]:
+    """The receipts of the given-up ``report`` that go back into the book, and how many do not: those of
+    steps a discard made since covers (one listed by a ``queued`` report of a larger seq, or ``pending``:
+    not in a report yet), or ``report``'s own. Delivered in ``report`` such a receipt would have been
+    marked discarded; sent again after that discard it would be credited as a step taken again, which it
+    is not (:mod:`volunteer.receipts`, "Discards")."""
+    ranges = [
+        *pending,
+        *((r.first, r.last) for later in queued if later.seq > report.seq for r in later.discarded),
+        *((r.first, r.last) for r in report.discarded),
+    ]
+    kept = [r for r in report.receipts if not in_ranges(r, ranges)]
+    return kept, len(report.receipts) - len(kept)
 
 
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:

@@ -39,6 +39,8 @@ or before, and none of the fork's after it (:mod:`volunteer.receipts`, "Discards
 fork's receipts of those steps still in the book are dropped (counted in :attr:`Reporter.fork_receipts`;
 pull records stay), and the report that lists the discards holds back the receipts of their steps the
 book holds then, which were booked after the discard: the steps taken again, carried by the next report.
+A report given up (queue overflow, refused) puts back no receipt of steps a discard since covers (the
+fork's, which it would have delivered to be marked discarded).
 Several discards before a report still go out in that one report (merged), and the steps taken again
 may be *claimed* in it (a discard covers receipts, not claims). The journal replays both, so a process
 killed between the discard and its report neither loses the receipts of the steps taken again nor sends
@@ -395,10 +397,12 @@ class Reporter:
         # Journal first, seq file second: a crash between them leaves a journal that knows the seq.
         self.journal.append(journal.queued(signed))
         self._save_seq()
-        if len(self._pending) >= MAX_PENDING_REPORTS:
+        # queued before the oldest is given up, as the journal replays it: the discards this report
+        # lists cover the receipts the oldest puts back (journal.receipts_to_put_back)
+        self._pending.append((signed, report))
+        if len(self._pending) > MAX_PENDING_REPORTS:
             logger.warning("report queue full: dropping the oldest unsent report (its receipts stay)")
             self._give_up(self._pending.popleft()[1])
-        self._pending.append((signed, report))
         if self.journal.wants_compaction():
             self._compact()
         self._wakeup.set()
@@ -409,12 +413,16 @@ class Reporter:
         )
 
     def _give_up(self, report: ContributionReport, *, refused: bool = False) -> None:
-        """A report that will never be credited: its receipts and pull records go out with a later one,
-        and so does its relayed bytes claim; its relay evidence too unless the backbone ``refused`` it
+        """A report that will never be credited: its receipts and pull records go out with a later one
+        (less the receipts of steps discarded since: module docstring, "Discards"), and so does its
+        relayed bytes claim; its relay evidence too unless the backbone ``refused`` it
         (module docstring)."""
         self.journal.append(journal.done(report.seq, put_back=True, evidence_back=not refused))
         if report.receipts or report.pulled:
-            self.book.put_back(report.global_step, list(report.receipts), list(report.pulled))
+            later = (queued for _, queued in self._pending)
+            receipts, dropped = journal.receipts_to_put_back(report, later, self._discarded)
+            self.fork_receipts += dropped  # a discard since covers them: never to be credited
+            self.book.put_back(report.global_step, receipts, list(report.pulled))
         self._relay_claim += report.bytes_relayed
         self._sent_claim += report.bytes_sent
         if not refused:

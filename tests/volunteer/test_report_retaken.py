@@ -20,6 +20,7 @@ from protocols.ledger import ContributionReport
 from protocols.receipts import decode_receipt
 from shared.auth.keys import Identity
 from tests.backbone.ledger.reports import CAPS, identity, part_receipt
+from volunteer import reporting
 from volunteer.journal import JournaledStep
 from volunteer.reporting import Reporter
 
@@ -119,3 +120,20 @@ def test_the_ledger_credits_the_steps_taken_again_and_not_the_forks(tmp_path: Pa
         assert store.discards(ALICE.peer_id) == [(1, 5)]
         notes = [store_report.notes for store_report in store.peer_reports(ALICE.peer_id)]
         assert "receipt_retaken: 3" in notes
+
+
+def test_a_report_given_up_after_the_discard_puts_back_none_of_the_forks_receipts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The queue overflows (no backbone for hours) right after the discard's report: the oldest report,
+    bob's receipts of the fork's steps 1-4, is given up. Put back and sent after the discard they would be
+    credited as steps taken again (step 4 was not); carol's of the steps taken again stay."""
+    monkeypatch.setattr(reporting, "MAX_PENDING_REPORTS", 2)
+    reporter = forked_then_retaken(tmp_path, time.time())
+    reporter.close_interval()  # the discard's report: the queue holds 2
+    took(reporter, CAROL, 4, 4, time.time() + 3)
+    reporter.close_interval()  # carol's receipts of 1-4: report 0 is given up
+    assert [r.seq for r in reports(reporter)] == [1, 2]
+    assert reporter.fork_receipts == 1 + 4 and len(reporter.book) == 0
+    reporter.journal.close()
+    assert len(Reporter(RUN, ALICE, None, tmp_path, interval=1e9).book) == 0  # the journal agrees
