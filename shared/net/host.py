@@ -303,6 +303,8 @@ class Host:
                 await trio.lowlevel.wait_readable(listener)
             except trio.ClosedResourceError:
                 return  # closed by abort() while we waited
+            if listener.fileno() == -1:
+                return  # closed by abort() after a connection woke us, before this task ran again
             try:
                 raw, addr = listener.accept()
             except BlockingIOError:

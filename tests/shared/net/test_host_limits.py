@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import trio
 
@@ -53,3 +55,21 @@ async def test_host_call_before_run_is_a_programming_error(start_host: StartHost
     idle = Host(Identity.generate(), "test-run")
     with pytest.raises(RuntimeError, match="not been started"):
         await idle.call(address_of(server), PingRequest())
+
+
+async def test_host_aborted_while_a_connection_waits_to_be_accepted_stops_cleanly() -> None:
+    """abort() run in the scheduling batch that also wakes the accept loop (a connection just arrived)
+    closes the listener under a task already told it is readable: the loop must end quietly, not crash
+    the host with EBADF. The batch's order is random, so the race is tried many times."""
+    for _ in range(40):
+        host = Host(Identity.generate(), "test-run")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(host.run)
+            port = int(host.listen_addrs[0].split("/")[4])
+            with socket.create_connection(("127.0.0.1", port)) as client:
+                # the accept loop becomes runnable in the same batch as this task
+                await trio.lowlevel.checkpoint()
+                host.abort()
+                await trio.sleep(0.01)
+                client.close()
+            nursery.cancel_scope.cancel()
