@@ -75,6 +75,9 @@ only by that peer, expiring after :data:`LINK_RECORD_TTL`) a :class:`LinkRecord`
 joined the formation (unix time), its direct addresses, and the round-trip times it measured to at most
 :data:`MAX_LINK_SAMPLES` other servers (an authenticated DHT ping, timed). Every value is bounded by the
 type (lengths, counts, physical ranges) so a decoded record never allocates or claims more than that.
+A server of a run that the scheduler re-places keeps its record alive while it serves (re-measured and
+republished every third of :data:`LINK_RECORD_TTL`, newcomers included: ``started`` is then when the writer
+began serving), so a re-placement in a long run reads measured links, not the fill rule's defaults.
 """
 
 from __future__ import annotations

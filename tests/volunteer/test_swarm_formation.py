@@ -10,6 +10,7 @@ middle of the pipeline (the A-C link is never used); the place_newcomer rule, bl
 
 from __future__ import annotations
 
+import functools
 import time
 
 import msgspec
@@ -26,7 +27,13 @@ from shared.swarm.directory import find_stage_servers
 from shared.swarm.placement_cost import Workload
 from tests.swarmkit import start_node
 from volunteer.collab.optimizer import CollabConfig
-from volunteer.swarm.formation import FormationConfig, estimate_workload, measure_rtt, read_link_records
+from volunteer.swarm.formation import (
+    FormationConfig,
+    estimate_workload,
+    keep_links,
+    measure_rtt,
+    read_link_records,
+)
 from volunteer.swarm.member import SwarmMember, serve_swarm
 from volunteer.tasks import make_task
 
@@ -131,3 +138,45 @@ async def test_the_workload_estimate_counts_a_stage_s_parameters_and_a_micro_bat
     params = sum(p.numel() for p in make_task(SPEC).build_model().parameters())
     assert work.stages == STAGES and work.stage_bytes == pytest.approx(4 * params / STAGES)
     assert work.activation_bytes == SPEC.local_batch * 24 * 32
+
+
+async def test_serving_servers_keep_their_link_records_measured_newcomers_included(
+    nursery: trio.Nursery,
+) -> None:
+    """keep_links (module docstring, "After the close"): each server republishes its record every refresh
+    with fresh measurements of the peers it samples now, so the records outlive the formation, a server
+    that joined later is measured and measures, and a link that changed shows its new round trip."""
+    seed, _ = await start_node(nursery, RUN_ID, [])
+    initial = [seed.host.listen_addrs[0]]
+    nodes = [(await start_node(nursery, RUN_ID, initial))[0] for _ in range(3)]
+    extra = {"now": 1.0}
+
+    async def emulated(node: Node, peer: PeerId, address: PeerAddress) -> float:
+        return await measure_rtt(node, peer, address, pings=1) + extra["now"]
+
+    config = FormationConfig(measure=emulated)
+    ids = [str(n.peer_id) for n in nodes]
+    started = [time.time() - 50.0, time.time() - 40.0, time.time()]  # the third joined late (a newcomer)
+
+    async def links() -> dict[str, dict[str, float]]:
+        found = await read_link_records(seed, STAGES)
+        return {p: {s.peer: s.rtt for s in m.record.links} for p, m in found.items()}
+
+    for node, at in zip(nodes, started, strict=True):
+        nursery.start_soon(functools.partial(keep_links, node, STAGES, at, config, refresh=0.3))
+    with trio.fail_after(60):  # everybody measured everybody else (k = 8 covers them): the newcomer too
+        while True:
+            seen = await links()
+            if all(set(seen.get(p, {})) == set(ids) - {p} for p in ids):
+                break
+            await trio.sleep(0.05)
+    assert all(1.0 <= rtt < 2.0 for p in ids for rtt in seen[p].values())
+    records = await read_link_records(seed, STAGES)
+    assert [records[p].record.started for p in ids] == started  # the join time stays what it was
+    extra["now"] = 3.0  # the links got slower: the next refreshes measure them again
+    with trio.fail_after(60):
+        while True:
+            seen = await links()
+            if all(set(seen[p]) == set(ids) - {p} and min(seen[p].values()) >= 3.0 for p in ids):
+                break
+            await trio.sleep(0.05)

@@ -38,6 +38,17 @@ go to :func:`~shared.swarm.links.formation_placement` (in a worker thread: the s
 scipy), which names our stage. What happens when members disagree, and with a member count that ``S``
 does not divide, is stated there.
 
+**After the close** (:func:`keep_links`, run while a server serves a run that re-placement may re-place,
+:mod:`.member` 4): the records would expire :data:`~protocols.swarm.LINK_RECORD_TTL` after the formation
+and leave a later re-placement link-blind, and servers that joined after the close never published one.
+So every such server, the formation's members and newcomers alike, every :data:`LINK_REFRESH` seconds
+reads the records, measures the round trip to the ``samples`` peers :func:`~shared.swarm.links.sample_peers`
+picks among the writers it can reach now (all of them again: links change; a departed server's record
+expires and drops out of the sample), and republishes its record with those measurements (a peer that did
+not answer is left out; ``started``: when the server joined the formation, or began serving). Two refreshes
+may fail before a record expires; a failed read, measurement or publish is counted and tried again at the
+next refresh.
+
 **What it costs.** One record of at most ``64`` samples per member, ``pings x samples`` pings, a few DHT
 reads per second per member during the window, and a search of :data:`~shared.swarm.links
 .DEFAULT_GENERATIONS` offspring after the close, in a worker thread (measured on a busy 2-core machine,
@@ -106,6 +117,10 @@ DEFAULT_LENGTH = 128
 _RECORD_FAILURES: tuple[type[Exception], ...] = (ProtocolError, *DECODE_FAILURES)
 _CAPABILITY_FAILURES: tuple[type[Exception], ...] = (*_RECORD_FAILURES, ValueError)
 
+#: How often a serving server re-measures its links and republishes its record (seconds; module
+#: docstring, "After the close"): a third of the record's lifetime.
+LINK_REFRESH = LINK_RECORD_TTL / 3
+
 #: How a member times the round trip to a peer (the default is :func:`measure_rtt`; tests emulate links)
 Measure = Callable[[Node, PeerId, PeerAddress], Awaitable[float]]
 
@@ -163,6 +178,8 @@ class FormationOutcome:
     close: float
     #: the filled round-trip matrix over ``sorted(joined)``
     rtt: list[list[float]] = field(default_factory=list)
+    #: when we joined (our record's ``started``)
+    started: float = 0.0
 
 
 async def measure_rtt(node: Node, peer: PeerId, address: PeerAddress, pings: int = 3) -> float:
@@ -273,28 +290,15 @@ async def form(
         raise ValueError(f"a workload of {workload.stages} stages for a run of {stages}")
     me = str(node.peer_id)
     joined_at = time.time()
-    measure = config.measure or (lambda n, p, a: measure_rtt(n, p, a, config.pings))
     mine: dict[str, float] = {}
 
     async def publish() -> None:
-        links = [LinkSample(p, min(r, 60.0)) for p, r in sorted(mine.items())][:MAX_LINK_SAMPLES]
-        record = LinkRecord(stages, joined_at, list(node.host.advertised_addrs[:8]), links)
-        with node.tolerated.around("swarm link record publish"):
-            await node.dht.store(
-                LINKS_KEY, msgspec.msgpack.encode(record), time.time() + LINK_RECORD_TTL, subkey=me.encode()
-            )
+        await publish_links(node, stages, joined_at, mine)
 
     def close_of(members: Mapping[str, _Member]) -> float:
         now = time.time()
         times = [_bounded_join(m.record.started, joined_at, now, config.window) for m in members.values()]
         return min([joined_at, *(t for t in times if t is not None)]) + config.window
-
-    async def measure_one(peer: str, address: PeerAddress) -> None:
-        with (
-            node.tolerated.around("swarm link measurement"),
-            trio.move_on_after(config.ping_timeout * config.pings),
-        ):
-            mine[peer] = await measure(node, PeerId(peer), address)
 
     await publish()
     members: dict[str, _Member] = {}
@@ -310,9 +314,7 @@ async def form(
                 reachable[peer] = member.address
         todo = [p for p in sample_peers(me, reachable, config.samples) if p not in mine]
         if todo:
-            async with trio.open_nursery() as nursery:
-                for peer in todo:
-                    nursery.start_soon(measure_one, peer, reachable[peer])
+            mine.update(await measure_links(node, {p: reachable[p] for p in todo}, config))
             await publish()
         await trio.sleep(max(0.0, min(config.poll, close - config.settle - time.time())))
     await trio.sleep(max(0.0, close - time.time()))
@@ -344,4 +346,66 @@ async def form(
         "swarm formation of %d servers (%d scheduled): serving stage %d of %d", len(peers),
         len(placement.scheduled), stage, stages,
     )  # fmt: skip
-    return FormationOutcome(stage, placement, joined, measured, close, rtt.tolist())
+    return FormationOutcome(stage, placement, joined, measured, close, rtt.tolist(), joined_at)
+
+
+async def publish_links(node: Node, stages: int, started: float, measured: Mapping[str, float]) -> None:
+    """Publish our link record: ``measured`` round trips (at most the type's count), ``started`` as our
+    join time. A failed store is counted (``swarm link record publish``), not raised."""
+    links = [LinkSample(p, min(r, 60.0)) for p, r in sorted(measured.items())][:MAX_LINK_SAMPLES]
+    record = LinkRecord(stages, started, list(node.host.advertised_addrs[:8]), links)
+    with node.tolerated.around("swarm link record publish"):
+        await node.dht.store(
+            LINKS_KEY,
+            msgspec.msgpack.encode(record),
+            time.time() + LINK_RECORD_TTL,
+            subkey=str(node.peer_id).encode(),
+        )
+
+
+async def measure_links(
+    node: Node, targets: Mapping[str, PeerAddress], config: FormationConfig
+) -> dict[str, float]:
+    """The round trips to ``targets``, measured at once (``config.measure``, else :func:`measure_rtt`),
+    each within ``ping_timeout x pings`` seconds; a peer that did not answer is left out (counted,
+    ``swarm link measurement``)."""
+    measure = config.measure or (lambda n, p, a: measure_rtt(n, p, a, config.pings))
+    found: dict[str, float] = {}
+
+    async def one(peer: str, address: PeerAddress) -> None:
+        with (
+            node.tolerated.around("swarm link measurement"),
+            trio.move_on_after(config.ping_timeout * config.pings),
+        ):
+            found[peer] = await measure(node, PeerId(peer), address)
+
+    async with trio.open_nursery() as nursery:
+        for peer, address in targets.items():
+            nursery.start_soon(one, peer, address)
+    return found
+
+
+async def keep_links(
+    node: Node,
+    stages: int,
+    started: float,
+    config: FormationConfig,
+    *,
+    refresh: float = LINK_REFRESH,
+    wait_first: bool = False,
+) -> None:
+    """Keep our link record measured and alive while we serve (module docstring, "After the close"), until
+    cancelled. ``started``: our join time as the record states it; ``wait_first``: the formation has just
+    published a fresh record, so the first refresh waits a period."""
+    me = str(node.peer_id)
+    if wait_first:
+        await trio.sleep(refresh)
+    while True:
+        members: dict[str, _Member] = {}
+        with node.tolerated.around("swarm link records read"):
+            members = await read_link_records(node, stages)
+        reachable = {p: m.address for p, m in members.items() if p != me and m.address is not None}
+        sampled = sample_peers(me, reachable, config.samples)
+        measured = await measure_links(node, {p: reachable[p] for p in sampled}, config)
+        await publish_links(node, stages, started, measured)
+        await trio.sleep(refresh)

@@ -25,8 +25,9 @@
    formation). When the rebalancer's plan would move *many* servers at once, the scheduler re-places the
    run's servers instead (:mod:`shared.swarm.replacement`: when, which placement, and why every server
    computes the same one): each period's verdict comes from :func:`~shared.swarm.replacement.gate`; on
-   ``replace`` we read the link records (:func:`~.formation.read_link_records`: those the servers published
-   when the run formed, while they live; pairs without one are filled as at formation) and the capability
+   ``replace`` we read the link records (:func:`~.formation.read_link_records`: every server of such a run,
+   newcomers included, keeps its record re-measured and alive while it serves, :func:`~.formation.keep_links`;
+   pairs without one are filled as at formation) and the capability
    records, compute :func:`~shared.swarm.replacement.replacement` in a worker thread, and move if it names
    another stage for us, exactly as a rebalancing move (the new stage's state is downloaded from the
    server that kept it, verified). With re-placement on, periods are aligned to the wall clock (every
@@ -102,6 +103,7 @@ from .formation import (
     FormationOutcome,
     estimate_workload,
     form,
+    keep_links,
     read_capacities,
     read_link_records,
 )
@@ -206,59 +208,71 @@ async def serve_swarm(
     replacer = None
     if replacement is not None:
         replacer = _Replacer(node, task, spec, run_id, stages, replacement, member, hysteresis)
-    while True:
-        member.stage = target
-        logger.info("serving stage %d of %d", target, stages)
-        ended = trio.Event()  # the stage reached the step limit, or rebalancing moves us
-        moved_to: int | None = None
-
-        async def serve(
-            task_status: trio.TaskStatus[StageService], stage: int = target, ended: trio.Event = ended
-        ) -> None:
-            discard = None if on_discard is None else functools.partial(on_discard, stage)
-            await serve_stage(
-                node, task, spec, run_id, stage, stages,
-                data_dir=data_dir, backbones=backbones, collab_config=collab_config,
-                server_config=server_config, device=device, on_step=on_step, receipts=receipts,
-                on_discard=discard, previous_life=previous_life(stage) if previous_life else None,
-                task_status=task_status,
+    started = member.formation.started if member.formation is not None else time.time()
+    async with trio.open_nursery() as keeping:
+        if replacer is not None:  # a re-placement reads measured links, ours included (module docstring, 4)
+            keeping.start_soon(
+                functools.partial(
+                    keep_links, node, stages, started, formation or FormationConfig(),
+                    wait_first=member.formation is not None,
+                )
             )  # fmt: skip
-            ended.set()  # the run's step limit: serve_stage returns only then
+        try:
+            while True:
+                member.stage = target
+                logger.info("serving stage %d of %d", target, stages)
+                ended = trio.Event()  # the stage reached the step limit, or rebalancing moves us
+                moved_to: int | None = None
 
-        async with trio.open_nursery() as nursery:
-            member.service = await nursery.start(serve)
+                async def serve(
+                    task_status: trio.TaskStatus[StageService], stage: int = target, ended: trio.Event = ended
+                ) -> None:
+                    discard = None if on_discard is None else functools.partial(on_discard, stage)
+                    await serve_stage(
+                        node, task, spec, run_id, stage, stages,
+                        data_dir=data_dir, backbones=backbones, collab_config=collab_config,
+                        server_config=server_config, device=device, on_step=on_step, receipts=receipts,
+                        on_discard=discard, previous_life=previous_life(stage) if previous_life else None,
+                        task_status=task_status,
+                    )  # fmt: skip
+                    ended.set()  # the run's step limit: serve_stage returns only then
 
-            async def watch(stage: int = target, ended: trio.Event = ended) -> None:
-                nonlocal moved_to
-                moved_to = await _watch(node, stages, stage, period, hysteresis, replacer)
-                ended.set()
+                async with trio.open_nursery() as nursery:
+                    member.service = await nursery.start(serve)
 
-            nursery.start_soon(watch)
-            if leave is not None:
+                    async def watch(stage: int = target, ended: trio.Event = ended) -> None:
+                        nonlocal moved_to
+                        moved_to = await _watch(node, stages, stage, period, hysteresis, replacer)
+                        ended.set()
 
-                async def leaving(ended: trio.Event = ended) -> None:
-                    await leave.wait()
-                    ended.set()
+                    nursery.start_soon(watch)
+                    if leave is not None:
 
-                nursery.start_soon(leaving)
-            await ended.wait()
-            service = member.service
-            if leave is not None and leave.is_set() and not service.collab.finished():
-                # with re-placement on, a departure makes the rebalancer wait for the basis to stand
-                settle = 0.0 if replacement is None else replacement.settle + period
-                within = max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period + settle)
-                await hand_over(node, service, stages, within)
-            if not service.collab.finished():
-                await service.collab.leave()  # the stage's round stops waiting for us
-            nursery.cancel_scope.cancel()
-        if leave is not None and leave.is_set():
-            return
-        if moved_to is None:
-            logger.info("stage %d reached the run's step limit", target)
-            return
-        member.moves.append((target, moved_to))
-        logger.info("rebalancing: moving from stage %d to stage %d", target, moved_to)
-        target = moved_to
+                        async def leaving(ended: trio.Event = ended) -> None:
+                            await leave.wait()
+                            ended.set()
+
+                        nursery.start_soon(leaving)
+                    await ended.wait()
+                    service = member.service
+                    if leave is not None and leave.is_set() and not service.collab.finished():
+                        # with re-placement on, a departure makes the rebalancer wait for the basis to stand
+                        settle = 0.0 if replacement is None else replacement.settle + period
+                        within = max(HAND_OVER_MIN, STAGE_RECORD_TTL + 3 * period + settle)
+                        await hand_over(node, service, stages, within)
+                    if not service.collab.finished():
+                        await service.collab.leave()  # the stage's round stops waiting for us
+                    nursery.cancel_scope.cancel()
+                if leave is not None and leave.is_set():
+                    return
+                if moved_to is None:
+                    logger.info("stage %d reached the run's step limit", target)
+                    return
+                member.moves.append((target, moved_to))
+                logger.info("rebalancing: moving from stage %d to stage %d", target, moved_to)
+                target = moved_to
+        finally:
+            keeping.cancel_scope.cancel()
 
 
 async def hand_over(node: Node, service: StageService, stages: int, within: float) -> bool:
