@@ -15,17 +15,22 @@ the steps that were never reported, and carries on. What is journaled:
                and in a swarm run the pipeline ``stage`` whose step it is
 ``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
 ``queued``     a report was closed: its signed bytes and signature (it took the open steps, the pending
-               discards and one report's worth of the book less the receipts of the discarded steps,
-               exactly as replaying ``take(hold=discards)`` on the replayed book does)
+               discards and one report's worth of the book less the receipts of the pending discards'
+               steps, exactly as replaying ``take(hold=discards, hold_stages=stage discards)`` on the
+               replayed book does; the stage discards it lists are those it carries)
 ``done``       a queued report was acknowledged (recorded or a duplicate) or given up (``put_back``: its
                receipts and relayed bytes claim went back into the book, less the receipts of steps
-               discarded since, :func:`receipts_to_put_back`; ``evidence_back``: its relay evidence too)
+               discarded since, a trainer's of a pending stage discard sealed again,
+               :func:`receipts_to_put_back`; ``evidence_back``: its relay evidence too)
 ``discarded``  our steps ``first..last`` were replaced by a state we loaded (a fork that did not survive):
                replayed as :meth:`~volunteer.reporting.Reporter.discard` does, it drops them from the
                open steps and the lineage, and the fork's receipts of them from the book (see below)
 ``stage_discarded``
                in a swarm run, our steps ``first..last`` of pipeline stage ``stage`` were replaced by a
-               stage state we loaded (``Reporter.discard_stage``)
+               stage state we loaded: replayed as ``Reporter.discard_stage`` does, it drops them from the
+               open steps and the fork's stage receipts of them from the book, and seals its trainer's
+               receipts of them (:mod:`volunteer.receipts`, "Stage discards")
+``sealed``     written by compaction: the book's sealed trainer's receipts (``ReceiptBook.sealed``)
 ``relayed``    bytes our relay service spliced (``claim``) and bytes we received through each relay
                (``through``) since the previous such entry: what the next report claims and evidences;
                in a swarm run also the pipeline bytes we sent (``sent``) and the answer bytes our
@@ -54,11 +59,16 @@ first state it loads, so that its earlier process's steps that were taken again 
 rollback are reported discarded (:mod:`volunteer.collab.sync`). Journals of older versions have no
 fingerprints and no lineage: they load, with an empty lineage (the step numbers alone then decide).
 
-**Discards and the book** (:mod:`volunteer.receipts`, "Discards"): entries replay in the order they
-happened, so a ``discarded`` entry drops only the receipts booked before it (the fork's), and a
-``queued`` entry holds back those booked after it (the steps taken again, for the next report). A
-compacted journal writes the pending discards *before* the held book and the open steps, which are all
-that is left after the discard (what it dropped is gone, what it did not is the steps taken again).
+**Discards and the book** (:mod:`volunteer.receipts`, "Discards" and "Stage discards"): entries replay
+in the order they happened, so a ``discarded`` or ``stage_discarded`` entry drops (or seals) only the
+receipts booked before it (the fork's), and a ``queued`` entry holds back those booked after it (the
+steps taken again, for a report after the discard's). A compacted journal writes the pending discards
+*before* the held book and the open steps, which are all that is left after the discard (what it dropped
+or sealed is gone from them, what it did not is the steps taken again), and the sealed receipts in a
+``sealed`` entry of their own (a version before it skips the entry, counting it damaged: the fork's
+trainer's receipts are lost, never sent after the discard). A compacted journal of the version before
+the stage rules wrote its pending stage discards before a book that may still hold the fork's receipts of
+them: replayed now, those are held as steps taken again (the swarm mode has no released version).
 A compacted journal of an older version wrote them after the book: replayed now, its receipts of the
 discarded steps are dropped (the older reporter would have sent them with the discard, marked
 discarded by the ledger: no credit lost compared with it).
@@ -182,6 +192,10 @@ class _StageDiscarded(msgspec.Struct, frozen=True, tag="stage_discarded", tag_fi
     last: int
 
 
+class _Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="k"):
+    receipts: list[SignedReceipt]
+
+
 class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k", omit_defaults=True):
     seq: int
     last_end: float
@@ -190,7 +204,18 @@ class _State(msgspec.Struct, frozen=True, tag="state", tag_field="k", omit_defau
     stages: dict[int, int] = {}  # Replayed.stage_steps (absent in journals of older versions)
 
 
-Entry = _Opened | JournaledStep | _Booked | _Queued | _Done | _Discarded | _StageDiscarded | _State | _Relayed
+Entry = (
+    _Opened
+    | JournaledStep
+    | _Booked
+    | _Queued
+    | _Done
+    | _Discarded
+    | _StageDiscarded
+    | _Sealed
+    | _State
+    | _Relayed
+)
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Entry)
 
@@ -248,10 +273,13 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.lineage = without_range(state.lineage, first, last)
         elif isinstance(entry, _StageDiscarded):  # as Reporter.discard_stage does
             state.open_steps = without_stage_steps(state.open_steps, entry.stage, entry.first, entry.last)
+            book.drop_stage_steps(entry.stage, entry.first, entry.last)
             state.stage_discarded = merge_stage_ranges(
                 [*state.stage_discarded, (entry.stage, entry.first, entry.last)],
                 MAX_STAGE_DISCARDED_PER_REPORT,
             )
+        elif isinstance(entry, _Sealed):
+            book.seal(entry.receipts)
         elif isinstance(entry, _State):
             state.seq = max(state.seq, entry.seq)
             state.last_end = max(state.last_end or entry.last_end, entry.last_end)
@@ -265,7 +293,8 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             except (msgspec.MsgspecError, ValueError):
                 state.damaged += 1
                 continue
-            book.take(hold=state.discarded)  # what close_interval took from the live book
+            # what close_interval took from the live book
+            book.take(hold=state.discarded, hold_stages=state.stage_discarded)
             state.open_steps.clear()
             state.discarded.clear()  # close_interval takes them all
             state.stage_discarded = take_stage_discarded(state.stage_discarded, report)
@@ -283,8 +312,10 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
                     del state.unsent[i]
                     if entry.put_back and (report.receipts or report.pulled):
                         later = (queued for _, queued in state.unsent)
-                        receipts, _ = receipts_to_put_back(report, later, state.discarded)
-                        book.put_back(report.global_step, receipts, list(report.pulled))
+                        receipts, sealed, _ = receipts_to_put_back(
+                            report, later, state.discarded, state.stage_discarded
+                        )
+                        book.put_back(report.global_step, receipts, list(report.pulled), sealed)
                     if entry.put_back:
                         state.relay_claim += report.bytes_relayed
                         state.sent_claim += report.bytes_sent
@@ -330,19 +361,36 @@ def receipts_to_put_back(
     report: ContributionReport,
     queued: Iterable[ContributionReport],
     pending: Iterable[tuple[int, int]],
-) -> tuple[list[SignedReceipt], int]:
-    """The receipts of the given-up ``report`` that go back into the book, and how many do not: those of
-    steps a discard made since covers (one listed by a ``queued`` report of a larger seq, or ``pending``:
-    not in a report yet), or ``report``'s own. Delivered in ``report`` such a receipt would have been
-    marked discarded; sent again after that discard it would be credited as a step taken again, which it
-    is not (:mod:`volunteer.receipts`, "Discards")."""
-    ranges = [
-        *pending,
-        *((r.first, r.last) for later in queued if later.seq > report.seq for r in later.discarded),
+    pending_stages: Iterable[tuple[int, int, int]] = (),
+) -> tuple[list[SignedReceipt], list[SignedReceipt], int]:
+    """What becomes of the receipts of the given-up ``report`` (:mod:`volunteer.receipts`, "Discards" and
+    "Stage discards"): those that go back into the book, those sealed again, and how many neither. A
+    receipt a discard made since covers (one listed by a ``queued`` report of a larger seq, or
+    ``report``'s own, or ``pending``: not in a report yet) would have been marked discarded, delivered in
+    ``report``; sent again after that discard's report it would be credited as a step taken again, which
+    it is not. So it is not put back, except a trainer's receipt that only a pending stage discard
+    (``pending_stages``) covers: it can still go out before that discard's report, sealed, and its bytes
+    stay evidence."""
+    later = [r for r in queued if r.seq > report.seq]
+    listed = [
+        *((r.first, r.last) for q in later for r in q.discarded),
         *((r.first, r.last) for r in report.discarded),
     ]
-    kept = [r for r in report.receipts if not in_ranges(r, ranges)]
-    return kept, len(report.receipts) - len(kept)
+    listed_stages = [
+        *((r.stage, r.first, r.last) for q in later for r in q.stage_discarded),
+        *((r.stage, r.first, r.last) for r in report.stage_discarded),
+    ]
+    ranges, stage_ranges = [*pending, *listed], list(pending_stages)
+    kept: list[SignedReceipt] = []
+    sealed: list[SignedReceipt] = []
+    for signed in report.receipts:
+        if in_ranges(signed, ranges, listed_stages):
+            continue
+        if not in_ranges(signed, (), stage_ranges):
+            kept.append(signed)
+        elif decode_receipt(signed.receipt).carried:  # covered: it decodes
+            sealed.append(signed)
+    return kept, sealed, len(report.receipts) - len(kept) - len(sealed)
 
 
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:
@@ -526,7 +574,7 @@ def compacted(
     stage_steps: dict[int, int] | None = None,
 ) -> list[Entry]:
     """The entries that replay to this state, oldest queued reports dropped beyond the size bound."""
-    held: list[Entry] = []
+    held: list[Entry] = [_Sealed(book.sealed)] if book.sealed else []
     for stage, step, receipts, pulled in book.held_by_stage():
         pairs = []
         for signed in receipts:

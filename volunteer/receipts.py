@@ -36,12 +36,37 @@ steps taken again in the discard's report or before:
   the book for a later report.
 
 Both are decided by the step each receipt signs (a receipt put back under its report's step is judged by
-its own), so the reporter's journal replays them exactly (:mod:`volunteer.journal`). Only data-parallel
-discards do this so far: a swarm server's *stage* discards (``Reporter.discard_stage``) neither drop nor
-hold its stage or trainers' receipts, which keep the under-credit this fixes for data-parallel steps
-(a stage step taken again before the stage discard's report went out is marked discarded). Stage
-receipts need more thought: the bytes of a trainer's discarded receipts stay evidence of its sending, so
-the fork's cannot simply be dropped.
+its own), so the reporter's journal replays them exactly (:mod:`volunteer.journal`).
+
+**Stage discards** (a swarm server's, ``Reporter.discard_stage``; the ledger's rule:
+:mod:`backbone.ledger.accounting`, "Swarm runs", *discards*). A stage discard of ``(stage, first, last)``
+listed by the report of seq ``d`` has the ledger mark discarded the sender's *stage* receipts of those
+stage steps and its *trainer's* receipts of them (``carried``: a volunteer that serves and trains) in its
+reports of seq ``<= d``, and credit those of later reports as the stage steps taken again. The same two
+rules apply per stage, except that a trainer's receipts of the fork are never dropped:
+
+* :meth:`ReceiptBook.drop_stage_steps`, at the discard: the fork's stage part receipts of those steps
+  still held are dropped, exactly as data-parallel ones (only their line in ``discarded_samples`` is
+  lost). The fork's trainer's receipts of them are *sealed* instead: taken out of their ``(stage, step)``
+  slot into a set of their own (the larger per ``(stage, step, server)``) that every :meth:`take` empties
+  first, and the reporter lists no stage discard while one is sealed, so all of them go out in the
+  discard's report or before it. Their ``nbytes`` are evidence of the trainer's sending even discarded
+  (the ledger counts the bytes of a discarded trainer's receipt: bytes really sent): dropped, that
+  evidence would be lost; sent after the discard's report, their samples would be credited as a stage
+  step taken again (false credit). Freeing the slot also lets the step taken again be booked at all: a
+  server's cumulative tally of a step it took again may restart below the fork's receipt, which the slot
+  (the larger per server) would otherwise keep.
+* :meth:`ReceiptBook.take` with ``hold_stages``, the *pending* stage discards (all of them: also those the
+  report leaves to a later one, whose listing covers this report too): the stage and trainer's receipts
+  of those stage steps in the book then (sealed ones aside) were booked after the discard (the stage
+  steps taken again), so they stay in the book for a report after the one listing it.
+
+A report given up (:func:`volunteer.journal.receipts_to_put_back`) puts back no receipt a discard listed
+since (by a later queued report, or its own) covers: it can no longer go out before that discard's
+report; of those only a pending stage discard covers, a trainer's receipt is sealed again and a stage
+part receipt dropped. The ledger stores one trainer's receipt per ``(trainer, server, stage, step)``: a
+receipt of the stage step taken again from the same server replaces the fork's row, bytes included (a
+limit of the ledger's evidence, not of the book).
 
 Plain Python, no trio, no locks: every call runs on the trio thread.
 """
@@ -57,6 +82,7 @@ from protocols.receipts import (
     MAX_PULLED_PER_REPORT,
     MAX_RECEIPTS_PER_REPORT,
     RECEIPTS_PER_STEP,
+    PartReceipt,
     PulledSlice,
     SignedReceipt,
     decode_receipt,
@@ -70,18 +96,28 @@ MAX_HELD_STEPS = 4096
 CARRIED_PER_STEP = 8
 
 
-def in_ranges(signed: SignedReceipt, ranges: Sequence[tuple[int, int]]) -> bool:
-    """``signed`` is a data-parallel part receipt of a step in one of ``ranges`` (``(first, last)``, both
-    included): one a discard of those steps covers (module docstring). Not a stage's or a trainer's
-    receipt (a stage discard covers those: not handled here yet), nor bytes that do not decode (the
-    ledger refuses those wherever they go)."""
-    if not ranges:
+def in_ranges(
+    signed: SignedReceipt,
+    ranges: Sequence[tuple[int, int]],
+    stage_ranges: Sequence[tuple[int, int, int]] = (),
+) -> bool:
+    """A discard covers ``signed`` (module docstring): a data-parallel discard of one of ``ranges``
+    (``(first, last)``, both included) covers a data-parallel part receipt of a step in it, and a stage
+    discard of one of ``stage_ranges`` (``(stage, first, last)``) a stage's part receipt or a trainer's
+    receipt of a step of that stage in it. Bytes that do not decode are covered by none (the ledger
+    refuses those wherever they go)."""
+    if not ranges and not stage_ranges:
         return False
-    try:
-        receipt = decode_receipt(signed.receipt)
-    except ProtocolError:
-        return False
-    return receipt.stage is None and any(first <= receipt.step <= last for first, last in ranges)
+    receipt = _decoded(signed)
+    return receipt is not None and _covers(receipt, ranges, stage_ranges)
+
+
+def _covers(
+    receipt: PartReceipt, ranges: Sequence[tuple[int, int]], stage_ranges: Sequence[tuple[int, int, int]]
+) -> bool:
+    if receipt.stage is None:
+        return not receipt.carried and any(first <= receipt.step <= last for first, last in ranges)
+    return any(k == receipt.stage and first <= receipt.step <= last for k, first, last in stage_ranges)
 
 
 @dataclass
@@ -102,6 +138,11 @@ class ReceiptBook:
     dropped: int = 0  # steps dropped on overflow
     dropped_carried: int = 0  # trainer's receipts of servers beyond CARRIED_PER_STEP
     _steps: OrderedDict[tuple[int | None, int], _Step] = field(default_factory=OrderedDict)
+    #: a stage discard's sealed trainer's receipts (module docstring), by (stage, step, server): the
+    #: larger (weight, receipt); every take empties them first
+    _sealed: OrderedDict[tuple[int, int, str], tuple[float, SignedReceipt]] = field(
+        default_factory=OrderedDict
+    )
     #: called with each :meth:`add`'s arguments first (the reporter journals them: volunteer.journal)
     on_add: Callable[[int, list[tuple[str, SignedReceipt]], list[PulledSlice], int | None], None] | None = (
         None
@@ -162,12 +203,15 @@ class ReceiptBook:
         max_pulled: int = MAX_PULLED_PER_REPORT,
         *,
         hold: Sequence[tuple[int, int]] = (),
+        hold_stages: Sequence[tuple[int, int, int]] = (),
     ) -> tuple[list[SignedReceipt], list[PulledSlice]]:
-        """Remove and return the oldest receipts and pull records, at most one report's worth, less the
-        data-parallel part receipts of steps in ``hold`` (the ranges the report discards: module
-        docstring), which stay in the book in their order."""
+        """Remove and return the sealed receipts first, then the oldest receipts and pull records, at most
+        one report's worth, less the receipts of steps the pending discards cover (data-parallel ``hold``,
+        stage ``hold_stages``: module docstring), which stay in the book in their order."""
         receipts: list[SignedReceipt] = []
         pulled: list[PulledSlice] = []
+        while self._sealed and len(receipts) < max_receipts:
+            receipts.append(self._sealed.popitem(last=False)[1][1])
         for key, entry in list(self._steps.items()):
             room_r, room_p = max_receipts - len(receipts), max_pulled - len(pulled)
             if room_r <= 0 and room_p <= 0:
@@ -175,7 +219,7 @@ class ReceiptBook:
             left: list[SignedReceipt] = []  # what stays, in order
             no_room = False
             for receipt in entry.receipts:
-                if in_ranges(receipt, hold):
+                if in_ranges(receipt, hold, hold_stages):
                     left.append(receipt)
                 elif room_r > 0:
                     receipts.append(receipt)
@@ -186,41 +230,112 @@ class ReceiptBook:
             entry.receipts = left
             pulled += entry.pulled[:room_p]
             entry.pulled = entry.pulled[room_p:]
-            for server in list(entry.carried)[: max(0, max_receipts - len(receipts))]:
-                receipts.append(entry.carried.pop(server)[1])
-            if no_room or entry.pulled or entry.carried:
+            for server, (_, receipt) in list(entry.carried.items()):
+                if in_ranges(receipt, (), hold_stages):
+                    continue
+                if room_r > 0:
+                    receipts.append(entry.carried.pop(server)[1])
+                    room_r -= 1
+                else:
+                    no_room = True
+            if no_room or entry.pulled:
                 break
-            if not entry.receipts:  # else only held receipts are left: on to the next step
+            if not entry.receipts and not entry.carried:  # else only held ones are left: on to the next
                 del self._steps[key]
         return receipts, pulled
 
     def drop_steps(self, first: int, last: int) -> int:
         """Remove the data-parallel part receipts of steps ``first..last`` (a fork's: module docstring;
         pull records, trainers' and stage receipts stay); returns how many."""
-        dropped = 0
+        return self._drop([(first, last)], ())[0]
+
+    def drop_stage_steps(self, stage: int, first: int, last: int) -> tuple[int, int]:
+        """At a stage discard of ``stage``'s steps ``first..last`` (module docstring, "Stage discards"):
+        remove the stage part receipts of those steps and seal the trainer's receipts of them; returns
+        how many of each (pull records and other receipts stay)."""
+        return self._drop((), [(stage, first, last)])
+
+    def _drop(
+        self, ranges: Sequence[tuple[int, int]], stage_ranges: Sequence[tuple[int, int, int]]
+    ) -> tuple[int, int]:
+        dropped = sealed = 0
         for key, entry in list(self._steps.items()):
-            kept = [r for r in entry.receipts if not in_ranges(r, [(first, last)])]
-            dropped += len(entry.receipts) - len(kept)
+            kept: list[SignedReceipt] = []
+            for signed in entry.receipts:  # part receipts, and any put back (a trainer's too)
+                receipt = _decoded(signed)
+                if receipt is None or not _covers(receipt, ranges, stage_ranges):
+                    kept.append(signed)
+                elif receipt.carried:
+                    self._seal(receipt, signed)
+                    sealed += 1
+                else:
+                    dropped += 1
             entry.receipts = kept
+            for server, (_, signed) in list(entry.carried.items()):
+                receipt = _decoded(signed)
+                if receipt is not None and _covers(receipt, ranges, stage_ranges):
+                    self._seal(receipt, entry.carried.pop(server)[1])
+                    sealed += 1
             if not (entry.receipts or entry.pulled or entry.carried):
                 del self._steps[key]
-        return dropped
+        return dropped, sealed
 
-    def put_back(self, step: int, receipts: list[SignedReceipt], pulled: list[PulledSlice]) -> None:
+    def seal(self, receipts: Iterable[SignedReceipt]) -> None:
+        """Hold ``receipts`` (a trainer's, of a pending stage discard's steps) sealed: the next reports
+        carry them first (module docstring, "Stage discards"). Bytes that do not decode as a stage's
+        trainer's receipt are not held (the ledger refuses those wherever they go)."""
+        for signed in receipts:
+            receipt = _decoded(signed)
+            if receipt is not None and receipt.carried and receipt.stage is not None:
+                self._seal(receipt, signed)
+
+    def _seal(self, receipt: PartReceipt, signed: SignedReceipt) -> None:
+        assert receipt.stage is not None
+        key = (receipt.stage, receipt.step, receipt.aggregator)
+        held = self._sealed.get(key)
+        if held is None or receipt.weight > held[0]:
+            self._sealed[key] = (receipt.weight, signed)
+
+    @property
+    def sealed(self) -> list[SignedReceipt]:
+        """The sealed trainer's receipts, in the order the next reports take them."""
+        return [signed for _, signed in self._sealed.values()]
+
+    def put_back(
+        self,
+        step: int,
+        receipts: list[SignedReceipt],
+        pulled: list[PulledSlice],
+        sealed: Iterable[SignedReceipt] = (),
+    ) -> None:
         """Return what a report that failed to reach any backbone carried (it goes out again later; held
-        under ``(None, step)``: the receipts say their stages themselves)."""
+        under ``(None, step)``: the receipts say their stages themselves), and ``sealed``: those of its
+        trainer's receipts a pending stage discard covers (module docstring, "Stage discards")."""
+        self.seal(sealed)
+        if not receipts and not pulled:
+            return
         entry = self._steps.setdefault((None, step), _Step())
         entry.receipts[:0] = receipts
         entry.pulled[:0] = pulled
         self._steps.move_to_end((None, step), last=False)
 
     def held(self) -> list[tuple[int, list[SignedReceipt], list[PulledSlice]]]:
-        """Everything held, oldest step first: ``(step, receipts, pull records)``."""
+        """Everything held but the :attr:`sealed` receipts, oldest step first: ``(step, receipts, pull
+        records)``."""
         return [(step, e.all_receipts(), list(e.pulled)) for (_, step), e in self._steps.items()]
 
     def held_by_stage(self) -> list[tuple[int | None, int, list[SignedReceipt], list[PulledSlice]]]:
-        """Everything held, oldest first: ``(stage, step, receipts, pull records)``."""
+        """Everything held but the :attr:`sealed` receipts, oldest first: ``(stage, step, receipts, pull
+        records)``."""
         return [(stage, step, e.all_receipts(), list(e.pulled)) for (stage, step), e in self._steps.items()]
 
     def __len__(self) -> int:
-        return sum(len(e.receipts) + len(e.pulled) + len(e.carried) for e in self._steps.values())
+        held = sum(len(e.receipts) + len(e.pulled) + len(e.carried) for e in self._steps.values())
+        return held + len(self._sealed)
+
+
+def _decoded(signed: SignedReceipt) -> PartReceipt | None:
+    try:
+        return decode_receipt(signed.receipt)
+    except ProtocolError:
+        return None

@@ -27,9 +27,15 @@ stage lost: :mod:`volunteer.swarm.stage_service`); they are journaled at once, m
 next reports list them in ``stage_discarded`` (at most ``MAX_STAGE_DISCARDED_PER_REPORT`` per report, the
 rest in the next), exactly as data-parallel discards go into ``discarded``. A report given up does not put
 them back (as data-parallel discards: one refused by a backbone older than the field would have every
-later report refused too). Steps of the stage we record carry its index (``record(..., stage=k)``), so
-the journal knows the highest step of each stage this data dir took part in
-(:meth:`Reporter.stage_last_step`).
+later report refused too). Their receipts follow the rule of "Discards" below per stage
+(:mod:`volunteer.receipts`, "Stage discards"): at the discard the fork's stage receipts still in the book
+are dropped (counted in :attr:`Reporter.fork_receipts`) and its trainer's receipts *sealed*: every report
+carries the sealed ones first, and no report lists a stage discard while the book holds one (their bytes
+stay evidence, so they go out in the discard's report or before it, never after). Every report holds back
+the stage and trainer's receipts of the pending stage discards' steps (listed by it or left to a later
+report), booked after the discard: the stage steps taken again, carried after the report listing it.
+Steps of the stage we record carry its index (``record(..., stage=k)``), so the journal knows the highest
+step of each stage this data dir took part in (:meth:`Reporter.stage_last_step`).
 
 **Discards** (:meth:`Reporter.discard`; the ledger's rule: :mod:`backbone.ledger.accounting`,
 "discarded steps", unchanged). The report that lists a discard of our steps ``first..last`` (seq ``d``)
@@ -44,7 +50,7 @@ fork's, which it would have delivered to be marked discarded).
 Several discards before a report still go out in that one report (merged), and the steps taken again
 may be *claimed* in it (a discard covers receipts, not claims). The journal replays both, so a process
 killed between the discard and its report neither loses the receipts of the steps taken again nor sends
-them with the discard. Stage discards do not do this yet (:mod:`volunteer.receipts`, "Discards").
+them with the discard; stage discards likewise (above, the sealed receipts included).
 
 **Relayed bytes** (issue 14; the ledger's rule is in :mod:`backbone.ledger.accounting`). Two optional
 delta-readable sources, each returning what accumulated since its previous call: ``relay_traffic``, the
@@ -178,7 +184,8 @@ class Reporter:
         self._sending = trio.Lock()
         self.sent = 0
         self.credited = 0
-        #: receipts of discarded steps dropped from the book at a discard (module docstring, "Discards")
+        #: receipts of discarded steps dropped from the book at a discard or a give-up (module docstring,
+        #: "Discards" and "Stage discards")
         self.fork_receipts = 0
         #: this process's session: opened by the first heartbeat, ended by the leave notice
         self.session = secrets.token_hex(16)
@@ -312,10 +319,22 @@ class Reporter:
 
     def discard_stage(self, stage: int, first: int, last: int) -> None:
         """Our steps ``first..last`` of pipeline stage ``stage`` were replaced by a stage state we loaded
-        (module docstring, "Stage discards"): the next report lists them; steps of that stage noted but
-        not yet reported in that range are dropped from the claim."""
+        (module docstring, "Stage discards"): the next report that carries no sealed receipt lists them;
+        steps of that stage noted but not yet reported in that range are dropped from the claim, the
+        fork's stage receipts of them still in the book are dropped and its trainer's receipts sealed."""
         if last < first:
             return
+        dropped, sealed = self.book.drop_stage_steps(stage, first, last)  # the journal's entry replays it
+        if dropped or sealed:
+            self.fork_receipts += dropped
+            logger.info(
+                "stage %d steps %d-%d discarded: dropped %d unsent stage receipts, sealed %d trainer's",
+                stage,
+                first,
+                last,
+                dropped,
+                sealed,
+            )
         self._open = journal.without_stage_steps(self._open, stage, first, last)
         self._stage_discarded = journal.merge_stage_ranges(
             [*self._stage_discarded, (stage, first, last)], MAX_STAGE_DISCARDED_PER_REPORT
@@ -351,10 +370,12 @@ class Reporter:
         # The ledger flags intervals longer than MAX_INTERVAL_S: a first report after a long wait (a
         # state download, no peers) covers only the last hour of it, which holds all of its compute.
         self._last_end = max(self._last_end, end - MAX_INTERVAL_S)
-        # receipts of the discarded steps in the book now are the steps taken again: the next report's
-        receipts, pulled = self.book.take(hold=self._discarded)  # as the journal's replay takes them
+        # receipts of the discarded steps in the book now are the steps taken again: a later report's
+        # (as the journal's replay takes them; the sealed ones first)
+        receipts, pulled = self.book.take(hold=self._discarded, hold_stages=self._stage_discarded)
         discarded, self._discarded = self._discarded, []
-        stage_discarded = self._stage_discarded[:MAX_STAGE_DISCARDED_PER_REPORT]  # the rest: the next report
+        # the rest, and all while sealed receipts are left: a later report (module docstring)
+        stage_discarded = [] if self.book.sealed else self._stage_discarded[:MAX_STAGE_DISCARDED_PER_REPORT]
         claim = min(self._relay_claim, MAX_COUNT)
         through = [
             RelayedBytes(relay, min(n, MAX_COUNT))
@@ -414,15 +435,18 @@ class Reporter:
 
     def _give_up(self, report: ContributionReport, *, refused: bool = False) -> None:
         """A report that will never be credited: its receipts and pull records go out with a later one
-        (less the receipts of steps discarded since: module docstring, "Discards"), and so does its
+        (less the receipts of steps discarded since, a trainer's of a pending stage discard sealed again:
+        module docstring, "Discards" and "Stage discards"), and so does its
         relayed bytes claim; its relay evidence too unless the backbone ``refused`` it
         (module docstring)."""
         self.journal.append(journal.done(report.seq, put_back=True, evidence_back=not refused))
         if report.receipts or report.pulled:
             later = (queued for _, queued in self._pending)
-            receipts, dropped = journal.receipts_to_put_back(report, later, self._discarded)
+            receipts, sealed, dropped = journal.receipts_to_put_back(
+                report, later, self._discarded, self._stage_discarded
+            )
             self.fork_receipts += dropped  # a discard since covers them: never to be credited
-            self.book.put_back(report.global_step, receipts, list(report.pulled))
+            self.book.put_back(report.global_step, receipts, list(report.pulled), sealed)
         self._relay_claim += report.bytes_relayed
         self._sent_claim += report.bytes_sent
         if not refused:

@@ -155,7 +155,14 @@ one sample whose activations went forward and gradients backward through one sta
   discarded one of its key (the stage step taken again; note ``stage_receipt_retaken``,
   ``trainer_receipt_retaken``). The leaderboard's ``discarded_samples`` includes their weights. The
   bytes of discarded carried receipts stay evidence of the trainer's sending (bytes really sent, as
-  pull records of a data-parallel fork's steps stay evidence of aggregation). *Bounds*: a range is two
+  pull records of a data-parallel fork's steps stay evidence of aggregation), until a receipt of the
+  stage step taken again from the same server replaces the row (one row per key; what they were
+  credited stays). The reporter keeps the two histories apart per stage as for data-parallel steps
+  (:mod:`volunteer.receipts`, "Stage discards"): the discarding report and those before it carry no
+  receipt of a stage step taken again after the discard, the fork's stage receipts still unsent at the
+  discard are dropped, and its trainer's receipts still unsent go out in the discarding report or
+  before it (the discard waits for them), never after, so their bytes reach the ledger and their
+  samples are never credited as a step taken again. *Bounds*: a range is two
   integers (stage below ``MAX_STAGES``, steps at most ``MAX_COUNT``; at most
   ``MAX_STAGE_DISCARDED_PER_REPORT`` per report, checked when the report decodes), stored as two
   numbers and applied by a range comparison, never expanded into steps: a lying or huge range costs the
