@@ -14,6 +14,8 @@ the steps that were never reported, and carries on. What is journaled:
                with the step's ``fingerprint`` when the caller gave one (the step's parameters: see below),
                and in a swarm run the pipeline ``stage`` whose step it is
 ``booked``     one round's receipts and pull records, as the averaging side put them in the receipt book
+               (``held``: written by compaction, one step as the book held it, restored whole, every
+               put-back receipt included, :meth:`~volunteer.receipts.ReceiptBook.restore`)
 ``queued``     a report was closed: its signed bytes and signature (it took the open steps, the pending
                discards and one report's worth of the book less the receipts of the pending discards'
                steps, exactly as replaying ``take(hold=discards, hold_stages=stage discards)`` on the
@@ -161,6 +163,9 @@ class _Booked(msgspec.Struct, frozen=True, tag="booked", tag_field="k", omit_def
     receipts: list[tuple[str, SignedReceipt]]
     pulled: list[PulledSlice]
     stage: int | None = None  # a swarm run's pipeline stage (volunteer.receipts); omitted when None
+    #: written by compaction: the step as the book held it, restored whole (ReceiptBook.restore), not
+    #: booked again (add's per-step cap would drop most of a given-up report's put-back receipts)
+    held: bool = False
 
 
 class _Queued(msgspec.Struct, frozen=True, tag="queued", tag_field="k"):
@@ -258,6 +263,8 @@ def replay_into(entries: list[Entry], book: ReceiptBook) -> Replayed:
             state.open_steps.append(entry)
             state.lineage = with_step(state.lineage, entry)
             note_stage_step(state.stage_steps, entry)
+        elif isinstance(entry, _Booked) and entry.held:
+            book.restore(entry.step, [r for _, r in entry.receipts], entry.pulled, stage=entry.stage)
         elif isinstance(entry, _Booked):
             book.add(entry.step, entry.receipts, entry.pulled, stage=entry.stage)
         elif isinstance(entry, _Relayed):
@@ -582,7 +589,7 @@ def compacted(
                 pairs.append((decode_receipt(signed.receipt).aggregator, signed))
             except ProtocolError:
                 continue
-        held.append(_Booked(step, pairs, pulled, stage))
+        held.append(_Booked(step, pairs, pulled, stage, held=True))
     queued: list[Entry] = [_Queued(s.report, s.signature) for s, _ in unsent]
     budget = MAX_JOURNAL_BYTES - sum(len(encode_line(e)) for e in held)
     sizes = [len(encode_line(e)) for e in queued]

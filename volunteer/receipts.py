@@ -319,6 +319,28 @@ class ReceiptBook:
         entry.pulled[:0] = pulled
         self._steps.move_to_end((None, step), last=False)
 
+    def restore(
+        self,
+        step: int,
+        receipts: Iterable[SignedReceipt],
+        pulled: Iterable[PulledSlice] = (),
+        *,
+        stage: int | None = None,
+    ) -> None:
+        """Hold ``receipts`` and ``pulled`` under ``(stage, step)`` as a book held them (a compacted journal's
+        replay, :mod:`volunteer.journal`): every one kept, in order. Unlike :meth:`add` there is no
+        per-step cap: a given-up report's receipts of many steps were put back under one step, beyond what
+        a round books for a step. The trainer's receipts still go to the step's carried ones (the larger
+        per server), and the book's :attr:`max_steps` bound holds."""
+        entry = self._steps.setdefault((stage, step), _Step())
+        for _, receipt in self._keep_carried(entry, [("", r) for r in receipts]):
+            if receipt not in entry.receipts:
+                entry.receipts.append(receipt)
+        entry.pulled.extend(pulled)
+        while len(self._steps) > self.max_steps:
+            self._steps.popitem(last=False)
+            self.dropped += 1
+
     def held(self) -> list[tuple[int, list[SignedReceipt], list[PulledSlice]]]:
         """Everything held but the :attr:`sealed` receipts, oldest step first: ``(step, receipts, pull
         records)``."""

@@ -182,3 +182,18 @@ def test_a_journal_of_an_older_version_without_fingerprints_loads_with_no_lineag
     assert [r.samples for r in decoded(reporter)] == [32]  # the open step was reported
     reporter.record(step(8, start + 2), fingerprint=fp("run", 8))
     assert Reporter(RUN, ALICE, None, tmp_path).lineage == {8: fp("run", 8)}
+
+
+def test_receipts_a_given_up_report_put_back_survive_compaction_every_one() -> None:
+    """A given-up report's receipts go back under one step, more than a round books for a step; compaction
+    must restore them as held, not book them again (booking keeps 2 per step: the rest were lost)."""
+    book = ReceiptBook(ALICE.peer_id)
+    book.add(11, [(BOB.peer_id, part_receipt(BOB, ALICE.peer_id, 11, 1.0, RUN, 10, 1.0))])
+    back = [part_receipt(BOB, ALICE.peer_id, n, 1.0, RUN, 10, 1.0) for n in range(1, 11)]
+    book.put_back(10, back, [])
+    assert len(book) == 11
+    entries = journal.compacted(3, 1.0, 11, book, [], [], [])
+    replayed = journal.replay_into(entries, ReceiptBook(ALICE.peer_id)).book
+    assert replayed.held() == book.held()
+    assert len(replayed) == 11
+    assert replayed.take()[0] == book.take()[0]  # the same receipts go out, in the same order
