@@ -165,8 +165,15 @@ class ReceiptBook:
         receipts = self._keep_carried(entry, receipts)
         others = [(a, r) for a, r in receipts if a != self.peer_id]
         own = [(a, r) for a, r in receipts if a == self.peer_id]
-        for _, receipt in [*others, *own]:
-            if len(entry.receipts) >= RECEIPTS_PER_STEP:
+        self._hold(entry, [r for _, r in [*others, *own]], pulled, RECEIPTS_PER_STEP)
+
+    def _hold(
+        self, entry: _Step, receipts: list[SignedReceipt], pulled: list[PulledSlice], cap: int | None
+    ) -> None:
+        """Append to ``entry`` the ``receipts`` it lacks (up to ``cap`` in all) and ``pulled``; drop the
+        oldest steps beyond :attr:`max_steps`."""
+        for receipt in receipts:
+            if cap is not None and len(entry.receipts) >= cap:
                 break
             if receipt not in entry.receipts:
                 entry.receipts.append(receipt)
@@ -333,13 +340,8 @@ class ReceiptBook:
         a round books for a step. The trainer's receipts still go to the step's carried ones (the larger
         per server), and the book's :attr:`max_steps` bound holds."""
         entry = self._steps.setdefault((stage, step), _Step())
-        for _, receipt in self._keep_carried(entry, [("", r) for r in receipts]):
-            if receipt not in entry.receipts:
-                entry.receipts.append(receipt)
-        entry.pulled.extend(pulled)
-        while len(self._steps) > self.max_steps:
-            self._steps.popitem(last=False)
-            self.dropped += 1
+        rest = self._keep_carried(entry, [("", r) for r in receipts])
+        self._hold(entry, [r for _, r in rest], list(pulled), None)
 
     def held(self) -> list[tuple[int, list[SignedReceipt], list[PulledSlice]]]:
         """Everything held but the :attr:`sealed` receipts, oldest step first: ``(step, receipts, pull
