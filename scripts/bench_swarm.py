@@ -70,6 +70,13 @@ rebalancing reads records), then the next period's read moves one server (one mo
 trainers re-read the stage's servers (every 2 s). The paper rebalances every T = 60-300 s, far above that
 TTL; ``--period`` defaults to 15 s to keep the benchmark short while ``T`` stays above the TTL.
 
+**Rebalancing**, as the servers saw it: ``rebalancing_at_kill`` (and ``recovery.rebalancing_after``, at
+the end) sums the live servers' rebalancing periods by outcome (:data:`volunteer.swarm.member
+.PERIOD_OUTCOMES`: ``read failed`` counts the periods whose DHT reads of the stage records failed, ``not
+listed`` those that did not find the server's own record yet, ``moved`` / ``another moves`` / ``no move``
+what the plan said), and lists, per server (by speed), the stage capacities in samples/s its last plan
+saw: the measured rates that decide the moves, next to the emulated ``v_i / base``.
+
 Per server, ``servers`` gives the fraction of the measuring window its emulated device was busy, which
 says where a pipeline falls short of its prediction (no saturated stage: the trainers' concurrency or this
 process's CPU, not the devices, limit it).
@@ -102,6 +109,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,21 +264,38 @@ def recovery(
 class ServerState:
     """A live server as the benchmark sees it: its stage (``None`` before it placed itself), its moves
     ``(from, to)`` so far, and its current stage server's (forward requests, backward samples, busy
-    answers) (``None`` while it serves none) and queued requests."""
+    answers) (``None`` while it serves none) and queued requests; its rebalancing periods' outcomes
+    (:data:`volunteer.swarm.member.PERIOD_OUTCOMES`) and the stage capacities its last plan saw."""
 
     stage: int | None
     moves: list[tuple[int, int]]
     counters: tuple[int, int, int] | None = None
     queued: int = 0
+    periods: dict[str, int] = field(default_factory=dict)
+    capacities: list[float] | None = None
 
 
 def server_state(member: SwarmMember) -> ServerState:
     service = member.service
+    periods = dict(member.periods)
+    seen = None if member.plan is None else [round(c, 3) for c in member.plan.capacities_before]
     if service is None:
-        return ServerState(member.stage, list(member.moves))
+        return ServerState(member.stage, list(member.moves), periods=periods, capacities=seen)
     stats = service.server.stats
     counters = (stats.forwards, stats.samples, stats.busy)
-    return ServerState(member.stage, list(member.moves), counters, service.server.queued)
+    return ServerState(member.stage, list(member.moves), counters, service.server.queued, periods, seen)
+
+
+def rebalancing(states: Mapping[int, ServerState], order: Sequence[float]) -> dict[str, Any]:
+    """The rebalancing periods' outcomes summed over ``states`` (a period that failed to read the records
+    shows as ``read failed``), and the stage capacities (samples/s) each server's last plan saw, by speed."""
+    total: Counter[str] = Counter()
+    for state in states.values():
+        total.update(state.periods)
+    return {
+        "periods": dict(sorted(total.items())),
+        "capacities_seen": [[order[i], s.capacities] for i, s in sorted(states.items())],
+    }
 
 
 @dataclass
@@ -607,6 +632,7 @@ async def run_swarm(backend: Backend, args: argparse.Namespace, order: Sequence[
         await trio.sleep(0.5)
     snapshot = backend.servers()
     placed = placement(order, snapshot, stages)
+    log(f"swarm: rebalancing after the warm-up {json.dumps(rebalancing(snapshot, order))}")
     moves_before = sum(len(s.moves) for s in snapshot.values())
 
     start, cpu = backend.now(), backend.cpu_s()
@@ -656,6 +682,7 @@ async def run_swarm(backend: Backend, args: argparse.Namespace, order: Sequence[
         servers=servers,
         moves_during_window=moves_in_window,
         placement_at_kill=at_kill,
+        rebalancing_at_kill=rebalancing(states, order),
     )
 
     bin_s = args.bin if args.bin > 0 else period / 2
@@ -677,6 +704,7 @@ async def run_swarm(backend: Backend, args: argparse.Namespace, order: Sequence[
         "bound_fraction": round(bound, 3),
         "bound_exact": exact,
         "placement_after": placement(order, live, stages),
+        "rebalancing_after": rebalancing(live, order),
         "moves_after_kill": [m for i, n in known.items() if i in live for m in live[i].moves[n:]],
         "moves_after_kill_at_s": move_times,
         "bin_s": bin_s,

@@ -103,7 +103,7 @@ class Session:
         if self.args.role == "server":
             s = bench.server_state(self.member)
             return {"stage": s.stage, "moves": s.moves, "counters": s.counters, "queued": s.queued,
-                    "cpu_s": cpu_s()}  # fmt: skip
+                    "periods": s.periods, "capacities": s.capacities, "cpu_s": cpu_s()}  # fmt: skip
         out = bench.count_clients(self.out, self.clients)
         offset = time.monotonic() - trio.current_time()  # trio's clock to CLOCK_MONOTONIC
         new = [[t + offset, n] for t, n in out.completions[self.reported :]]
@@ -320,7 +320,9 @@ class Netns:
                 continue
             counters = tuple(s["counters"]) if s["counters"] is not None else None
             moves = [(int(a), int(b)) for a, b in s["moves"]]
-            out[i] = bench.ServerState(s["stage"], moves, counters, int(s["queued"]))
+            periods = {str(k): int(n) for k, n in s["periods"].items()}
+            seen = None if s["capacities"] is None else [float(c) for c in s["capacities"]]
+            out[i] = bench.ServerState(s["stage"], moves, counters, int(s["queued"]), periods, seen)
         return out
 
     async def settle(self) -> None:

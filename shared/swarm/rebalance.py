@@ -40,12 +40,20 @@ them, and the next move raises ``Θ``; comparing ``Θ`` alone would stall there)
    stage). Each candidate's predicted capacities are scored by (leximin vector, ``-L_max'/L_min'``,
    ``-queue``), higher first: the move that helps the slowest stages most, then the one that leaves the
    loads most even, then the paper's shortest queue; remaining ties go to the smaller peer id.
-3. The best candidate moves only if, at the first sorted position ``i`` where its vector differs from the
-   current one, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger), and it
-   does not increase the ratio ``L_max / L_min`` (``inf`` while a stage is empty).
+3. The best candidate moves only if it beats the current vector *by the margin*: at some sorted position
+   ``i``, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger) while no earlier
+   position is lower (``C'_(j) >= C_(j)`` for ``j < i``); and it does not increase the ratio
+   ``L_max / L_min`` (``inf`` while a stage is empty). A gain below the margin at an earlier position
+   does not decide: measured capacities are never exactly tied, so two bottlenecks of (nearly) equal
+   capacity differ by noise, and a move into the lower one raises the sorted minimum by only that noise
+   (the other bottleneck becomes the minimum). Deciding at the first position that differs would refuse
+   every such move for ever (a fast server stayed in a stage with four times the others' capacity, seed
+   2 of ``scripts/bench_swarm.py --netns``); the real gain is at the next position, where the freed
+   bottleneck's capacity rises.
 
 **No ping-pong.** Under unchanged measurements every accepted move either lowers the number of empty
-stages (a refill) or keeps it and makes the leximin vector strictly larger, so the pair (fewer empty
+stages (a refill) or keeps it and makes the leximin vector strictly larger (rule 3: no sorted position
+falls before the one that gains, so the first that differs is larger), so the pair (fewer empty
 stages, larger vector) only grows: no sequence of moves returns to an earlier assignment and moves stop
 after finitely many periods; undoing a move is never accepted. ``h`` (default 10 %) keeps noise between
 periods from triggering moves that gain less than it.
@@ -330,8 +338,13 @@ def _best_move(
 
 
 def _improves(before: Sequence[float], after: Sequence[float], hysteresis: float) -> bool:
-    """Whether ``after`` beats ``before`` leximin, by the factor ``1 + h`` where they first differ."""
+    """Whether ``after`` beats ``before`` leximin by the margin ``h`` (module docstring, rule 3): at some
+    sorted position ``i``, ``C'_(i) >= (1 + h) C_(i)`` and strictly larger, and no earlier position is lower.
+    A gain below the margin at an earlier position counts as a tie: measured capacities of tied bottlenecks
+    are never exactly equal, and deciding at that noise would refuse every move that frees one of them."""
     for old, new in zip(sorted(before), sorted(after), strict=True):
-        if new != old:
-            return new > old and new >= (1.0 + hysteresis) * old
+        if new < old:
+            return False
+        if new > old and new >= (1.0 + hysteresis) * old:
+            return True
     return False

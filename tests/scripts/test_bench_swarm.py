@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -22,6 +23,7 @@ from scripts.bench_swarm import (
     stage_capacity,
     windows,
 )
+from volunteer.swarm.member import PERIOD_OUTCOMES
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_swarm.py"
@@ -116,6 +118,16 @@ def test_a_tiny_run_reports_both_modes_and_the_recovery() -> None:
     assert rec["post_min_fraction"] >= 0 and rec["target"]["met"] in (True, False)
     assert 0 < rec["bound_fraction"] <= 1
     assert result["predicted_samples_per_s"]["swarm_optimum"] == 100.0  # {2, 1} and {1, 1}: 2 / 0.02
+    _check_rebalancing(swarm["rebalancing_at_kill"], 4)
+    _check_rebalancing(rec["rebalancing_after"], 3)
+
+
+def _check_rebalancing(seen: dict[str, Any], servers: int) -> None:
+    """The servers' rebalancing periods by outcome (every server ran a few by then) and what they saw."""
+    assert set(seen["periods"]) <= set(PERIOD_OUTCOMES) and sum(seen["periods"].values()) > 0
+    assert len(seen["capacities_seen"]) == servers
+    for speed, capacities in seen["capacities_seen"]:
+        assert speed in (1.0, 2.0) and (capacities is None or len(capacities) == 2)
 
 
 @pytest.mark.slow
@@ -154,6 +166,8 @@ def test_a_tiny_netns_run_reports_the_same_figures_and_the_links() -> None:
     assert 0 < rec["bound_fraction"] <= 1 and rec["series"]
     assert set(rec["target"]) == {"fraction", "periods", "met", "reachable", "met_of_bound"}
     assert sum(len(stage) for stage in rec["placement_after"]) == 3  # the killed server is gone
+    _check_rebalancing(swarm["rebalancing_at_kill"], 4)
+    _check_rebalancing(rec["rebalancing_after"], 3)
 
 
 @pytest.mark.parametrize(

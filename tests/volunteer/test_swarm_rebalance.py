@@ -112,6 +112,7 @@ async def test_a_stage_that_loses_its_server_is_refilled_by_rebalancing(nursery:
         for batch in batches[6:]:  # the pipeline works again, through the refilled stage
             assert math.isfinite(await client.process(batch))
     assert refill.moves and refill.moves[-1][1] == alone
+    assert refill.periods["moved"] == len(refill.moves) and refill.plan is not None  # each period counted
     assert sorted(m.stage for m in live) == [0, 1, 2]  # every stage served (and no move can empty one)
     assert refill.service is not None and refill.service.server.stats.backwards > 0
 

@@ -20,7 +20,11 @@
    coordinator (records read at slightly different moments can disagree; the hysteresis margin and one
    move per period keep that from moving two peers for one gap, and the next period corrects a surplus).
    If the plan moves *us*, we leave our stage (its collaboration learns at once that we left) and serve
-   the target stage from step 2.
+   the target stage from step 2. Only the peer a plan names acts on it, so a move depends on that peer's
+   own reads: each period's outcome (:data:`PERIOD_OUTCOMES`: a failed read, our record not listed yet,
+   the plan's verdict) is counted in :attr:`SwarmMember.periods` and the last plan kept in
+   :attr:`SwarmMember.plan`, so that a run whose servers never move shows why (``scripts/bench_swarm.py``
+   reports them).
 4. **Re-placement** (``replacement`` set; the session sets it when the run is placed by the scheduler at
    formation). When the rebalancer's plan would move *many* servers at once, the scheduler re-places the
    run's servers instead (:mod:`shared.swarm.replacement`: when, which placement, and why every server
@@ -75,6 +79,7 @@ import functools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -88,6 +93,7 @@ from shared.swarm.links import bandwidths, round_trips
 from shared.swarm.placement_cost import Workload
 from shared.swarm.rebalance import (
     DEFAULT_HYSTERESIS,
+    RebalancePlan,
     ServerReport,
     bound_rates,
     place_newcomer,
@@ -110,11 +116,23 @@ from .formation import (
 from .server import StageServerConfig
 from .stage_service import StageService, serve_stage
 
-__all__ = ["SwarmMember", "hand_over", "read_reports", "serve_swarm"]
+__all__ = ["PERIOD_OUTCOMES", "SwarmMember", "hand_over", "read_reports", "serve_swarm"]
 
 logger = logging.getLogger(__name__)
 HAND_OVER_MIN = 30.0  # seconds a leaving server waits at least for another to take its stage
 HAND_OVER_POLL = 0.5
+#: what a rebalancing period of :func:`serve_swarm` can end in (:attr:`SwarmMember.periods` counts them):
+#: the records could not be read, or did not list us yet; with re-placement on, its gate said wait, or the
+#: scheduler re-placed the run; else the plan moved us, moved another server, or nobody
+PERIOD_OUTCOMES = (
+    "read failed",
+    "not listed",
+    "re-placement wait",
+    "re-placed",
+    "moved",
+    "another moves",
+    "no move",
+)
 
 
 class SwarmMember:
@@ -127,6 +145,9 @@ class SwarmMember:
         self.formation: FormationOutcome | None = None  # the run's formation, if we took part in it
         self.gate = GateState()  # the re-placement rule's memory (module docstring, 4)
         self.replacements: list[Replacement] = []  # each re-placement we computed (moving or not)
+        #: each rebalancing period's outcome (:data:`PERIOD_OUTCOMES`), for the panel and benchmarks
+        self.periods: Counter[str] = Counter()
+        self.plan: RebalancePlan | None = None  # the last rebalancing plan we computed
 
 
 async def read_reports(
@@ -242,7 +263,7 @@ async def serve_swarm(
 
                     async def watch(stage: int = target, ended: trio.Event = ended) -> None:
                         nonlocal moved_to
-                        moved_to = await _watch(node, stages, stage, period, hysteresis, replacer)
+                        moved_to = await _watch(node, stages, stage, period, hysteresis, replacer, member)
                         ended.set()
 
                     nursery.start_soon(watch)
@@ -399,10 +420,18 @@ class _Replacer:
 
 
 async def _watch(
-    node: Node, stages: int, stage: int, period: float, hysteresis: float, replacer: _Replacer | None = None
+    node: Node,
+    stages: int,
+    stage: int,
+    period: float,
+    hysteresis: float,
+    replacer: _Replacer | None = None,
+    member: SwarmMember | None = None,
 ) -> int:
     """Every ``period`` seconds (aligned to the wall clock with ``replacer``), the rebalancing plan, or the
-    re-placement when it is due; returns the stage either moves us to."""
+    re-placement when it is due; returns the stage either moves us to. Each period's outcome is counted in
+    ``member.periods`` (:data:`PERIOD_OUTCOMES`), its plan kept in ``member.plan``."""
+    member = member or SwarmMember()
     me = str(node.peer_id)
     read: int | None = None
     while True:
@@ -414,22 +443,44 @@ async def _watch(
         if slot == read:  # woken a hair before the boundary: this slot is read already
             continue
         read = slot
+        outcome, target = "read failed", None  # unless the reads below complete
         with node.tolerated.around("swarm rebalancing read"):
             reports, _ = await read_reports(node, stages)
-            if not any(r.peer == me for r in reports):  # our own record is not readable yet
-                continue
-            if replacer is not None:
-                verdict = replacer.verdict(slot, period, reports)
-                if verdict == "wait":
-                    continue
-                if verdict == "replace":
-                    placed = await replacer.place(reports)
-                    if placed.stages.get(me, stage) != stage:
-                        return placed.stages[me]
-                    continue
-            plan = plan_rebalance(reports, stages, hysteresis=hysteresis)
-            if plan.moves:
-                logger.debug("rebalancing plan from %d reports: %s", len(reports), plan)
-            for move in plan.moves:
-                if move.peer == me and move.source == stage:
-                    return move.target
+            outcome = "not listed"  # our own record is not readable yet
+            if any(r.peer == me for r in reports):
+                outcome, target = await _decide(
+                    member, reports, me, stages, stage, slot, period, hysteresis, replacer
+                )
+        member.periods[outcome] += 1
+        if target is not None:
+            return target
+
+
+async def _decide(
+    member: SwarmMember,
+    reports: Sequence[ServerReport],
+    me: str,
+    stages: int,
+    stage: int,
+    slot: int,
+    period: float,
+    hysteresis: float,
+    replacer: _Replacer | None,
+) -> tuple[str, int | None]:
+    """One period's outcome (:data:`PERIOD_OUTCOMES`) from the reports read, and the stage it moves us to."""
+    if replacer is not None:
+        verdict = replacer.verdict(slot, period, reports)
+        if verdict == "wait":
+            return "re-placement wait", None
+        if verdict == "replace":
+            placed = await replacer.place(reports)
+            target = placed.stages.get(me, stage)
+            return "re-placed", (None if target == stage else target)
+    plan = plan_rebalance(reports, stages, hysteresis=hysteresis)
+    member.plan = plan
+    if plan.moves:
+        logger.debug("rebalancing plan from %d reports: %s", len(reports), plan)
+    for move in plan.moves:
+        if move.peer == me and move.source == stage:
+            return "moved", move.target
+    return ("another moves" if plan.moves else "no move"), None
