@@ -72,11 +72,11 @@ how far the peer's own change is from the average (the shards' noise), while the
 extrapolation of the average are in the start, so the next phase's inner steps correct them as without
 overlap. :class:`Overlap` holds this bookkeeping; the inner optimizer state carries across the re-base.
 
-Why it is better, and what is left: with equal weights the mean of the peers' eager starts is exactly
-``θ_{t+1}`` (``OuterStep`` is affine in ``g``), so what differs from the synchronous run is only the peers'
-spread about it, ``η (1 + μ) (Δ̄_t - Δ_{i,t})``, which the inner phases pull back and the averaging cancels
-to first order. On a task whose peers' changes are mostly their own noise that spread still costs loss
-(below, diloco-32).
+Why it is better, and what is left: the samples-weighted mean of the peers' eager starts is exactly
+``θ_{t+1}`` (``OuterStep`` is affine in ``g``; up to float rounding), so what differs from the synchronous
+run is only the peers' spread about it, ``η (1 + μ) (Δ̄_t - Δ_{i,t})``, which the inner phases pull back and
+the averaging cancels to first order. On a task whose peers' changes are mostly their own noise that spread
+still costs loss (below, K = 32).
 
 Measured (``bench_lowcomm.py``'s tiny-mlm setup: 4 peers, budget 8,192 samples, AdamW 3e-3 inner, rounds of
 32 and 64 target batches, i.e. 4 and 2 rounds; held-out loss of ``θ_T``). Deterministic, in one process with
