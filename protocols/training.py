@@ -241,7 +241,10 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
       time, between ``min_round`` and ``target_batch`` samples, so that averaging takes at most
       ``round_fraction`` of a round's compute (:mod:`shared.averaging.round_length`).
     * ``overlap``: diloco mode; the next inner phase starts while the round's averaging runs (one round of
-      staleness; the update rule is in :mod:`volunteer.collab.diloco`, "Overlap").
+      staleness; the update rule is in :mod:`volunteer.collab.diloco`, "Overlap"): ``true`` or ``"eager"``
+      starts it from the outer step taken with the peer's own pseudo-gradient, ``"shift"`` (the earlier
+      rule, kept for comparison) from the newest global parameters minus it. The rule is local: ``θ`` and
+      the outer momentum are the same on every peer whichever rule each one follows.
     * ``swarm`` mode (:mod:`volunteer.swarm`): the model is split into ``stages`` consecutive stages;
       volunteers serve stages (each stage a batch-mode collaboration of its servers, stepping every
       ``target_batch`` samples) and run trainers that carry micro-batches of ``local_batch`` samples
@@ -257,7 +260,7 @@ class SyncSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     outer_momentum: Annotated[float, msgspec.Meta(ge=0, lt=1.0)] = 0.9
     min_round: Annotated[int, msgspec.Meta(ge=0, le=2**30)] = 0
     round_fraction: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.05
-    overlap: bool = False
+    overlap: bool | Literal["eager", "shift"] = False
     stages: Annotated[int, msgspec.Meta(ge=0, le=MAX_STAGES)] = 0
     rebalance_period: Annotated[float, msgspec.Meta(ge=1.0, le=3600.0)] = 30.0
     formation_window: Annotated[float, msgspec.Meta(ge=0.0, le=600.0)] = 0.0

@@ -13,7 +13,10 @@ runs, on the same data and the same budget of total samples:
 * ``diloco-K`` for each ``K`` of ``--rounds`` (default 4, 16, 32; ``--full``: 4, 16, 64) —
   ``[sync] mode = "diloco"`` with a round of ``K`` batch-mode target batches (so ``K`` inner steps of
   ``local_batch`` per worker per round), pseudo-gradients with ``--diloco-codec`` (default
-  ``int8-blockwise``, with the mode's error feedback), outer Nesterov SGD (0.7, 0.9).
+  ``int8-blockwise``, with the mode's error feedback), outer Nesterov SGD (0.7, 0.9);
+* with ``--overlap``, ``diloco-K+o``: the same with ``[sync] overlap = true`` (the eager rule of
+  :mod:`volunteer.collab.diloco`, "Overlap"); with ``--overlap-shift``, ``diloco-K+s``: with the earlier
+  rule, ``overlap = "shift"``.
 
 The inner optimizer of DiLoCo and the batch mode's optimizer are the same spec (AdamW, the task's lr,
 constant schedule). **Budget**: ``--budget`` total samples (default 8,192 for ``tiny-mlm``, 4,096
@@ -75,7 +78,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -219,10 +222,15 @@ def heldout_loss(task: Task, model: torch.nn.Module, held: Sequence[dict[str, An
 
 
 def make_spec(
-    name: str, setup: TaskSetup, peers: int, rounds: int | None, codec: str, overlap: bool = False
+    name: str,
+    setup: TaskSetup,
+    peers: int,
+    rounds: int | None,
+    codec: str,
+    overlap: bool | Literal["eager", "shift"] = False,
 ) -> TrainingSpec:
     """The batch mode (``rounds`` None) or DiLoCo with rounds of ``rounds`` batch-mode target batches
-    (``overlap``: with ``[sync] overlap``)."""
+    (``overlap``: ``[sync] overlap``'s value)."""
     target = peers * setup.local_batch
     return TrainingSpec(
         task=name,
@@ -500,14 +508,21 @@ def task_tokenizer(name: str) -> Any:
     return train_tokenizer(setup.tokenizer, corpus, masked_lm=name != "hf-clm")
 
 
-def configurations_of(args: argparse.Namespace) -> list[tuple[str, int, str, bool]]:
-    """(label, round length in target batches (0: the batch mode), codec, overlap) of each configuration:
-    the batch mode, DiLoCo at each ``--rounds``, and with ``--overlap`` DiLoCo with ``[sync] overlap`` at
-    each round length too (``diloco-K+o``)."""
-    found = [("batch", 0, args.batch_codec, False)]
+def configurations_of(
+    args: argparse.Namespace,
+) -> list[tuple[str, int, str, bool | Literal["eager", "shift"]]]:
+    """(label, round length in target batches (0: the batch mode), codec, ``[sync] overlap``) of each
+    configuration: the batch mode, DiLoCo at each ``--rounds``, with ``--overlap`` DiLoCo with ``[sync]
+    overlap = true`` (the eager rule) at each round length too (``diloco-K+o``), and with
+    ``--overlap-shift`` with the earlier rule, ``overlap = "shift"`` (``diloco-K+s``)."""
+    found: list[tuple[str, int, str, bool | Literal["eager", "shift"]]] = [
+        ("batch", 0, args.batch_codec, False)
+    ]
     found += [(f"diloco-{k}", k, args.diloco_codec, False) for k in args.rounds]
     if args.overlap:
         found += [(f"diloco-{k}+o", k, args.diloco_codec, True) for k in args.rounds]
+    if getattr(args, "overlap_shift", False):
+        found += [(f"diloco-{k}+s", k, args.diloco_codec, "shift") for k in args.rounds]
     return found
 
 
@@ -636,6 +651,10 @@ def netns_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     started = time.perf_counter()
     try:
         names = check_arguments(args)
+        if args.overlap_shift:
+            raise BenchError(
+                "--overlap-shift is not measured with --netns (its peers run [sync] overlap = true)"
+            )
         if not 0 < args.netns_mbps < 1e5:
             raise BenchError("--netns-mbps must be in (0, 100000)")
         if not 0 <= args.netns_pace <= 60:
@@ -726,7 +745,14 @@ def main() -> None:
     parser.add_argument(
         "--overlap",
         action="store_true",
-        help="also run each DiLoCo round length with [sync] overlap (labels diloco-K+o)",
+        help="also run each DiLoCo round length with [sync] overlap = true, the eager rule "
+        "(labels diloco-K+o)",
+    )
+    parser.add_argument(
+        "--overlap-shift",
+        action="store_true",
+        help='also run each DiLoCo round length with [sync] overlap = "shift", the earlier rule '
+        "(labels diloco-K+s; not with --netns)",
     )
     parser.add_argument(
         "--netns",

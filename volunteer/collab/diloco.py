@@ -48,23 +48,84 @@ not fed back (the wiring may send averages in fp16 or carry an aggregator-side r
 
 **Overlap** (optional; one round of staleness, the DiLoCo analogue of delayed parameter updates). A worker
 does not wait for round ``t``'s average: it starts inner phase ``t + 1`` at once while that average is in
-flight. With ``s_{i,t}`` where phase ``t`` starts and ``x_{i,t}`` where it ends, exactly::
+flight, from an *eager* outer step (Kale et al. 2025, "Eager updates for overlapped communication and
+computation in DiLoCo") that takes its own pseudo-gradient for the average not yet there. With ``s_{i,t}``
+where phase ``t`` starts, ``x_{i,t}`` where it ends, and ``OuterStep(θ, b, g) = (θ - η (g + μ b'), b')``,
+``b' = μ b + g`` (the step above, :func:`outer_update`), exactly::
 
        s_{i,0} = θ_0
-       Δ_{i,t} = s_{i,t} - x_{i,t}          (the phase's own displacement, sent for round t)
-       s_{i,t+1} = θ_t - Δ_{i,t}            (the newest global it holds, plus its own change in flight)
-       θ_{t+1} = OuterStep(θ_t, b_t, Δ̄_t)    (applied to the global θ_t, as without overlap)
+       Δ_{i,t} = s_{i,t} - x_{i,t}                  (the phase's own displacement, sent for round t)
+       s_{i,t+1} = OuterStep(θ_t, b_t, Δ_{i,t}).θ   (eager: its own Δ for Δ̄_t; b_t is not advanced)
+       θ_{t+1}, b_{t+1} = OuterStep(θ_t, b_t, Δ̄_t)   (applied to the global θ_t, as without overlap)
 
-``θ_t`` is the newest global at the end of phase ``t``: round ``t - 1``'s average was in flight during phase
-``t`` (the peer waits for it if it is late, so overlap hides at most one round of averaging); ``θ_0`` when
-``t = 0``, so phase 1 simply continues from ``x_{i,0}``. The outer step is applied to the global
-parameters only; every peer's ``θ`` and ``b`` stay bit-identical as without overlap. Re-basing: the local
-model is shifted by ``θ_t - s_{i,t}`` (its start moves to the newest global, its own displacement kept), which
-is ``s_{i,t+1} = θ_t - Δ_{i,t}``; the average of round ``t``, when it arrives during phase ``t + 1``, is kept
-aside as ``θ_{t+1}`` and enters at the next re-base, never mid-phase (so ``Δ`` is one displacement from one
-start point). Staleness: phase ``t + 1``'s gradients are computed near ``θ_t - Δ_{i,t}``, a local estimate
-of ``θ_{t+1}`` whose error is ``Δ_{i,t}`` against the outer step's ``η (Δ̄_t + μ b_{t+1})``.
-:class:`Overlap` holds this bookkeeping; the inner optimizer state carries across the re-base.
+``θ_t, b_t`` are the newest global state at the end of phase ``t``: round ``t - 1``'s average was in flight
+during phase ``t`` (the peer waits for it if it is late, so overlap hides at most one round of averaging);
+``θ_0, b_0 = 0`` when ``t = 0``, so phase 1 starts at ``θ_0 - η (1 + μ) Δ_{i,0}``. The eager start is local:
+the outer step is applied to the global parameters only, with the true average, and every peer's ``θ`` and
+``b`` stay bit-identical as without overlap (a peer following another start rule stays in step). Re-basing:
+at the end of phase ``t`` the local model is set to ``s_{i,t+1}`` (its end point ``x_{i,t}`` is replaced: its
+displacement is the one the eager step applies); the average of round ``t``, when it arrives during phase
+``t + 1``, is kept aside as ``θ_{t+1}, b_{t+1}`` and enters at the next re-base, never mid-phase (so ``Δ``
+is one displacement from one start point). Staleness: phase ``t + 1`` computes its gradients from
+``s_{i,t+1}``, whose error against ``θ_{t+1}`` is ``s_{i,t+1} - θ_{t+1} = η (1 + μ) (Δ̄_t - Δ_{i,t})``: only
+how far the peer's own change is from the average (the shards' noise), while the outer momentum and the
+extrapolation of the average are in the start, so the next phase's inner steps correct them as without
+overlap. :class:`Overlap` holds this bookkeeping; the inner optimizer state carries across the re-base.
+
+Why it is better, and what is left: the samples-weighted mean of the peers' eager starts is exactly
+``θ_{t+1}`` (``OuterStep`` is affine in ``g``; up to float rounding), so what differs from the synchronous
+run is only the peers' spread about it, ``η (1 + μ) (Δ̄_t - Δ_{i,t})``, which the inner phases pull back and
+the averaging cancels to first order. On a task whose peers' changes are mostly their own noise that spread
+still costs loss (below, K = 32).
+
+Measured (``bench_lowcomm.py``'s tiny-mlm setup: 4 peers, budget 8,192 samples, AdamW 3e-3 inner, rounds of
+32 and 64 target batches, i.e. 4 and 2 rounds; held-out loss of ``θ_T``). Deterministic, in one process with
+4 real :class:`~.diloco_trainer.DilocoTrainer` and the averages computed in place (codec none), so no stall
+of a loaded machine enters: the batch mode 4.824 (from the loopback run below); synchronous / eager / shift,
+K = 32: 4.823 / 5.105 / 5.093; K = 64: 5.539 / 6.457 / 8.170. On loopback (``bench_lowcomm.py --overlap
+--overlap-shift``, int8 with error feedback, one run under a load average of 8-13 on 2 cores, loss gap
+against the batch mode and bytes ratio): diloco-32 +0.01 % / 76x, diloco-32+o (eager) +2.51 % / 40x,
+diloco-32+s (shift) +6.60 % / 43x (both overlapped K = 32 runs had stalled members and lost samples, so
+they are noisier than the in-process numbers); diloco-64 +14.6 % / 127x, diloco-64+o +33.8 % / 146x,
+diloco-64+s +69.5 % / 125x.
+
+*Rejected: the shift rule* ``s_{i,t+1} = θ_t - Δ_{i,t}`` (``[sync] overlap = "shift"``, the earlier rule,
+kept for comparison: the newest global plus the peer's own change in flight). Its start misses
+``η (1 + μ) Δ̄_t - Δ_{i,t} + η μ² b_t``, with ``η = 0.7, μ = 0.9`` about ``0.33 Δ̄_t + 0.57 b_t``: the outer
+step's extrapolation, which no inner step ever sees, so ``θ_T`` carries the last rounds' extrapolations
+uncorrected; with few rounds that dominates (K = 64 above: 8.17 against 6.46). On the test task (4 workers
+of unequal speed, 10 rounds; worst held-out loss from round 4 on and final, synchronous / eager / shift):
+inner lr 1e-3, 0.406 / 0.406 / 0.404 and 0.150 / 0.150 / 0.152 (all track); inner lr 1e-2, 0.119 / 0.252 /
+0.464 and 0.093 / 0.171 / 0.284; inner lr 3e-2, 0.159 / 0.228 / 0.542 and 0.097 / 0.163 / 0.145.
+
+*Rejected: restarting phase ``t + 1`` from ``θ_t`` itself* (the literal delayed update, which drops the
+peer's own change in flight). Measured on the test task (4 workers of unequal speed, 10 rounds; worst
+held-out loss after round 3, synchronous / shift / literal): inner lr 1e-3, 0.15 / 0.16 / 0.15 (both
+track); inner lr 1e-2, 0.19 / 0.51 / 2.5; inner lr 3e-2, 0.13 / 0.33 / 14 (diverged).
+
+*Rejected: other guesses of the average in the eager step* (the in-process tiny-mlm setup above). The
+others' stale changes, ``(Δ_{i,t} + (M - 1) Δ̄_{t-1}) / M`` for ``M`` workers: K = 32 6.93 (eager 5.11),
+and it diverges on the test task at inner lr 1e-2 and 3e-2 (worst 1.43 and 6.0). Our own change scaled,
+``c Δ_{i,t}`` (less spread, but a start off ``θ_{t+1}`` on average): K = 64 with c = 0.25 / 0.5 / 1 / 1.5 /
+2, 13.2 / 10.3 / 6.46 / 5.53 / 7.54, and K = 32 with c = 1.5, 5.40 (5.11 at c = 1): no other ``c`` is
+better at both lengths. Scaled by the previous round's ``<Δ̄, Δ_i> / |Δ_i|²`` (clipped to [0, 1]): K = 32,
+5.16.
+
+*Not an overlap rule: a smaller outer momentum or lr.* ``μ = 0.5`` narrows the gap of both rules in these
+short runs (in process, synchronous / eager / shift, K = 32: 4.849 / 4.882 / 4.949; K = 64: 4.978 / 5.107 /
+5.184), but it helps the synchronous run as much at K = 64 (5.54 to 4.98) and slows the longer runs of the
+test task (10 rounds at inner lr 1e-3: final 0.315 for every rule against 0.150 with ``μ = 0.9``). ``η =
+0.35`` at K = 32: 5.102 synchronous and eager alike. The outer optimizer is the run's choice (``[sync]
+outer_momentum``, ``outer_lr``); for short runs with overlap, ``outer_momentum = 0.5`` measured better here.
+
+*Not changed: what the collaboration evaluates and publishes.* The state a peer serves at the end of a run
+is ``θ_T``, the global parameters after ``T`` averaged rounds, with or without overlap: it is the only state
+every peer holds alike; the work of the phase under way at the end (each peer's, from its own eager start) is
+the next round's, and no peer's local model is the collaboration's.
+
+Overlap is an option, off by default (it trades one round of staleness for hidden averaging time); its
+default rule, ``overlap = true``, is the eager one. tests/volunteer/test_diloco.py pins it against a hand
+simulation and the regime where it tracks the synchronous run.
 
 **The running mode** (:class:`~.diloco_trainer.DilocoTrainer`). A round is one global step of the run:
 step ``t`` holds ``θ_t``, and the machinery of the batch mode (:mod:`.step`) runs unchanged on top, with
@@ -82,22 +143,13 @@ step ``t`` holds ``θ_t``, and the machinery of the batch mode (:mod:`.step`) ru
   no inner optimizer state; loading one starts a fresh inner optimizer and a zero residual
   (``discard_gradients``, the warm-up's and fitting's reset, does the same from our own ``θ_t``);
 * the fingerprint hashes ``θ_t``, so peers in the middle of an inner phase still agree.
-
-*Rejected: restarting phase ``t + 1`` from ``θ_t`` itself* (the literal delayed update, which drops the
-peer's own change in flight). Measured on the test task (4 workers of unequal speed, 10 rounds; worst
-held-out loss after round 3, synchronous / this rule / literal): inner lr 1e-3, 0.15 / 0.16 / 0.15 (both
-track); inner lr 1e-2, 0.19 / 0.51 / 2.5; inner lr 3e-2, 0.13 / 0.33 / 14 (diverged). Both variants
-amplify the oscillation of an outer step that overshoots; this rule much less. Overlap is therefore an
-option, off by default, for runs whose pseudo-gradients are small against the loss's curvature (many
-samples per round at a small inner lr, as in DiLoCo's own runs); tests/volunteer/test_diloco.py pins the
-regime where it is safe.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -112,8 +164,11 @@ __all__ = [
     "ErrorFeedback",
     "OuterOptimizer",
     "Overlap",
+    "OverlapRule",
     "flatten",
     "load_flat",
+    "outer_update",
+    "overlap_start",
     "pseudo_gradient",
     "weighted_average",
     "wire_layout",
@@ -122,6 +177,9 @@ __all__ = [
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 Float32Array = npt.NDArray[np.float32]
+#: where an overlapped inner phase starts (module docstring, "Overlap"): ``eager`` (``[sync] overlap = true``)
+#: or the earlier ``shift``
+OverlapRule = Literal["eager", "shift"]
 
 
 def flatten(params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -188,6 +246,50 @@ def _flat32(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.detach().cpu()
 
 
+def outer_update(
+    theta: Float32Array, buffer: Float32Array, grad: Float32Array, lr: float, momentum: float
+) -> tuple[Float32Array, Float32Array]:
+    """``OuterStep(θ, b, g)``: ``(θ - η (g + μ b'), b')`` with ``b' = μ b + g``, in float32, one IEEE-rounded
+    operation per ufunc (module docstring); the inputs are not changed."""
+    mu, eta = np.float32(momentum), np.float32(lr)
+    advanced = np.add(np.multiply(buffer, mu), grad)  # b' = μ b + g
+    direction = np.add(grad, np.multiply(advanced, mu))  # g + μ b'
+    updated = np.subtract(theta, np.multiply(direction, eta))  # θ - η (g + μ b')
+    return updated, advanced
+
+
+def overlap_start(
+    rule: OverlapRule,
+    theta: torch.Tensor,
+    buffer: torch.Tensor,
+    delta: torch.Tensor,
+    lr: float = OUTER_LR,
+    momentum: float = OUTER_MOMENTUM,
+) -> torch.Tensor:
+    """Where the next inner phase starts under overlap (module docstring, "Overlap"), a new tensor.
+
+    ``"eager"``: ``s = OuterStep(θ_t, b_t, Δ_{i,t})``, the outer step with our own ``Δ`` in place of the
+    average still in flight; ``"shift"`` (the earlier rule): ``s = θ_t - Δ_{i,t}``.
+
+    Raises:
+        ValueError: vectors not 1-D float32 of one size, or an unknown rule.
+    """
+    base = _flat32(theta, "theta")
+    change = _flat32(delta, "delta")
+    momentum_buffer = _flat32(buffer, "buffer")
+    if not base.numel() == change.numel() == momentum_buffer.numel():
+        raise ValueError(
+            f"theta, delta and buffer differ in size: {base.numel()}, {change.numel()}, "
+            f"{momentum_buffer.numel()}"
+        )
+    if rule == "shift":
+        return base - change
+    if rule != "eager":
+        raise ValueError(f"unknown overlap rule {rule!r}")
+    updated, _ = outer_update(base.numpy(), momentum_buffer.numpy(), change.numpy(), lr, momentum)
+    return torch.from_numpy(updated)
+
+
 def _check_hyper(lr: float, momentum: float) -> None:
     if not (0.0 < lr < float("inf") and 0.0 <= momentum < 1.0):
         raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
@@ -228,13 +330,31 @@ class OuterOptimizer:
             raise ValueError(f"expected {self.numel} elements, got {theta.size} and {grad.size}")
         if not np.isfinite(grad).all():
             raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
-        mu, lr = np.float32(self.momentum), np.float32(self.lr)
-        buffer = np.add(np.multiply(self._buffer, mu), grad)  # b = μ b + Δ̄
-        direction = np.add(grad, np.multiply(buffer, mu))  # Δ̄ + μ b
-        updated = np.subtract(theta, np.multiply(direction, lr))  # θ - η (Δ̄ + μ b)
+        updated, buffer = outer_update(theta, self._buffer, grad, self.lr, self.momentum)
         self._buffer = buffer
         self.rounds += 1
         return torch.from_numpy(updated)
+
+    def lookahead(self, global_flat: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``OuterStep(θ, b, Δ)``'s ``θ`` with our buffer ``b``, which is left unchanged: the eager start of
+        the overlap rule (module docstring, "Overlap").
+
+        Raises:
+            ValueError: as :meth:`step`.
+        """
+        theta = _flat32(global_flat, "global_flat").numpy()
+        grad = _flat32(delta, "delta").numpy()
+        if theta.size != self.numel or grad.size != self.numel:
+            raise ValueError(f"expected {self.numel} elements, got {theta.size} and {grad.size}")
+        if not np.isfinite(grad).all():
+            raise ValueError("the pseudo-gradient holds NaN or Inf")
+        updated, _ = outer_update(theta, self._buffer, grad, self.lr, self.momentum)
+        return torch.from_numpy(updated)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """``b_t`` (a copy)."""
+        return torch.from_numpy(self._buffer.copy())
 
     def state_dict(self) -> dict[str, Any]:
         """What a newcomer downloads with ``θ``: the buffer (a copy), hyper-parameters and rounds done."""
@@ -381,21 +501,31 @@ class Overlap:
     """The overlap variant's bookkeeping for one peer (module docstring, "Overlap").
 
     ``start_phase()`` returns where the next inner phase starts (load it into the model): ``θ_0`` first,
-    then the newest global minus the peer's own change still in flight; ``end_phase(local_params)`` returns
-    the phase's ``Δ`` measured from that start; ``arrived(theta)`` records the global parameters once a
-    round's average has been applied (call it after ``start_phase()`` of the phase it arrives in).
+    then :func:`overlap_start` of the newest global, its outer momentum and the peer's own change still in
+    flight; ``end_phase(local_params)`` returns the phase's ``Δ`` measured from that start;
+    ``arrived(theta, buffer)`` records the global parameters and the outer momentum once a round's average
+    has been applied (call it after ``start_phase()`` of the phase it arrives in).
     """
 
     newest: torch.Tensor
+    rule: OverlapRule = "eager"
+    lr: float = OUTER_LR
+    momentum: float = OUTER_MOMENTUM
+    buffer: torch.Tensor | None = None  # ``b`` of ``newest`` (None: ``b_0 = 0``)
     start: torch.Tensor | None = None
     in_flight: torch.Tensor | None = None
 
     def start_phase(self) -> torch.Tensor:
-        """``s_{i,t+1} = θ_t - Δ_{i,t}`` (``θ_0`` for the first phase)."""
+        """``s_{i,t+1} = OuterStep(θ_t, b_t, Δ_{i,t})`` (``eager``) or ``θ_t - Δ_{i,t}`` (``shift``); ``θ_0``
+        for the first phase."""
         if self.start is not None:
             raise RuntimeError("start_phase() twice without end_phase()")
         base = _flat32(self.newest, "newest")
-        self.start = base.clone() if self.in_flight is None else base - self.in_flight
+        if self.in_flight is None:
+            self.start = base.clone()
+        else:
+            buffer = torch.zeros_like(base) if self.buffer is None else self.buffer
+            self.start = overlap_start(self.rule, base, buffer, self.in_flight, self.lr, self.momentum)
         return self.start.clone()
 
     def end_phase(self, local_params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -407,6 +537,7 @@ class Overlap:
         self.in_flight = delta
         return delta.clone()
 
-    def arrived(self, theta: torch.Tensor) -> None:
-        """The global parameters after the latest outer step."""
+    def arrived(self, theta: torch.Tensor, buffer: torch.Tensor) -> None:
+        """The global parameters and the outer momentum after the latest outer step."""
         self.newest = _flat32(theta, "theta")
+        self.buffer = _flat32(buffer, "buffer").clone()

@@ -20,10 +20,11 @@ global step:
 **Overlap** (``[sync] overlap = true``; the rule and its reasons are in :mod:`.diloco`, "Overlap"). The
 trainer keeps the phase's start ``s`` beside ``θ``: without overlap ``s = θ_t`` always (``apply`` loads
 ``θ_{t+1}`` into the model). With it, ``take_gradients`` hands out ``Δ = s - x`` and re-bases at once --
-the model moves by ``θ_t - s`` and ``s := θ_t - Δ`` -- so inner training goes on while the round averages;
-``apply`` then only advances ``θ`` (the model is not touched: the new ``θ`` enters at the next re-base). A
-round that fails gives its ``Δ`` back (``s := s + Δ``, that is ``θ_t``), so the next round's ``Δ`` holds it:
-nothing is lost.
+``s := OuterStep(θ_t, b_t, Δ)`` (the eager rule; ``θ_t - Δ`` with ``overlap = "shift"``) and the model is
+set to ``s`` -- so inner training goes on while the round averages; ``apply`` then only advances ``θ`` and
+``b`` (the model is not touched: the new ``θ`` enters at the next re-base). A round that fails gives its
+``Δ`` back (``s := s + Δ``), so the next round's ``Δ`` holds it: nothing is lost (the phase under way still
+started from the eager guess, which the next re-base replaces).
 
 Precision: the inner steps run in fp32 or under bf16 autocast; fp16 needs a loss scale per inner step,
 which the collective rule of :mod:`volunteer.precision` does not give, so it is refused here (the session
@@ -48,13 +49,13 @@ from shared.state.blob import encode_state
 from shared.state.lineage import extend_lineage
 
 from ..precision import Precision, autocast
-from .diloco import ErrorFeedback, OuterOptimizer, flatten, load_flat, wire_layout
+from .diloco import ErrorFeedback, OuterOptimizer, OverlapRule, flatten, load_flat, overlap_start, wire_layout
 from .trainer import Accumulated, Float32Array, LocalTrainer
 
 if TYPE_CHECKING:
     from ..tasks import Task
 
-__all__ = ["DilocoTrainer", "PseudoGradient", "make_trainer"]
+__all__ = ["DilocoTrainer", "PseudoGradient", "make_trainer", "overlap_rule"]
 
 OUTER_PREFIX = "outer/"
 
@@ -68,6 +69,14 @@ class PseudoGradient(Accumulated):
     def mean(self) -> Float32Array:
         vector: Float32Array = self.gradient_sum.copy()
         return vector
+
+
+def overlap_rule(spec: TrainingSpec) -> OverlapRule | None:
+    """The run's overlap rule (``[sync] overlap``: ``true`` is ``"eager"``), None without overlap."""
+    overlap = spec.sync.overlap
+    if overlap is False:
+        return None
+    return "eager" if overlap is True else overlap
 
 
 class DilocoTrainer(LocalTrainer):
@@ -89,7 +98,7 @@ class DilocoTrainer(LocalTrainer):
             )
         super().__init__(task, spec, run_id, device, precision, growth_interval)
         self.base = flatten(self.params)
-        self.overlap = spec.sync.overlap
+        self.overlap = overlap_rule(spec)
         self._start = self.base.clone()  # where the inner phase started (``s``; ``θ_t`` without overlap)
         self._in_flight: torch.Tensor | None = None  # the ``Δ`` of the round under way (overlap)
         self.outer = OuterOptimizer(self.numel, spec.sync.outer_lr, spec.sync.outer_momentum)
@@ -146,9 +155,15 @@ class DilocoTrainer(LocalTrainer):
             delta = self._start - local
             vector = delta.numpy()
             finite = bool(np.isfinite(vector).all())  # not: the step receives only; no residual from it
-            if self.overlap and finite:  # re-base: the model moves by θ_t - s, and s := θ_t - Δ
-                load_flat(self.params, local + (self.base - self._start))
-                self._start = self.base - delta
+            if self.overlap and finite:  # re-base: s := OuterStep(θ_t, b_t, Δ) (eager) or θ_t - Δ (shift)
+                start = overlap_start(
+                    self.overlap, self.base, self.outer.buffer, delta, self.outer.lr, self.outer.momentum
+                )
+                # shift: the model moves by θ_t - s (exactly where it is when s = θ_t), as it always did
+                load_flat(
+                    self.params, local + (self.base - self._start) if self.overlap == "shift" else start
+                )
+                self._start = start
                 self._in_flight = delta
             elif self.overlap:  # nothing of this phase can be sent or kept
                 load_flat(self.params, self.base)

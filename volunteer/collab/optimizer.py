@@ -337,7 +337,7 @@ class CollaborativeOptimizer:
     @property
     def overlaps(self) -> bool:
         """The step runs in the background while we compute on (``dpu``, or diloco's ``overlap``)."""
-        return self.spec.dpu or (self.spec.sync.mode == "diloco" and self.spec.sync.overlap)
+        return self.spec.dpu or (self.spec.sync.mode == "diloco" and self.spec.sync.overlap is not False)
 
     @property
     def target(self) -> int:
