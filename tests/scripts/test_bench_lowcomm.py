@@ -109,7 +109,10 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         # every configuration trains on the budget, unless a member stalled on this shared machine (then
         # its share of that round is lost, and it downloads the others' state)
         assert run["samples"] == 256 or run["state_downloads"] > 0
-        assert run["samples"] + run["samples_lost"] <= 256
+        # with overlap a stalled member has also computed its share of the next round ahead, and loses it
+        # with the download too: each download may add one share beyond the budget to the sum
+        ahead = run["state_downloads"] * run["round_samples"] // result["peers"] if run["overlap"] else 0
+        assert run["samples"] + run["samples_lost"] <= 256 + ahead
         assert run["heldout_loss"] > 0 and run["wall_s"] > 0 and run["compute_s"] > 0
         assert 0 < run["bytes_sent_per_peer"]["mean"] <= run["bytes_sent_per_peer"]["max"]
     assert (batch["steps"], batch["round_samples"], batch["codec"]) == (4, 64, "none")
