@@ -71,3 +71,17 @@ async def test_emulated_servers_take_their_time_one_request_at_a_time(nursery: t
         rate = server.record().samples_per_second
         assert 0 < rate <= 1 / EMULATED * (1 + 1e-9)
         assert server.trainer.seconds_per_sample == pytest.approx(EMULATED, rel=0.5)
+
+
+async def test_an_emulated_server_never_publishes_a_rate_above_its_device_s(nursery: trio.Nursery) -> None:
+    """While a request waits out its emulated time, the trainer's averages hold the bare computation's
+    (faster) time; the record must still say the emulated device's rate (rebalancing weighs it)."""
+    for k in range(STAGES):
+        node, _ = await start_node(nursery, RUN_ID, [])
+        trainer = StageTrainer(make_task(SPEC), SPEC, RUN_ID, k, STAGES)
+        server = StageServer(node, trainer, StageServerConfig(emulated_seconds_per_sample=EMULATED))
+        assert server.record().samples_per_second == 0.0  # not measured yet
+        trainer.forward_seconds, trainer.backward_seconds = 0.001, 0.002  # as just after a fast computation
+        assert server.record().samples_per_second == pytest.approx(1 / EMULATED)
+        trainer.forward_seconds, trainer.backward_seconds = EMULATED, 2 * EMULATED  # slower than emulated
+        assert server.record().samples_per_second < 1 / EMULATED

@@ -185,9 +185,18 @@ class StageServer:
     def stage(self) -> int:
         return self.trainer.stage.index
 
+    @property
+    def seconds_per_sample(self) -> float:
+        """The busy time per sample we publish (0 until measured): the trainer's, and with an emulated
+        device never below its time (module docstring). The trainer's averages are raised to the emulated
+        time only after each request's emulated wait, so while a request waits they hold the bare
+        computation's faster time, and a record read then claimed a faster device."""
+        seconds = self.trainer.seconds_per_sample
+        return max(seconds, self.config.emulated_seconds_per_sample) if seconds > 0 else 0.0
+
     def record(self) -> StageRecord:
         """Our DHT announcement now."""
-        seconds = self.trainer.seconds_per_sample
+        seconds = self.seconds_per_sample
         return StageRecord(
             stage=self.stage,
             stages=self.trainer.stage.count,
@@ -199,7 +208,7 @@ class StageServer:
 
     def retry_after(self) -> float:
         """When a queue slot is expected to free up: the queue's work at the measured speed."""
-        per_request = max(self.trainer.seconds_per_sample, 1e-4) * 8  # a typical micro-batch's samples
+        per_request = max(self.seconds_per_sample, 1e-4) * 8  # a typical micro-batch's samples
         return min(10.0, max(0.05, per_request * self.queued))
 
     # ------------------------------------------------------------------------------------- the handler
