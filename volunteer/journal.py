@@ -101,7 +101,7 @@ import logging
 import os
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +129,7 @@ __all__ = [
     "ReportJournal",
     "merge_ranges",
     "merge_stage_ranges",
+    "overflow_victim",
     "receipts_to_put_back",
     "take_received",
     "take_relayed",
@@ -398,6 +399,15 @@ def receipts_to_put_back(
         elif decode_receipt(signed.receipt).carried:  # covered: it decodes
             sealed.append(signed)
     return kept, sealed, len(report.receipts) - len(kept) - len(sealed)
+
+
+def overflow_victim(queued: Sequence[ContributionReport]) -> int:
+    """Which of the ``queued`` reports (oldest first, at least one) an overflowing queue gives up: the
+    oldest that lists no discard, data-parallel or stage; the oldest of all if each lists one
+    (:mod:`volunteer.reporting`: a given-up discard is lost, its fork's delivered receipts stay credited)."""
+    if not queued:
+        raise ValueError("no queued report to give up")
+    return next((i for i, r in enumerate(queued) if not r.discarded and not r.stage_discarded), 0)
 
 
 def take_relayed(through: Counter[str], report: ContributionReport) -> None:

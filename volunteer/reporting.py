@@ -10,6 +10,10 @@ room. The ledger credits a report only up to the receipts other peers signed for
 (the averaging side fills it), takes one report's worth of receipts and pull records into each report,
 closes a report early when the book holds a full report's worth, and puts back what a report carried
 when that report is given up (queue overflow, or refused by the backbone), so the next one carries it.
+When the queue overflows, the report given up is the oldest that lists no discard (the oldest of all
+only when every queued one lists one, :func:`volunteer.journal.overflow_victim`): a discard given up is
+lost for good (below: it is not put back), and the fork's receipts delivered before it would stay
+credited, while a report without one loses nothing that does not go back into the book.
 Everything the reporter holds is journaled as it happens (:mod:`volunteer.journal`, ``reports.journal``
 in the data dir): a process killed without warning loses no step whose round completed, and the next
 process in the same data dir reports it. The reporter also owns this process's *session* in the ledger:
@@ -422,8 +426,11 @@ class Reporter:
         # lists cover the receipts the oldest puts back (journal.receipts_to_put_back)
         self._pending.append((signed, report))
         if len(self._pending) > MAX_PENDING_REPORTS:
-            logger.warning("report queue full: dropping the oldest unsent report (its receipts stay)")
-            self._give_up(self._pending.popleft()[1])
+            victim = journal.overflow_victim([queued for _, queued in self._pending])
+            given_up = self._pending[victim][1]
+            del self._pending[victim]
+            logger.warning("report queue full: dropping unsent report %d (its receipts stay)", given_up.seq)
+            self._give_up(given_up)
         if self.journal.wants_compaction():
             self._compact()
         self._wakeup.set()

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from backbone.ledger import LedgerStore
-from protocols.ledger import ContributionReport
+from protocols.ledger import ContributionReport, StageStepRange, StepRange
 from protocols.receipts import decode_receipt
 from shared.auth.keys import Identity
 from tests.backbone.ledger.reports import CAPS, identity, part_receipt
-from volunteer import reporting
+from volunteer import journal, reporting
 from volunteer.journal import JournaledStep
 from volunteer.reporting import Reporter
 
@@ -137,3 +137,61 @@ def test_a_report_given_up_after_the_discard_puts_back_none_of_the_forks_receipt
     assert reporter.fork_receipts == 1 + 4 and len(reporter.book) == 0
     reporter.journal.close()
     assert len(Reporter(RUN, ALICE, None, tmp_path, interval=1e9).book) == 0  # the journal agrees
+
+
+def test_an_overflowing_queue_gives_up_a_report_without_a_discard_before_one_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's report went out (the ledger credited bob's receipts of steps 1-4); then no backbone
+    answers for hours and the queue overflows with the discard's report oldest. Given up, the discard
+    was lost and the fork's steps stayed credited for ever; the report given up is now a later one
+    without a discard (its receipts go back into the book and out again), and the ledger hears of the
+    discard."""
+    monkeypatch.setattr(reporting, "MAX_PENDING_REPORTS", 2)
+    start = time.time()
+    with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
+        for username, who in (("alice", ALICE), ("bob", BOB), ("carol", CAROL)):
+            store.add_user(username, now=start - 3600)
+            secret = store.create_invite(username, now=start - 3600)
+            store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=start - 3600)
+            store.update_capabilities(who.peer_id, CAPS, now=start - 3600)
+        for number in range(1, 6):
+            assert store.record_step(number, finished_at=start, loss=None, samples=0, peers=2)
+        (tmp_path / "alice").mkdir()
+        reporter = forked_then_retaken(tmp_path / "alice", start)
+        signed, fork = reporter._pending.popleft()  # report 0 delivered, as flush() does
+        reporter.journal.append(journal.done(fork.seq))
+        assert store.assess_and_record(signed, fork, now=time.time() + 60) is not None
+        reporter.close_interval()  # report 1: the discard (carol's receipts held for the next)
+        reporter.close_interval()  # report 2: carol's receipts of 1-3
+        took(reporter, CAROL, 4, 4, start + 3)
+        reporter.close_interval()  # report 3: the queue overflows
+        assert [r.seq for r in reports(reporter)] == [1, 3]
+        assert [(r.first, r.last) for r in reports(reporter)[0].discarded] == [(1, 5)]
+        reporter.journal.close()
+        restarted = Reporter(RUN, ALICE, None, tmp_path / "alice", interval=1e9)  # the journal agrees
+        assert [r.seq for r in reports(restarted)] == [1, 3]
+        monkeypatch.setattr(reporting, "MAX_PENDING_REPORTS", 100)  # a backbone answers again
+        restarted.close_all()  # report 2's receipts, put back, go out again
+        for signed, report in restarted._pending:
+            assert store.assess_and_record(signed, report, now=time.time() + 60) is not None
+        [alice] = [row for row in store.leaderboard() if row.username == "alice"]
+        assert store.discards(ALICE.peer_id) == [(1, 5)]
+        # carol's receipts of the steps taken again count (1-4), each replacing bob's discarded one
+        assert (alice.samples, alice.discarded_samples) == (4 * SAMPLES, 0)
+
+
+def test_the_overflow_victim_is_the_oldest_report_without_a_discard() -> None:
+    def report(seq: int, discarded: bool = False, stage: bool = False) -> ContributionReport:
+        return ContributionReport(
+            run_id=RUN, peer_id=ALICE.peer_id, seq=seq, global_step=seq, samples=0, compute_seconds=0.0,
+            bytes_aggregated=0, bytes_relayed=0, interval_start=0.0, interval_end=1.0,
+            discarded=[StepRange(1, 2)] if discarded else [],
+            stage_discarded=[StageStepRange(0, 1, 2)] if stage else [],
+        )  # fmt: skip
+
+    assert journal.overflow_victim([report(0), report(1, True)]) == 0
+    assert journal.overflow_victim([report(0, True), report(1, stage=True), report(2)]) == 2
+    assert journal.overflow_victim([report(0, True), report(1, stage=True)]) == 0
+    with pytest.raises(ValueError, match="no queued report"):
+        journal.overflow_victim([])
