@@ -19,7 +19,7 @@ from backbone.ledger import LedgerStore
 from protocols.ledger import ContributionReport, StageStepRange, StepRange
 from protocols.receipts import decode_receipt
 from shared.auth.keys import Identity
-from tests.backbone.ledger.reports import CAPS, identity, part_receipt
+from tests.backbone.ledger.reports import admit_users, identity, part_receipt
 from volunteer import journal, reporting
 from volunteer.journal import JournaledStep
 from volunteer.reporting import Reporter
@@ -101,11 +101,7 @@ def test_the_ledger_credits_the_steps_taken_again_and_not_the_forks(tmp_path: Pa
     """End to end: the reporter's signed reports into a real SQLite ledger."""
     start = time.time()
     with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
-        for username, who in (("alice", ALICE), ("bob", BOB), ("carol", CAROL)):
-            store.add_user(username, now=start - 3600)
-            secret = store.create_invite(username, now=start - 3600)
-            store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=start - 3600)
-            store.update_capabilities(who.peer_id, CAPS, now=start - 3600)
+        admit_users(store, {"alice": ALICE, "bob": BOB, "carol": CAROL}, now=start - 3600)
         for number in range(1, 6):  # the run's steps (its own 1-5: the survivors')
             assert store.record_step(number, finished_at=start, loss=None, samples=0, peers=2)
         (tmp_path / "alice").mkdir()
@@ -150,11 +146,7 @@ def test_an_overflowing_queue_gives_up_a_report_without_a_discard_before_one_wit
     monkeypatch.setattr(reporting, "MAX_PENDING_REPORTS", 2)
     start = time.time()
     with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
-        for username, who in (("alice", ALICE), ("bob", BOB), ("carol", CAROL)):
-            store.add_user(username, now=start - 3600)
-            secret = store.create_invite(username, now=start - 3600)
-            store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=start - 3600)
-            store.update_capabilities(who.peer_id, CAPS, now=start - 3600)
+        admit_users(store, {"alice": ALICE, "bob": BOB, "carol": CAROL}, now=start - 3600)
         for number in range(1, 6):
             assert store.record_step(number, finished_at=start, loss=None, samples=0, peers=2)
         (tmp_path / "alice").mkdir()

@@ -33,7 +33,7 @@ from protocols.receipts import (
     sign_receipt,
 )
 from shared.auth.keys import Identity
-from tests.backbone.ledger.reports import CAPS, identity
+from tests.backbone.ledger.reports import admit_users, identity
 from volunteer import reporting
 from volunteer.journal import JOURNAL_FILE, JournaledStep, ReportJournal
 from volunteer.receipts import ReceiptBook
@@ -216,11 +216,7 @@ def test_the_ledger_credits_the_stage_steps_taken_again_and_the_forks_trainer_by
     """End to end: the reporter's signed reports into a real SQLite ledger."""
     start = time.time()
     with LedgerStore.open(f"sqlite:///{tmp_path / 'ledger.sqlite3'}") as store:
-        for username, who in (("alice", ALICE), ("bob", BOB), ("carol", CAROL)):
-            store.add_user(username, now=start - 3600)
-            secret = store.create_invite(username, now=start - 3600)
-            store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=start - 3600)
-            store.update_capabilities(who.peer_id, CAPS, now=start - 3600)
+        admit_users(store, {"alice": ALICE, "bob": BOB, "carol": CAROL}, now=start - 3600)
         for number in range(1, 6):  # the stage's steps (its own 1-5: the survivors')
             assert store.record_stage_step(
                 STAGE, number, finished_at=start, loss=None, samples=64, peers=2, target_batch=64

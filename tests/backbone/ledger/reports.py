@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -23,9 +25,21 @@ from protocols.receipts import (
 )
 from shared.auth.keys import Identity
 
+if TYPE_CHECKING:
+    from backbone.ledger import LedgerStore
+
 RUN_ID = "ledger-test"
 T0 = 1_700_000_000.0
 CAPS = Capabilities(samples_per_second=100.0, upload_bps=1e6, download_bps=1e6, device="test-cpu")
+
+
+def admit_users(store: LedgerStore, users: dict[str, Identity], now: float) -> None:
+    """Each ``username: identity`` a user with its peer admitted (an invite redeemed) and :data:`CAPS`."""
+    for username, who in users.items():
+        store.add_user(username, now=now)
+        secret = store.create_invite(username, now=now)
+        store.redeem_invite(secret, who.peer_id, who.public_key_bytes, now=now)
+        store.update_capabilities(who.peer_id, CAPS, now=now)
 
 
 def identity(n: int) -> Identity:
