@@ -52,7 +52,8 @@ balanced groups (``S`` divides the device count, seed 002 §2), so:
   equal placements on every server; ``placement.stages[k]`` (pipeline order) serves stage ``k``;
 * the ``n - m`` *leftovers* (and every server when ``n < S``) are placed one by one in the same order by
   :func:`~shared.swarm.rebalance.place_newcomer`, as if the servers placed so far reported a rate (the
-  scheduled ones ``0``, leftovers ``1``: so leftovers spread over distinct stages first). With ``n >= S``
+  scheduled ones ``0``, which a newcomer counts as typical, leftovers ``1``: every stage holds as many
+  scheduled servers as the next, so leftovers spread over distinct stages first). With ``n >= S``
   every stage gets at least one scheduled server; with ``n < S``, ``n`` distinct stages are served and
   the rest wait for newcomers.
 

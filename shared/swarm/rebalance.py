@@ -88,6 +88,15 @@ are best leximin: (with equal costs) the bottleneck; ties to the lower index, or
 at a stage derived from the newcomer's peer id (``tiebreak``). Newcomers that join at once read the same
 records and would all take the same stage; with their ids they spread, and the refill rule repairs a
 collision within a period.
+
+A server that has not measured yet (rate 0) counts as *typical* for the newcomer's choice
+(:func:`with_unmeasured_as_typical`: the lower median of the measured rates, 1 when none is measured).
+Counted as 0, every stage whose servers all joined within the last period looks empty of capacity, and
+every newcomer of a growing run joins the same one of them, the lowest such index after the tiebreak,
+until its servers publish a rate a period later; the refill rule cannot repair that (no stage is empty)
+and rule 3 needs several periods to move them back. A newcomer is placed once, from records a period
+old at best, so counting a silent server as an average one is the best guess it has; the rebalancer
+itself still counts it as 0 (it plans on measurements only).
 """
 
 from __future__ import annotations
@@ -107,6 +116,7 @@ __all__ = [
     "load_ratio",
     "place_newcomer",
     "plan_rebalance",
+    "with_unmeasured_as_typical",
 ]
 
 DEFAULT_HYSTERESIS = 0.1
@@ -173,6 +183,14 @@ def bound_rates(reports: Sequence[ServerReport], factor: float = RATE_FACTOR) ->
         return list(reports)
     cap = factor * measured[(len(measured) - 1) // 2]
     return [dataclasses.replace(r, rate=cap) if r.rate > cap else r for r in reports]
+
+
+def with_unmeasured_as_typical(reports: Sequence[ServerReport]) -> list[ServerReport]:
+    """``reports`` with every rate of 0 (not measured yet) replaced by the lower median of the positive
+    rates, or by 1 when no rate is positive (module docstring, "Newcomers"). Order is kept."""
+    measured = sorted(r.rate for r in reports if r.rate > 0.0)
+    typical = measured[(len(measured) - 1) // 2] if measured else 1.0
+    return [r if r.rate > 0.0 else dataclasses.replace(r, rate=typical) for r in reports]
 
 
 def load_ratio(capacities: Sequence[float]) -> float:
@@ -260,7 +278,8 @@ def place_newcomer(
     weights = _check(reports, stages, costs)
     if not (math.isfinite(speed) and speed > 0.0):
         raise ValueError(f"speed must be finite and > 0, got {speed}")
-    capacities = _capacities({r.peer: r.stage for r in reports}, {r.peer: r.rate for r in reports}, stages)
+    typical = with_unmeasured_as_typical(reports)
+    capacities = _capacities({r.peer: r.stage for r in typical}, {r.peer: r.rate for r in typical}, stages)
 
     served = {r.stage for r in reports}
     offset = zlib.crc32(tiebreak.encode()) % stages if tiebreak else 0

@@ -5,10 +5,10 @@
 
 1. **Placement.** It reads every stage's records (:func:`~shared.swarm.directory.find_stage_servers`)
    and serves the stage :func:`~shared.swarm.rebalance.place_newcomer` names: an empty stage first, then
-   the one with the least capacity (§3.2: newcomers join "the optimal pipeline stage"). With a
-   ``formation`` configured and no stage record of another server yet, the run is forming: it measures
-   links with the other forming servers and serves the stage the scheduler gives it
-   (:mod:`.formation`; seed 002 §3).
+   the one with the least capacity, a server yet to measure counted as a typical one (§3.2: newcomers
+   join "the optimal pipeline stage"). With a ``formation`` configured and no stage record of another
+   server yet, the run is forming: it measures links with the other forming servers and serves the
+   stage the scheduler gives it (:mod:`.formation`; seed 002 §3).
 2. **Serving** that stage with :func:`~.stage_service.serve_stage` (which downloads the stage's state when
    the stage is ahead of us, or a backbone announces a stored state of it beyond ours, as any newcomer
    of a collaboration does).

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.swarm.rebalance import (
+    DEFAULT_HYSTERESIS,
     RATE_FACTOR,
     Move,
     ServerReport,
@@ -21,6 +22,7 @@ from shared.swarm.rebalance import (
     load_ratio,
     place_newcomer,
     plan_rebalance,
+    with_unmeasured_as_typical,
 )
 
 
@@ -208,7 +210,8 @@ def test_rebalance_moves_a_fast_server_out_of_a_stage_that_starves_two_nearly_ti
         if not plan.moves:
             break
         reports = apply(reports, plan.moves, [1.0] * 3)
-    assert min(capacities(reports, 3)) >= 0.97 * 4.0 * min(noise) / max(noise)
+    # moves stop within the hysteresis margin of the next gain, and the noise moves the optimum
+    assert min(capacities(reports, 3)) >= 4.0 * min(noise) / max(noise) / (1.0 + DEFAULT_HYSTERESIS)
 
 
 def test_rebalance_accounts_for_stage_costs() -> None:
@@ -261,6 +264,24 @@ def test_a_newcomer_serves_an_unserved_stage_before_unmeasured_ones() -> None:
     assert place_newcomer([ServerReport("a", 0, 0.0), ServerReport("b", 1, 0.0)], 3) == 2
     assert place_newcomer([ServerReport(p, s, 0.0) for p, s in (("a", 0), ("b", 1), ("c", 2))], 3) == 0
     assert place_newcomer([ServerReport("a", 0, 5.0), ServerReport("b", 2, 1.0)], 3) == 1
+
+
+def test_newcomers_of_a_growing_run_spread_over_stages_whose_servers_have_not_measured_yet() -> None:
+    # every stage served and measured (2 samples/s each); then one newcomer a period joins each stage
+    # before it publishes a rate. Counted as 0, the fresh server made its stage look empty of capacity
+    # and every later newcomer joined that same stage; counted as typical, they spread.
+    reports = [ServerReport(f"m{k}", k, 2.0) for k in range(3)]
+    for i in range(6):
+        stage = place_newcomer(reports, 3, tiebreak=f"n{i}")
+        reports.append(ServerReport(f"n{i}", stage, 0.0))
+    assert sorted(sum(1 for r in reports if r.stage == k) for k in range(3)) == [3, 3, 3]
+
+
+def test_unmeasured_servers_count_as_the_lower_median_of_the_measured_rates() -> None:
+    reports = [ServerReport("a", 0, 0.0), ServerReport("b", 1, 3.0), ServerReport("c", 2, 5.0)]
+    assert [r.rate for r in with_unmeasured_as_typical(reports)] == [3.0, 3.0, 5.0]
+    assert [r.rate for r in with_unmeasured_as_typical([ServerReport("a", 0, 0.0)])] == [1.0]
+    assert with_unmeasured_as_typical([]) == []
 
 
 def test_rebalance_refills_empty_stages_from_servers_that_measured_nothing() -> None:
