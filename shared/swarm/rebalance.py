@@ -40,10 +40,11 @@ them, and the next move raises ``Θ``; comparing ``Θ`` alone would stall there)
    stage). Each candidate's predicted capacities are scored by (leximin vector, ``-L_max'/L_min'``,
    ``-queue``), higher first: the move that helps the slowest stages most, then the one that leaves the
    loads most even, then the paper's shortest queue; remaining ties go to the smaller peer id.
-3. The best candidate moves only if it beats the current vector *by the margin*: at some sorted position
-   ``i``, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger) while no earlier
-   position is lower (``C'_(j) >= C_(j)`` for ``j < i``); and it does not increase the ratio
-   ``L_max / L_min`` (``inf`` while a stage is empty). A gain below the margin at an earlier position
+3. The best candidate that passes two tests moves (candidates are tried in their order: one ranked
+   lower may pass where the best fails). It must beat the current vector *by the margin*: at some sorted
+   position ``i``, ``C'_(i) >= (1 + h) C_(i)`` (the hysteresis margin ``h``, and strictly larger)
+   while no earlier position is lower (``C'_(j) >= C_(j)`` for ``j < i``); and it must not increase the
+   ratio ``L_max / L_min`` (``inf`` while a stage is empty). A gain below the margin at an earlier position
    does not decide: measured capacities are never exactly tied, so two bottlenecks of (nearly) equal
    capacity differ by noise, and a move into the lower one raises the sorted minimum by only that noise
    (the other bottleneck becomes the minimum). Deciding at the first position that differs would refuse
@@ -61,7 +62,7 @@ periods from triggering moves that gain less than it.
 The paper's rule moves the least-queued peer of the least-loaded stage. Moving from the stage with the
 largest capacity is the usual best move here too, but not always (a fast peer from a stage of many
 slow ones may be worth more than a slow peer of the largest stage), so every stage that can spare a peer
-is searched: ``O(P S log S)`` for ``P`` reports and ``S`` stages (Algorithm 2: ``O(M S)``).
+is searched: ``O(P (S log S + log P))`` for ``P`` reports and ``S`` stages (Algorithm 2: ``O(M S)``).
 
 **What it trusts.** A server that has not measured yet reports rate 0: it keeps its stage non-empty but
 adds no capacity, so the service reports a rate only after a full measuring period. Rates are
@@ -333,27 +334,24 @@ def _best_move(
         servers[stage] += 1
     empty = [s for s, count in enumerate(servers) if count == 0]
     target = empty[0] if empty else min(range(len(capacities)), key=lambda s: (capacities[s], s))
-    best: tuple[tuple[tuple[float, ...], float, int], Move, tuple[float, ...]] | None = None
-    for peer in sorted(where):  # strict improvement below: ties keep the smaller peer id
-        source = where[peer]
+    candidates: list[tuple[tuple[tuple[float, ...], float, int], str, Move, tuple[float, ...]]] = []
+    for peer, source in where.items():
         if source == target or servers[source] < 2:
             continue
         after = list(capacities)
         after[source] = max(0.0, after[source] - rate[peer])
         after[target] += rate[peer] * weights[source] / weights[target]
         key = (tuple(sorted(after)), -load_ratio(after), -queue[peer])
-        if best is None or key > best[0]:
-            best = (key, Move(peer, source, target), tuple(after))
-    if best is None:
-        return None
-    _, move, after_t = best
+        candidates.append((key, peer, Move(peer, source, target), tuple(after)))
+    # best first; ties keep the smaller peer id
+    candidates.sort(key=lambda c: c[1])
+    candidates.sort(key=lambda c: c[0], reverse=True)
     if empty:  # rule 0: a refill is always made (unmeasured servers add no capacity to compare)
-        return move
-    if not _improves(capacities, after_t, hysteresis):
-        return None
-    if load_ratio(after_t) > load_ratio(capacities):
-        return None
-    return move
+        return candidates[0][2] if candidates else None
+    for _, _, move, after_t in candidates:  # the best candidate that passes rule 3's tests
+        if _improves(capacities, after_t, hysteresis) and load_ratio(after_t) <= load_ratio(capacities):
+            return move
+    return None
 
 
 def _improves(before: Sequence[float], after: Sequence[float], hysteresis: float) -> bool:

@@ -222,6 +222,51 @@ def test_rebalance_accounts_for_stage_costs() -> None:
     assert plan.capacities_after == (4.0, 3.0)
 
 
+def test_rebalance_makes_a_lower_ranked_move_when_the_best_would_make_loads_less_even() -> None:
+    # stage 1 costs twice as much per sample. Moving b (or c) to the bottleneck stage 0 ranks best
+    # leximin, (9, 23) against (9, 16), but leaves the loads less even (23/9 > 17/7): it is refused. The
+    # plan used to stop there; d's move also clears the margin and evens the loads
+    reports = [
+        ServerReport("a", 0, 7.0),
+        *(ServerReport(p, 1, r) for p, r in (("b", 8.0), ("c", 8.0), ("d", 1.0))),
+    ]
+    plan = plan_rebalance(reports, 2, costs=[1.0, 2.0])
+    assert plan.moves == (Move("d", 1, 0),)
+    assert plan.capacities_after == (9.0, 16.0)
+
+
+def passes_rule_3(before: tuple[float, ...], after: tuple[float, ...], h: float) -> bool:
+    """The module docstring's rule 3, restated: a gain by the margin at a sorted position with no earlier
+    position lower, and the loads no less even."""
+    for old, new in zip(sorted(before), sorted(after), strict=True):
+        if new < old:
+            return False
+        if new > old and new >= (1.0 + h) * old:
+            return load_ratio(after) <= load_ratio(before)
+    return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(swarms(), st.floats(0.0, 0.3))
+def test_rebalance_plans_no_move_only_when_no_single_move_passes_the_rule(
+    swarm: tuple[list[ServerReport], int, list[float]], h: float
+) -> None:
+    reports, stages, costs = swarm
+    before = tuple(capacities(reports, stages))
+    if not reports or min(Counter(r.stage for r in reports).get(k, 0) for k in range(stages)) == 0:
+        return  # an empty stage: the refill rule, tested apart
+    plan = plan_rebalance(reports, stages, costs=costs, hysteresis=h)
+    if plan.moves:
+        assert passes_rule_3(before, plan.capacities_after, h)
+        return
+    target = min(range(stages), key=lambda k: (before[k], k))
+    servers = Counter(r.stage for r in reports)
+    for r in reports:
+        if r.stage != target and servers[r.stage] >= 2:
+            after = tuple(capacities(apply(reports, (Move(r.peer, r.stage, target),), costs), stages))
+            assert not passes_rule_3(before, after, h), r
+
+
 def test_newcomer_joins_an_empty_stage_then_the_bottleneck() -> None:
     reports = [ServerReport("a", 0, 1.0), ServerReport("b", 2, 1.0)]
     assert place_newcomer(reports, 3) == 1
