@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -134,6 +135,21 @@ def worker(args: argparse.Namespace) -> None:
     trio.run(main)
 
 
+class _StepEnd(TypedDict):
+    step: int
+    end: float
+
+
+class StepReport(_StepEnd, total=False):
+    """A survivor's line for one step (``worker``): completed (``attempts``, ``members``, ``start``) or
+    ``failed``."""
+
+    attempts: int
+    members: int
+    start: float
+    failed: bool
+
+
 def trial(args: argparse.Namespace, at: str) -> dict[str, object]:
     def spawn(extra: list[str]) -> subprocess.Popen[str]:
         env = dict(os.environ)
@@ -163,9 +179,9 @@ def trial(args: argparse.Namespace, at: str) -> dict[str, object]:
                 killed = event["killed"]
         if killed is None and at.startswith("fault:") and procs[-1].wait(timeout=60) == -signal.SIGKILL:
             killed = time.time()  # its output ended: it is dead
-        survivors: list[list[dict[str, object]]] = []
+        survivors: list[list[StepReport]] = []
         for p in procs[:-1]:
-            events = []
+            events: list[StepReport] = []
             while "done" not in (event := json.loads(p.stdout.readline())):  # type: ignore[union-attr]
                 events.append(event)
             survivors.append(events)

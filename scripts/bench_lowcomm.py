@@ -472,6 +472,7 @@ def run_trio(fn: Any, *args: Any) -> Any:
     try:
         return trio.run(fn, *args)
     except BaseExceptionGroup as group:
+        errors: BenchError | BaseExceptionGroup[BenchError] | None
         errors, _ = group.split(BenchError)
         while isinstance(errors, BaseExceptionGroup):
             errors = errors.exceptions[0]

@@ -85,7 +85,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocols.training import DatasetSpec, OptionValue, TokenizerSpec, TrainingSpec
+from protocols.training import DatasetSpec, OptionValue, TokenizerKind, TokenizerSpec, TrainingSpec
 from shared.auth.keys import Identity
 from shared.data.corpus import write_shards
 from shared.node import open_node
@@ -469,7 +469,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    kind = args.tokenizer or ("none" if args.task == "tiny-mlm" else "unigram")
+    kind: TokenizerKind = args.tokenizer or ("none" if args.task == "tiny-mlm" else "unigram")
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as directory:
         paths = write_shards(Path(directory), args.shards, args.examples_per_shard)
         spec = TrainingSpec(

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -162,9 +162,16 @@ def allreduce(peers: int, numel: int, rounds: int, warmup: int) -> dict[str, Any
 # --------------------------------------------------------------------------------------- aggregation
 
 
+class ReduceStats(TypedDict):
+    """What :func:`reduce_parts` saw besides the average."""
+
+    banned: dict[str, int]  # per sender: the parts in which it was banned
+    clipped: int  # the parts where CenteredClip had to clip
+
+
 def reduce_parts(
     inputs: list[Any], weights: list[float], spec: Any, part_numel: int
-) -> tuple[Any, dict[str, int]]:
+) -> tuple[Any, ReduceStats]:
     """Average flat vectors as an aggregator of the whole vector would: one SliceReducer per part, like
     ``Averager._take_duty``. Returns the average and statistics: per sender, the parts in which it was
     banned, and the parts where CenteredClip had to clip (``clipped``) rather than return the mean."""
@@ -209,7 +216,8 @@ def aggregation(peers: int, numel: int, repeats: int) -> dict[str, Any]:
     inputs = [base + np.float32(0.1) * x for x in noise]
     attacked = [(-inputs[0]).astype(np.float32), *inputs[1:]]  # one peer sign-flipped: clipping iterates
     reduce_parts(inputs, [1.0] * peers, spec_of("mean"), part)  # warm-up: page faults, caches
-    seconds, under_attack = {}, {}
+    seconds: dict[str, float] = {}
+    under_attack: dict[str, float] = {}
     for rule in RULES:
         for table, data in ((seconds, inputs), (under_attack, attacked)):
             runs = []
@@ -271,7 +279,7 @@ def training(args: argparse.Namespace) -> dict[str, Any]:
             for peer in range(peers):
                 first = step * per_step + sum(batches[:peer])
                 model.zero_grad()
-                task.loss(model, task.collate(texts[first : first + batches[peer]])).backward()
+                torch.autograd.backward(task.loss(model, task.collate(texts[first : first + batches[peer]])))
                 flat = torch.cat([p.grad.reshape(-1) for p in params]).numpy().copy()  # type: ignore[union-attr]
                 if peer == 0 and attack == "scaled":
                     flat *= np.float32(100.0)

@@ -276,14 +276,15 @@ def disagreements(
         by_volunteer[line.volunteer].append(line)
     for name, own in by_volunteer.items():
         run: list[Line] = []
-        for line in [*own, None]:
-            if line is not None and line.fingerprint != best[line.step]:
-                run.append(line)
+        for entry in [*own, None]:
+            if entry is not None and entry.fingerprint != best[entry.step]:
+                run.append(entry)
                 continue
             for member in run:
                 streak_of[(name, member.step)] = max(streak_of.get((name, member.step), 0), len(run))
             run = []
-    discarded, forks = [], []
+    discarded: list[int] = []
+    forks: list[int] = []
     for step in disagreeing:
         minority: dict[str, set[str]] = defaultdict(set)
         for line in lines:
@@ -330,7 +331,7 @@ def convergence_after(
     same (step, fingerprint); None if that never happened before ``until``."""
     moments = sorted({line.time for own in lines.values() for line in own if restart < line.time <= until})
     for t in moments:
-        held = set()
+        held: set[tuple[int | str, str]] = set()  # (step, fingerprint), or (why it is not in one, name)
         counted = 0
         for name, own in lines.items():
             proc = procs[name]

@@ -37,10 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.net.addresses import PeerAddress
+    from shared.net.bulk import ReplySink
 
 SAMPLE_S = 0.005
 _SAMPLER = r"""
@@ -114,10 +118,16 @@ def instrument(host: Any, averager: Any, recorder: Recorder) -> None:
     from protocols.averaging import decode_part_header, decode_pull_request
     from shared.averaging.allreduce import PULL, PUSH
 
-    send_bulk = host.send_bulk
+    send_bulk: Callable[[PeerAddress, str, memoryview | bytes, bytes, ReplySink | None], Awaitable[bytes]] = (
+        host.send_bulk
+    )
 
     async def traced_send_bulk(
-        address: Any, topic: str, data: Any, meta: bytes = b"", sink: Any = None
+        address: PeerAddress,
+        topic: str,
+        data: memoryview | bytes,
+        meta: bytes = b"",
+        sink: ReplySink | None = None,
     ) -> bytes:
         t0, got = time.time(), [0]
         counting = None
@@ -301,7 +311,10 @@ def write_svg(
     row_h, left, width = 28, 60, 900
     bins = max((len(s["up"]) for s in series), default=1)
     span = max(bins * bin_s, predicted_s, max(ends, default=0.0)) * 1.02
-    x = lambda t: left + width * t / span  # noqa: E731
+
+    def x(t: float) -> float:
+        return left + width * t / span
+
     height = 40 + row_h * len(series) + 30
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" '
