@@ -13,7 +13,8 @@ runs, on the same data and the same budget of total samples:
 * ``diloco-K`` for each ``K`` of ``--rounds`` (default 4, 16, 32; ``--full``: 4, 16, 64) —
   ``[sync] mode = "diloco"`` with a round of ``K`` batch-mode target batches (so ``K`` inner steps of
   ``local_batch`` per worker per round), pseudo-gradients with ``--diloco-codec`` (default
-  ``int8-blockwise``, with the mode's error feedback), outer Nesterov SGD (0.7, 0.9);
+  ``int8-blockwise``, with the mode's error feedback), outer Nesterov SGD (``--outer-lr`` 0.7,
+  ``--outer-momentum`` 0.9, the mode's defaults; the JSON's ``outer``);
 * with ``--overlap``, ``diloco-K+o``: the same with ``[sync] overlap = true`` (the eager rule of
   :mod:`volunteer.collab.diloco`, "Overlap"); with ``--overlap-shift``, ``diloco-K+s``: with the earlier
   rule, ``overlap = "shift"``.
@@ -228,9 +229,14 @@ def make_spec(
     rounds: int | None,
     codec: str,
     overlap: bool | Literal["eager", "shift"] = False,
+    outer: tuple[float, float] | None = None,
 ) -> TrainingSpec:
     """The batch mode (``rounds`` None) or DiLoCo with rounds of ``rounds`` batch-mode target batches
-    (``overlap``: ``[sync] overlap``'s value)."""
+    (``overlap``: ``[sync] overlap``'s value; ``outer``: ``(outer_lr, outer_momentum)``, default the
+    mode's own)."""
+    diloco = SyncSpec(mode="diloco", overlap=overlap)
+    if outer is not None:
+        diloco = SyncSpec(mode="diloco", overlap=overlap, outer_lr=outer[0], outer_momentum=outer[1])
     target = peers * setup.local_batch
     return TrainingSpec(
         task=name,
@@ -242,7 +248,7 @@ def make_spec(
         codec=codec,  # type: ignore[arg-type]
         tokenizer=setup.tokenizer,
         checkpoint_every=10**6,
-        sync=SyncSpec(mode="diloco", overlap=overlap) if rounds else SyncSpec(mode="batch"),
+        sync=diloco if rounds else SyncSpec(mode="batch"),
     )
 
 
@@ -527,6 +533,11 @@ def configurations_of(
     return found
 
 
+def outer_of(args: argparse.Namespace) -> tuple[float, float]:
+    """DiLoCo's outer optimizer as ``--outer-lr`` and ``--outer-momentum`` say (default the mode's)."""
+    return (args.outer_lr, args.outer_momentum)
+
+
 def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
     setup = TASKS[name]
     budget = budget_of(name, args)
@@ -539,7 +550,7 @@ def run_task(name: str, args: argparse.Namespace) -> dict[str, Any]:
     seen: set[str] = set()
     held_texts: set[str] = set()
     for label, rounds, codec in configurations:
-        spec = make_spec(name, setup, args.peers, rounds or None, codec, overlaps[label])
+        spec = make_spec(name, setup, args.peers, rounds or None, codec, overlaps[label], outer_of(args))
         task = make_task(spec, tokenizer)
         if not held_texts:
             held, held_texts = heldout_batches(task, heldout, setup.local_batch)
@@ -679,6 +690,7 @@ def netns_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 "overlap": args.overlap,
                 "batch_codec": args.batch_codec,
                 "diloco_codec": args.diloco_codec,
+                "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
                 "torch_threads_per_peer": 1,
                 "cpus": os.cpu_count(),
                 "utilization": lowcomm_netns.DEFINITION,
@@ -700,6 +712,8 @@ def check_arguments(args: argparse.Namespace) -> list[str]:
         raise BenchError("--peers must be >= 2")
     if args.budget < 0 or args.heldout < 0:
         raise BenchError("--budget and --heldout must be >= 0")
+    if not 0.0 < args.outer_lr <= 10.0 or not 0.0 <= args.outer_momentum < 1.0:
+        raise BenchError("--outer-lr must be in (0, 10] and --outer-momentum in [0, 1), as [sync] takes them")
     for codec in (args.batch_codec, args.diloco_codec):
         from shared.averaging.compression import codec_by_name
 
@@ -738,6 +752,18 @@ def main() -> None:
         "--diloco-codec",
         default="int8-blockwise",
         help="DiLoCo's pseudo-gradient codec (default int8-blockwise)",
+    )
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=SyncSpec().outer_lr,
+        help=f"DiLoCo's outer learning rate, [sync] outer_lr (default {SyncSpec().outer_lr})",
+    )
+    parser.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=SyncSpec().outer_momentum,
+        help=f"DiLoCo's outer Nesterov momentum, [sync] outer_momentum (default {SyncSpec().outer_momentum})",
     )
     parser.add_argument("--limit", type=float, default=1800.0, help="seconds one configuration may take")
     parser.add_argument(
@@ -796,6 +822,7 @@ def main() -> None:
                 "overlap": args.overlap,
                 "batch_codec": args.batch_codec,
                 "diloco_codec": args.diloco_codec,
+                "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum},
                 "torch_threads": torch.get_num_threads(),
                 "total_s": round(time.perf_counter() - started, 1),
                 "tasks": results,

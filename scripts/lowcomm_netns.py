@@ -85,7 +85,8 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     setup = bench.TASKS[args.task]
-    spec = bench.make_spec(args.task, setup, args.peers, args.rounds or None, args.codec, args.overlap)
+    outer = (args.outer_lr, args.outer_momentum)
+    spec = bench.make_spec(args.task, setup, args.peers, args.rounds or None, args.codec, args.overlap, outer)
     tokenizer = bench.task_tokenizer(args.task)
     task = make_task(spec, tokenizer)
     stream = bench.train_stream(task, args.rank, setup.local_batch, set())
@@ -248,6 +249,7 @@ def run_task(name: str, args: argparse.Namespace, budget: int, heldout: int) -> 
                 print(f"bench_lowcomm --netns: {name} {label} ...", file=sys.stderr, flush=True)
                 config = ["--task", name, "--rounds", str(k), "--codec", codec]
                 config += ["--overlap"] if overlap else []
+                config += ["--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
                 config += ["--budget", str(budget), "--heldout", str(heldout), "--pace", str(args.netns_pace)]
                 load_before = os.getloadavg()
                 reports = run_configuration(hosts, config, args.limit)
@@ -308,6 +310,8 @@ def worker_main(argv: Sequence[str]) -> None:
     parser.add_argument("--heldout", type=int, required=True)
     parser.add_argument("--pace", type=float, required=True)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--outer-lr", type=float, required=True)
+    parser.add_argument("--outer-momentum", type=float, required=True)
     worker(parser.parse_args(argv))
 
 

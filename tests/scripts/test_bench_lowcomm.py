@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scripts.bench_lowcomm import BYTES_TARGET, LOSS_BOUND_PCT, judge
+from scripts.bench_lowcomm import BYTES_TARGET, LOSS_BOUND_PCT, TASKS, judge, make_spec
 from scripts.lowcomm_netns import summarize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +63,15 @@ def test_the_verdict_is_the_rule_of_the_issue(diloco: list[tuple[int, float, flo
     assert (verdict["why"] is None) is verdict["met"]
 
 
+def test_the_outer_optimizer_flags_reach_the_diloco_spec_only() -> None:
+    setup = TASKS["tiny-mlm"]
+    tuned = make_spec("tiny-mlm", setup, 4, 32, "int8-blockwise", outer=(0.35, 0.5))
+    assert (tuned.sync.mode, tuned.sync.outer_lr, tuned.sync.outer_momentum) == ("diloco", 0.35, 0.5)
+    default = make_spec("tiny-mlm", setup, 4, 32, "int8-blockwise")
+    assert (default.sync.outer_lr, default.sync.outer_momentum) == (0.7, 0.9)
+    assert make_spec("tiny-mlm", setup, 4, None, "none", outer=(0.35, 0.5)).sync.mode == "batch"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -72,6 +81,9 @@ def test_the_verdict_is_the_rule_of_the_issue(diloco: list[tuple[int, float, flo
         (["--netns", "--netns-mbps", "0"], "--netns-mbps must be"),
         (["--netns", "--netns-pace", "-1"], "--netns-pace must be"),
         (["--netns", "--budget", "4096", "--rounds", "64"], "fewer than 2 rounds"),
+        (["--outer-momentum", "1"], "--outer-momentum in [0, 1)"),
+        (["--outer-lr", "0"], "--outer-lr must be in (0, 10]"),
+        (["--outer-lr", "nan"], "--outer-lr must be in (0, 10]"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(args: list[str], message: str) -> None:
@@ -90,6 +102,7 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
             sys.executable,
             str(SCRIPT),
             *("--tasks", "tiny-mlm", "--budget", "256", "--rounds", "2", "--heldout", "32", "--overlap"),
+            *("--outer-momentum", "0.5"),
         ],
         capture_output=True,
         text=True,
@@ -99,6 +112,7 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["peers"] == 4 and result["rounds_x"] == [2]
+    assert result["outer"] == {"lr": 0.7, "momentum": 0.5}
     (task,) = result["tasks"]
     assert task["task"] == "tiny-mlm" and task["budget_samples"] == 256 and task["heldout_overlap"] == 0
     assert set(task["runs"]) == {"batch", "diloco-2", "diloco-2+o"} and result["overlap"]
