@@ -334,13 +334,20 @@ def _best_move(
         servers[stage] += 1
     empty = [s for s, count in enumerate(servers) if count == 0]
     target = empty[0] if empty else min(range(len(capacities)), key=lambda s: (capacities[s], s))
+    members: list[list[str]] = [[] for _ in capacities]
+    for peer, stage in where.items():
+        members[stage].append(peer)
     candidates: list[tuple[tuple[tuple[float, ...], float, int], str, Move, tuple[float, ...]]] = []
     for peer, source in where.items():
         if source == target or servers[source] < 2:
             continue
+        # each predicted sum is computed afresh, exactly rounded as _capacities does: updating the old
+        # sums by one rate is off by an ulp, and with h = 0 an ulp "gain" accepted a move that merely
+        # swapped two stages' capacities (and a cycle of such moves could ping-pong)
         after = list(capacities)
-        after[source] = max(0.0, after[source] - rate[peer])
-        after[target] += rate[peer] * weights[source] / weights[target]
+        after[source] = math.fsum(rate[p] for p in members[source] if p != peer)
+        moved = rate[peer] * weights[source] / weights[target]
+        after[target] = math.fsum([*(rate[p] for p in members[target]), moved])
         key = (tuple(sorted(after)), -load_ratio(after), -queue[peer])
         candidates.append((key, peer, Move(peer, source, target), tuple(after)))
     # best first; ties keep the smaller peer id

@@ -233,6 +233,19 @@ def test_rebalance_makes_a_lower_ranked_move_when_the_best_would_make_loads_less
     assert plan.capacities_after == (9.0, 16.0)
 
 
+def test_rebalance_makes_no_move_that_only_swaps_two_stages_capacities() -> None:
+    # found by the property below (CI, h = 0): moving p00 swaps the two stages' capacities, no gain. The
+    # planner predicted the source's sum as 8.157... - 1.203..., an ulp above 6.954..., and took the ulp
+    # for a gain; its predicted sums are now exactly rounded like the capacities it reports
+    reports = [
+        ServerReport("p00", 0, 1.2030958755285228),
+        ServerReport("p01", 1, 6.954318909184826),
+        ServerReport("p02", 0, 0.0),
+        ServerReport("p03", 0, 6.954318909184826),
+    ]
+    assert plan_rebalance(reports, 2, hysteresis=0.0).moves == ()
+
+
 def passes_rule_3(before: tuple[float, ...], after: tuple[float, ...], h: float) -> bool:
     """The module docstring's rule 3, restated: a gain by the margin at a sorted position with no earlier
     position lower, and the loads no less even."""
