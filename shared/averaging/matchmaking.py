@@ -24,10 +24,9 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
 * its record's writer is ``W`` and ``W`` is ``leader_of(key, plan members)``;
 * ``group_id`` is :func:`group_id` of the key and the plan's ``tickets`` (one per member), and ``round``
   and ``codec`` are this round's and the run's;
-* its members are unique, sorted, and a **superset of every ticket the follower read right after storing
-  its own** and still reads one window later (a leader cannot leave out peers to shrink the group; the
-  follower itself is in it; "Late tickets" below); a member whose ticket the follower has not read is
-  looked up again, and a member without a signed ticket refuses the plan;
+* its members are unique, sorted, and a **superset of every ticket the follower read** (a leader cannot
+  leave out peers to shrink the group; the follower itself is in it); a member whose ticket the follower has
+  not read is looked up again, and a member without a signed ticket refuses the plan;
 * each member's ``addr``, ``norm``, ``overflow`` and ``aux`` claims are its ticket's, and the weights are
   exactly :func:`.groups.bound_weights` of the tickets' claims (the 8x-median and ``max_weight`` caps);
 * the slices match the follower's own LP solution for the same members and tickets within
@@ -38,23 +37,8 @@ For round ``r`` and group key ``g`` (see :mod:`.groups`) the key is ``<prefix>.<
   computes from its own LP prediction and its own measured round times.
 
 Because the plan is the leader's, members that read slightly different ticket sets still run one
-consistent plan; a late ticket (stored after the leader read the key) merely misses the round.
-
-**Late tickets** (which omissions prove a lying leader). A leader that names follower ``F`` read the key
-after ``F``'s ticket was stored, so it read every ticket stored before that: the ones ``F`` reads right
-after storing its own (``early``). Leaving one of those out is a lie (or a replica the leader could not
-reach), and ``F`` refuses. A ticket ``F`` first sees at the end of its window may have been stored after
-the leader's read (the leader's window started earlier): leaving it out is what an honest leader does, and
-``F`` adopts the plan. Refusing those, as the rule did before, turned one late peer into three losses
-(issue 16's benchmark, batch mode, a quiet machine: about one round in twenty): the late peer missed the
-round, the follower that refused missed it too, and every adopter stalled ``3 s`` waiting for the
-refuser's parts before dropping it, so both fell behind and downloaded the state. Left is a race only as
-long as ``F``'s early read itself (a ticket reaching a replica between ``F``'s store and that read,
-after the leader read it: a refused plan, as before). What a lying leader gains: it can leave out the
-tickets that honest followers first saw late, i.e. the last honest peers to store theirs, unnoticed, in
-the rounds it leads (a hash of the key: its share of the group's rounds); every ticket stored before an
-honest follower's is still protected. The omitted peer misses the round as a late one does (its share of
-that step is not averaged; the batch mode's step re-downloads the state).
+consistent plan; a late ticket (stored after the leader read the key) merely misses the round, and a
+follower that read one refuses the plan (the round fails for the group and is retried with a new key).
 A group of fewer than two computing (non-``aux``) peers does not average.
 
 **Auxiliary aggregators** (issue 14; seed 000 §3.2). A ticket with ``aux`` is a peer that computes
@@ -227,10 +211,7 @@ class Matchmaker:
         await self.dht.store(key, msgspec.msgpack.encode(ticket), expiry, subkey=me.encode())
         mine = self._own_signature(key)
         await faults.point("matchmaking.joined")
-        started = trio.current_time()
-        # the tickets stored before ours: any leader that names us read them (rule "Late tickets")
-        early = set(await self._signed_tickets(key, numel))
-        await trio.sleep(max(0.0, self.config.window - (trio.current_time() - started)))
+        await trio.sleep(self.config.window)
         signed = await self._signed_tickets(key, numel)
         if _computing(signed, me) == 0 and await self._linger(key, numel):
             await trio.sleep(self.config.window)  # as after our own ticket: the others' come in meanwhile
@@ -238,7 +219,7 @@ class Matchmaker:
         self.alone = _computing(signed, me) == 0
         signed[me] = (ticket, mine)  # our own store may not be readable yet; we certainly joined
         return await self._form(
-            round_, key, await self._unconsumed(round_, key, signed), numel, expiry, stale, early
+            round_, key, await self._unconsumed(round_, key, signed), numel, expiry, stale
         )
 
     async def assemble_auxiliary(
@@ -348,13 +329,10 @@ class Matchmaker:
         numel: int,
         expiry: float,
         stale: set[bytes],
-        early: Container[PeerId] | None = None,
     ) -> GroupPlan | None:
         """Steps 3 and 4 of the module docstring, from the unconsumed tickets (with their records'
         signatures) read one window after ours; ``stale``: signatures of plan records that named us before
-        we joined (never adopted); ``early``: the peers whose tickets we read right after storing ours
-        (``None``: every ticket counts as read early), the only ones a plan must not leave out ("Late
-        tickets")."""
+        we joined (never adopted)."""
         me = self.dht.host.peer_id
         tickets = {p: t for p, (t, _) in signed.items()}
         if sum(1 for t in tickets.values() if not t.aux) < 2:
@@ -375,8 +353,7 @@ class Matchmaker:
             assembly = self._solve(round_, key, members, tickets, numel, digests)
             await self.dht.store(f"{key}.plan", msgspec.msgpack.encode(assembly), expiry, subkey=me.encode())
         else:
-            seen = {p for p in tickets if early is None or p in early or p == me}
-            found = await self._await_plan(round_, key, tickets, numel, stale, seen)
+            found = await self._await_plan(round_, key, tickets, numel, stale)
             if found is None:
                 logger.warning("round %d: no acceptable plan (leader %s) in time", round_, leader)
                 return None
@@ -545,7 +522,6 @@ class Matchmaker:
         tickets: dict[PeerId, JoinTicket],
         numel: int,
         stale: Container[bytes] = frozenset(),
-        seen: set[PeerId] | None = None,
     ) -> GroupAssembly | None:
         leader = PeerId(leader_of(key, tickets))
         judged: dict[tuple[str, bytes], GroupAssembly | None] = {}  # (writer, value) -> verdict
@@ -557,7 +533,7 @@ class Matchmaker:
                 with trio.move_on_after(self.config.plan_wait):
                     while True:  # polled: the plan arrives through the DHT, not as an event
                         if (
-                            plan := await self._read_plan(round_, key, tickets, numel, judged, stale, seen)
+                            plan := await self._read_plan(round_, key, tickets, numel, judged, stale)
                         ) is not None:
                             found.append(plan)
                             break
@@ -573,7 +549,7 @@ class Matchmaker:
             if addr is not None:
                 nursery.start_soon(probe, parse_multiaddr(addr).with_peer(leader))
         if not found and gone:  # it may have stored the plan just before it died: one last look
-            found.append(await self._read_plan(round_, key, tickets, numel, judged, stale, seen))
+            found.append(await self._read_plan(round_, key, tickets, numel, judged, stale))
             if found[0] is None:
                 logger.warning(
                     "round %d: the leader %s is gone (%s); not waiting for its plan", round_, leader, gone[0]
@@ -610,18 +586,16 @@ class Matchmaker:
         numel: int,
         judged: dict[tuple[str, bytes], GroupAssembly | None],
         stale: Container[bytes] = frozenset(),
-        seen: set[PeerId] | None = None,
     ) -> GroupAssembly | None:
         """The acceptable plan stored under ``<key>.plan`` now, if any (``judged`` caches verdicts), never
-        a ``stale`` record (by signature); ``seen``: the tickets it must not leave out (default: all of
-        ``tickets``)."""
+        a ``stale`` record (by signature)."""
         found = await self.dht.get(f"{key}.plan", latest=True)
         accepted: list[tuple[str, GroupAssembly]] = []
         for subkey, record in found.entries.items() if found is not None else ():
             verdict_key = (record.writer, record.value)
             if verdict_key not in judged:  # a stale record is judged too: a forgery is counted as refused
                 judged[verdict_key] = await self._judge(
-                    round_, key, subkey, record.writer, record.value, tickets, numel, seen
+                    round_, key, subkey, record.writer, record.value, tickets, numel
                 )
             if (assembly := judged[verdict_key]) is not None and record.signature not in stale:
                 accepted.append((record.writer, assembly))
@@ -639,7 +613,6 @@ class Matchmaker:
         value: bytes,
         tickets: dict[PeerId, JoinTicket],
         numel: int,
-        seen: set[PeerId] | None = None,
     ) -> GroupAssembly | None:
         try:
             if subkey != writer.encode():
@@ -651,8 +624,7 @@ class Matchmaker:
             known = dict(tickets)
             if any(PeerId(m.peer_id) not in known for m in assembly.members):  # not read yet: read again
                 known = {**await self._tickets(key, numel), **tickets}
-            must = set(tickets) if seen is None else seen
-            self.check_plan(round_, key, writer, assembly, must, known, numel)
+            self.check_plan(round_, key, writer, assembly, set(tickets), known, numel)
         except PlanRefused as exc:
             self.plans_refused += 1
             logger.warning("round %d: refusing the plan of %s under %s: %s", round_, writer, key, exc)

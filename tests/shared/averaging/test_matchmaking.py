@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 import trio
 
 from protocols.averaging import JoinTicket
-from protocols.peer_id import PeerId
 from shared.auth.keys import Identity
 from shared.averaging.allreduce import Averager, GroupPlan
 from shared.averaging.groups import leader_of
-from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig, ticket_digest
+from shared.averaging.matchmaking import Matchmaker, MatchmakingConfig
 from shared.node import Node, open_node
 
 
@@ -242,109 +238,3 @@ def test_member_specs_plan_a_relayed_member_through_a_reachable_member_else_as_c
         (True, None),
         (True, None),
     ]
-
-
-async def follower_reading_late(
-    nursery: trio.Nursery, config: MatchmakingConfig
-) -> tuple[list[Node], str, Matchmaker, trio.Event]:
-    """Three nodes (leader, follower, latecomer), a key that the leader leads with the follower, and the
-    follower's matchmaker, whose read of the key one window after its ticket waits for the returned event:
-    it comes when the test says, after the leader's. A read that starts within 0.9 windows of the ticket's
-    store is not held (the one right after it: it would take a 0.9 s stall to be mistaken for the other)."""
-    nodes = await start_nodes(nursery, 3)
-    ids = [n.peer_id for n in nodes]
-    group = next(f"k{i}" for i in range(1000) if leader_of(f"avg.3.k{i}", ids[:2]) == ids[0])
-    follower = Matchmaker(nodes[1].dht, config=config)
-    release = trio.Event()
-    stored_at = [math.inf]
-    read, store = follower._signed_tickets, nodes[1].dht.store
-
-    async def gated(key: str, numel: int | None = None) -> dict[PeerId, tuple[JoinTicket, bytes]]:
-        if trio.current_time() - stored_at[0] >= 0.9 * config.window:
-            await release.wait()
-        return await read(key, numel)
-
-    async def timed(key: str, *args: Any, **kwargs: Any) -> Any:
-        result = await store(key, *args, **kwargs)
-        if key == f"avg.3.{group}":
-            stored_at[0] = trio.current_time()
-        return result
-
-    follower._signed_tickets = gated  # type: ignore[method-assign]
-    nodes[1].dht.store = timed  # type: ignore[method-assign]
-    return nodes, group, follower, release
-
-
-async def visible(node: Node, key: str, subkey: bytes | None = None) -> None:
-    while (found := await node.dht.get(key, latest=True)) is None or (
-        subkey is not None and subkey not in found.entries
-    ):
-        await trio.sleep(0.05)
-
-
-async def test_a_ticket_stored_after_the_leaders_read_does_not_make_a_follower_refuse_the_plan(
-    nursery: trio.Nursery,
-) -> None:
-    """The race of issue 16's benchmark (module docstring, "Late tickets"): a late peer's ticket lands
-    after the leader read the key but before a follower's window ended. The follower used to refuse the
-    plan (and fall behind with the latecomer, the others stalling on its parts); now it adopts it."""
-    config = MatchmakingConfig(window=1.0, plan_wait=3.0)
-    nodes, group, follower, release = await follower_reading_late(nursery, config)
-    leader, late = nodes[0], nodes[2]
-    key = f"avg.3.{group}"
-    plans: list[GroupPlan | None] = [None, None]
-
-    async def member(i: int, matchmaker: Matchmaker) -> None:
-        plans[i] = await matchmaker.assemble(3, ticket(nodes[i], 1.0), 1000, group)
-
-    async with trio.open_nursery() as running:
-        running.start_soon(member, 1, follower)
-        await visible(leader, key, nodes[1].peer_id.encode())  # the follower's ticket first...
-        running.start_soon(member, 0, Matchmaker(leader.dht, config=config))  # ... then the leader's
-        await visible(late, f"{key}.plan")  # the leader read the key and planned for the two
-        await late.dht.store(
-            key, msgspec.msgpack.encode(ticket(late, 1.0)), time.time() + 60, subkey=late.peer_id.encode()
-        )
-        release.set()  # the follower's window-end read sees the latecomer
-    assert plans[0] is not None and plans[1] is not None
-    assert plans[1].group_id == plans[0].group_id
-    assert [m.peer_id for m in plans[1].members] == sorted([nodes[0].peer_id, nodes[1].peer_id])
-    assert follower.plans_refused == 0
-
-
-async def test_a_follower_refuses_a_plan_leaving_out_a_ticket_stored_before_its_own(
-    nursery: trio.Nursery,
-) -> None:
-    """The other side of "Late tickets": a ticket the follower read right after storing its own was there
-    before any leader that names the follower read the key, so a plan without it is a lie."""
-    config = MatchmakingConfig(window=1.0, plan_wait=1.0)
-    nodes, group, follower, release = await follower_reading_late(nursery, config)
-    leader, dropped = nodes[0], nodes[2]
-    key = f"avg.3.{group}"
-    for node in (leader, dropped):  # both tickets stored before the follower's
-        await node.dht.store(
-            key, msgspec.msgpack.encode(ticket(node, 1.0)), time.time() + 60, subkey=node.peer_id.encode()
-        )
-        await visible(nodes[1], key, node.peer_id.encode())
-    result: list[GroupPlan | None] = [None]
-
-    async def join() -> None:
-        result[0] = await follower.assemble(3, ticket(nodes[1], 1.0), 1000, group)
-
-    async with trio.open_nursery() as running:
-        running.start_soon(join)
-        await visible(leader, key, nodes[1].peer_id.encode())
-        # the leader lies: it plans for itself and the follower only, leaving out a ticket it read
-        members = [PeerId(p) for p in sorted([leader.peer_id, nodes[1].peer_id])]
-        found = await leader.dht.get(key, latest=True)
-        assert found is not None
-        records = {p: found.entries[p.encode()] for p in members}
-        tickets = {p: msgspec.msgpack.decode(r.value, type=JoinTicket) for p, r in records.items()}
-        digests = [ticket_digest(records[p].signature) for p in members]
-        plan = Matchmaker(leader.dht, config=config)._solve(3, key, members, tickets, 1000, digests)
-        await leader.dht.store(
-            f"{key}.plan", msgspec.msgpack.encode(plan), time.time() + 60, subkey=leader.peer_id.encode()
-        )
-        release.set()
-    assert result[0] is None
-    assert follower.plans_refused >= 1
