@@ -130,6 +130,15 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         assert run["heldout_loss"] > 0 and run["wall_s"] > 0 and run["compute_s"] > 0
         assert 0 < run["bytes_sent_per_peer"]["mean"] <= run["bytes_sent_per_peer"]["max"]
     assert (batch["steps"], batch["round_samples"], batch["codec"]) == (4, 64, "none")
+    # the batch mode's arithmetic in process: the networked run computes the same when no round failed
+    exact = task["batch_exact"]
+    assert (exact["steps"], exact["samples"]) == (4, 256)
+    if batch["failed_attempts"] == batch["state_downloads"] == 0:
+        assert exact["heldout_loss"] == pytest.approx(batch["heldout_loss"], rel=1e-4)
+    assert diloco["loss_gap_exact_pct"] == round(
+        100 * (diloco["heldout_loss"] / exact["heldout_loss"] - 1), 2
+    )
+    assert set(task["target_exact"]) >= {"met", "round_x", "why"}
     assert (diloco["steps"], diloco["round_samples"], diloco["codec"]) == (2, 128, "int8-blockwise")
     # with overlap the rounds average in the background while the next round computes; same data, same
     # rounds, one global state at the end
@@ -145,7 +154,8 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         100 * (diloco["heldout_loss"] / batch["heldout_loss"] - 1), abs=0.01
     )
     assert task["target"]["met"] in (True, False) and "why" in task["target"]
-    assert "target (2.0 % loss, 100x bytes)" in proc.stderr
+    assert "target against batch (2.0 % loss, 100x bytes)" in proc.stderr
+    assert "target against batch-exact (2.0 % loss, 100x bytes)" in proc.stderr
 
 
 def report(rank: int, compute_s: float, wall_s: float, sent: int, fingerprint: str = "ab") -> dict[str, Any]:
