@@ -62,7 +62,8 @@ periods from triggering moves that gain less than it.
 The paper's rule moves the least-queued peer of the least-loaded stage. Moving from the stage with the
 largest capacity is the usual best move here too, but not always (a fast peer from a stage of many
 slow ones may be worth more than a slow peer of the largest stage), so every stage that can spare a peer
-is searched: ``O(P (S log S + log P))`` for ``P`` reports and ``S`` stages (Algorithm 2: ``O(M S)``).
+is searched: ``O(P (S log S + n + log P))`` for ``P`` reports, ``S`` stages and at most ``n`` servers per
+stage (each candidate's two changed sums are recomputed exactly; Algorithm 2: ``O(M S)``).
 
 **What it trusts.** A server that has not measured yet reports rate 0: it keeps its stage non-empty but
 adds no capacity, so the service reports a rate only after a full measuring period. Rates are
