@@ -330,17 +330,14 @@ def _best_move(
     weights: tuple[float, ...],
     hysteresis: float,
 ) -> Move | None:
-    servers = [0] * len(capacities)
-    for stage in where.values():
-        servers[stage] += 1
-    empty = [s for s, count in enumerate(servers) if count == 0]
-    target = empty[0] if empty else min(range(len(capacities)), key=lambda s: (capacities[s], s))
     members: list[list[str]] = [[] for _ in capacities]
     for peer, stage in where.items():
         members[stage].append(peer)
+    empty = [s for s, peers in enumerate(members) if not peers]
+    target = empty[0] if empty else min(range(len(capacities)), key=lambda s: (capacities[s], s))
     candidates: list[tuple[tuple[tuple[float, ...], float, int], str, Move, tuple[float, ...]]] = []
     for peer, source in where.items():
-        if source == target or servers[source] < 2:
+        if source == target or len(members[source]) < 2:
             continue
         # each predicted sum is computed afresh, exactly rounded as _capacities does: updating the old
         # sums by one rate is off by an ulp, and with h = 0 an ulp "gain" accepted a move that merely
