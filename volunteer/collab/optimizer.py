@@ -99,9 +99,7 @@ class CollaborativeOptimizer:
     def __post_init__(self) -> None:
         self.peer = PeerState()
         self.tolerated = Tolerated(logger)
-        longest_poll, publish_period = board_periods(
-            self.spec, self.config.poll_period, self.config.publish_period
-        )
+        timing = board_periods(self.spec, self.config.poll_period, self.config.publish_period)
         self.board = ProgressBoard(
             self.node,
             self.spec,
@@ -109,8 +107,9 @@ class CollaborativeOptimizer:
             anchored=lambda: self.peer.anchored or self.trainer.step > 0,
             tolerated=self.tolerated,
             poll_period=self.config.poll_period,
-            publish_period=publish_period,
-            longest_poll=longest_poll,
+            publish_period=timing.publish_period,
+            longest_poll=timing.longest_poll,
+            shortest_poll=timing.shortest_poll,
             key=self.keys.progress,
         )
         self.evidence = Evidence(

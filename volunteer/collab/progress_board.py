@@ -27,14 +27,27 @@ publishing ours every second made the DHT traffic of a round several times the a
 (issue 16's benchmark: about 19 KB/s per peer against a round's 170 KB). Reading or publishing more often
 than every 3 s tells little more: a reader extrapolates each record by its throughput for 3 s after it was
 written (:func:`shared.progress.summarize`), so records published every 3 s are counted in full, and read
-every 3 s the estimate never stalls; near the round's end ``eta / 2`` takes over, so the round is entered
-as promptly as before; events worth telling at once (a share done, a round entered, a download) are still
-published at once (:meth:`ProgressBoard.publish_soon`). What waits longer: a peer's state request is seen
-(and answered) up to 3 s after it was published instead of 0.3 s, well inside a downloader's patience.
+every 3 s the estimate never stalls; near the round's end ``eta / 2`` takes over, so the round is entered as
+promptly as before, though never more often than every :data:`LONG_ROUND_MIN_POLL` (0.25 s; the batch mode
+goes down to :data:`MIN_POLL`): a peer decides to enter from the last view extrapolated by everyone's
+throughput since (:meth:`volunteer.collab.step.BatchStep.ready`), not from the read itself, so a read 0.25 s
+apart makes it enter a fraction of that late, well inside a matchmaking window (1 s by default), and the reads
+every 50 ms down to the target were a third of a round's reads; events worth telling at once (a share done, a
+round entered, a download) are still published at once (:meth:`ProgressBoard.publish_soon`). What waits
+longer: a peer's state request is seen (and answered) up to 3 s after it was published instead of 0.3 s, well
+inside a downloader's patience.
 
-The board knows nothing of steps or states: what we publish comes from the ``own`` callable, whether our
-state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period retries --
-and counted (:class:`~shared.tolerated.Tolerated`).
+**A round under way reads what it needs itself.** Once the view shows the target reached at our step
+(``eta`` 0), the next read waits the longer period (3 s in the DiLoCo mode, ``poll_period`` in the batch
+mode): the averaging reads the records itself when it needs them (each attempt, each failure), and reading
+every :data:`MIN_POLL` through the round, as ``eta / 2`` would, was most of the DiLoCo mode's DHT bytes
+(issue 16's benchmark: 57 of 125 reads of a run). When the round ends, our step moves past the view's;
+:meth:`ProgressBoard.publish_soon` (called as it ends) wakes the poller, which reads at once, since a
+view of a past step cannot say whether the next round's target is near.
+
+The board knows nothing of states: what we publish (our step among it) comes from the ``own`` callable,
+whether our state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period
+retries -- and counted (:class:`~shared.tolerated.Tolerated`).
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -52,31 +66,49 @@ from shared.progress import MAX_EXTRAPOLATION, CollabView, summarize
 from shared.progress_records import read_progress_with_users
 from shared.tolerated import Tolerated
 
-__all__ = ["ProgressBoard", "periods", "poll_interval"]
+__all__ = ["Periods", "ProgressBoard", "periods", "poll_interval"]
 
 LEAVE_DEADLINE = 3.0  # seconds to tell the others we left (best effort)
 MIN_POLL = 0.05
 MAX_GONE = 1024  # peers left out of the view after a failed download, remembered at most
 #: the DiLoCo mode's longest poll and shortest publishing period (module docstring, "Long rounds")
 LONG_ROUND_PERIOD = MAX_EXTRAPOLATION
+#: ... and its shortest poll near a round's end (module docstring, "Long rounds read less")
+LONG_ROUND_MIN_POLL = 0.25
 
 
-def poll_interval(poll_period: float, eta: float | None, longest_poll: float = 0.0) -> float:
+def poll_interval(
+    poll_period: float, eta: float | None, longest_poll: float = 0.0, shortest_poll: float = MIN_POLL
+) -> float:
     """Seconds until the next read of everyone's records: ``poll_period`` while nobody computes (``eta``
-    None), else half the time to the target, at least :data:`MIN_POLL` and at most the larger of
-    ``poll_period`` and ``longest_poll`` (module docstring)."""
+    None), the larger of ``poll_period`` and ``longest_poll`` once the target is reached (``eta`` 0: the
+    round is under way and reads what it needs itself), else half the time to the target, at least
+    ``shortest_poll`` and at most that larger period (module docstring, "Long rounds read less")."""
     if eta is None:
         return poll_period
-    return min(max(poll_period, longest_poll), max(MIN_POLL, eta / 2))
+    if eta <= 0.0:
+        return max(poll_period, longest_poll)
+    return min(max(poll_period, longest_poll), max(shortest_poll, eta / 2))
 
 
-def periods(spec: TrainingSpec, poll_period: float, publish_period: float) -> tuple[float, float]:
-    """``(longest_poll, publish_period)`` of the board of a run of ``spec``, whose volunteer configured
-    these periods: the DiLoCo mode reads and publishes at most every :data:`LONG_ROUND_PERIOD` seconds
-    while a round's end is far (module docstring, "Long rounds"); the batch mode as configured."""
+class Periods(NamedTuple):
+    longest_poll: float
+    publish_period: float
+    shortest_poll: float
+
+
+def periods(spec: TrainingSpec, poll_period: float, publish_period: float) -> Periods:
+    """The board's periods in a run of ``spec``, whose volunteer configured these: the DiLoCo mode reads
+    and publishes at most every :data:`LONG_ROUND_PERIOD` seconds while a round's end is far, and at most
+    every :data:`LONG_ROUND_MIN_POLL` near it (module docstring, "Long rounds read less"); the batch mode
+    as configured, down to :data:`MIN_POLL`."""
     if spec.sync.mode == "diloco":
-        return max(poll_period, LONG_ROUND_PERIOD), max(publish_period, LONG_ROUND_PERIOD)
-    return poll_period, publish_period
+        return Periods(
+            max(poll_period, LONG_ROUND_PERIOD),
+            max(publish_period, LONG_ROUND_PERIOD),
+            LONG_ROUND_MIN_POLL,
+        )
+    return Periods(poll_period, publish_period, MIN_POLL)
 
 
 @dataclass
@@ -88,8 +120,10 @@ class ProgressBoard:
     tolerated: Tolerated
     poll_period: float = 0.3
     publish_period: float = 1.0
-    #: with an eta, polls may be this far apart (0: ``poll_period``; :func:`poll_interval`)
+    #: with an eta, polls may be this far apart (0: ``poll_period``; :func:`poll_interval`) ...
     longest_poll: float = 0.0
+    #: ... and must be at least this far apart
+    shortest_poll: float = MIN_POLL
     key: str = PROGRESS_KEY  # where this collaboration's records live (TrainingKeys.progress)
     view: CollabView | None = None
     #: peer id -> the user it speaks for, from the last read (shared.progress "Users")
@@ -99,6 +133,7 @@ class ProgressBoard:
     view_at: float = 0.0  # when the view was taken (time.time())
     view_own_samples: int = 0  # our samples then (to extrapolate between reads)
     _changed: trio.Event = field(default_factory=trio.Event)
+    _wake: trio.Event = field(default_factory=trio.Event)
     _quiet: bool = False
     _read: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record we last read
     _gone: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record when it failed us
@@ -116,6 +151,7 @@ class ProgressBoard:
 
     def publish_soon(self) -> None:
         self._changed.set()
+        self._wake.set()  # the poller re-checks its wait: our step may have moved past the view's
 
     async def refresh(self) -> CollabView:
         """Read everyone's records now and summarize them (raises the DHT's CALL_FAILURES)."""
@@ -182,9 +218,28 @@ class ProgressBoard:
 
     async def _poll_forever(self, after_read: Callable[[], Awaitable[None]] | None) -> None:
         while True:
-            # Read more often as the target nears, so peers enter the round together, close to the target.
-            eta = self.view.eta(self.spec.target_batch) if self.view is not None else None
-            await trio.sleep(poll_interval(self.poll_period, eta, self.longest_poll))
+            await self._until_next_read()
             await self.try_refresh()
             if after_read is not None:
                 await after_read()
+
+    def _interval(self) -> float:
+        """Seconds from the last read to the next (module docstring, "Long rounds read less")."""
+        view = self.view
+        if view is not None and view.step < self.own().step:
+            return MIN_POLL  # we stepped since the read: the view is of a past step
+        # Read more often as the target nears, so peers enter the round together, close to the target.
+        eta = view.eta(self.spec.target_batch) if view is not None else None
+        return poll_interval(self.poll_period, eta, self.longest_poll, self.shortest_poll)
+
+    async def _until_next_read(self) -> None:
+        """Sleep until the next read is due; :meth:`publish_soon` (a round entered or ended, a download
+        started) makes the wait be re-judged from the same start."""
+        began = trio.current_time()
+        while True:
+            self._wake = trio.Event()
+            left = began + self._interval() - trio.current_time()
+            if left <= 0:
+                return
+            with trio.move_on_after(left):
+                await self._wake.wait()
