@@ -148,3 +148,5 @@ async def test_a_round_under_way_reads_at_the_longest_period_until_our_step_move
         while reads[0] == before[0]:
             await trio.sleep(0.01)
     assert reads[1] == before[1]  # the other's round goes on
+    await trio.sleep(1.0)  # once per change of our step: its new round is under way (eta 0) too
+    assert reads[0] == before[0] + 1, (before, reads)

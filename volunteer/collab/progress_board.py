@@ -41,9 +41,11 @@ inside a downloader's patience.
 (``eta`` 0), the next read waits the longer period (3 s in the DiLoCo mode, ``poll_period`` in the batch
 mode): the averaging reads the records itself when it needs them (each attempt, each failure), and reading
 every :data:`MIN_POLL` through the round, as ``eta / 2`` would, was most of the DiLoCo mode's DHT bytes
-(issue 16's benchmark: 57 of 125 reads of a run). When the round ends, our step moves past the view's;
-:meth:`ProgressBoard.publish_soon` (called as it ends) wakes the poller, which reads at once, since a
-view of a past step cannot say whether the next round's target is near.
+(issue 16's benchmark: 57 of 125 reads of a run). When the round ends, our step moves on;
+:meth:`ProgressBoard.publish_soon` (called as it ends) wakes the poller, which reads at once when our step
+is not the one of its last read, since a view taken at a past step cannot say whether the next round's
+target is near. (Once per change of our step: a peer whose step the view never shows, say one ahead of
+the collaboration, is not read every 50 ms for it.)
 
 The board knows nothing of states: what we publish (our step among it) comes from the ``own`` callable,
 whether our state is the run's from ``anchored``. Failed stores and reads are tolerated -- the next period
@@ -134,6 +136,7 @@ class ProgressBoard:
     view_own_samples: int = 0  # our samples then (to extrapolate between reads)
     _changed: trio.Event = field(default_factory=trio.Event)
     _wake: trio.Event = field(default_factory=trio.Event)
+    _read_step: int = -1  # our step at the last read
     _quiet: bool = False
     _read: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record we last read
     _gone: dict[str, float] = field(default_factory=dict)  # peer -> ``time`` of its record when it failed us
@@ -163,6 +166,7 @@ class ProgressBoard:
         records = {peer: progress for peer, progress in records.items() if peer not in self._gone}
         self.records = records
         mine = self.own()
+        self._read_step = mine.step
         self.users = users
         self.view_at, self.view_own_samples = time.time(), mine.samples
         self.view = summarize(
@@ -226,8 +230,8 @@ class ProgressBoard:
     def _interval(self) -> float:
         """Seconds from the last read to the next (module docstring, "Long rounds read less")."""
         view = self.view
-        if view is not None and view.step < self.own().step:
-            return MIN_POLL  # we stepped since the read: the view is of a past step
+        if view is not None and self.own().step != self._read_step:
+            return MIN_POLL  # our step moved since the read (a round ended, a state loaded): read it anew
         # Read more often as the target nears, so peers enter the round together, close to the target.
         eta = view.eta(self.spec.target_batch) if view is not None else None
         return poll_interval(self.poll_period, eta, self.longest_poll, self.shortest_poll)
