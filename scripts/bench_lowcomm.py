@@ -42,7 +42,8 @@ peer's final fingerprint must agree (``identical``).
 
 Reported per configuration: ``heldout_loss``, ``bytes_sent_per_peer`` (``mean``, ``max``: everything the
 host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time; the
-DiLoCo mode reads and publishes progress at most every 3 s far from a round's end),
+DiLoCo mode reads and publishes progress at most every 3 s far from a round's end, every 0.25 s near it, and
+every 3 s while a round is under way: :mod:`volunteer.collab.progress_board`, "Long rounds read less"),
 ``wall_s``, ``steps`` (global steps: optimizer steps for ``batch``, rounds for DiLoCo), ``samples``,
 ``compute_s`` (the peers' seconds in forward/backward and inner steps, summed), ``failed_attempts``,
 ``state_downloads`` and ``samples_lost`` (a member that stalls under load is left out of a round; it
