@@ -44,6 +44,8 @@ Reported per configuration: ``heldout_loss``, ``bytes_sent_per_peer`` (``mean``,
 host sent during training, averaging plus DHT and progress traffic, which is proportional to wall time; the
 DiLoCo mode reads and publishes progress at most every 3 s far from a round's end, every 0.25 s near it, and
 every 3 s while a round is under way: :mod:`volunteer.collab.progress_board`, "Long rounds read less"),
+``rpc_bytes_per_peer_by_kind`` (the part of those bytes that went in RPC frames, by message kind, e.g.
+``dht.find_value.ok`` for the records a peer's reads got back; ``Host.statistics().rpc_sent_by_kind``),
 ``wall_s``, ``steps`` (global steps: optimizer steps for ``batch``, rounds for DiLoCo), ``samples``,
 ``compute_s`` (the peers' seconds in forward/backward and inner steps, summed), ``failed_attempts``,
 ``state_downloads`` and ``samples_lost`` (a member that stalls under load is left out of a round; it
@@ -439,6 +441,7 @@ async def train(
             while [(await c.refresh_view()).peers for c in collabs] != [peers] * peers:  # noqa: ASYNC110
                 await trio.sleep(0.05)  # the views are read from the DHT: nothing to wait on but time
         sent0 = [u.sent for u in uploads]
+        kinds0 = [node.host.statistics().rpc_sent_by_kind for node in nodes]
         began = time.perf_counter()
         share = spec.target_batch // peers  # samples of each peer per global step
 
@@ -456,6 +459,7 @@ async def train(
                 f"{spec.sync.mode} did not finish {steps} steps within {limit_s:.0f} s ({where})"
             )
         sent = [u.sent - s0 for u, s0 in zip(uploads, sent0, strict=True)]
+        kinds = rpc_bytes_by_kind([node.host.statistics().rpc_sent_by_kind for node in nodes], kinds0)
         prints = {c.trainer.fingerprint() for c in collabs}
         final = {c.trainer.step for c in collabs}
         model = task.build_model()
@@ -466,6 +470,7 @@ async def train(
     return {
         "heldout_loss": round(loss, 5),
         "bytes_sent_per_peer": {"mean": round(sum(sent) / peers), "max": max(sent)},
+        "rpc_bytes_per_peer_by_kind": kinds,
         "wall_s": round(wall, 2),
         "steps": max(final),
         "samples": sum(r.samples for own in mine for r in own),
@@ -477,6 +482,17 @@ async def train(
         "state_downloads": sum(c.downloads for c in counters),
         "samples_lost": sum(c.lost for c in counters),
     }
+
+
+def rpc_bytes_by_kind(after: Sequence[dict[str, int]], before: Sequence[dict[str, int]]) -> dict[str, int]:
+    """The peers' mean RPC bytes sent per message kind between two readings of their hosts' statistics
+    (largest first; the rest of ``bytes_sent_per_peer`` is bulk traffic: averaged parts, states)."""
+    total: dict[str, int] = {}
+    for now, then in zip(after, before, strict=True):
+        for kind, nbytes in now.items():
+            total[kind] = total.get(kind, 0) + nbytes - then.get(kind, 0)
+    mean = {kind: round(nbytes / max(1, len(after))) for kind, nbytes in total.items() if nbytes}
+    return dict(sorted(mean.items(), key=lambda item: -item[1]))
 
 
 def exact_batch(

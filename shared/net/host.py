@@ -53,8 +53,9 @@ import errno
 import ipaddress
 import logging
 import socket
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -135,6 +136,9 @@ class HostStatistics:
     reverse_refused: int = 0  # dial-back requests refused, and reverse lanes nobody asked for
     incoming_connections: int = 0  # accepted connections open now (RPC and bulk, in the handshake or not)
     pending_connections: int = 0  # ... of which still in the handshake
+    #: bytes of the RPC frames sent, by message kind, over every channel the host has had (bulk lanes'
+    #: payloads are not RPC frames: ``bytes_sent`` less these is roughly the bulk traffic)
+    rpc_sent_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 class Host:
@@ -184,6 +188,7 @@ class Host:
         self._pending_by_address: dict[str, int] = {}
         self._warned_full = False
         self._closed_stats = [0, 0, 0, 0, 0, 0, 0]
+        self._sent_by_kind: Counter[str] = Counter()  # every channel's (shared.net.rpc, "Traffic by kind")
         self._refused = self._handshakes_failed = self._failures = self._protocol_errors = 0
         self._dial_guard = DialGuard(
             DialPolicy(
@@ -499,6 +504,7 @@ class Host:
             handler_deadline=self.config.handler_deadline,
             authenticator=self.authenticator,
             max_inflight_bytes=self.config.max_inflight_bytes,
+            sent_by_kind=self._sent_by_kind,
         )
         self._all_channels.add(channel)
         current = self._channels.get(channel.peer_id)
@@ -883,6 +889,7 @@ class Host:
             reverse_refused=self._reversal_counts[2],
             incoming_connections=self._incoming,
             pending_connections=self._pending,
+            rpc_sent_by_kind=dict(self._sent_by_kind),
         )
 
 

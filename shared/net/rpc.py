@@ -25,6 +25,10 @@ verify is an :class:`~shared.errors.AuthError` of that call, not believed. Handl
 codes: ``ProtocolError`` to its code, ``RemoteError`` to its code, anything else to ``INTERNAL``
 (logged with its traceback, not sent). Per-call deadlines are the caller's cancel scopes; a cancelled
 call forgets its id and a late reply is dropped.
+
+Traffic by kind: every frame a channel builds to send (requests, notifications, responses, error replies)
+adds its length to ``sent_by_kind[kind]`` (a counter the host shares among its channels, so closed
+channels keep counting): which protocols a node's RPC bytes go to, e.g. progress reads against stores.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import itertools
 import logging
 import math
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -143,8 +148,11 @@ class RpcChannel:
         handler_deadline: float = 30.0,
         authenticator: Authenticator | None = None,
         max_inflight_bytes: int = 32 * 1024 * 1024,
+        sent_by_kind: Counter[str] | None = None,
     ) -> None:
         self.conn = conn
+        #: bytes of the frames built to send, by message kind (module docstring, "Traffic by kind")
+        self.sent_by_kind: Counter[str] = Counter() if sent_by_kind is None else sent_by_kind
         self.peer_id = conn.remote_peer
         self._registry = registry
         self._auth: Authenticator = authenticator or OpenAuthenticator()
@@ -204,7 +212,7 @@ class RpcChannel:
         self._calls_sent += 1
         started = self.last_activity = trio.current_time()
         try:
-            await self.conn.send_frame(frame_payload(request.kind, payload, request_id, Flags.REQUEST, auth))
+            await self.conn.send_frame(self._frame(request.kind, payload, request_id, Flags.REQUEST, auth))
             await slot.done.wait()
         finally:
             self._pending.pop(request_id, None)
@@ -220,7 +228,7 @@ class RpcChannel:
         """Send a one-way message (no reply)."""
         payload = encode_payload(message)
         auth, _ = self._auth.sign_request(self.peer_id, message.kind, 0, payload)
-        await self.conn.send_frame(frame_payload(message.kind, payload, 0, Flags.NOTIFY, auth))
+        await self.conn.send_frame(self._frame(message.kind, payload, 0, Flags.NOTIFY, auth))
 
     async def run(self) -> None:
         """Read frames until the connection closes; serve requests in a nursery owned here.
@@ -373,7 +381,7 @@ class RpcChannel:
             payload = encode_payload(reply)
             auth = self._auth.sign_response(nonce, reply.kind, payload)
             self._served += 1
-            return frame_payload(reply.kind, payload, envelope.request_id, Flags.RESPONSE, auth)
+            return self._frame(reply.kind, payload, envelope.request_id, Flags.RESPONSE, auth)
         except AuthError as exc:
             logger.warning("rejected %s from %s: %s", envelope.kind, self.peer_id, exc)
             code, text = exc.code, str(exc)
@@ -396,7 +404,12 @@ class RpcChannel:
         reply = ErrorReply(code=int(code), message=message[:1024])
         payload = encode_payload(reply)
         auth = self._auth.sign_error(request_auth, payload) if request_id else b""
-        return frame_payload(reply.kind, payload, request_id, Flags.ERROR, auth)
+        return self._frame(reply.kind, payload, request_id, Flags.ERROR, auth)
+
+    def _frame(self, kind: str, payload: bytes, request_id: int, flags: Flags, auth: bytes) -> bytes:
+        frame = frame_payload(kind, payload, request_id, flags, auth)
+        self.sent_by_kind[kind] += len(frame)
+        return frame
 
     async def _reply_error(self, request_id: int, code: int, message: str, request_auth: bytes = b"") -> None:
         with contextlib.suppress(PeerUnavailable):  # the connection is gone; nobody is left to answer

@@ -129,6 +129,11 @@ def test_a_tiny_run_measures_both_modes_on_equal_data_and_diloco_sends_fewer_byt
         assert run["samples"] + run["samples_lost"] <= 256 + ahead
         assert run["heldout_loss"] > 0 and run["wall_s"] > 0 and run["compute_s"] > 0
         assert 0 < run["bytes_sent_per_peer"]["mean"] <= run["bytes_sent_per_peer"]["max"]
+        # the RPC part by kind: progress reads and stores among it, less than all the bytes, largest first
+        kinds = run["rpc_bytes_per_peer_by_kind"]
+        assert {"dht.find_value", "dht.find_value.ok", "dht.store"} <= set(kinds), kinds
+        assert 0 < sum(kinds.values()) < run["bytes_sent_per_peer"]["mean"]
+        assert list(kinds.values()) == sorted(kinds.values(), reverse=True)
     assert (batch["steps"], batch["round_samples"], batch["codec"]) == (4, 64, "none")
     # the batch mode's arithmetic in process: the networked run computes the same when no round failed
     exact = task["batch_exact"]

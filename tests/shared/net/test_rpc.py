@@ -503,6 +503,24 @@ async def test_host_reuses_one_connection_for_sequential_calls(start_host: Start
     assert server.statistics().rpc_connections == 1
     assert stats.bytes_sent > 0
     assert stats.bytes_received > 0
+    # by kind: the three requests (and nothing else) from the client, the three replies from the server
+    sent, served = stats.rpc_sent_by_kind, server.statistics().rpc_sent_by_kind
+    assert set(sent) == {EchoRequest.kind} and set(served) == {EchoResponse.kind}
+    assert 0 < sent[EchoRequest.kind] <= stats.bytes_sent
+
+
+async def test_host_counts_rpc_bytes_by_kind_across_closed_channels(start_host: StartHost) -> None:
+    client, server = await _pair(start_host)
+    with trio.fail_after(HANG_GUARD_S):
+        assert await _echo(client, server, b"x" * 1000) == b"x" * 1000
+        first = client.statistics().rpc_sent_by_kind[EchoRequest.kind]
+        assert first > 1000  # the payload and its envelope
+        client.disconnect(server.peer_id)  # that channel is gone; its bytes stay counted
+        while client.statistics().rpc_connections:
+            await trio.sleep(0.01)  # the closed channel leaves the host
+        assert await _echo(client, server, b"y" * 10) == b"y" * 10
+    after = client.statistics().rpc_sent_by_kind[EchoRequest.kind]
+    assert first < after < 2 * first
 
 
 async def test_host_reuses_connection_when_address_has_no_peer_id(start_host: StartHost) -> None:
