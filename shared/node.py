@@ -192,6 +192,8 @@ class NodeStatus:
     activity: str = ""  # a volunteer's "training" or "paused: <why>" (volunteer.activity); "": not told
     relay_slots: int = 0  # reservations we offer others as a relay (0: not relaying; shared.relays)
     relay_reservations: int = 0  # of which held now
+    #: bytes of the RPC frames we sent, by message kind (Host.statistics; the rest of bytes_sent is bulk)
+    rpc_sent_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -281,6 +283,7 @@ class Node:
             activity=self.activity,
             relay_slots=0 if self.relay is None else self.relay.limits.max_reservations,
             relay_reservations=0 if self.relay is None else self.relay.reservations_connected(),
+            rpc_sent_by_kind=host_stats.rpc_sent_by_kind,
         )
 
     def write_status(self, data_dir: Path) -> None:

@@ -193,6 +193,12 @@ def volunteer_families(
             "Bytes this node received from its peers.",
             node.bytes_received,
         ),
+        Family(
+            P + "rpc_sent_bytes_total",
+            "counter",
+            "Bytes of the RPC messages this node sent, by message kind (the rest of the bytes sent is bulk).",
+            [Sample(float(n), {"kind": kind}) for kind, n in sorted(node.rpc_sent_by_kind.items())],
+        ),
         _one("peers_connected", "gauge", "Peers with an open connection to this node.", node.connected_peers),
         Family(
             P + "connections",

@@ -46,6 +46,7 @@ def node_status(**changes: object) -> NodeStatus:
         "links": {"direct": 2},
         "relay_slots": 4,
         "relay_reservations": 1,
+        "rpc_sent_by_kind": {"dht.find_value": 300, "dht.store": 500},
     }
     fields.update(changes)
     return NodeStatus(**fields)  # type: ignore[arg-type]
@@ -99,6 +100,7 @@ def test_names_follow_prometheus_conventions() -> None:
         "dedloc_volunteer_last_averaging_seconds",
         "dedloc_volunteer_network_sent_bytes_total",
         "dedloc_volunteer_network_received_bytes_total",
+        "dedloc_volunteer_rpc_sent_bytes_total",
         "dedloc_volunteer_peers_connected",
         "dedloc_volunteer_reachability",
         "dedloc_volunteer_paused",
@@ -117,6 +119,8 @@ def test_values_come_from_the_node_and_the_sessions() -> None:
     assert value(parsed, "dedloc_volunteer_last_averaging_seconds") == 0.25
     assert value(parsed, "dedloc_volunteer_rpc_latency_seconds") == 0.0125  # base unit, not ms
     assert value(parsed, "dedloc_volunteer_network_received_bytes_total") == 2000
+    assert value(parsed, "dedloc_volunteer_rpc_sent_bytes_total", kind="dht.store") == 500
+    assert value(parsed, "dedloc_volunteer_rpc_sent_bytes_total", kind="dht.find_value") == 300
     assert value(parsed, "dedloc_volunteer_paused") == 0
     assert value(parsed, "dedloc_volunteer_reachability", mode="direct") == 1
     assert sum(n for _, n in parsed["dedloc_volunteer_reachability"]["samples"]) == 1
