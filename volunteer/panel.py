@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
@@ -37,14 +37,20 @@ class TrainingStatus:
     download: tuple[int, int] | None
     reports_sent: int
     reports_pending: int
-    network: str = ""  # how peers reach us: "direct", "client" or "unchecked" (shared.net.reachability)
+    #: how peers reach us: "direct", "relayed", "client" or "unchecked" (shared.net.reachability)
+    network: str = ""
+    links: dict[str, int] = field(default_factory=dict)  # our RPC connections: direct, relayed, punched
     #: diloco mode: our inner steps so far (a step is a round of them); None in the batch mode
     inner_steps: int | None = None
     planned: bool = False  # the round's length was planned (diloco with min_round)
 
 
 def training_status(
-    collab: CollaborativeOptimizer, reports_sent: int = 0, reports_pending: int = 0, network: str = ""
+    collab: CollaborativeOptimizer,
+    reports_sent: int = 0,
+    reports_pending: int = 0,
+    network: str = "",
+    links: dict[str, int] | None = None,
 ) -> TrainingStatus:
     view = collab.view
     stats = collab.stats
@@ -71,6 +77,7 @@ def training_status(
         reports_sent=reports_sent,
         reports_pending=reports_pending,
         network=network,
+        links=dict(links or {}),
         inner_steps=getattr(collab.trainer, "inner_steps", None),
         planned=collab.mode.planned() > 0,
     )
@@ -123,13 +130,27 @@ def training_line(status: TrainingStatus) -> str:
     waiting = f" — {status.waiting}" if status.waiting else ""
     loss = "—" if status.loss is None else f"{status.loss:.4f}"
     peers = f"{status.peers} peer" + ("" if status.peers == 1 else "s")
-    modes = {"client": ", client mode", "unchecked": ", client mode (reachability unknown)"}
-    network = modes.get(status.network, "")
+    network = _NETWORK_TEXT.get(status.network, "") + _links_text(status.links)
     return (
         f"step {status.step}{_behind(status)}, {status.role}, {status.local_sps:.0f} samples/s here, "
         f"{status.collab_sps:.0f} collaboration, {status.samples:.0f}/{status.target_batch} toward the next "
         f"step (ETA {_eta_text(status.eta_s)}), loss {loss}, {peers}{network}{waiting}"
     )
+
+
+_NETWORK_TEXT = {
+    "direct": ", reachable directly",
+    "relayed": ", reachable through a relay",
+    "client": ", client mode",
+    "unchecked": ", client mode (reachability unknown)",
+}
+
+
+def _links_text(links: dict[str, int]) -> str:
+    """Our connections by kind when any is not direct: ``", links 2 direct, 1 punched"``."""
+    if not any(n for kind, n in links.items() if kind != "direct"):
+        return ""
+    return ", links " + ", ".join(f"{n} {kind}" for kind, n in sorted(links.items()) if n)
 
 
 def _behind(status: TrainingStatus) -> str:

@@ -405,7 +405,9 @@ class TrainingSession:
         def view() -> PanelView:
             node = self.node.status()
             reports = self.reporter
-            status = training_status(self.collab, reports.sent, reports.pending, node.reachability)
+            status = training_status(
+                self.collab, reports.sent, reports.pending, network=node.reachability, links=node.links
+            )
             return training_view(node, status, self.headline)
 
         if self.options.panel:
@@ -418,7 +420,8 @@ class TrainingSession:
         while True:
             await trio.to_thread.run_sync(self.node.write_status, self.data_dir)
             if trio.current_time() - last >= self.options.log_period:
-                status = training_status(self.collab, network=self.node.status().reachability)
+                node = self.node.status()
+                status = training_status(self.collab, network=node.reachability, links=node.links)
                 logger.info("%s: %s", self.headline, training_line(status))
                 last = trio.current_time()
             await trio.sleep(REFRESH)

@@ -86,6 +86,17 @@ def test_log_line_carries_the_same_facts() -> None:
     assert line.endswith("waiting for the first examples")
 
 
+def test_log_line_says_how_peers_reach_us_and_how_our_links_travel() -> None:
+    """Issue 14 item 7: client mode, relayed, punched or direct, in the status line too."""
+    assert training_line(status(network="direct")).endswith(", 3 peers, reachable directly")
+    assert ", reachable through a relay" in training_line(status(network="relayed"))
+    assert ", client mode" in training_line(status(network="client"))
+    assert "reachability unknown" in training_line(status(network="unchecked"))
+    assert "links" not in training_line(status(network="direct", links={"direct": 3}))  # nothing to say
+    line = training_line(status(network="relayed", links={"direct": 2, "punched": 1, "relayed": 0}))
+    assert line.endswith("reachable through a relay, links 2 direct, 1 punched")
+
+
 def fitted_text(width: int, height: int, s: TrainingStatus) -> list[str]:
     """The lines a live display draws of the fitted panel (``Console.print`` would re-wrap a bare line)."""
     console = Console(width=width, height=height, color_system=None)
