@@ -26,7 +26,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -39,6 +39,7 @@ from shared.errors import ConfigError
 from shared.net.addresses import PeerAddress
 from shared.net.host import Host
 from shared.net.probe import check_reachable, measure_bandwidth
+from shared.net.reachability import Reachability
 
 from .api_client import ApiClient
 from .precision import Precision, resolve_precision
@@ -341,6 +342,27 @@ async def publish_capabilities(
     if api is not None:
         await api.capabilities(dht.host.endpoint.identity, measured.capabilities)
     return stored
+
+
+def with_reachability(
+    published: MeasuredCapabilities, reach: Reachability, now: float
+) -> MeasuredCapabilities | None:
+    """``published`` with how peers reach us now (mode, observed IP, dialed-back addresses), or None when
+    that is what it says already. A relay slot gained or lost (client mode to relayed and back) changes
+    the mode after the capabilities were measured; the record must not go on saying the old one."""
+    if (published.connectivity, published.observed, published.reachable) == (
+        reach.mode,
+        reach.observed,
+        reach.reachable,
+    ):
+        return None
+    return replace(
+        published,
+        connectivity=reach.mode,
+        observed=reach.observed,
+        reachable=reach.reachable,
+        measured_at=now,
+    )
 
 
 Tracked = float | Capabilities | MeasuredCapabilities

@@ -59,6 +59,7 @@ from .capabilities import (
     measure_capabilities,
     measure_samples_per_second,
     publish_capabilities,
+    with_reachability,
 )
 from .collab.diloco_trainer import make_trainer
 from .collab.optimizer import CollabConfig, CollaborativeOptimizer, StepRecord
@@ -365,9 +366,20 @@ class TrainingSession:
 
     async def _remeasure_on_drift(self, collab: CollaborativeOptimizer) -> None:
         """Training throughput drifted from what we published (thermal throttling, another job): publish
-        the new numbers, so the LP and the ledger's checks use what this machine really does now."""
+        the new numbers, so the LP and the ledger's checks use what this machine really does now. The same
+        when how peers reach us changed (a relay slot gained or lost)."""
         while True:
             await trio.sleep(DRIFT_CHECK)
+            reach = self.node.reachability
+            moved = (
+                None
+                if self._caps is None or reach is None
+                else with_reachability(self._caps, reach, time.time())
+            )
+            if moved is not None:
+                logger.info("reachability changed to %s: publishing it", moved.connectivity)
+                self._caps = moved
+                await self._publish(moved)
             sps = collab.stats.local_sps
             if sps > 0 and self._drift.update(sps):
                 logger.info("throughput drifted to %.0f samples/s: publishing it", sps)

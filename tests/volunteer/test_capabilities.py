@@ -3,6 +3,7 @@ a real backbone-like node (volunteer.capabilities)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -23,6 +24,7 @@ from shared.auth.keys import Identity
 from shared.errors import ConfigError, RecordRejected
 from shared.net.host import HostConfig
 from shared.net.probe import ProbeService
+from shared.net.reachability import Reachability
 from shared.node import Node, open_node
 from volunteer.capabilities import (
     DriftTracker,
@@ -33,6 +35,7 @@ from volunteer.capabilities import (
     measure_samples_per_second,
     publish_capabilities,
     resolve_device,
+    with_reachability,
 )
 from volunteer.policy import bandwidth_caps
 
@@ -421,3 +424,22 @@ def test_a_new_precision_or_memory_is_republished() -> None:
     assert tracker.update(msgspec.structs.replace(caps(), precision="bf16")) is True
     assert tracker.update(msgspec.structs.replace(caps(), precision="bf16", memory_bytes=2**34)) is True
     assert tracker.update(msgspec.structs.replace(caps(), precision="bf16", memory_bytes=2**34)) is False
+
+
+def test_a_relay_slot_gained_or_lost_is_republished_with_the_new_mode() -> None:
+    """Issue 14 items 1 and 7: the record says how peers reach us now, not what they did when measured."""
+    caps = Capabilities(samples_per_second=10.0, upload_bps=1e6, download_bps=1e6, device="cpu")
+    client = Reachability(observed="203.0.113.9", checked_with="/ip4/198.51.100.1/tcp/4001")
+    published = MeasuredCapabilities(caps, measured_at=1.0, observed="203.0.113.9", connectivity=client.mode)
+    assert client.mode == "client" and with_reachability(published, client, now=2.0) is None  # unchanged
+    circuit = "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooWrelay/p2p-circuit"
+    relayed = dataclasses.replace(client, relayed=(circuit,))
+    moved = with_reachability(published, relayed, now=2.0)
+    assert moved is not None and (moved.connectivity, moved.measured_at) == ("relayed", 2.0)
+    assert moved.capabilities == caps and moved.record().connectivity == "relayed"
+    assert with_reachability(moved, relayed, now=3.0) is None  # published: nothing more to say
+    back = with_reachability(moved, client, now=4.0)  # the relay died
+    assert back is not None and back.connectivity == "client"
+    direct = Reachability(reachable=("/ip4/203.0.113.9/tcp/4001",), observed="203.0.113.9")
+    seen = with_reachability(published, direct, now=5.0)
+    assert seen is not None and seen.connectivity == "direct" and not seen.client_mode
