@@ -33,7 +33,7 @@ etas = st.none() | st.floats(0.0, 1e6)
 
 @given(periods_s, etas)
 def test_without_a_longer_poll_the_interval_is_the_batch_modes_rule(poll: float, eta: float | None) -> None:
-    old = poll if eta is None or eta == 0 else min(poll, max(MIN_POLL, eta / 2))
+    old = poll if eta is None else min(poll, max(MIN_POLL, eta / 2))
     assert poll_interval(poll, eta) == old
     assert poll_interval(poll, eta, longest_poll=poll / 2) == old
 
@@ -46,8 +46,8 @@ def test_a_longer_poll_waits_half_the_time_to_the_target_at_most_that_long(
     if eta is None:  # nobody computes: no target to wait for
         assert interval == poll
         return
-    if eta == 0:  # the target is reached: the round under way reads for itself
-        assert interval == max(poll, longest)
+    if eta == 0 and longest > poll:  # the target is reached: the round under way reads for itself
+        assert interval == longest
         return
     assert min(shortest, poll) <= interval <= max(poll, longest)
     assert interval <= max(shortest, eta / 2)  # never past the middle of what is left: a round is entered

@@ -37,11 +37,12 @@ round entered, a download) are still published at once (:meth:`ProgressBoard.pub
 longer: a peer's state request is seen (and answered) up to 3 s after it was published instead of 0.3 s, well
 inside a downloader's patience.
 
-**A round under way reads what it needs itself.** Once the view shows the target reached at our step
-(``eta`` 0), the next read waits the longer period (3 s in the DiLoCo mode, ``poll_period`` in the batch
-mode): the averaging reads the records itself when it needs them (each attempt, each failure), and reading
-every :data:`MIN_POLL` through the round, as ``eta / 2`` would, was most of the DiLoCo mode's DHT bytes
-(issue 16's benchmark: 57 of 125 reads of a run). When the round ends, our step moves on;
+**A round under way reads what it needs itself** (the DiLoCo mode). Once the view shows the target
+reached at our step (``eta`` 0), the next read waits ``longest_poll`` (3 s): the averaging reads the records
+itself when it needs them (each attempt, each failure), and reading every :data:`MIN_POLL` through the
+round, as ``eta / 2`` would, was most of the DiLoCo mode's DHT bytes (issue 16's benchmark: 57 of 125 reads
+of a run). The batch mode keeps reading every :data:`MIN_POLL` then: its rounds are short, and the rule was
+measured only in the DiLoCo mode. When the round ends, our step moves on;
 :meth:`ProgressBoard.publish_soon` (called as it ends) wakes the poller, which reads at once when our step
 is not the one of its last read, since a view taken at a past step cannot say whether the next round's
 target is near. (Once per change of our step: a peer whose step the view never shows, say one ahead of
@@ -83,13 +84,14 @@ def poll_interval(
     poll_period: float, eta: float | None, longest_poll: float = 0.0, shortest_poll: float = MIN_POLL
 ) -> float:
     """Seconds until the next read of everyone's records: ``poll_period`` while nobody computes (``eta``
-    None), the larger of ``poll_period`` and ``longest_poll`` once the target is reached (``eta`` 0: the
-    round is under way and reads what it needs itself), else half the time to the target, at least
-    ``shortest_poll`` and at most that larger period (module docstring, "Long rounds read less")."""
+    None); with a ``longest_poll`` above ``poll_period`` (the DiLoCo mode), ``longest_poll`` once the
+    target is reached (``eta`` 0: the round is under way and reads what it needs itself); else half the
+    time to the target, at least ``shortest_poll`` and at most the larger of the two periods (module
+    docstring, "Long rounds read less")."""
     if eta is None:
         return poll_period
-    if eta <= 0.0:
-        return max(poll_period, longest_poll)
+    if eta <= 0.0 and longest_poll > poll_period:
+        return longest_poll
     return min(max(poll_period, longest_poll), max(shortest_poll, eta / 2))
 
 
