@@ -147,10 +147,10 @@ _NETWORK_TEXT = {
 
 
 def _links_text(links: dict[str, int]) -> str:
-    """Our connections by kind when any is not direct: ``", links 2 direct, 1 punched"``."""
-    if not any(n for kind, n in links.items() if kind != "direct"):
-        return ""
-    return ", links " + ", ".join(f"{n} {kind}" for kind, n in sorted(links.items()) if n)
+    """Our connections by kind when any is not direct: ``", links 2 direct · 1 punched"`` (the panel's
+    links row, :func:`shared.panel.links_text`)."""
+    shown = {kind: n for kind, n in links.items() if n}
+    return ", links " + links_text(shown) if any(kind != "direct" for kind in shown) else ""
 
 
 def _behind(status: TrainingStatus) -> str:

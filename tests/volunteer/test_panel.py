@@ -94,7 +94,7 @@ def test_log_line_says_how_peers_reach_us_and_how_our_links_travel() -> None:
     assert "reachability unknown" in training_line(status(network="unchecked"))
     assert "links" not in training_line(status(network="direct", links={"direct": 3}))  # nothing to say
     line = training_line(status(network="relayed", links={"direct": 2, "punched": 1, "relayed": 0}))
-    assert line.endswith("reachable through a relay, links 2 direct, 1 punched")
+    assert line.endswith("reachable through a relay, links 2 direct · 1 punched")
 
 
 def fitted_text(width: int, height: int, s: TrainingStatus) -> list[str]:
